@@ -1,0 +1,20 @@
+//! The hint protocol: one-pass scanner and canonical writer, admission, snapshots, MessagePack.
+//!
+//! Start at [`Admission`]: build one per process from an [`AdmissionConfig`], call
+//! [`Admission::admit`] with the raw `kv_hints` text of each request, and carry the
+//! [`Snapshot`] of an admitted hint with the request.
+
+mod admission;
+mod detail;
+mod msgpack;
+mod scan;
+mod snapshot;
+
+pub use admission::{
+    env_value_trusts, Admission, AdmissionConfig, BatchLengthMismatch, BatchOutcome, ConfigError, Ignored, Outcome,
+    Reason, DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RAW_BYTES, DEFAULT_TRUST_ENV, LIMIT_BYTES_CEILING,
+    LIMIT_DEPTH_CEILING,
+};
+pub use detail::{Detail, Where};
+pub use scan::Scratch;
+pub use snapshot::{Action, ActionEnvelope, Snapshot};

@@ -1,0 +1,975 @@
+//! The one-pass validator and canonical writer.
+//!
+//! [`scan`] walks the raw bytes of one JSON value exactly once and, in the same pass:
+//! - checks RFC 8259 well-formedness, UTF-8 (RFC 3629, no overlongs, no encoded surrogates),
+//!   escapes and surrogate pairs, the nesting depth and duplicate member names;
+//! - checks the integer range (-2^63 ..= 2^64-1) and that every other number is finite as an f64
+//!   (these are SPEC.md step 8 and are *noted*, not fatal, because steps 5-7 outrank them);
+//! - produces the canonical compact encoding (SPEC.md section 3) *lazily*: as long as the input
+//!   is already canonical nothing is written; at the first difference (whitespace, an escape that
+//!   canonical form spells differently, `-0`, a float not in shortest form) the verbatim run
+//!   before it is copied to `Scratch::out` in one piece and the replacement appended. An input
+//!   that is already canonical is therefore never re-rendered: the snapshot copies it directly.
+//!   Writing stops once the output passes `max_bytes`; only the size is counted after that;
+//! - records the index of the protocol 0.1 fields (root members and each action's members) as
+//!   spans of the canonical bytes.
+//!
+//! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection
+//! (objects of 8 members or fewer are compared pairwise). No heap allocation: everything goes to
+//! the caller's [`Scratch`], whose buffers keep their capacity between calls.
+//!
+//! The scanner is iterative (an explicit stack in the scratch), so a large `max_depth` cannot
+//! overflow the thread's stack.
+
+use super::detail::Detail;
+
+/// The JSON kind of a recorded value; `Missing` when the member was not present.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) enum Kind {
+    #[default]
+    Missing,
+    Null,
+    Bool,
+    Number,
+    String,
+    Array,
+    Object,
+}
+
+/// A recorded member value: its kind and its span `[start, end)` in the canonical bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Field {
+    pub kind: Kind,
+    pub start: u32,
+    pub end: u32,
+}
+
+/// One element of the root `actions` array that is an object.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ActionRec {
+    pub start: u32,
+    pub end: u32,
+    pub id: Field,
+    pub ty: Field,
+    pub ver: Field,
+    pub payload: Field,
+}
+
+/// A member name of an open object: decoded bytes, either in the input (no escapes) or in
+/// `Scratch::keybuf` (the key had escapes and was decoded there).
+#[derive(Clone, Copy)]
+struct KeyRef {
+    in_buf: bool,
+    start: u32,
+    len: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Role {
+    Other,
+    Root,
+    ActionsArr,
+    Action,
+    BatchList,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Slot {
+    None,
+    Pv,
+    MsgId,
+    Actions,
+    Id,
+    Type,
+    Ver,
+    Payload,
+    /// An element of an action array (recorded through `Scratch::actions`).
+    ActionElem,
+    /// An element of a batched aligned list (recorded as a raw input span).
+    BatchElem,
+}
+
+#[derive(Clone, Copy)]
+struct Frame {
+    is_obj: bool,
+    role: Role,
+    slot: Slot,
+    keys_start: u32,
+    /// canonical start of the member value being read (when `slot` records it)
+    vstart: u32,
+    /// raw start of the member value being read (when `slot` records it)
+    vraw: u32,
+    /// raw offset of the opening bracket, for error details
+    open: u32,
+    /// number of elements begun so far (arrays)
+    n: u32,
+}
+
+/// Reusable working memory for [`scan`]. Buffers keep their capacity between calls, so after
+/// the first few calls a validation allocates nothing.
+#[derive(Default)]
+pub struct Scratch {
+    pub(crate) out: Vec<u8>,
+    pub(crate) keybuf: Vec<u8>,
+    keys: Vec<KeyRef>,
+    stack: Vec<Frame>,
+    pub(crate) actions: Vec<ActionRec>,
+    pub(crate) elems: Vec<(usize, usize)>,
+}
+
+impl Scratch {
+    /// A scratch area pre-sized for envelopes up to `max_bytes` canonical bytes and `max_depth`
+    /// levels, so that validating such envelopes never allocates.
+    pub fn with_limits(max_bytes: usize, max_depth: usize) -> Scratch {
+        Scratch {
+            out: Vec::with_capacity(max_bytes.min(1 << 24) + 64),
+            keybuf: Vec::with_capacity(256),
+            keys: Vec::with_capacity(64),
+            stack: Vec::with_capacity(max_depth.min(4096)),
+            actions: Vec::with_capacity(64),
+            elems: Vec::new(),
+        }
+    }
+}
+
+/// What to recognise while scanning.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Mode {
+    /// A hint envelope: record the 0.1 index, check duplicates.
+    Envelope,
+    /// The outer list of a batched request: record the raw spans of the top-level elements,
+    /// check syntax and depth only (each element is admitted on its own afterwards).
+    BatchList,
+}
+
+/// The result of a scan that found the input well-formed (SPEC.md step 4 passed).
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    pub root: Kind,
+    pub pv: Field,
+    pub pv_is_01: bool,
+    pub msgid: Field,
+    pub actions: Field,
+    /// Size of the canonical compact encoding, counted even where writing stopped.
+    pub canonical_len: usize,
+    /// `Some(range)` when the canonical bytes are exactly `input[range]`; otherwise they are in
+    /// `Scratch::out` (complete only when `canonical_len <= max_bytes`).
+    pub verbatim: Option<(usize, usize)>,
+    /// First step-8 number problem (integer out of range, non-finite float).
+    pub number_error: Option<Detail>,
+    /// Position of the first element of `actions` that is not an object.
+    pub action_not_object: Option<u32>,
+}
+
+const PLAIN: u8 = 0;
+const QUOTE: u8 = 1;
+const BSLASH: u8 = 2;
+const CTRL: u8 = 3;
+const HIGH: u8 = 4;
+
+/// Byte classes inside a string.
+static STR_CLASS: [u8; 256] = {
+    let mut t = [PLAIN; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = if i < 0x20 {
+            CTRL
+        } else if i == b'"' as usize {
+            QUOTE
+        } else if i == b'\\' as usize {
+            BSLASH
+        } else if i >= 0x80 {
+            HIGH
+        } else {
+            PLAIN
+        };
+        i += 1;
+    }
+    t
+};
+
+#[inline(always)]
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// Largest magnitudes, as decimal digit strings of maximal length, that are still in range.
+const U64_MAX_DIGITS: &[u8] = b"18446744073709551615";
+const I64_MIN_DIGITS: &[u8] = b"9223372036854775808";
+
+struct Scanner<'a, 's> {
+    inp: &'a [u8],
+    pos: usize,
+    sc: &'s mut Scratch,
+    max_depth: usize,
+    mode: Mode,
+    // lazy canonical writer
+    run: usize,
+    total: usize,
+    cap: usize,
+    rewrote: bool,
+    res: Scan,
+    root_end: usize,
+}
+
+/// Scan one JSON value. `max_bytes` only bounds how much canonical output is written; the
+/// caller compares `Scan::canonical_len` with its limit. Returns `Err` for every SPEC.md step-4
+/// failure (syntax, UTF-8, escapes, depth, duplicate names); the first one found ends the scan.
+pub(crate) fn scan(
+    sc: &mut Scratch,
+    inp: &[u8],
+    max_bytes: usize,
+    max_depth: usize,
+    mode: Mode,
+) -> Result<Scan, Detail> {
+    sc.out.clear();
+    sc.keybuf.clear();
+    sc.keys.clear();
+    sc.stack.clear();
+    sc.actions.clear();
+    sc.elems.clear();
+    let mut s = Scanner {
+        inp,
+        pos: 0,
+        sc,
+        max_depth,
+        mode,
+        run: 0,
+        total: 0,
+        cap: max_bytes,
+        rewrote: false,
+        res: Scan::default(),
+        root_end: 0,
+    };
+    while s.pos < inp.len() && is_ws(inp[s.pos]) {
+        s.pos += 1;
+    }
+    let root_start = s.pos;
+    s.run = root_start;
+    s.value_loop()?;
+    s.root_end = s.pos;
+    while s.pos < inp.len() && is_ws(inp[s.pos]) {
+        s.pos += 1;
+    }
+    if s.pos != inp.len() {
+        return Err(Detail::at("unexpected characters after the value", s.pos));
+    }
+    let root_end = s.root_end;
+    s.res.canonical_len = s.canon(root_end);
+    if s.rewrote {
+        s.flush(root_end);
+        s.run = root_end;
+    } else {
+        s.res.verbatim = Some((root_start, root_end));
+    }
+    Ok(s.res)
+}
+
+impl Scanner<'_, '_> {
+    #[inline(always)]
+    fn canon(&self, pos: usize) -> usize {
+        self.total + (pos - self.run)
+    }
+
+    #[inline(always)]
+    fn canon32(&self, pos: usize) -> u32 {
+        self.canon(pos) as u32
+    }
+
+    /// Copy the verbatim run `[run, upto)` to the output.
+    #[inline]
+    fn flush(&mut self, upto: usize) {
+        let n = upto - self.run;
+        if self.total <= self.cap {
+            self.sc.out.extend_from_slice(&self.inp[self.run..upto]);
+        }
+        self.total += n;
+    }
+
+    /// Replace input `[upto, resume)` by `repl` in the canonical output.
+    #[inline(never)]
+    fn rewrite(&mut self, upto: usize, resume: usize, repl: &[u8]) {
+        self.flush(upto);
+        if self.total <= self.cap {
+            self.sc.out.extend_from_slice(repl);
+        }
+        self.total += repl.len();
+        self.run = resume;
+        self.rewrote = true;
+    }
+
+    #[inline(always)]
+    fn peek(&self) -> Option<u8> {
+        self.inp.get(self.pos).copied()
+    }
+
+    /// Skip insignificant whitespace; canonical form drops it.
+    #[inline(always)]
+    fn ws(&mut self) {
+        if self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
+            self.ws_slow();
+        }
+    }
+
+    #[inline(never)]
+    fn ws_slow(&mut self) {
+        let start = self.pos;
+        while self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
+            self.pos += 1;
+        }
+        self.rewrite(start, self.pos, b"");
+    }
+
+    fn value_loop(&mut self) -> Result<(), Detail> {
+        'value: loop {
+            let Some(b) = self.peek() else {
+                return Err(Detail::at("unexpected end of input, expected a value", self.pos));
+            };
+            self.begin_value(b);
+            match b {
+                b'{' => {
+                    self.open(true)?;
+                    self.ws();
+                    if self.peek() == Some(b'}') {
+                        self.pos += 1;
+                        self.close()?;
+                    } else {
+                        self.member_key()?;
+                        continue 'value;
+                    }
+                }
+                b'[' => {
+                    self.open(false)?;
+                    self.ws();
+                    if self.peek() == Some(b']') {
+                        self.pos += 1;
+                        self.close()?;
+                    } else {
+                        continue 'value;
+                    }
+                }
+                b'"' => {
+                    self.string()?;
+                    self.finish_value(Kind::String);
+                }
+                b'-' | b'0'..=b'9' => {
+                    self.number()?;
+                    self.finish_value(Kind::Number);
+                }
+                b't' => {
+                    self.literal(b"true")?;
+                    self.finish_value(Kind::Bool);
+                }
+                b'f' => {
+                    self.literal(b"false")?;
+                    self.finish_value(Kind::Bool);
+                }
+                b'n' => {
+                    self.literal(b"null")?;
+                    self.finish_value(Kind::Null);
+                }
+                _ => return Err(Detail::at("expected a value", self.pos)),
+            }
+            // After a complete value: separators and closers until a new value is due.
+            loop {
+                let Some(top) = self.sc.stack.last() else {
+                    return Ok(());
+                };
+                let is_obj = top.is_obj;
+                self.ws();
+                match self.peek() {
+                    Some(b',') => {
+                        self.pos += 1;
+                        self.ws();
+                        if is_obj {
+                            self.member_key()?;
+                        }
+                        continue 'value;
+                    }
+                    Some(b'}') if is_obj => {
+                        self.pos += 1;
+                        self.close()?;
+                    }
+                    Some(b']') if !is_obj => {
+                        self.pos += 1;
+                        self.close()?;
+                    }
+                    None => return Err(Detail::at("unexpected end of input inside a container", self.pos)),
+                    _ if is_obj => return Err(Detail::at("expected ',' or '}' after a member", self.pos)),
+                    _ => return Err(Detail::at("expected ',' or ']' after an element", self.pos)),
+                }
+            }
+        }
+    }
+
+    /// Called at the first byte of every value: note where it starts for the parent's record.
+    #[inline(always)]
+    fn begin_value(&mut self, b: u8) {
+        let pos = self.pos;
+        let canon = self.canon32(pos);
+        let Some(top) = self.sc.stack.last_mut() else {
+            return;
+        };
+        if top.is_obj {
+            if top.slot != Slot::None {
+                top.vstart = canon;
+                top.vraw = pos as u32;
+            }
+            return;
+        }
+        let idx = top.n;
+        top.n += 1;
+        match top.role {
+            Role::ActionsArr => {
+                top.slot = Slot::ActionElem;
+                if b != b'{' && self.res.action_not_object.is_none() {
+                    self.res.action_not_object = Some(idx);
+                }
+            }
+            Role::BatchList => {
+                top.slot = Slot::BatchElem;
+                top.vraw = pos as u32;
+            }
+            _ => {}
+        }
+    }
+
+    /// Record a value that has just ended at `self.pos` into its parent's slot.
+    #[inline(always)]
+    fn finish_value(&mut self, kind: Kind) {
+        let Some(top) = self.sc.stack.last() else {
+            self.res.root = kind;
+            return;
+        };
+        if top.slot == Slot::None {
+            return;
+        }
+        self.record(kind);
+    }
+
+    #[inline(never)]
+    fn record(&mut self, kind: Kind) {
+        let end = self.canon32(self.pos);
+        let top = *self.sc.stack.last().expect("record needs a parent");
+        let f = Field { kind, start: top.vstart, end };
+        match top.slot {
+            Slot::None | Slot::ActionElem => {}
+            Slot::Pv => {
+                self.res.pv = f;
+                if kind == Kind::String {
+                    let raw = &self.inp[top.vraw as usize..self.pos];
+                    self.res.pv_is_01 = raw == b"\"0.1\""
+                        || (raw.contains(&b'\\') && {
+                            let at = self.sc.keybuf.len();
+                            decode_string(&raw[1..raw.len() - 1], &mut self.sc.keybuf);
+                            let eq = &self.sc.keybuf[at..] == b"0.1";
+                            self.sc.keybuf.truncate(at);
+                            eq
+                        });
+                }
+            }
+            Slot::MsgId => self.res.msgid = f,
+            Slot::Actions => self.res.actions = f,
+            Slot::Id | Slot::Type | Slot::Ver | Slot::Payload => {
+                let a = self.sc.actions.last_mut().expect("an open action");
+                match top.slot {
+                    Slot::Id => a.id = f,
+                    Slot::Type => a.ty = f,
+                    Slot::Ver => a.ver = f,
+                    _ => a.payload = f,
+                }
+            }
+            Slot::BatchElem => self.sc.elems.push((top.vraw as usize, self.pos)),
+        }
+    }
+
+    fn open(&mut self, is_obj: bool) -> Result<(), Detail> {
+        if self.sc.stack.len() >= self.max_depth {
+            return Err(Detail::at("nesting deeper than max_depth", self.pos));
+        }
+        let role = match self.sc.stack.last() {
+            None => match (self.mode, is_obj) {
+                (Mode::Envelope, true) => Role::Root,
+                (Mode::BatchList, false) => Role::BatchList,
+                _ => Role::Other,
+            },
+            Some(p) => match (p.slot, is_obj) {
+                (Slot::Actions, false) => Role::ActionsArr,
+                (Slot::ActionElem, true) => Role::Action,
+                _ => Role::Other,
+            },
+        };
+        if role == Role::Action {
+            let start = self.canon32(self.pos);
+            self.sc.actions.push(ActionRec { start, ..ActionRec::default() });
+        }
+        let keys_start = self.sc.keys.len() as u32;
+        self.sc.stack.push(Frame {
+            is_obj,
+            role,
+            slot: Slot::None,
+            keys_start,
+            vstart: 0,
+            vraw: 0,
+            open: self.pos as u32,
+            n: 0,
+        });
+        self.pos += 1;
+        Ok(())
+    }
+
+    /// The closer has been consumed (`self.pos` is just past it).
+    fn close(&mut self) -> Result<(), Detail> {
+        let f = self.sc.stack.pop().expect("close needs an open container");
+        if f.is_obj {
+            let ks = f.keys_start as usize;
+            if self.sc.keys.len() - ks > 1 && self.mode == Mode::Envelope {
+                self.check_duplicates(ks, f.open as usize)?;
+            }
+            self.sc.keys.truncate(ks);
+        }
+        if f.role == Role::Action {
+            let end = self.canon32(self.pos);
+            self.sc.actions.last_mut().expect("an open action").end = end;
+        }
+        self.finish_value(if f.is_obj { Kind::Object } else { Kind::Array });
+        Ok(())
+    }
+
+    #[inline(never)]
+    fn check_duplicates(&mut self, ks: usize, open: usize) -> Result<(), Detail> {
+        let inp = self.inp;
+        let Scratch { keys, keybuf, .. } = &mut *self.sc;
+        let bytes = |k: &KeyRef| -> &[u8] {
+            let (s, e) = (k.start as usize, (k.start + k.len) as usize);
+            if k.in_buf {
+                &keybuf[s..e]
+            } else {
+                &inp[s..e]
+            }
+        };
+        let ks_slice = &mut keys[ks..];
+        let dup = if ks_slice.len() <= 8 {
+            let mut dup = false;
+            'outer: for i in 1..ks_slice.len() {
+                for j in 0..i {
+                    if ks_slice[i].len == ks_slice[j].len && bytes(&ks_slice[i]) == bytes(&ks_slice[j]) {
+                        dup = true;
+                        break 'outer;
+                    }
+                }
+            }
+            dup
+        } else {
+            ks_slice.sort_unstable_by(|a, b| bytes(a).cmp(bytes(b)));
+            ks_slice.windows(2).any(|w| bytes(&w[0]) == bytes(&w[1]))
+        };
+        if dup {
+            return Err(Detail::at("duplicate member name in the object", open));
+        }
+        Ok(())
+    }
+
+    /// A member name, the colon and the whitespace before the value.
+    fn member_key(&mut self) -> Result<(), Detail> {
+        if self.peek() != Some(b'"') {
+            return Err(Detail::at("expected a member name string", self.pos));
+        }
+        let start = self.pos + 1;
+        let had_escape = self.string()?;
+        let end = self.pos - 1;
+        let key = if had_escape {
+            let at = self.sc.keybuf.len();
+            decode_string(&self.inp[start..end], &mut self.sc.keybuf);
+            KeyRef { in_buf: true, start: at as u32, len: (self.sc.keybuf.len() - at) as u32 }
+        } else {
+            KeyRef { in_buf: false, start: start as u32, len: (end - start) as u32 }
+        };
+        let role = self.sc.stack.last().expect("a member needs an object").role;
+        let slot = if matches!(role, Role::Root | Role::Action) {
+            let name: &[u8] = if key.in_buf {
+                &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
+            } else {
+                &self.inp[start..end]
+            };
+            match (role, name) {
+                (Role::Root, b"protocol_version") => Slot::Pv,
+                (Role::Root, b"message_id") => Slot::MsgId,
+                (Role::Root, b"actions") => Slot::Actions,
+                (Role::Action, b"action_id") => Slot::Id,
+                (Role::Action, b"action_type") => Slot::Type,
+                (Role::Action, b"action_version") => Slot::Ver,
+                (Role::Action, b"payload") => Slot::Payload,
+                _ => Slot::None,
+            }
+        } else {
+            Slot::None
+        };
+        self.sc.keys.push(key);
+        self.sc.stack.last_mut().expect("open object").slot = slot;
+        self.ws();
+        if self.peek() != Some(b':') {
+            return Err(Detail::at("expected ':' after a member name", self.pos));
+        }
+        self.pos += 1;
+        self.ws();
+        Ok(())
+    }
+
+    fn literal(&mut self, lit: &'static [u8]) -> Result<(), Detail> {
+        if self.inp[self.pos..].starts_with(lit) {
+            self.pos += lit.len();
+            Ok(())
+        } else {
+            Err(Detail::at("invalid literal", self.pos))
+        }
+    }
+
+    /// A string starting at the opening quote; returns whether it contained an escape.
+    #[inline]
+    fn string(&mut self) -> Result<bool, Detail> {
+        let open = self.pos;
+        let inp = self.inp;
+        let mut p = self.pos + 1;
+        let mut had_escape = false;
+        loop {
+            while p < inp.len() && STR_CLASS[inp[p] as usize] == PLAIN {
+                p += 1;
+            }
+            let Some(&b) = inp.get(p) else {
+                return Err(Detail::at("unterminated string", open));
+            };
+            match STR_CLASS[b as usize] {
+                QUOTE => {
+                    self.pos = p + 1;
+                    return Ok(had_escape);
+                }
+                BSLASH => {
+                    had_escape = true;
+                    p = self.escape(p)?;
+                }
+                CTRL => return Err(Detail::at("unescaped control character in a string", p)),
+                _ => p = utf8_seq(inp, p)?,
+            }
+        }
+    }
+
+    /// An escape starting at the backslash at `p`; returns the position after it.
+    fn escape(&mut self, p: usize) -> Result<usize, Detail> {
+        let inp = self.inp;
+        let Some(&c) = inp.get(p + 1) else {
+            return Err(Detail::at("unterminated escape", p));
+        };
+        match c {
+            b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => Ok(p + 2),
+            b'/' => {
+                self.rewrite(p, p + 2, b"/");
+                Ok(p + 2)
+            }
+            b'u' => {
+                let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
+                let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
+                    let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') {
+                        hex4(inp, p + 8)
+                    } else {
+                        None
+                    };
+                    match lo {
+                        Some(lo) if (0xDC00..0xE000).contains(&lo) => {
+                            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
+                        }
+                        _ => return Err(Detail::at("lone surrogate escape", p)),
+                    }
+                } else if (0xDC00..0xE000).contains(&hi) {
+                    return Err(Detail::at("lone surrogate escape", p));
+                } else {
+                    (hi, p + 6)
+                };
+                let mut buf = [0u8; 6];
+                let canon = canonical_char(cp, &mut buf);
+                if canon != &inp[p..end] {
+                    self.rewrite(p, end, canon);
+                }
+                Ok(end)
+            }
+            _ => Err(Detail::at("invalid escape", p)),
+        }
+    }
+
+    /// A number starting at `self.pos` (a '-' or a digit).
+    #[inline]
+    fn number(&mut self) -> Result<(), Detail> {
+        let inp = self.inp;
+        let start = self.pos;
+        let neg = inp[start] == b'-';
+        let ds = start + neg as usize;
+        let mut p = skip_digits(inp, ds);
+        let nd = p - ds;
+        if nd == 0 {
+            return Err(Detail::at("expected a digit", ds));
+        }
+        if inp[ds] == b'0' && nd > 1 {
+            return Err(Detail::at("leading zero in a number", ds));
+        }
+        let is_float = matches!(inp.get(p), Some(b'.' | b'e' | b'E'));
+        if !is_float {
+            self.pos = p;
+            let digits = &inp[ds..p];
+            let in_range = if neg {
+                nd < 19 || (nd == 19 && digits <= I64_MIN_DIGITS)
+            } else {
+                nd < 20 || (nd == 20 && digits <= U64_MAX_DIGITS)
+            };
+            if !in_range {
+                self.note_number("integer outside -2^63 ..= 2^64-1", start);
+            } else if neg && nd == 1 && inp[ds] == b'0' {
+                self.rewrite(start, p, b"0");
+            }
+            return Ok(());
+        }
+        if inp[p] == b'.' {
+            let q = skip_digits(inp, p + 1);
+            if q == p + 1 {
+                return Err(Detail::at("expected a digit after the decimal point", p + 1));
+            }
+            p = q;
+        }
+        if matches!(inp.get(p), Some(b'e' | b'E')) {
+            p += 1;
+            if matches!(inp.get(p), Some(b'+' | b'-')) {
+                p += 1;
+            }
+            let q = skip_digits(inp, p);
+            if q == p {
+                return Err(Detail::at("expected a digit in the exponent", p));
+            }
+            p = q;
+        }
+        self.pos = p;
+        let text = std::str::from_utf8(&inp[start..p]).expect("number text is ASCII");
+        match text.parse::<f64>() {
+            Ok(v) if v.is_finite() => {
+                let mut b = ryu::Buffer::new();
+                let s = b.format_finite(v).as_bytes();
+                if s != text.as_bytes() {
+                    self.rewrite(start, p, s);
+                }
+            }
+            _ => self.note_number("number is not finite as an f64", start),
+        }
+        Ok(())
+    }
+
+    #[cold]
+    fn note_number(&mut self, what: &'static str, at: usize) {
+        if self.res.number_error.is_none() {
+            self.res.number_error = Some(Detail::at(what, at));
+        }
+    }
+}
+
+/// Position of the first non-digit at or after `p`.
+#[inline(always)]
+fn skip_digits(inp: &[u8], mut p: usize) -> usize {
+    while p + 8 <= inp.len() {
+        let w = u64::from_le_bytes(inp[p..p + 8].try_into().expect("8 bytes"));
+        let t = w ^ 0x3030_3030_3030_3030;
+        // A byte is a digit iff its high nibble is 0 after the xor and adding 6 does not carry
+        // into bit 4. Carries out of a non-digit byte only disturb bytes above the first
+        // non-digit, which trailing_zeros never looks at.
+        let non_digit = (t & 0xF0F0_F0F0_F0F0_F0F0) | (t.wrapping_add(0x0606_0606_0606_0606) & 0x1010_1010_1010_1010);
+        if non_digit != 0 {
+            return p + (non_digit.trailing_zeros() / 8) as usize;
+        }
+        p += 8;
+    }
+    while p < inp.len() && inp[p].is_ascii_digit() {
+        p += 1;
+    }
+    p
+}
+
+fn hex4(inp: &[u8], p: usize) -> Option<u32> {
+    let h = inp.get(p..p + 4)?;
+    let mut v = 0u32;
+    for &c in h {
+        v = v * 16 + (c as char).to_digit(16)?;
+    }
+    Some(v)
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// The canonical spelling of one code point inside a string.
+fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
+    match cp {
+        0x08 => b"\\b",
+        0x09 => b"\\t",
+        0x0A => b"\\n",
+        0x0C => b"\\f",
+        0x0D => b"\\r",
+        0x22 => b"\\\"",
+        0x5C => b"\\\\",
+        0..=0x1F => {
+            *buf = [b'\\', b'u', b'0', b'0', HEX[(cp >> 4) as usize], HEX[(cp & 15) as usize]];
+            &buf[..]
+        }
+        _ => {
+            let c = char::from_u32(cp).expect("surrogates were excluded");
+            let n = c.encode_utf8(&mut buf[..4]).len();
+            &buf[..n]
+        }
+    }
+}
+
+/// Validate one multi-byte UTF-8 sequence starting at `p` (RFC 3629, Unicode table 3-7);
+/// returns the position after it.
+#[inline]
+fn utf8_seq(inp: &[u8], p: usize) -> Result<usize, Detail> {
+    let b0 = inp[p];
+    let (n, lo, hi) = match b0 {
+        0xC2..=0xDF => (2, 0x80, 0xBF),
+        0xE0 => (3, 0xA0, 0xBF),
+        0xE1..=0xEC | 0xEE..=0xEF => (3, 0x80, 0xBF),
+        0xED => (3, 0x80, 0x9F),
+        0xF0 => (4, 0x90, 0xBF),
+        0xF1..=0xF3 => (4, 0x80, 0xBF),
+        0xF4 => (4, 0x80, 0x8F),
+        _ => return Err(Detail::at("invalid UTF-8", p)),
+    };
+    let Some(rest) = inp.get(p + 1..p + n) else {
+        return Err(Detail::at("invalid UTF-8", p));
+    };
+    if !(lo..=hi).contains(&rest[0]) || rest[1..].iter().any(|&c| !(0x80..=0xBF).contains(&c)) {
+        return Err(Detail::at("invalid UTF-8", p));
+    }
+    Ok(p + n)
+}
+
+/// Decode the inside of a string that has already been validated (raw input or canonical
+/// bytes) and append the UTF-8 text to `out`.
+pub(crate) fn decode_string(inner: &[u8], out: &mut Vec<u8>) {
+    let mut i = 0;
+    while i < inner.len() {
+        let Some(off) = inner[i..].iter().position(|&b| b == b'\\') else {
+            out.extend_from_slice(&inner[i..]);
+            return;
+        };
+        out.extend_from_slice(&inner[i..i + off]);
+        i += off;
+        let c = inner[i + 1];
+        let simple = match c {
+            b'"' => Some(b'"'),
+            b'\\' => Some(b'\\'),
+            b'/' => Some(b'/'),
+            b'b' => Some(0x08),
+            b'f' => Some(0x0C),
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            _ => None,
+        };
+        if let Some(s) = simple {
+            out.push(s);
+            i += 2;
+            continue;
+        }
+        let hi = hex4(inner, i + 2).expect("validated \\u escape");
+        let (cp, len) = if (0xD800..0xDC00).contains(&hi) {
+            let lo = hex4(inner, i + 8).expect("validated surrogate pair");
+            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), 12)
+        } else {
+            (hi, 6)
+        };
+        let c = char::from_u32(cp).expect("validated code point");
+        let mut b = [0u8; 4];
+        out.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
+        i += len;
+    }
+}
+
+/// Append `s` as a canonical JSON string (with quotes) to `out`.
+pub(crate) fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
+    out.push(b'"');
+    let bytes = s.as_bytes();
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b < 0x20 || b == b'"' || b == b'\\' {
+            out.extend_from_slice(&bytes[run..i]);
+            let mut buf = [0u8; 6];
+            out.extend_from_slice(canonical_char(b as u32, &mut buf));
+            run = i + 1;
+        }
+    }
+    out.extend_from_slice(&bytes[run..]);
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> Result<Vec<u8>, Detail> {
+        let mut sc = Scratch::default();
+        let r = scan(&mut sc, s.as_bytes(), usize::MAX, 128, Mode::Envelope)?;
+        Ok(match r.verbatim {
+            Some((a, b)) => s.as_bytes()[a..b].to_vec(),
+            None => sc.out.clone(),
+        })
+    }
+
+    #[test]
+    fn digits_swar() {
+        for s in ["", "1", "12345678", "123456789", "1234567x9", "9/9:", "123456789012345678901234"] {
+            let want = s.bytes().take_while(|b| b.is_ascii_digit()).count();
+            assert_eq!(skip_digits(s.as_bytes(), 0), want, "{s:?}");
+        }
+        // bytes just outside the digit range on both sides, in every lane
+        for lane in 0..8 {
+            for bad in [b'/', b':', 0xFA, 0xFF, 0x00, 0x39 + 0x10] {
+                let mut v = vec![b'5'; 12];
+                v[lane] = bad;
+                assert_eq!(skip_digits(&v, 0), lane);
+            }
+        }
+    }
+
+    #[test]
+    fn canonical_forms() {
+        let cases: &[(&str, &str)] = &[
+            (" { \"a\" : [ 1 , 2 ] } ", "{\"a\":[1,2]}"),
+            ("[-0]", "[0]"),
+            ("[-0.0]", "[-0.0]"),
+            ("[1E5]", "[100000.0]"),
+            ("[1.50]", "[1.5]"),
+            ("[1e400]", "[1e400]"),
+            ("[\"\\/\\u0041\\u001F\\u000a\\u0022\\u005c\"]", "[\"/A\\u001f\\n\\\"\\\\\"]"),
+            ("[\"\\ud83d\\ude00\"]", "[\"\u{1F600}\"]"),
+            ("[\"\\u00e9\"]", "[\"\u{e9}\"]"),
+        ];
+        for (i, o) in cases {
+            assert_eq!(String::from_utf8(canon(i).unwrap()).unwrap(), *o, "input {i:?}");
+        }
+    }
+
+    #[test]
+    fn errors() {
+        for bad in [
+            "[01]",
+            "[1.]",
+            "[1e]",
+            "[\"\\ud800\"]",
+            "[\"\\udc00\"]",
+            "{\"a\":1,\"a\":2}",
+            "{\"a\":1,\"\\u0061\":2}",
+            "[1,]",
+            "[\"\x01\"]",
+            "tru",
+            "[] x",
+            "",
+            "{\"a\" 1}",
+        ] {
+            assert!(canon(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! # kvrelay
+//!
+//! KV hint envelopes admitted at a trusted edge, frozen into immutable snapshots that travel
+//! with a request, and (in later modules) the policy and the data plane that act on them.
+//!
+//! ```
+//! use kvrelay::{Admission, AdmissionConfig, Outcome};
+//!
+//! let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
+//! let hint = br#"{"protocol_version":"0.1","message_id":"m1","actions":[
+//!     {"action_id":"a1","action_type":"kv.fetch","action_version":"1.0",
+//!      "payload":{"source_control_endpoint":"tcp://127.0.0.1:23280","block_hashes":[11,22]}}]}"#;
+//! match edge.admit(Some(hint)) {
+//!     Outcome::Admitted(snap) => {
+//!         assert_eq!(snap.message_id(), "m1");
+//!         assert_eq!(snap.action(0).unwrap().action_type(), "kv.fetch");
+//!     }
+//!     other => panic!("{other:?}"),
+//! }
+//! ```
+//!
+//! The trust switch trusts all traffic that reaches the process and authenticates nobody.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod hints;
+pub mod metrics;
+
+pub use hints::{
+    Action, ActionEnvelope, Admission, AdmissionConfig, BatchLengthMismatch, BatchOutcome, Detail, Ignored, Outcome,
+    Reason, Snapshot, Where,
+};
+pub use metrics::{CounterValues, Counters};
