@@ -1,0 +1,176 @@
+//! Property tests: canonical bytes against an independent reference writer (below), round
+//! trips, idempotence, and byte mutations of valid envelopes.
+//!
+//! serde_json's own compact writer is not the oracle: since 1.0.15x it formats floats with
+//! another algorithm (`1e+124` where SPEC.md's ryu form is `1e124`).
+
+use kvrelay::{Admission, AdmissionConfig, Outcome, Snapshot};
+use proptest::prelude::*;
+use serde_json::{json, Value};
+
+fn edge() -> Admission {
+    Admission::new(AdmissionConfig { trusted: true, max_bytes: 1 << 22, max_raw_bytes: 1 << 22, ..Default::default() })
+        .unwrap()
+}
+
+/// SPEC.md section 3 over a parsed value (member order kept by `preserve_order`): strings
+/// escaped as serde_json escapes them (only `"`, `\\` and controls, lowercase hex), integers in
+/// decimal, floats in ryu's shortest form.
+fn reference_canonical(v: &Value, out: &mut Vec<u8>) {
+    match v {
+        Value::Array(a) => {
+            out.push(b'[');
+            for (i, e) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                reference_canonical(e, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(m) => {
+            out.push(b'{');
+            for (i, (k, e)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(serde_json::to_string(k).unwrap().as_bytes());
+                out.push(b':');
+                reference_canonical(e, out);
+            }
+            out.push(b'}');
+        }
+        Value::Number(n) if n.is_f64() => {
+            out.extend_from_slice(ryu::Buffer::new().format_finite(n.as_f64().unwrap()).as_bytes())
+        }
+        other => out.extend_from_slice(serde_json::to_string(other).unwrap().as_bytes()),
+    }
+}
+
+fn reference(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    reference_canonical(v, &mut out);
+    out
+}
+
+fn arb_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<u64>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        (-1000i32..1000, -30i32..30).prop_map(|(m, e)| Value::from(m as f64 * 10f64.powi(e))),
+        any::<String>().prop_map(Value::String),
+        "[a-c\"\\\\\u{0}-\u{1f}\u{7f}é😀]{0,6}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(5, 64, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::vec(("[a-d]{0,3}|.{0,4}", inner), 0..6)
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+        ]
+    })
+}
+
+fn envelope(payload: Value, extra: Value) -> Value {
+    json!({
+        "protocol_version": "0.1",
+        "message_id": "m",
+        "actions": [
+            {"action_id": "a", "action_type": "kv.fetch", "action_version": "1.0", "payload": {"x": payload}},
+            {"action_id": "a", "action_type": "other", "action_version": "9", "payload": {}, "e": extra.clone()}
+        ],
+        "extra": extra
+    })
+}
+
+/// Escape every non-ASCII character as `\uXXXX` (surrogate pairs for astral ones), as
+/// `ensure_ascii` writers do. Non-ASCII only occurs inside strings, so this stays valid JSON.
+fn ascii_escaped(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_ascii() {
+            o.push(c);
+        } else {
+            let mut u = [0u16; 2];
+            for unit in c.encode_utf16(&mut u) {
+                o.push_str(&format!("\\u{unit:04X}"));
+            }
+        }
+    }
+    o
+}
+
+fn admitted(edge: &Admission, raw: &[u8]) -> Snapshot {
+    match edge.admit(Some(raw)) {
+        Outcome::Admitted(s) => s,
+        other => panic!("not admitted: {other:?} for {}", String::from_utf8_lossy(raw)),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn canonical_equals_serde_json_compact_in_every_spelling(payload in arb_json(), extra in arb_json()) {
+        let v = envelope(payload, extra);
+        let compact = reference(&v);
+        let edge = edge();
+        for raw in [serde_json::to_vec(&v).unwrap(), serde_json::to_vec_pretty(&v).unwrap(), ascii_escaped(&serde_json::to_string_pretty(&v).unwrap()).into_bytes()] {
+            let s = admitted(&edge, &raw);
+            prop_assert_eq!(s.canonical(), &compact[..]);
+            // decode() equals serde_json's parse of the same input
+            prop_assert_eq!(s.decode(), serde_json::from_slice::<Value>(&raw).unwrap());
+        }
+    }
+
+    #[test]
+    fn canonical_is_idempotent_and_msgpack_round_trips(payload in arb_json(), extra in arb_json()) {
+        let edge = edge();
+        let raw = ascii_escaped(&serde_json::to_string_pretty(&envelope(payload, extra)).unwrap());
+        let s = admitted(&edge, raw.as_bytes());
+        let again = admitted(&edge, s.canonical());
+        prop_assert_eq!(again.canonical(), s.canonical());
+        let mp = s.to_msgpack();
+        let back = edge.decode_msgpack(&mp).unwrap();
+        prop_assert_eq!(back.canonical(), s.canonical());
+        prop_assert_eq!(back.to_msgpack(), mp);
+        // the index agrees with the decoded tree
+        let v = s.decode();
+        prop_assert_eq!(s.action_count(), v["actions"].as_array().unwrap().len());
+        for a in s.actions() {
+            let va = &v["actions"][a.index()];
+            prop_assert_eq!(a.id(), va["action_id"].as_str().unwrap());
+            prop_assert_eq!(a.action_type(), va["action_type"].as_str().unwrap());
+            prop_assert_eq!(a.payload(), &reference(&va["payload"])[..]);
+        }
+    }
+
+    #[test]
+    fn mutated_envelopes_never_admit_what_is_not_canonical_json(
+        payload in arb_json(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
+    ) {
+        let edge = edge();
+        let mut raw = serde_json::to_vec(&envelope(payload, Value::Null)).unwrap();
+        for (at, byte, op) in edits {
+            let i = at.index(raw.len());
+            match op {
+                0 => raw[i] = byte,
+                1 => raw.insert(i, byte),
+                _ => { raw.remove(i); }
+            }
+            if raw.is_empty() { break; }
+        }
+        if let Outcome::Admitted(s) = edge.admit(Some(&raw)) {
+            // whatever we admit, serde_json parses too, and our bytes are its compact form
+            let parsed: Value = serde_json::from_slice(&raw).expect("admitted input is JSON");
+            let reparsed: Value = serde_json::from_slice(s.canonical()).unwrap();
+            prop_assert_eq!(reference(&reparsed), s.canonical().to_vec());
+            prop_assert!(parsed.is_object());
+            let again = admitted(&edge, s.canonical());
+            prop_assert_eq!(again.canonical(), s.canonical());
+        }
+    }
+}
