@@ -353,8 +353,13 @@ impl Scanner<'_, '_> {
                     self.finish_value(Kind::String);
                 }
                 b'-' | b'0'..=b'9' => {
-                    self.number()?;
-                    self.finish_value(Kind::Number);
+                    if self.sc.stack.last().is_some_and(|f| !f.is_obj && f.role == Role::Other) {
+                        // an array that records nothing per element: the hash-list fast path
+                        self.number_run()?;
+                    } else {
+                        self.number()?;
+                        self.finish_value(Kind::Number);
+                    }
                 }
                 b't' => {
                     self.literal(b"true")?;
@@ -633,9 +638,7 @@ impl Scanner<'_, '_> {
         let mut p = self.pos + 1;
         let mut had_escape = false;
         loop {
-            while p < inp.len() && STR_CLASS[inp[p] as usize] == PLAIN {
-                p += 1;
-            }
+            p = skip_plain(inp, p);
             let Some(&b) = inp.get(p) else {
                 return Err(Detail::at("unterminated string", open));
             };
@@ -696,8 +699,60 @@ impl Scanner<'_, '_> {
         }
     }
 
+    /// A run of numbers separated by bare commas, starting at `self.pos`, inside an array whose
+    /// elements need no record (block hash lists). Integers are handled here with about 30
+    /// instructions each; anything else (floats, errors, whitespace) goes through [`number`]
+    /// or ends the run, leaving `self.pos` after the last number.
+    ///
+    /// [`number`]: Scanner::number
+    #[inline(always)]
+    fn number_run(&mut self) -> Result<(), Detail> {
+        let inp = self.inp;
+        let mut p = self.pos;
+        loop {
+            let neg = (inp[p] == b'-') as usize;
+            let ds = p + neg;
+            let nd = count_digits(inp, ds);
+            let end = ds + nd;
+            let next = inp.get(end).copied();
+            let plain = nd != 0
+                && (inp[ds] != b'0' || nd == 1)
+                && !matches!(next, Some(b'.' | b'e' | b'E'))
+                && !(neg == 1 && nd == 1 && inp[ds] == b'0');
+            if plain {
+                // Range: decided by the first eight digits unless they tie with the limit's.
+                let (limit, max_nd) = if neg == 1 { (I64_MIN_DIGITS, 19) } else { (U64_MAX_DIGITS, 20) };
+                // `max_nd - 1`, not `max_nd`: almost every u64 hash has 19 or 20 digits, and
+                // branching between those two would be a coin flip; the body is branch-free.
+                if nd + 1 >= max_nd {
+                    let head = u64::from_be_bytes(inp[ds..ds + 8].try_into().expect("8 digits"));
+                    let lim = u64::from_be_bytes(limit[..8].try_into().expect("8 digits"));
+                    let mut over = (nd > max_nd) | ((nd == max_nd) & (head > lim));
+                    if head == lim && nd == max_nd {
+                        over = !digits_le(&inp[ds..end], limit);
+                    }
+                    if over {
+                        self.note_number("integer outside -2^63 ..= 2^64-1", p);
+                    }
+                }
+                p = end;
+            } else {
+                // floats, -0, and malformed numbers: the general path
+                self.pos = p;
+                self.number()?;
+                p = self.pos;
+            }
+            match inp.get(p..p + 2) {
+                Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => p += 1,
+                _ => break,
+            }
+        }
+        self.pos = p;
+        Ok(())
+    }
+
     /// A number starting at `self.pos` (a '-' or a digit).
-    #[inline]
+    #[inline(always)]
     fn number(&mut self) -> Result<(), Detail> {
         let inp = self.inp;
         let start = self.pos;
@@ -714,12 +769,14 @@ impl Scanner<'_, '_> {
         let is_float = matches!(inp.get(p), Some(b'.' | b'e' | b'E'));
         if !is_float {
             self.pos = p;
-            let digits = &inp[ds..p];
-            let in_range = if neg {
-                nd < 19 || (nd == 19 && digits <= I64_MIN_DIGITS)
-            } else {
-                nd < 20 || (nd == 20 && digits <= U64_MAX_DIGITS)
+            // Branch-free: about half of random u64 hashes have 20 digits, so a branch on the
+            // digit count would be mispredicted on every other number.
+            let (limit, max_nd) = if neg { (I64_MIN_DIGITS, 19) } else { (U64_MAX_DIGITS, 20) };
+            let le = match inp.get(ds..ds + max_nd) {
+                Some(d) => digits_le(d, limit),
+                None => true,
             };
+            let in_range = (nd < max_nd) | ((nd == max_nd) & le);
             if !in_range {
                 self.note_number("integer outside -2^63 ..= 2^64-1", start);
             } else if neg && nd == 1 && inp[ds] == b'0' {
@@ -768,9 +825,87 @@ impl Scanner<'_, '_> {
     }
 }
 
-/// Position of the first non-digit at or after `p`.
+/// Position of the first byte at or after `p` that is not plain string content (a quote, a
+/// backslash, a control character or a non-ASCII byte): 16 bytes per step with SSE2 on x86-64.
+#[inline(always)]
+fn skip_plain(inp: &[u8], mut p: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{
+            __m128i, _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+        };
+        while p + 16 <= inp.len() {
+            // SAFETY: SSE2 is part of the x86-64 baseline; `p + 16 <= inp.len()`, so the 16
+            // bytes loaded are inside `inp`, and `_mm_loadu_si128` needs no alignment.
+            let mask = unsafe {
+                let v = _mm_loadu_si128(inp.as_ptr().add(p).cast::<__m128i>());
+                // signed compare: bytes below 0x20 and bytes 0x80.. (negative) both match
+                let special = _mm_or_si128(
+                    _mm_cmplt_epi8(v, _mm_set1_epi8(0x20)),
+                    _mm_or_si128(
+                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
+                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
+                    ),
+                );
+                _mm_movemask_epi8(special) as u32
+            };
+            if mask != 0 {
+                return p + mask.trailing_zeros() as usize;
+            }
+            p += 16;
+        }
+    }
+    while p < inp.len() && STR_CLASS[inp[p] as usize] == PLAIN {
+        p += 1;
+    }
+    p
+}
+
+/// `a <= b` for two ASCII digit strings of the same length (19 or 20): lexicographic order of
+/// digits is numeric order, and big-endian words compare lexicographically.
+#[inline(always)]
+fn digits_le(a: &[u8], b: &[u8]) -> bool {
+    debug_assert_eq!(a.len(), b.len());
+    let be = |s: &[u8], i: usize| u64::from_be_bytes(s[i..i + 8].try_into().expect("8 bytes"));
+    let tail = |s: &[u8]| s[16..].iter().fold(0u32, |acc, &c| (acc << 8) | c as u32);
+    let (a0, a1, a2) = (be(a, 0), be(a, 8), tail(a));
+    let (b0, b1, b2) = (be(b, 0), be(b, 8), tail(b));
+    // non-short-circuit operators keep this free of branches
+    (a0 < b0) | ((a0 == b0) & ((a1 < b1) | ((a1 == b1) & (a2 <= b2))))
+}
+
+/// Number of ASCII digits starting at `p`.
+#[inline(always)]
+fn count_digits(inp: &[u8], p: usize) -> usize {
+    skip_digits(inp, p) - p
+}
+
+/// Position of the first non-digit at or after `p`: 16 bytes per step with SSE2 (part of the
+/// x86-64 baseline), then 8 with SWAR.
 #[inline(always)]
 fn skip_digits(inp: &[u8], mut p: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{
+            __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_set1_epi8, _mm_sub_epi8,
+        };
+        while p + 16 <= inp.len() {
+            // SAFETY: SSE2 is part of the x86-64 baseline, so these intrinsics are available on
+            // every x86-64 CPU; `p + 16 <= inp.len()`, so the 16 bytes loaded are inside `inp`,
+            // and `_mm_loadu_si128` has no alignment requirement.
+            let mask = unsafe {
+                let v = _mm_loadu_si128(inp.as_ptr().add(p).cast::<__m128i>());
+                let t = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
+                // digit iff (byte - '0') as unsigned <= 9, i.e. min(t, 9) == t
+                _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t))
+            };
+            let non_digit = !(mask as u32) & 0xFFFF;
+            if non_digit != 0 {
+                return p + non_digit.trailing_zeros() as usize;
+            }
+            p += 16;
+        }
+    }
     while p + 8 <= inp.len() {
         let w = u64::from_le_bytes(inp[p..p + 8].try_into().expect("8 bytes"));
         let t = w ^ 0x3030_3030_3030_3030;
