@@ -1,0 +1,240 @@
+// kvrelay.hpp: header-only C++17 RAII wrappers over kvrelay.h.
+//
+// Error policy: a kvrelay_status other than KVRELAY_OK throws kvrelay::Error (derived from
+// std::runtime_error; status() gives the code, what() kvrelay_status_message's text). Hint
+// outcomes are not errors: an ignored hint is an ordinary Outcome, so inference continues.
+//
+// kvrelay::Snapshot: copy = kvrelay_snapshot_retain, move = transfer, destructor = release.
+// Views (std::string_view) borrow from the snapshot and are valid while some Snapshot holding
+// it lives.
+#ifndef KVRELAY_KVRELAY_HPP
+#define KVRELAY_KVRELAY_HPP
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvrelay.h"
+
+namespace kvrelay {
+
+/// A kvrelay_status other than KVRELAY_OK.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(int32_t status) : std::runtime_error(kvrelay_status_message(status)), status_(status) {}
+  /// The kvrelay_status value.
+  int32_t status() const noexcept { return status_; }
+
+ private:
+  int32_t status_;
+};
+
+/// Throw kvrelay::Error unless `s` is KVRELAY_OK.
+inline void check(int32_t s) {
+  if (s != KVRELAY_OK) throw Error(s);
+}
+
+inline std::string_view view(kvrelay_str s) noexcept { return {s.ptr, s.len}; }
+inline std::string_view view(kvrelay_bytes b) noexcept { return {reinterpret_cast<const char *>(b.ptr), b.len}; }
+
+/// One action of a snapshot, as views into it.
+struct Action {
+  std::size_t index;
+  std::string_view id, action_type, version;
+  std::string_view payload;    ///< canonical JSON of `payload`
+  std::string_view canonical;  ///< canonical JSON of the whole action
+};
+
+namespace detail {
+/// Call a kvrelay "fill the caller's buffer" function twice: size query, then fill.
+template <typename Out, typename F>
+Out fill(F &&f) {
+  std::size_t need = 0;
+  int32_t s = f(nullptr, 0, &need);
+  if (s != KVRELAY_ERR_BUFFER_TOO_SMALL && s != KVRELAY_OK) throw Error(s);
+  Out out(need, typename Out::value_type{});
+  check(f(reinterpret_cast<uint8_t *>(out.data()), out.size(), &need));
+  out.resize(need);
+  return out;
+}
+}  // namespace detail
+
+/// A shared, immutable admitted envelope.
+class Snapshot {
+ public:
+  Snapshot() noexcept = default;
+  /// Take over one reference (e.g. from kvrelay_admit).
+  explicit Snapshot(kvrelay_snapshot *adopt) noexcept : p_(adopt) {}
+  Snapshot(const Snapshot &o) noexcept : p_(kvrelay_snapshot_retain(o.p_)) {}
+  Snapshot(Snapshot &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  Snapshot &operator=(Snapshot o) noexcept {
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  ~Snapshot() { kvrelay_snapshot_release(p_); }
+
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+  /// The handle, still owned by this object.
+  kvrelay_snapshot *get() const noexcept { return p_; }
+  /// Give up ownership of the handle (the caller must release it).
+  kvrelay_snapshot *release() noexcept { return std::exchange(p_, nullptr); }
+
+  std::string_view canonical() const {
+    kvrelay_bytes b;
+    check(kvrelay_snapshot_canonical(p_, &b));
+    return view(b);
+  }
+  std::string_view protocol_version() const {
+    kvrelay_str s;
+    check(kvrelay_snapshot_protocol_version(p_, &s));
+    return view(s);
+  }
+  std::string_view message_id() const {
+    kvrelay_str s;
+    check(kvrelay_snapshot_message_id(p_, &s));
+    return view(s);
+  }
+  std::size_t action_count() const {
+    std::size_t n = 0;
+    check(kvrelay_snapshot_action_count(p_, &n));
+    return n;
+  }
+  /// Throws kvrelay::Error(KVRELAY_ERR_OUT_OF_RANGE) past the end.
+  Action action(std::size_t i) const {
+    kvrelay_action a;
+    check(kvrelay_snapshot_action(p_, i, &a));
+    return {a.index, view(a.id), view(a.action_type), view(a.version), view(a.payload), view(a.canonical)};
+  }
+  /// An independent copy of the canonical JSON.
+  std::string decode() const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_snapshot_decode(p_, b, c, n); });
+  }
+  /// MessagePack encoding (SPEC.md section 4).
+  std::vector<uint8_t> to_msgpack() const {
+    return detail::fill<std::vector<uint8_t>>([&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_snapshot_msgpack(p_, b, c, n); });
+  }
+  /// Canonical JSON of the one-action envelope of action `i`.
+  std::string action_envelope(std::size_t i) const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_snapshot_action_envelope(p_, i, b, c, n); });
+  }
+
+ private:
+  kvrelay_snapshot *p_ = nullptr;
+};
+
+/// The outcome of admitting one hint.
+struct Outcome {
+  int32_t kind = KVRELAY_OUTCOME_ABSENT;  ///< a kvrelay_outcome_kind value
+  int32_t reason = KVRELAY_REASON_NONE;   ///< a kvrelay_reason value
+  std::string detail;                     ///< what and where, for malformed hints
+  Snapshot snapshot;                      ///< set when admitted
+
+  bool admitted() const noexcept { return kind == KVRELAY_OUTCOME_ADMITTED; }
+  bool absent() const noexcept { return kind == KVRELAY_OUTCOME_ABSENT; }
+  bool ignored() const noexcept { return kind == KVRELAY_OUTCOME_IGNORED; }
+  /// "untrusted", "unknown_version", "oversized", "malformed", or "none".
+  const char *reason_name() const noexcept { return kvrelay_reason_name(reason); }
+
+  static Outcome from(const kvrelay_outcome &o, kvrelay_snapshot *s) {
+    Outcome r;
+    r.kind = o.kind;
+    r.reason = o.reason;
+    r.detail = o.detail;
+    r.snapshot = Snapshot(s);
+    return r;
+  }
+};
+
+/// Admission settings (the defaults of kvrelay_admission_config_new).
+struct AdmissionConfig {
+  bool trusted = false;
+  std::size_t max_bytes = 65536;
+  std::size_t max_depth = 128;
+  std::size_t max_raw_bytes = 1u << 20;
+  std::string metric_prefix = "kvrelay_kv_hints";
+  /// When not empty, trust is read from this environment variable (after `trusted`):
+  /// "KVRELAY_TRUST_KV_HINTS" is the conventional name.
+  std::string trust_env;
+};
+
+/// An admission edge. Movable, not copyable; admit() is thread-safe.
+class Admission {
+ public:
+  explicit Admission(const AdmissionConfig &c = {}) {
+    kvrelay_admission_config *cfg = nullptr;
+    check(kvrelay_admission_config_new(&cfg));
+    int32_t s = kvrelay_admission_config_set_trusted(cfg, c.trusted);
+    if (s == KVRELAY_OK && !c.trust_env.empty()) s = kvrelay_admission_config_trust_from_env(cfg, c.trust_env.data(), c.trust_env.size());
+    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_bytes(cfg, c.max_bytes);
+    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_depth(cfg, c.max_depth);
+    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_raw_bytes(cfg, c.max_raw_bytes);
+    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_metric_prefix(cfg, c.metric_prefix.data(), c.metric_prefix.size());
+    if (s == KVRELAY_OK) s = kvrelay_admission_new(cfg, &p_);
+    kvrelay_admission_config_free(cfg);
+    check(s);
+  }
+  Admission(const Admission &) = delete;
+  Admission &operator=(const Admission &) = delete;
+  Admission(Admission &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  Admission &operator=(Admission &&o) noexcept {
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  ~Admission() { kvrelay_admission_free(p_); }
+
+  kvrelay_admission *get() const noexcept { return p_; }
+
+  /// Admit the raw text found under `kv_hints` (empty: the request has none).
+  Outcome admit(std::string_view json) const {
+    kvrelay_outcome o;
+    kvrelay_snapshot *s = nullptr;
+    check(kvrelay_admit(p_, reinterpret_cast<const uint8_t *>(json.data()), json.size(), &o, &s));
+    return Outcome::from(o, s);
+  }
+
+  /// Admit the `kv_hints` of a batch of `prompts` prompts: one Outcome per prompt. Throws
+  /// kvrelay::Error(KVRELAY_ERR_BATCH_LENGTH_MISMATCH) for an aligned list of another length.
+  std::vector<Outcome> admit_batch(std::string_view json, std::size_t prompts, bool *shared = nullptr) const {
+    std::vector<kvrelay_outcome> o(prompts);
+    std::vector<kvrelay_snapshot *> s(prompts, nullptr);
+    check(kvrelay_admit_batch(p_, reinterpret_cast<const uint8_t *>(json.data()), json.size(), prompts, o.data(), s.data(), shared));
+    std::vector<Outcome> r;
+    r.reserve(prompts);
+    for (std::size_t i = 0; i < prompts; ++i) r.push_back(Outcome::from(o[i], s[i]));
+    return r;
+  }
+
+  /// Decode and re-validate a MessagePack envelope (rank broadcast); nothing is counted.
+  Outcome decode_msgpack(const uint8_t *data, std::size_t len) const {
+    kvrelay_outcome o;
+    kvrelay_snapshot *s = nullptr;
+    check(kvrelay_admission_decode_msgpack(p_, data, len, &o, &s));
+    return Outcome::from(o, s);
+  }
+  Outcome decode_msgpack(const std::vector<uint8_t> &m) const { return decode_msgpack(m.data(), m.size()); }
+
+  kvrelay_counters counters() const {
+    kvrelay_counters c;
+    check(kvrelay_admission_counters(p_, &c));
+    return c;
+  }
+
+  /// Prometheus text (format 0.0.4) of the counters.
+  std::string prometheus() const {
+    std::string s = detail::fill<std::string>(
+        [&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_admission_prometheus(p_, reinterpret_cast<char *>(b), c, n); });
+    if (!s.empty() && s.back() == '\0') s.pop_back();
+    return s;
+  }
+
+ private:
+  kvrelay_admission *p_ = nullptr;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_KVRELAY_HPP

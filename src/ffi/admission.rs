@@ -1,0 +1,371 @@
+//! `kvrelay_admission_config` and `kvrelay_admission`: the admission edge from C.
+
+use std::ffi::c_char;
+
+use super::boundary::{bytes, fill, guard, guard_void, input, input_mut, out_ptr, put, text};
+use super::snapshot::{export, kvrelay_snapshot};
+use super::status::kvrelay_status::{self, *};
+use super::types::{kvrelay_counters, kvrelay_outcome};
+use crate::hints::{Admission, AdmissionConfig, BatchOutcome, Outcome, DEFAULT_TRUST_ENV};
+
+/// Admission settings being built. Owned: `_new` / `_free`. Starts at the defaults: trust off,
+/// `max_bytes` 65,536, `max_depth` 128, `max_raw_bytes` 1 MiB, metric prefix
+/// `kvrelay_kv_hints`. Values are checked by `kvrelay_admission_new`.
+pub struct kvrelay_admission_config {
+    inner: AdmissionConfig,
+}
+
+/// An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
+/// any number of threads may call `kvrelay_admit` on one edge at once.
+pub struct kvrelay_admission {
+    inner: Admission,
+}
+
+/// Create a config with the defaults.
+///
+/// # Safety
+/// `out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_new(out: *mut *mut kvrelay_admission_config) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        let b = Box::new(kvrelay_admission_config { inner: AdmissionConfig::default() });
+        // SAFETY: checked non-NULL; caller promises writable.
+        unsafe { put(out, Box::into_raw(b)) };
+        Ok(())
+    })
+}
+
+/// Free a config. NULL does nothing.
+///
+/// # Safety
+/// `config` must be NULL or from `kvrelay_admission_config_new` and not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_free(config: *mut kvrelay_admission_config) {
+    guard_void(|| {
+        if !config.is_null() {
+            // SAFETY: per the contract, a live box from `_new`.
+            drop(unsafe { Box::from_raw(config) });
+        }
+    });
+}
+
+fn set(
+    config: *mut kvrelay_admission_config,
+    f: impl FnOnce(&mut AdmissionConfig) -> Result<(), kvrelay_status>,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: the public setters require `config` to be NULL or a live config.
+        let c = unsafe { input_mut(config) }?;
+        f(&mut c.inner)
+    })
+}
+
+/// Turn trust on or off. Trust on accepts hints from **all** traffic that reaches the process;
+/// kvrelay authenticates nobody.
+///
+/// # Safety
+/// `config` must be NULL or a live config.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_set_trusted(
+    config: *mut kvrelay_admission_config,
+    trusted: bool,
+) -> kvrelay_status {
+    set(config, |c| {
+        c.trusted = trusted;
+        Ok(())
+    })
+}
+
+/// Set trust from an environment variable: on for `1`, `true`, `yes`, `on` (any case), off
+/// otherwise or when unset. `(NULL, 0)` reads `KVRELAY_TRUST_KV_HINTS`.
+///
+/// # Safety
+/// `config` NULL or live; `name` NULL or readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_trust_from_env(
+    config: *mut kvrelay_admission_config,
+    name: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    let name = match unsafe { text(name.cast(), len) } {
+        Ok(n) => n,
+        Err(e) => return e,
+    };
+    let name = if name.is_empty() { DEFAULT_TRUST_ENV } else { name };
+    if name.contains(['=', '\0']) {
+        return KVRELAY_ERR_INVALID_ARGUMENT;
+    }
+    set(config, |c| {
+        *c = std::mem::take(c).trust_from_env(name);
+        Ok(())
+    })
+}
+
+/// Limit on the canonical compact encoding, bytes (checked by `kvrelay_admission_new`).
+///
+/// # Safety
+/// `config` must be NULL or a live config.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_set_max_bytes(
+    config: *mut kvrelay_admission_config,
+    max_bytes: usize,
+) -> kvrelay_status {
+    set(config, |c| {
+        c.max_bytes = max_bytes;
+        Ok(())
+    })
+}
+
+/// Deepest nesting allowed, the root container being depth 1.
+///
+/// # Safety
+/// `config` must be NULL or a live config.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_set_max_depth(
+    config: *mut kvrelay_admission_config,
+    max_depth: usize,
+) -> kvrelay_status {
+    set(config, |c| {
+        c.max_depth = max_depth;
+        Ok(())
+    })
+}
+
+/// Raw inputs longer than this are `oversized` without parsing.
+///
+/// # Safety
+/// `config` must be NULL or a live config.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_set_max_raw_bytes(
+    config: *mut kvrelay_admission_config,
+    max_raw_bytes: usize,
+) -> kvrelay_status {
+    set(config, |c| {
+        c.max_raw_bytes = max_raw_bytes;
+        Ok(())
+    })
+}
+
+/// Prefix of the Prometheus metric names (UTF-8, not NUL-terminated), e.g. `trtllm_kv_hints`.
+///
+/// # Safety
+/// `config` NULL or live; `prefix` NULL or readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_config_set_metric_prefix(
+    config: *mut kvrelay_admission_config,
+    prefix: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    let p = match unsafe { text(prefix.cast(), len) } {
+        Ok(p) => p.to_string(),
+        Err(e) => return e,
+    };
+    set(config, |c| {
+        c.metric_prefix = p;
+        Ok(())
+    })
+}
+
+/// Create an admission edge from `config` (NULL: the defaults, trust off). The config is
+/// copied; free it whenever you like. `KVRELAY_ERR_INVALID_CONFIG` for refused values.
+///
+/// # Safety
+/// `config` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_new(
+    config: *const kvrelay_admission_config,
+    out: *mut *mut kvrelay_admission,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        let cfg = if config.is_null() {
+            AdmissionConfig::default()
+        } else {
+            // SAFETY: non-NULL and live per the contract.
+            unsafe { input(config) }?.inner.clone()
+        };
+        let inner = Admission::new(cfg).map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+        // SAFETY: checked non-NULL; caller promises writable.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_admission { inner }))) };
+        Ok(())
+    })
+}
+
+/// Free an admission edge. NULL does nothing. Snapshots it admitted stay valid.
+///
+/// # Safety
+/// `admission` NULL or from `kvrelay_admission_new`, not freed before, and not in use by
+/// another thread.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_free(admission: *mut kvrelay_admission) {
+    guard_void(|| {
+        if !admission.is_null() {
+            // SAFETY: per the contract, a live box from `_new`.
+            drop(unsafe { Box::from_raw(admission) });
+        }
+    });
+}
+
+/// Write an outcome and its snapshot (NULL unless admitted) to the out-pointers.
+///
+/// # Safety
+/// Both pointers checked non-NULL and writable.
+unsafe fn emit(o: Outcome, out: *mut kvrelay_outcome, snap: *mut *mut kvrelay_snapshot) {
+    let c = kvrelay_outcome::of(&o);
+    let s = match o {
+        Outcome::Admitted(s) => export(s),
+        _ => std::ptr::null_mut(),
+    };
+    // SAFETY: forwarded contract.
+    unsafe {
+        put(out, c);
+        put(snap, s);
+    }
+}
+
+/// Admit one hint value: the raw JSON text found under `kv_hints` (`(NULL, 0)` when the
+/// request has none). Applies SPEC.md section 2 in order and counts the outcome once.
+/// `*outcome` gets the outcome; `*snapshot` a new reference (release it) when admitted, NULL
+/// otherwise. Inference should continue whatever the outcome.
+///
+/// Cost: one pass over the input, no allocation besides the snapshot's one. Thread-safe.
+///
+/// # Safety
+/// `admission` NULL or live; `json` NULL or readable for `len` bytes; `outcome` and `snapshot`
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admit(
+    admission: *const kvrelay_admission,
+    json: *const u8,
+    len: usize,
+    outcome: *mut kvrelay_outcome,
+    snapshot: *mut *mut kvrelay_snapshot,
+) -> kvrelay_status {
+    guard(|| {
+        let (outcome, snapshot) = (out_ptr(outcome)?, out_ptr(snapshot)?);
+        // SAFETY: forwarded contract.
+        let (a, raw) = unsafe { (input(admission)?, bytes(json, len)?) };
+        let o = a.inner.admit(Some(raw));
+        // SAFETY: both checked non-NULL, writable per the contract.
+        unsafe { emit(o, outcome, snapshot) };
+        Ok(())
+    })
+}
+
+/// Admit the `kv_hints` value of a batched request of `prompts` prompts (SPEC.md section 2):
+/// a single envelope is admitted once and shared, an aligned JSON list is admitted entry by
+/// entry (`null` entries are absent). Fills `outcomes[0..prompts]` and
+/// `snapshots[0..prompts]`; each non-NULL snapshot is its own reference (release each one;
+/// shared entries are the same pointer retained once per prompt). `*shared` (may be NULL)
+/// tells which form it was. A list of another length is `KVRELAY_ERR_BATCH_LENGTH_MISMATCH`
+/// and writes nothing.
+///
+/// # Safety
+/// `admission` NULL or live; `json` NULL or readable for `len` bytes; `outcomes` and
+/// `snapshots` NULL or writable for `prompts` elements; `shared` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admit_batch(
+    admission: *const kvrelay_admission,
+    json: *const u8,
+    len: usize,
+    prompts: usize,
+    outcomes: *mut kvrelay_outcome,
+    snapshots: *mut *mut kvrelay_snapshot,
+    shared: *mut bool,
+) -> kvrelay_status {
+    guard(|| {
+        let (outcomes, snapshots) = (out_ptr(outcomes)?, out_ptr(snapshots)?);
+        // SAFETY: forwarded contract.
+        let (a, raw) = unsafe { (input(admission)?, bytes(json, len)?) };
+        let raw = if raw.is_empty() { None } else { Some(raw) };
+        let b = a.inner.admit_batch(raw, prompts).map_err(|_| KVRELAY_ERR_BATCH_LENGTH_MISMATCH)?;
+        let is_shared = matches!(b, BatchOutcome::Shared(_));
+        let per: Vec<Outcome> = match b {
+            BatchOutcome::Shared(o) => vec![o; prompts],
+            BatchOutcome::PerPrompt(v) => v,
+        };
+        for (i, o) in per.into_iter().enumerate() {
+            // SAFETY: `i < prompts`; both arrays hold `prompts` writable elements.
+            unsafe { emit(o, outcomes.add(i), snapshots.add(i)) };
+        }
+        if !shared.is_null() {
+            // SAFETY: non-NULL and writable per the contract.
+            unsafe { put(shared, is_shared) };
+        }
+        Ok(())
+    })
+}
+
+/// Decode a MessagePack envelope (from `kvrelay_snapshot_msgpack`, e.g. a rank broadcast) and
+/// re-validate it with this edge's limits and the 0.1 rules. Trust does not apply and nothing
+/// is counted (the hint was counted where it entered). Outputs as `kvrelay_admit`.
+///
+/// # Safety
+/// As `kvrelay_admit`.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_decode_msgpack(
+    admission: *const kvrelay_admission,
+    msgpack: *const u8,
+    len: usize,
+    outcome: *mut kvrelay_outcome,
+    snapshot: *mut *mut kvrelay_snapshot,
+) -> kvrelay_status {
+    guard(|| {
+        let (outcome, snapshot) = (out_ptr(outcome)?, out_ptr(snapshot)?);
+        // SAFETY: forwarded contract.
+        let (a, raw) = unsafe { (input(admission)?, bytes(msgpack, len)?) };
+        let o = match a.inner.decode_msgpack(raw) {
+            Ok(s) => Outcome::Admitted(s),
+            Err(i) => Outcome::Ignored(i),
+        };
+        // SAFETY: both checked non-NULL, writable per the contract.
+        unsafe { emit(o, outcome, snapshot) };
+        Ok(())
+    })
+}
+
+/// Copy the edge's counters.
+///
+/// # Safety
+/// `admission` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_counters(
+    admission: *const kvrelay_admission,
+    out: *mut kvrelay_counters,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(admission) }?;
+        // SAFETY: checked non-NULL; caller promises writable.
+        unsafe { put(out, a.inner.counters().values().into()) };
+        Ok(())
+    })
+}
+
+/// The counters as Prometheus text (format 0.0.4, HELP and TYPE lines, the configured prefix),
+/// NUL-terminated, into the caller's buffer. `*len_out` gets the size needed **including** the
+/// NUL; a smaller buffer gets nothing (`KVRELAY_ERR_BUFFER_TOO_SMALL`); `(NULL, 0)` queries.
+///
+/// # Safety
+/// `admission` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_admission_prometheus(
+    admission: *const kvrelay_admission,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(admission) }?;
+        let mut s = a.inner.prometheus();
+        s.push('\0');
+        // SAFETY: forwarded contract.
+        unsafe { fill(s.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}

@@ -1,0 +1,153 @@
+//! The one boundary helper every exported function goes through, and the checked conversions
+//! of C arguments.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::status::kvrelay_status::{self, *};
+
+/// Run `f`, turning its error into a status and any panic into `KVRELAY_ERR_PANIC`. `f` must
+/// write out-parameters only after everything that can fail has succeeded.
+pub(crate) fn guard(f: impl FnOnce() -> Result<(), kvrelay_status>) -> kvrelay_status {
+    // AssertUnwindSafe: on a panic nothing observes the closure's state again; outputs are
+    // written last, so a caught panic leaves them untouched.
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => KVRELAY_OK,
+        Ok(Err(s)) => s,
+        Err(_) => KVRELAY_ERR_PANIC,
+    }
+}
+
+/// Run `f` for a function that returns nothing; a panic is swallowed.
+pub(crate) fn guard_void(f: impl FnOnce()) {
+    let _ = catch_unwind(AssertUnwindSafe(f));
+}
+
+/// `(ptr, len)` as a slice; `(NULL, 0)` is empty, `(NULL, n > 0)` is invalid.
+///
+/// # Safety
+/// A non-NULL `ptr` must be valid for reads of `len` bytes for `'a`.
+pub(crate) unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> Result<&'a [u8], kvrelay_status> {
+    if ptr.is_null() {
+        return if len == 0 { Ok(&[]) } else { Err(KVRELAY_ERR_INVALID_ARGUMENT) };
+    }
+    if len > isize::MAX as usize {
+        return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-NULL, length within isize::MAX, and the caller promises `len` readable bytes.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// `(ptr, len)` as UTF-8 text.
+///
+/// # Safety
+/// As [`bytes`].
+pub(crate) unsafe fn text<'a>(ptr: *const u8, len: usize) -> Result<&'a str, kvrelay_status> {
+    // SAFETY: forwarded contract.
+    let b = unsafe { bytes(ptr, len) }?;
+    std::str::from_utf8(b).map_err(|_| KVRELAY_ERR_INVALID_UTF8)
+}
+
+/// A required input pointer as a reference.
+///
+/// # Safety
+/// A non-NULL `p` must point to a live, properly aligned `T` for `'a`.
+pub(crate) unsafe fn input<'a, T>(p: *const T) -> Result<&'a T, kvrelay_status> {
+    // SAFETY: forwarded contract; NULL is refused.
+    unsafe { p.as_ref() }.ok_or(KVRELAY_ERR_NULL)
+}
+
+/// A required mutable pointer as a reference.
+///
+/// # Safety
+/// A non-NULL `p` must point to a live, properly aligned `T` for `'a` that nothing else
+/// accesses meanwhile.
+pub(crate) unsafe fn input_mut<'a, T>(p: *mut T) -> Result<&'a mut T, kvrelay_status> {
+    // SAFETY: forwarded contract; NULL is refused.
+    unsafe { p.as_mut() }.ok_or(KVRELAY_ERR_NULL)
+}
+
+/// Check that a required out-pointer is not NULL (write through it later, on success).
+pub(crate) fn out_ptr<T>(p: *mut T) -> Result<*mut T, kvrelay_status> {
+    if p.is_null() {
+        Err(KVRELAY_ERR_NULL)
+    } else {
+        Ok(p)
+    }
+}
+
+/// Write `v` through an out-pointer checked by [`out_ptr`].
+///
+/// # Safety
+/// `p` must be valid for a write of `T` (it may be uninitialized).
+pub(crate) unsafe fn put<T>(p: *mut T, v: T) {
+    // SAFETY: forwarded contract; `write` does not read or drop the old contents.
+    unsafe { p.write(v) }
+}
+
+/// Copy `src` into the caller's buffer `(buf, cap)`, storing its size in `*len_out` first.
+/// Too small a buffer writes nothing else and fails with `KVRELAY_ERR_BUFFER_TOO_SMALL`; `buf`
+/// may be NULL when `cap` is 0 (a size query).
+///
+/// # Safety
+/// `len_out` must be valid for a write; a non-NULL `buf` must be valid for `cap` bytes of
+/// writes.
+pub(crate) unsafe fn fill(src: &[u8], buf: *mut u8, cap: usize, len_out: *mut usize) -> Result<(), kvrelay_status> {
+    let len_out = out_ptr(len_out)?;
+    if buf.is_null() && cap != 0 {
+        return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+    }
+    // SAFETY: `len_out` is non-NULL and the caller promises it is writable.
+    unsafe { put(len_out, src.len()) };
+    if cap < src.len() {
+        return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+    }
+    if !src.is_empty() {
+        // SAFETY: `buf` is non-NULL here (cap >= len > 0), writable for `cap >= src.len()` bytes
+        // per the contract, and cannot overlap `src`, which kvrelay owns.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, src.len()) };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panics_become_a_status() {
+        let s = guard(|| panic!("boom"));
+        assert_eq!(s, KVRELAY_ERR_PANIC);
+        guard_void(|| panic!("boom"));
+        assert_eq!(guard(|| Err(KVRELAY_ERR_NULL)), KVRELAY_ERR_NULL);
+        assert_eq!(guard(|| Ok(())), KVRELAY_OK);
+    }
+
+    #[test]
+    fn byte_views() {
+        // SAFETY: NULL pointers with the lengths under test; nothing is dereferenced.
+        unsafe {
+            assert_eq!(bytes(std::ptr::null(), 0), Ok(&[][..]));
+            assert_eq!(bytes(std::ptr::null(), 3), Err(KVRELAY_ERR_INVALID_ARGUMENT));
+        }
+        let bad = [0xffu8, 0xfe];
+        // SAFETY: a live local array of the given length.
+        assert_eq!(unsafe { text(bad.as_ptr(), 2) }, Err(KVRELAY_ERR_INVALID_UTF8));
+    }
+
+    #[test]
+    fn fill_reports_the_needed_size_and_writes_nothing_when_short() {
+        let mut len = 0usize;
+        let mut buf = [7u8; 4];
+        // SAFETY: local buffers of the stated sizes.
+        unsafe {
+            assert_eq!(fill(b"hello", buf.as_mut_ptr(), 4, &mut len), Err(KVRELAY_ERR_BUFFER_TOO_SMALL));
+            assert_eq!((len, buf), (5, [7; 4]));
+            assert_eq!(fill(b"hello", std::ptr::null_mut(), 0, &mut len), Err(KVRELAY_ERR_BUFFER_TOO_SMALL));
+            assert_eq!(fill(b"hello", std::ptr::null_mut(), 9, &mut len), Err(KVRELAY_ERR_INVALID_ARGUMENT));
+            assert_eq!(fill(b"", std::ptr::null_mut(), 0, &mut len), Ok(()));
+            assert_eq!(fill(b"hi", buf.as_mut_ptr(), 4, std::ptr::null_mut()), Err(KVRELAY_ERR_NULL));
+            assert_eq!(fill(b"hi", buf.as_mut_ptr(), 4, &mut len), Ok(()));
+            assert_eq!((len, &buf[..2]), (2, &b"hi"[..]));
+        }
+    }
+}

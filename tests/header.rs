@@ -1,0 +1,41 @@
+//! `include/kvrelay.h` is generated from `src/ffi` by cbindgen and committed: this test
+//! regenerates it and fails when the committed copy is stale. `KVRELAY_BLESS=1` rewrites it.
+//! It also checks that the version macros agree with Cargo.toml.
+
+use std::path::PathBuf;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn header_is_current() {
+    let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).unwrap();
+    let mut generated = Vec::new();
+    cbindgen::Builder::new().with_crate(root()).with_config(config).generate().expect("cbindgen").write(&mut generated);
+    let path = root().join("include/kvrelay.h");
+    if std::env::var_os("KVRELAY_BLESS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "include/kvrelay.h is stale: run `KVRELAY_BLESS=1 cargo test --test header` and commit it"
+    );
+}
+
+#[test]
+fn version_macros_match_cargo_toml() {
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    for (name, want) in [
+        ("KVRELAY_VERSION_MAJOR", env!("CARGO_PKG_VERSION_MAJOR")),
+        ("KVRELAY_VERSION_MINOR", env!("CARGO_PKG_VERSION_MINOR")),
+        ("KVRELAY_VERSION_PATCH", env!("CARGO_PKG_VERSION_PATCH")),
+    ] {
+        let line = format!("#define {name} {want}\n");
+        assert!(h.contains(&line), "header lacks {line:?}");
+    }
+    // SAFETY: kvrelay_version returns a static NUL-terminated string.
+    let v = unsafe { std::ffi::CStr::from_ptr(kvrelay::ffi::status::kvrelay_version()) };
+    assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+}
