@@ -1,11 +1,58 @@
 #!/usr/bin/env bash
-# The one test command (README "Tests"). Installs what a fresh machine lacks, then runs every test.
+# The one test command (README "Two commands"). Installs what a fresh machine lacks (CMake, from
+# PyPI, into target/ci-tools), then runs every test: Rust (unit, integration, conformance,
+# property, header freshness), the C/C++ programs built with -Wall -Wextra -Werror as C and as
+# C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build
+# of the library, and a consumer project that finds the installed package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 export CARGO_TERM_COLOR=never
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-echo "== Rust tests (unit, integration, conformance, property, doc)"
+
+echo "== Rust tests"
 cargo test --locked
+
 echo "== benches compile"
 cargo build --locked --release --benches
+
+echo "== CMake"
+source .ci/ensure-cmake.sh
+cmake --version | head -n 1
+b=$root/target/ci-build
+rm -rf "$b"
+
+echo "== C and C++ examples and ABI tests (release library, -Wall -Wextra -Werror)"
+cmake -S . -B "$b/release" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$b/release" -j 2
+ctest --test-dir "$b/release" --output-on-failure
+
+echo "== the same under AddressSanitizer + UBSan (debug library: tracks live handles)"
+san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+cmake -S . -B "$b/asan" -DCMAKE_BUILD_TYPE=Debug -DKVRELAY_CARGO_PROFILE=debug \
+  -DCMAKE_C_FLAGS="$san" -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
+cmake --build "$b/asan" -j 2
+for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx; do
+  for rt in libasan libubsan; do
+    if ! ldd "$b/asan/$exe" | grep -q "$rt"; then
+      echo "sanitizer runtime $rt is not linked into $exe" >&2
+      exit 1
+    fi
+  done
+done
+echo "sanitizer runtimes linked into every example"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir "$b/asan" --output-on-failure
+
+echo "== install, then a separate project: find_package(kvrelay CONFIG REQUIRED)"
+cmake --install "$b/release" --prefix "$b/prefix" >/dev/null
+test -f "$b/prefix/lib/pkgconfig/kvrelay.pc"
+test -f "$b/prefix/lib/cmake/kvrelay/kvrelayConfigVersion.cmake"
+cmake -S tests/consumer -B "$b/consumer" -DCMAKE_PREFIX_PATH="$b/prefix" >/dev/null
+cmake --build "$b/consumer" -j 2
+"$b/consumer/consumer"
+LD_LIBRARY_PATH="$b/prefix/lib" "$b/consumer/consumer_shared"
+
+echo "== all tests passed"

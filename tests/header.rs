@@ -39,3 +39,21 @@ fn version_macros_match_cargo_toml() {
     let v = unsafe { std::ffi::CStr::from_ptr(kvrelay::ffi::status::kvrelay_version()) };
     assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
 }
+
+#[test]
+fn readme_embeds_the_compiled_c_example() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let example = std::fs::read_to_string(root().join("c_examples/readme_example.c")).unwrap();
+    assert!(
+        readme.contains(&format!("```c\n{example}```")),
+        "README's C example must be c_examples/readme_example.c verbatim (ctest compiles and runs that file)"
+    );
+}
+
+#[test]
+fn ci_runs_the_readme_test_command() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
+    assert!(readme.contains("| all the tests | `bash .ci/test.sh` |"));
+    assert!(ci.contains("bash .ci/test.sh"));
+}

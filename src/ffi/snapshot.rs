@@ -62,9 +62,7 @@ pub(crate) fn export(s: Snapshot) -> *mut kvrelay_snapshot {
 /// # Safety
 /// `p` must be NULL or a live handle; the returned value must not outlive the caller's
 /// reference.
-pub(crate) unsafe fn borrow<'a>(
-    p: *const kvrelay_snapshot,
-) -> Result<std::mem::ManuallyDrop<Snapshot>, kvrelay_status> {
+pub(crate) unsafe fn borrow(p: *const kvrelay_snapshot) -> Result<std::mem::ManuallyDrop<Snapshot>, kvrelay_status> {
     if p.is_null() {
         return Err(KVRELAY_ERR_NULL);
     }

@@ -33,8 +33,6 @@ pub enum kvrelay_status {
     KVRELAY_ERR_PANIC = 99,
 }
 
-use kvrelay_status::*;
-
 /// Major version of the library the header belongs to (checked against the crate version).
 pub const KVRELAY_VERSION_MAJOR: u32 = 0;
 /// Minor version.
@@ -70,6 +68,9 @@ pub extern "C" fn kvrelay_status_message(status: i32) -> *const c_char {
     };
     m.as_ptr().cast()
 }
+
+#[cfg(test)]
+use kvrelay_status::*;
 
 #[cfg(test)]
 impl kvrelay_status {

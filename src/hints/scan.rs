@@ -715,10 +715,10 @@ impl Scanner<'_, '_> {
             let nd = count_digits(inp, ds);
             let end = ds + nd;
             let next = inp.get(end).copied();
-            let plain = nd != 0
-                && (inp[ds] != b'0' || nd == 1)
-                && !matches!(next, Some(b'.' | b'e' | b'E'))
-                && !(neg == 1 && nd == 1 && inp[ds] == b'0');
+            let leading_zero = inp.get(ds) == Some(&b'0') && nd > 1;
+            let minus_zero = neg == 1 && nd == 1 && inp[ds] == b'0';
+            let float = matches!(next, Some(b'.' | b'e' | b'E'));
+            let plain = nd != 0 && !leading_zero && !minus_zero && !float;
             if plain {
                 // Range: decided by the first eight digits unless they tie with the limit's.
                 let (limit, max_nd) = if neg == 1 { (I64_MIN_DIGITS, 19) } else { (U64_MAX_DIGITS, 20) };

@@ -1,0 +1,2 @@
+// admit.c compiled as C++: the header and the example must build in both languages.
+#include "admit.c"
