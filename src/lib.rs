@@ -26,6 +26,7 @@
 pub mod ffi;
 pub mod hints;
 pub mod metrics;
+pub mod policy;
 
 pub use hints::{
     Action, ActionEnvelope, Admission, AdmissionConfig, BatchLengthMismatch, BatchOutcome, Detail, Ignored, Outcome,

@@ -16,5 +16,6 @@ pub use admission::{
     LIMIT_DEPTH_CEILING,
 };
 pub use detail::{Detail, Where};
+pub(crate) use scan::decode_string as decode_canonical_string;
 pub use scan::Scratch;
 pub use snapshot::{Action, ActionEnvelope, Snapshot};
