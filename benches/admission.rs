@@ -15,75 +15,21 @@
 //! only admits one envelope N times (`KVRELAY_BENCH_CASE`: 0 small, 1 medium, 2 max, 3 pretty;
 //! default 2), for callgrind/cachegrind.
 
+mod common;
+
 use std::hint::black_box;
-use std::time::Instant;
+
+use common::{envelope, measure, Rng};
 
 use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig, Outcome};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
-
-fn envelope(hashes: &[u64], pretty: bool) -> String {
-    let hashes: Vec<String> = hashes.iter().map(u64::to_string).collect();
-    let sep = if pretty { ", " } else { "," };
-    let body = format!(
-        r#"{{"protocol_version":"0.1","message_id":"req-7f3a9c","actions":[{{"action_id":"a1","action_type":"kv.fetch","action_version":"1.0","payload":{{"source_control_endpoint":"tcp://10.0.0.7:23280","block_hashes":[{}]}}}}]}}"#,
-        hashes.join(sep)
-    );
-    if pretty {
-        body.replace("\":", "\": ").replace(",\"", ", \"")
-    } else {
-        body
-    }
-}
-
-/// Fastest-sample nanoseconds per call of `f`.
-fn measure(mut f: impl FnMut()) -> f64 {
-    let quick = std::env::var_os("KVRELAY_BENCH_QUICK").is_some();
-    // calibrate: iterations per ~2 ms sample
-    let mut iters = 1u64;
-    loop {
-        let t = Instant::now();
-        for _ in 0..iters {
-            f();
-        }
-        if t.elapsed().as_micros() >= 1000 || iters >= 1 << 30 {
-            break;
-        }
-        iters *= 2;
-    }
-    let samples = if quick { 5 } else { 41 };
-    let mut v: Vec<f64> = (0..samples)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..iters {
-                f();
-            }
-            t.elapsed().as_nanos() as f64 / iters as f64
-        })
-        .collect();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[0]
-}
 
 fn main() {
     let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
     let pool: Vec<u64> = (0..8192).map(|_| rng.next()).collect();
     // the largest hash count whose canonical encoding fits 65,536 bytes
-    let mut max_n = 0;
-    while envelope(&pool[..max_n + 1], false).len() <= 65_536 {
-        max_n += 1;
-    }
+    let max_n = common::max_hashes(&pool, 65_536);
     let max_name = format!("max ({max_n} hashes)");
     let pretty_name = format!("max, pretty-printed input ({max_n} hashes)");
     let cases = [

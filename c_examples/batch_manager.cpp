@@ -4,7 +4,10 @@
 // one, one from an untrusted ingress, a batched request with an aligned list), broadcasts each
 // admitted snapshot as MessagePack bytes to four worker-rank threads that decode it and check
 // that the canonical bytes match, forks child requests that share snapshots, and frees
-// everything. Prints what it did; exits non-zero on any mismatch or unexpected outcome.
+// everything. Every request then goes through eligibility, candidate collection and the
+// orchestration policy with a mock provider that counts contacts. Prints what it did; exits
+// non-zero on any mismatch or unexpected outcome.
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +28,22 @@ struct Request {
   bool trusted_ingress;    // arrived through the trusted router
   const char *expect;      // expected outcome: "admitted", "absent" or a reason name
   std::size_t prompts = 1; // > 1: a batched request
+  bool lora = false;       // uses a LoRA adapter (ineligible for named fetch)
+};
+
+/// A provider that only counts: a real one would validate on its own terms and submit a
+/// transfer through its transport.
+class CountingProvider : public kvrelay::Provider {
+ public:
+  std::atomic<int> validations{0}, submissions{0};
+  int validate(const kvrelay_fetch_request &r) override {
+    ++validations;
+    return kvrelay::view(r.action_version) == "1.0" ? 0 : 1;
+  }
+  int fetch(const kvrelay_fetch_request &r) override {
+    ++submissions;
+    return r.envelope.len > 0 ? 0 : 1;
+  }
 };
 
 std::string hashes(std::size_t n) {
@@ -102,7 +121,7 @@ int main() {
 
     std::vector<Request> batch = {
         {"req-0", envelope("m-0", 2), true, "admitted"},
-        {"req-1", envelope("m-1", 256), true, "admitted"},
+        {"req-1", envelope("m-1", 256), true, "admitted", 1, true},
         {"req-2", "", true, "absent"},
         {"req-3", "{\"protocol_version\":\"0.1\",\"message_id\":\"m-3\",\"actions\":[{\"action_id\":1}]}", true, "malformed"},
         {"req-4", "{\"protocol_version\":\"0.1\",", true, "malformed"},
@@ -134,6 +153,16 @@ int main() {
       });
     }
 
+    // The policy: one family supporting kv.fetch 1.0, one authorized named binding, and the
+    // server's trusted endpoint registry.
+    const kvrelay::Capabilities caps({{"nixl", "kv.fetch", "1.0"}});
+    kvrelay::PolicyConfig policy;
+    policy.bindings.push_back({"nixl-0", "nixl", false, true, {{"kv.fetch", "1.0"}}});
+    policy.endpoints.push_back("tcp://10.0.0.7:23280");
+    auto provider = std::make_shared<CountingProvider>();
+    const kvrelay::Orchestrator orchestrator(caps, policy, provider);
+    int named_fetches = 0;
+
     std::vector<std::pair<std::string, kvrelay::Snapshot>> live;  // request -> its snapshot
     std::size_t broadcasts = 0;
     for (const Request &req : batch) {
@@ -153,6 +182,16 @@ int main() {
         bool expect_absent_entry = req.prompts > 1 && p == 1;  // the null entry of the list
         std::string want = expect_absent_entry ? "absent" : req.expect;
         if (describe(o) != want) fail(name + ": expected " + want + ", got " + describe(o));
+        // Eligibility, candidates, then one named-fetch attempt at most.
+        kvrelay_request_info info{true, req.lora};
+        kvrelay::Decision d = orchestrator.decide(info, o.snapshot);
+        std::size_t n_candidates = o.admitted() ? caps.candidates(o.snapshot).size() : 0;
+        std::printf("          candidates=%zu decision=%s%s\n", n_candidates, d.named_fetch() ? "named_fetch via " : "keep_paired_path: ",
+                    d.named_fetch() ? d.binding_id.c_str() : d.discard_name());
+        std::string want_decision = !o.admitted() ? "no_hint" : req.lora ? "lora_adapter" : "named_fetch";
+        std::string got_decision = d.named_fetch() ? "named_fetch" : d.discard_name();
+        if (got_decision != want_decision) fail(name + ": decision " + got_decision + ", expected " + want_decision);
+        named_fetches += d.named_fetch();
         if (!o.admitted()) continue;
         Broadcast b{name, o.snapshot.to_msgpack(), std::string(o.snapshot.canonical())};
         for (auto &in : inboxes) in.push(b);
@@ -175,6 +214,11 @@ int main() {
       if (one != snap.canonical()) fail(name + ": one-action envelope of a one-action hint differs");
     }
     std::printf("rank 0: forked %zu child requests sharing %zu snapshots\n", children, live.size());
+    std::printf("policy: %d named fetches; provider contacted %d times to validate, %d to submit\n", named_fetches,
+                provider->validations.load(), provider->submissions.load());
+    if (provider->validations != named_fetches || provider->submissions != named_fetches || named_fetches != 3)
+      fail("provider contacts");
+    std::printf("\n%s", orchestrator.prometheus().c_str());
 
     for (auto &in : inboxes) in.push(std::nullopt);
     for (auto &w : workers) w.join();

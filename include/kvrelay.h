@@ -121,6 +121,44 @@ typedef int32_t kvrelay_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// `kvrelay_decision.kind`.
+enum kvrelay_decision_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Named fetch validated and submitted.
+  KVRELAY_DECISION_NAMED_FETCH = 1,
+  // Keep the existing paired path; see `discard`.
+  KVRELAY_DECISION_KEEP_PAIRED_PATH = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_decision_kind kvrelay_decision_kind;
+#else
+typedef int32_t kvrelay_decision_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// `kvrelay_policy_config_add_binding`'s addressing mode.
+enum kvrelay_addressing
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Fetches by content name: usable for named fetch.
+  KVRELAY_ADDRESSING_NAMED = 0,
+  // Tied to the request's prefill/decode pairing: never used for named fetch.
+  KVRELAY_ADDRESSING_REQUEST_PAIRED = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_addressing kvrelay_addressing;
+#else
+typedef int32_t kvrelay_addressing;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
 typedef struct kvrelay_admission kvrelay_admission;
@@ -129,6 +167,19 @@ typedef struct kvrelay_admission kvrelay_admission;
 // `max_bytes` 65,536, `max_depth` 128, `max_raw_bytes` 1 MiB, metric prefix
 // `kvrelay_kv_hints`. Values are checked by `kvrelay_admission_new`.
 typedef struct kvrelay_admission_config kvrelay_admission_config;
+
+// An immutable capability snapshot. Owned: `_free` (orchestrators keep their own reference).
+typedef struct kvrelay_capabilities kvrelay_capabilities;
+
+// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
+typedef struct kvrelay_capabilities_builder kvrelay_capabilities_builder;
+
+// An orchestrator: capabilities, bindings, endpoint registry, provider and counters.
+// Owned: `_new` / `_free`. `kvrelay_orchestrate` is thread-safe.
+typedef struct kvrelay_orchestrator kvrelay_orchestrator;
+
+// The server's policy configuration under construction: bindings, trusted endpoints.
+typedef struct kvrelay_policy_config kvrelay_policy_config;
 
 // An admitted envelope, frozen. Opaque; obtained from `kvrelay_admit` and friends.
 typedef struct kvrelay_snapshot kvrelay_snapshot;
@@ -158,13 +209,21 @@ typedef struct kvrelay_counters {
   uint64_t malformed;
 } kvrelay_counters;
 
-// A borrowed byte view. Valid while the snapshot it came from is held.
-typedef struct kvrelay_bytes {
-  // First byte (never NULL, even when empty).
-  const uint8_t *ptr;
-  // Number of bytes.
-  size_t len;
-} kvrelay_bytes;
+// A candidate: a supported `kv.fetch` action and the families supporting it.
+typedef struct kvrelay_candidate {
+  // Position in the snapshot's actions.
+  size_t action_index;
+  // Bit i set when family i (registration order in the capability builder) supports it.
+  uint64_t families;
+} kvrelay_candidate;
+
+// Counts of one candidate collection.
+typedef struct kvrelay_candidate_counts {
+  // Actions whose type no family lists.
+  uint32_t unknown_type;
+  // `kv.fetch` actions whose version no family supports.
+  uint32_t no_matching_version;
+} kvrelay_candidate_counts;
 
 // A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
 // is held.
@@ -174,6 +233,70 @@ typedef struct kvrelay_str {
   // Number of bytes.
   size_t len;
 } kvrelay_str;
+
+// A borrowed byte view. Valid while the snapshot it came from is held.
+typedef struct kvrelay_bytes {
+  // First byte (never NULL, even when empty).
+  const uint8_t *ptr;
+  // Number of bytes.
+  size_t len;
+} kvrelay_bytes;
+
+// What a provider is asked to validate, then to fetch. Views valid during the call only.
+typedef struct kvrelay_fetch_request {
+  // The resolved binding's id.
+  struct kvrelay_str binding_id;
+  // Its family's name.
+  struct kvrelay_str family;
+  // Position of the action in the snapshot.
+  size_t action_index;
+  // The action's type.
+  struct kvrelay_str action_type;
+  // The action's version.
+  struct kvrelay_str action_version;
+  // The action's canonical payload.
+  struct kvrelay_bytes payload;
+  // The destination, normalized, present in the trusted registry.
+  struct kvrelay_str endpoint;
+  // The canonical one-action envelope to hand on.
+  struct kvrelay_bytes envelope;
+} kvrelay_fetch_request;
+
+// A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse
+// (the value is the provider's own code). They may be called from any thread that calls
+// `kvrelay_orchestrate`, so they must be thread-safe. `destroy` (may be NULL) is called once
+// with `user_data` when the orchestrator is freed (or when `kvrelay_orchestrator_new` fails).
+typedef struct kvrelay_provider {
+  // Passed back to every callback.
+  void *user_data;
+  // Validate action version, payload and destination on the provider's own terms.
+  int32_t (*validate)(void *user_data, const struct kvrelay_fetch_request *request);
+  // Submit the named fetch.
+  int32_t (*fetch)(void *user_data, const struct kvrelay_fetch_request *request);
+  // Release `user_data`.
+  void (*destroy)(void *user_data);
+} kvrelay_provider;
+
+// The request facts eligibility needs.
+typedef struct kvrelay_request_info {
+  // A generation-only request.
+  bool generation_only;
+  // The request uses a LoRA adapter.
+  bool lora_adapter;
+} kvrelay_request_info;
+
+// The decision for one request.
+typedef struct kvrelay_decision {
+  // A `kvrelay_decision_kind` value.
+  int32_t kind;
+  // For KEEP_PAIRED_PATH: the reason, a stable code; `kvrelay_discard_name` renders it.
+  // 0 for NAMED_FETCH.
+  int32_t discard;
+  // For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
+  struct kvrelay_str binding_id;
+  // For NAMED_FETCH: the action's position in the snapshot.
+  size_t action_index;
+} kvrelay_decision;
 
 // One action of a snapshot, as borrowed views.
 typedef struct kvrelay_action {
@@ -190,6 +313,10 @@ typedef struct kvrelay_action {
   // Canonical JSON bytes of the whole action object.
   struct kvrelay_bytes canonical;
 } kvrelay_action;
+
+
+
+
 
 
 
@@ -335,6 +462,159 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             char *buf,
                                             size_t cap,
                                             size_t *len_out);
+
+// Start a capability snapshot.
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_capabilities_builder_new(struct kvrelay_capabilities_builder **out);
+
+// Declare that `family` supports `(action_type, action_version)` (all UTF-8, exact match).
+// Families are numbered in the order they are first named (bit i of candidate masks).
+//
+// # Safety
+// `builder` NULL or live; each string NULL or readable for its length.
+kvrelay_status kvrelay_capabilities_builder_add(struct kvrelay_capabilities_builder *builder,
+                                                const char *family,
+                                                size_t family_len,
+                                                const char *action_type,
+                                                size_t action_type_len,
+                                                const char *action_version,
+                                                size_t action_version_len);
+
+// Freeze the builder into a capability snapshot; the builder is consumed (freed) in every
+// case. `KVRELAY_ERR_INVALID_CONFIG` for empty strings or more than 64 families.
+//
+// # Safety
+// `builder` NULL or live (not used afterwards); `out` NULL or writable.
+kvrelay_status kvrelay_capabilities_build(struct kvrelay_capabilities_builder *builder,
+                                          struct kvrelay_capabilities **out);
+
+// Free a capability builder that was never built. NULL does nothing.
+//
+// # Safety
+// `builder` NULL or live.
+void kvrelay_capabilities_builder_free(struct kvrelay_capabilities_builder *builder);
+
+// Free a capability snapshot. NULL does nothing.
+//
+// # Safety
+// `caps` NULL or live.
+void kvrelay_capabilities_free(struct kvrelay_capabilities *caps);
+
+// Collect the candidates of `snapshot` into `out[0..cap]` (producer order) and the counts
+// into `*counts` (may be NULL). `*count_out` receives the number of candidates; a smaller
+// `cap` writes nothing (`KVRELAY_ERR_BUFFER_TOO_SMALL`); `(NULL, 0)` queries. No allocation.
+//
+// # Safety
+// `snapshot` NULL or live; `caps` NULL or live; `out` NULL or writable for `cap` elements;
+// `count_out` NULL or writable; `counts` NULL or writable.
+kvrelay_status kvrelay_collect_candidates(const struct kvrelay_snapshot *snapshot,
+                                          const struct kvrelay_capabilities *caps,
+                                          struct kvrelay_candidate *out,
+                                          size_t cap,
+                                          size_t *count_out,
+                                          struct kvrelay_candidate_counts *counts);
+
+// Start a policy configuration (no bindings, empty registry, prefix `kvrelay_kv_policy`).
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_policy_config_new(struct kvrelay_policy_config **out);
+
+// Free a policy configuration. NULL does nothing.
+//
+// # Safety
+// `config` NULL or live.
+void kvrelay_policy_config_free(struct kvrelay_policy_config *config);
+
+// Add a binding of `family` with `addressing` (a `kvrelay_addressing` value) and authorization.
+// Add what the binding itself supports with `kvrelay_policy_config_binding_support`.
+//
+// # Safety
+// `config` NULL or live; strings NULL or readable for their lengths.
+kvrelay_status kvrelay_policy_config_add_binding(struct kvrelay_policy_config *config,
+                                                 const char *id,
+                                                 size_t id_len,
+                                                 const char *family,
+                                                 size_t family_len,
+                                                 int32_t addressing,
+                                                 bool authorized);
+
+// Declare that binding `id` (added before) supports `(action_type, action_version)`.
+// `KVRELAY_ERR_INVALID_ARGUMENT` when no binding has that id.
+//
+// # Safety
+// `config` NULL or live; strings NULL or readable for their lengths.
+kvrelay_status kvrelay_policy_config_binding_support(struct kvrelay_policy_config *config,
+                                                     const char *id,
+                                                     size_t id_len,
+                                                     const char *action_type,
+                                                     size_t action_type_len,
+                                                     const char *action_version,
+                                                     size_t action_version_len);
+
+// Add an endpoint (`scheme://host:port`) to the trusted registry. `KVRELAY_ERR_INVALID_ARGUMENT`
+// when it does not normalize (wildcard host, no port, path...).
+//
+// # Safety
+// `config` NULL or live; `endpoint` NULL or readable for `len` bytes.
+kvrelay_status kvrelay_policy_config_add_endpoint(struct kvrelay_policy_config *config,
+                                                  const char *endpoint,
+                                                  size_t len);
+
+// Prefix of the policy's Prometheus metric names (default `kvrelay_kv_policy`).
+//
+// # Safety
+// `config` NULL or live; `prefix` NULL or readable for `len` bytes.
+kvrelay_status kvrelay_policy_config_set_metric_prefix(struct kvrelay_policy_config *config,
+                                                       const char *prefix,
+                                                       size_t len);
+
+// Build an orchestrator. The capability snapshot is shared (free yours whenever you like), the
+// config copied, and the provider owned from here on: its `destroy` runs when the
+// orchestrator is freed, or right away if this call fails for any reason but a NULL `out` or
+// `provider`. `KVRELAY_ERR_INVALID_CONFIG` for a binding of an unknown family, a repeated
+// binding id, or a bad metric prefix.
+//
+// # Safety
+// `caps`, `config` NULL or live; `provider` NULL or readable; `out` NULL or writable.
+kvrelay_status kvrelay_orchestrator_new(const struct kvrelay_capabilities *caps,
+                                        const struct kvrelay_policy_config *config,
+                                        const struct kvrelay_provider *provider,
+                                        struct kvrelay_orchestrator **out);
+
+// Free an orchestrator (calls the provider's `destroy`). NULL does nothing.
+//
+// # Safety
+// `orchestrator` NULL or live and not in use by another thread.
+void kvrelay_orchestrator_free(struct kvrelay_orchestrator *orchestrator);
+
+// Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
+// passes, call the provider's `validate` then `fetch`. Counts the outcome once.
+//
+// # Safety
+// `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
+// or writable.
+kvrelay_status kvrelay_orchestrate(const struct kvrelay_orchestrator *orchestrator,
+                                   const struct kvrelay_request_info *request,
+                                   const struct kvrelay_snapshot *snapshot,
+                                   struct kvrelay_decision *out);
+
+// The metric label of a discard code (`"request_paired"`, ...); `"unknown"` for other values.
+// Static, NUL-terminated, never NULL.
+const char *kvrelay_discard_name(int32_t discard);
+
+// The orchestrator's counters as Prometheus text, NUL-terminated, with the size-query
+// convention of `kvrelay_admission_prometheus`.
+//
+// # Safety
+// `orchestrator` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or
+// writable.
+kvrelay_status kvrelay_orchestrator_prometheus(const struct kvrelay_orchestrator *orchestrator,
+                                               char *buf,
+                                               size_t cap,
+                                               size_t *len_out);
 
 // Take one more reference to `snapshot` and return it (for a child request, another rank, a
 // queue). NULL gives NULL. Cost: one atomic increment.

@@ -57,3 +57,30 @@ fn ci_runs_the_readme_test_command() {
     assert!(readme.contains("| all the tests | `bash .ci/test.sh` |"));
     assert!(ci.contains("bash .ci/test.sh"));
 }
+
+#[test]
+fn header_exports_only_prefixed_names() {
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    let mut bad = Vec::new();
+    for line in h.lines() {
+        let t = line.trim_start();
+        let name = if let Some(r) = t.strip_prefix("#define ") {
+            r.split_whitespace().next()
+        } else if let Some(r) = t.strip_prefix("typedef ") {
+            r.trim_end_matches(';').split_whitespace().last()
+        } else if t.starts_with("KVRELAY_") || t.starts_with("kvrelay_") {
+            None
+        } else if t.chars().next().is_some_and(|c| c.is_ascii_uppercase()) && t.contains(" = ") {
+            t.split_whitespace().next() // an enumerator
+        } else {
+            None
+        };
+        if let Some(n) = name {
+            let n = n.trim_start_matches('*');
+            if !(n.starts_with("kvrelay_") || n.starts_with("KVRELAY_") || n == "{") {
+                bad.push(n.to_string());
+            }
+        }
+    }
+    assert!(bad.is_empty(), "names without the kvrelay prefix in the header: {bad:?}");
+}

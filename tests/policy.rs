@@ -163,7 +163,7 @@ fn usable_hint_attempts_named_fetch_before_the_paired_source() {
     let s = fetch1("TCP://10.0.0.7:023280");
     match o.decide(&GEN, Some(&s)) {
         Decision::NamedFetch { binding, envelope } => {
-            assert_eq!(binding, "b");
+            assert_eq!(&*binding, "b");
             assert!(Snapshot::ptr_eq(envelope.snapshot(), &s), "the envelope shares the snapshot");
             assert_eq!(envelope.action().id(), "a1");
         }
@@ -216,7 +216,7 @@ fn both_orders(bindings: Vec<BindingSpec>, want: Result<&str, Discard>) {
         let mock = Arc::new(Mock::default());
         let o = orch(order, &[EP], &mock);
         match (o.decide(&GEN, Some(&fetch1(EP))), want) {
-            (Decision::NamedFetch { binding, .. }, Ok(id)) => assert_eq!(binding, id),
+            (Decision::NamedFetch { binding, .. }, Ok(id)) => assert_eq!(&*binding, id),
             (Decision::KeepPairedPath(d), Err(w)) => {
                 assert_eq!(d, w);
                 assert_eq!(mock.contacts(), (0, 0));

@@ -40,8 +40,82 @@ impl fmt::Display for EndpointError {
 }
 impl std::error::Error for EndpointError {}
 
+/// A normalized endpoint built on the stack (no allocation). Endpoints longer than
+/// 320 bytes (a 253-byte host name with a scheme and a port fit) are refused as malformed hosts.
+pub struct EndpointBuf {
+    buf: [u8; EndpointBuf::CAPACITY],
+    len: usize,
+}
+
+impl EndpointBuf {
+    /// Longest normalized endpoint: a 253-byte host name, a scheme and a port fit.
+    pub(crate) const CAPACITY: usize = 320;
+
+    /// An empty buffer.
+    pub fn new() -> EndpointBuf {
+        EndpointBuf { buf: [0; EndpointBuf::CAPACITY], len: 0 }
+    }
+
+    /// The normalized text.
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.buf[..self.len]).expect("only ASCII is written")
+    }
+
+    fn push(&mut self, s: &str) -> Result<(), EndpointError> {
+        let end = self.len + s.len();
+        if end > EndpointBuf::CAPACITY {
+            return Err(EndpointError::Host);
+        }
+        self.buf[self.len..end].copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+
+    fn push_u32(&mut self, mut v: u32) -> Result<(), EndpointError> {
+        let mut d = [0u8; 10];
+        let mut i = d.len();
+        loop {
+            i -= 1;
+            d[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(std::str::from_utf8(&d[i..]).expect("digits"))
+    }
+
+    fn push_lower(&mut self, s: &str) -> Result<(), EndpointError> {
+        let at = self.len;
+        self.push(s)?;
+        self.buf[at..self.len].make_ascii_lowercase();
+        Ok(())
+    }
+}
+
+impl Default for EndpointBuf {
+    fn default() -> Self {
+        EndpointBuf::new()
+    }
+}
+
+impl fmt::Write for EndpointBuf {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.push(s).map_err(|_| fmt::Error)
+    }
+}
+
 /// Normalize an endpoint (see the module docs).
 pub fn normalize_endpoint(s: &str) -> Result<String, EndpointError> {
+    let mut b = EndpointBuf::new();
+    normalize_endpoint_into(s, &mut b)?;
+    Ok(b.as_str().to_string())
+}
+
+/// Normalize an endpoint into a stack buffer (no allocation; what the orchestrator uses).
+pub fn normalize_endpoint_into(s: &str, out: &mut EndpointBuf) -> Result<(), EndpointError> {
+    use std::fmt::Write as _;
+    out.len = 0;
     let (scheme, rest) = s.split_once("://").ok_or(EndpointError::Scheme)?;
     let sb = scheme.as_bytes();
     if sb.is_empty()
@@ -53,14 +127,16 @@ pub fn normalize_endpoint(s: &str) -> Result<String, EndpointError> {
     if rest.contains(['/', '?', '#', '@', '%', ' ']) {
         return Err(EndpointError::Extra);
     }
-    let (host, port) = if let Some(r) = rest.strip_prefix('[') {
+    out.push_lower(scheme)?;
+    out.push("://")?;
+    let port = if let Some(r) = rest.strip_prefix('[') {
         let (inside, after) = r.split_once(']').ok_or(EndpointError::Host)?;
         let ip: Ipv6Addr = inside.parse().map_err(|_| EndpointError::Host)?;
         if ip.is_unspecified() {
             return Err(EndpointError::Wildcard);
         }
-        let port = after.strip_prefix(':').ok_or(EndpointError::Port)?;
-        (format!("[{ip}]"), port)
+        write!(out, "[{ip}]").map_err(|_| EndpointError::Host)?;
+        after.strip_prefix(':').ok_or(EndpointError::Port)?
     } else {
         let (host, port) = rest.rsplit_once(':').ok_or(EndpointError::Port)?;
         if host.contains('*') {
@@ -69,13 +145,17 @@ pub fn normalize_endpoint(s: &str) -> Result<String, EndpointError> {
         if host.contains(':') {
             return Err(EndpointError::Host); // IPv6 must be bracketed
         }
-        let host = if let Ok(ip) = host.parse::<Ipv4Addr>() {
+        if let Ok(ip) = host.parse::<Ipv4Addr>() {
             if ip.is_unspecified() {
                 return Err(EndpointError::Wildcard);
             }
-            ip.to_string()
+            for (i, o) in ip.octets().iter().enumerate() {
+                if i > 0 {
+                    out.push(".")?;
+                }
+                out.push_u32(u32::from(*o))?;
+            }
         } else {
-            let h = host.to_ascii_lowercase();
             let label_ok = |l: &str| {
                 !l.is_empty()
                     && l.len() <= 63
@@ -83,16 +163,16 @@ pub fn normalize_endpoint(s: &str) -> Result<String, EndpointError> {
                     && !l.ends_with('-')
                     && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
             };
-            if h.is_empty() || h.len() > 253 || !h.split('.').all(label_ok) {
+            if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
                 return Err(EndpointError::Host);
             }
             // all-numeric dotted names that are not valid IPv4 (e.g. 010.0.0.1) are refused
-            if h.split('.').all(|l| l.bytes().all(|c| c.is_ascii_digit())) {
+            if host.split('.').all(|l| l.bytes().all(|c| c.is_ascii_digit())) {
                 return Err(EndpointError::Host);
             }
-            h
-        };
-        (host, port)
+            out.push_lower(host)?;
+        }
+        port
     };
     if port.is_empty() || !port.bytes().all(|c| c.is_ascii_digit()) {
         return Err(EndpointError::Port);
@@ -105,7 +185,8 @@ pub fn normalize_endpoint(s: &str) -> Result<String, EndpointError> {
     if !(1..=65535).contains(&port) {
         return Err(EndpointError::Port);
     }
-    Ok(format!("{}://{host}:{port}", scheme.to_ascii_lowercase()))
+    out.push(":")?;
+    out.push_u32(port)
 }
 
 /// The set of endpoints a named fetch may connect to. Controlled by the server's own

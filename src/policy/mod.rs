@@ -12,7 +12,7 @@ pub use candidates::{
     collect_candidates, collect_candidates_into, first_candidate, Candidate, CandidateCounts, Candidates, KV_FETCH,
 };
 pub use caps::{Capabilities, CapabilitiesBuilder, CapabilitiesError, FamilyId, FamilySet, MAX_FAMILIES};
-pub use endpoint::{normalize_endpoint, EndpointError, EndpointRegistry};
+pub use endpoint::{normalize_endpoint, normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};
 pub use orchestrate::{
     Addressing, BindingSpec, Decision, Discard, FetchRequest, Orchestrator, PolicyConfig, PolicyCounterValues,
     PolicyError, Provider, ProviderError, RequestInfo, DEFAULT_POLICY_METRIC_PREFIX,

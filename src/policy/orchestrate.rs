@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::candidates::{first_candidate, Candidate};
 use super::caps::{Capabilities, FamilyId};
-use super::endpoint::{normalize_endpoint, EndpointError, EndpointRegistry};
+use super::endpoint::{normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};
 use super::payload;
 use crate::hints::{Action, ActionEnvelope, Snapshot};
 use crate::metrics::valid_metric_prefix;
@@ -42,6 +42,8 @@ pub struct BindingSpec {
 #[derive(Clone, Debug)]
 struct Binding {
     spec: BindingSpec,
+    /// The id again, shared with decisions (cloning it is one atomic increment).
+    id: Arc<str>,
     family: FamilyId,
 }
 
@@ -189,7 +191,7 @@ pub enum Decision {
     /// Named fetch was validated and submitted through `binding`.
     NamedFetch {
         /// The resolved binding's id.
-        binding: String,
+        binding: Arc<str>,
         /// The one-action envelope that was handed to the provider.
         envelope: ActionEnvelope,
     },
@@ -317,7 +319,7 @@ impl Orchestrator {
                 return Err(PolicyError::DuplicateBinding(spec.id));
             }
             let family = caps.family(&spec.family).ok_or_else(|| PolicyError::UnknownFamily(spec.id.clone()))?;
-            bindings.push(Binding { spec, family });
+            bindings.push(Binding { id: Arc::from(spec.id.as_str()), spec, family });
         }
         let mut registry = EndpointRegistry::new();
         for e in &config.endpoints {
@@ -331,6 +333,11 @@ impl Orchestrator {
             prefix: config.metric_prefix,
             counters: PolicyCounters::default(),
         })
+    }
+
+    /// The configured id equal to `id` (a reference that lives as long as the orchestrator).
+    pub fn binding_id(&self, id: &str) -> Option<&str> {
+        self.bindings.iter().map(|b| &*b.id).find(|b| *b == id)
     }
 
     /// The capability snapshot.
@@ -396,12 +403,17 @@ impl Orchestrator {
             return Keep(Discard::RequestPaired);
         }
         // The server's registry decides the destination; a supplied address grants nothing.
-        let endpoint = match payload::member(action.payload(), "source_control_endpoint").and_then(json_str) {
-            Some(e) => e,
-            None => return Keep(Discard::EndpointMissing),
+        let Some(raw) = payload::member(action.payload(), "source_control_endpoint") else {
+            return Keep(Discard::EndpointMissing);
         };
-        let Ok(endpoint) = normalize_endpoint(&endpoint) else { return Keep(Discard::EndpointInvalid) };
-        if !self.registry.contains_normalized(&endpoint) {
+        let mut decoded = Vec::new();
+        let Some(text) = json_str(raw, &mut decoded) else { return Keep(Discard::EndpointMissing) };
+        let mut endpoint = EndpointBuf::new();
+        if normalize_endpoint_into(text, &mut endpoint).is_err() {
+            return Keep(Discard::EndpointInvalid);
+        }
+        let endpoint = endpoint.as_str();
+        if !self.registry.contains_normalized(endpoint) {
             return Keep(Discard::EndpointNotTrusted);
         }
         // Only now is the provider contacted: validate on its own terms, then submit.
@@ -410,7 +422,7 @@ impl Orchestrator {
             binding_id: &binding.spec.id,
             family: self.caps.family_name(binding.family),
             action,
-            endpoint: &endpoint,
+            endpoint,
             envelope: &envelope,
         };
         if self.provider.validate(&fr).is_err() {
@@ -419,7 +431,7 @@ impl Orchestrator {
         if self.provider.fetch(&fr).is_err() {
             return Keep(Discard::FetchFailed);
         }
-        Decision::NamedFetch { binding: binding.spec.id.clone(), envelope }
+        Decision::NamedFetch { binding: binding.id.clone(), envelope }
     }
 
     /// Read the counters.
@@ -460,12 +472,16 @@ impl Orchestrator {
     }
 }
 
-/// The text of a canonical JSON string value, or `None` for other kinds.
-fn json_str(v: &[u8]) -> Option<String> {
+/// The text of a canonical JSON string value (`None` for other kinds): borrowed when it has no
+/// escape, else decoded into `buf`.
+fn json_str<'a>(v: &'a [u8], buf: &'a mut Vec<u8>) -> Option<&'a str> {
     if v.len() < 2 || v[0] != b'"' {
         return None;
     }
-    let mut out = Vec::with_capacity(v.len() - 2);
-    crate::hints::decode_canonical_string(&v[1..v.len() - 1], &mut out);
-    String::from_utf8(out).ok()
+    let inner = &v[1..v.len() - 1];
+    if !inner.contains(&b'\\') {
+        return std::str::from_utf8(inner).ok();
+    }
+    crate::hints::decode_canonical_string(inner, buf);
+    std::str::from_utf8(buf).ok()
 }

@@ -1,0 +1,631 @@
+//! The policy layer from C: capabilities, candidates, the policy configuration, a provider
+//! vtable and the orchestrator.
+
+use std::ffi::{c_char, c_void};
+use std::sync::Arc;
+
+use super::boundary::{fill, guard, guard_void, input, input_mut, out_ptr, put, text};
+use super::snapshot::{borrow, kvrelay_snapshot};
+use super::status::kvrelay_status::{self, *};
+use super::types::{kvrelay_bytes, kvrelay_str};
+use crate::policy::{
+    collect_candidates_into, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, FetchRequest,
+    Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
+};
+
+/// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
+pub struct kvrelay_capabilities_builder {
+    inner: CapabilitiesBuilder,
+}
+
+/// An immutable capability snapshot. Owned: `_free` (orchestrators keep their own reference).
+pub struct kvrelay_capabilities {
+    inner: Arc<Capabilities>,
+}
+
+/// The server's policy configuration under construction: bindings, trusted endpoints.
+pub struct kvrelay_policy_config {
+    inner: PolicyConfig,
+}
+
+/// An orchestrator: capabilities, bindings, endpoint registry, provider and counters.
+/// Owned: `_new` / `_free`. `kvrelay_orchestrate` is thread-safe.
+pub struct kvrelay_orchestrator {
+    inner: Orchestrator,
+}
+
+/// A candidate: a supported `kv.fetch` action and the families supporting it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_candidate {
+    /// Position in the snapshot's actions.
+    pub action_index: usize,
+    /// Bit i set when family i (registration order in the capability builder) supports it.
+    pub families: u64,
+}
+
+/// Counts of one candidate collection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvrelay_candidate_counts {
+    /// Actions whose type no family lists.
+    pub unknown_type: u32,
+    /// `kv.fetch` actions whose version no family supports.
+    pub no_matching_version: u32,
+}
+
+/// `kvrelay_policy_config_add_binding`'s addressing mode.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_addressing {
+    /// Fetches by content name: usable for named fetch.
+    KVRELAY_ADDRESSING_NAMED = 0,
+    /// Tied to the request's prefill/decode pairing: never used for named fetch.
+    KVRELAY_ADDRESSING_REQUEST_PAIRED = 1,
+}
+
+/// The request facts eligibility needs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_request_info {
+    /// A generation-only request.
+    pub generation_only: bool,
+    /// The request uses a LoRA adapter.
+    pub lora_adapter: bool,
+}
+
+/// What a provider is asked to validate, then to fetch. Views valid during the call only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_request {
+    /// The resolved binding's id.
+    pub binding_id: kvrelay_str,
+    /// Its family's name.
+    pub family: kvrelay_str,
+    /// Position of the action in the snapshot.
+    pub action_index: usize,
+    /// The action's type.
+    pub action_type: kvrelay_str,
+    /// The action's version.
+    pub action_version: kvrelay_str,
+    /// The action's canonical payload.
+    pub payload: kvrelay_bytes,
+    /// The destination, normalized, present in the trusted registry.
+    pub endpoint: kvrelay_str,
+    /// The canonical one-action envelope to hand on.
+    pub envelope: kvrelay_bytes,
+}
+
+/// A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse
+/// (the value is the provider's own code). They may be called from any thread that calls
+/// `kvrelay_orchestrate`, so they must be thread-safe. `destroy` (may be NULL) is called once
+/// with `user_data` when the orchestrator is freed (or when `kvrelay_orchestrator_new` fails).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvrelay_provider {
+    /// Passed back to every callback.
+    pub user_data: *mut c_void,
+    /// Validate action version, payload and destination on the provider's own terms.
+    pub validate: Option<unsafe extern "C" fn(user_data: *mut c_void, request: *const kvrelay_fetch_request) -> i32>,
+    /// Submit the named fetch.
+    pub fetch: Option<unsafe extern "C" fn(user_data: *mut c_void, request: *const kvrelay_fetch_request) -> i32>,
+    /// Release `user_data`.
+    pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+}
+
+struct CProvider(kvrelay_provider);
+
+// SAFETY: the provider contract (documented on kvrelay_provider) requires callbacks and
+// user_data to be usable from any thread, concurrently.
+unsafe impl Send for CProvider {}
+// SAFETY: as above.
+unsafe impl Sync for CProvider {}
+
+impl Drop for CProvider {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.destroy {
+            // SAFETY: called exactly once, with the user_data the consumer supplied for it.
+            unsafe { d(self.0.user_data) };
+        }
+    }
+}
+
+impl CProvider {
+    fn call(
+        &self,
+        f: Option<unsafe extern "C" fn(*mut c_void, *const kvrelay_fetch_request) -> i32>,
+        r: &FetchRequest<'_>,
+    ) -> Result<(), ProviderError> {
+        let envelope = r.envelope.to_canonical();
+        let req = kvrelay_fetch_request {
+            binding_id: kvrelay_str::of(r.binding_id),
+            family: kvrelay_str::of(r.family),
+            action_index: r.action.index(),
+            action_type: kvrelay_str::of(r.action.action_type()),
+            action_version: kvrelay_str::of(r.action.version()),
+            payload: kvrelay_bytes::of(r.action.payload()),
+            endpoint: kvrelay_str::of(r.endpoint),
+            envelope: kvrelay_bytes::of(&envelope),
+        };
+        let f = f.ok_or(ProviderError { code: -1 })?;
+        // SAFETY: `f` is the consumer's callback; `req` and the bytes it points to live until
+        // the call returns, as the contract promises.
+        match unsafe { f(self.0.user_data, &req) } {
+            0 => Ok(()),
+            code => Err(ProviderError { code }),
+        }
+    }
+}
+
+impl Provider for CProvider {
+    fn validate(&self, r: &FetchRequest<'_>) -> Result<(), ProviderError> {
+        self.call(self.0.validate, r)
+    }
+    fn fetch(&self, r: &FetchRequest<'_>) -> Result<(), ProviderError> {
+        self.call(self.0.fetch, r)
+    }
+}
+
+/// Start a capability snapshot.
+///
+/// # Safety
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_capabilities_builder_new(
+    out: *mut *mut kvrelay_capabilities_builder,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        let b = Box::new(kvrelay_capabilities_builder { inner: Capabilities::builder() });
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(b)) };
+        Ok(())
+    })
+}
+
+/// Declare that `family` supports `(action_type, action_version)` (all UTF-8, exact match).
+/// Families are numbered in the order they are first named (bit i of candidate masks).
+///
+/// # Safety
+/// `builder` NULL or live; each string NULL or readable for its length.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_capabilities_builder_add(
+    builder: *mut kvrelay_capabilities_builder,
+    family: *const c_char,
+    family_len: usize,
+    action_type: *const c_char,
+    action_type_len: usize,
+    action_version: *const c_char,
+    action_version_len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let b = unsafe { input_mut(builder) }?;
+        // SAFETY: forwarded contract.
+        let (f, t, v) = unsafe {
+            (
+                text(family.cast(), family_len)?,
+                text(action_type.cast(), action_type_len)?,
+                text(action_version.cast(), action_version_len)?,
+            )
+        };
+        b.inner.add(f, t, v);
+        Ok(())
+    })
+}
+
+/// Freeze the builder into a capability snapshot; the builder is consumed (freed) in every
+/// case. `KVRELAY_ERR_INVALID_CONFIG` for empty strings or more than 64 families.
+///
+/// # Safety
+/// `builder` NULL or live (not used afterwards); `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_capabilities_build(
+    builder: *mut kvrelay_capabilities_builder,
+    out: *mut *mut kvrelay_capabilities,
+) -> kvrelay_status {
+    guard(|| {
+        if builder.is_null() {
+            return Err(KVRELAY_ERR_NULL);
+        }
+        // SAFETY: non-NULL live box from `_builder_new`, consumed here.
+        let b = unsafe { Box::from_raw(builder) };
+        let out = out_ptr(out)?;
+        let caps = b.inner.build().map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_capabilities { inner: Arc::new(caps) }))) };
+        Ok(())
+    })
+}
+
+/// Free a capability builder that was never built. NULL does nothing.
+///
+/// # Safety
+/// `builder` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_capabilities_builder_free(builder: *mut kvrelay_capabilities_builder) {
+    guard_void(|| {
+        if !builder.is_null() {
+            // SAFETY: live box per the contract.
+            drop(unsafe { Box::from_raw(builder) });
+        }
+    });
+}
+
+/// Free a capability snapshot. NULL does nothing.
+///
+/// # Safety
+/// `caps` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_capabilities_free(caps: *mut kvrelay_capabilities) {
+    guard_void(|| {
+        if !caps.is_null() {
+            // SAFETY: live box per the contract.
+            drop(unsafe { Box::from_raw(caps) });
+        }
+    });
+}
+
+/// Collect the candidates of `snapshot` into `out[0..cap]` (producer order) and the counts
+/// into `*counts` (may be NULL). `*count_out` receives the number of candidates; a smaller
+/// `cap` writes nothing (`KVRELAY_ERR_BUFFER_TOO_SMALL`); `(NULL, 0)` queries. No allocation.
+///
+/// # Safety
+/// `snapshot` NULL or live; `caps` NULL or live; `out` NULL or writable for `cap` elements;
+/// `count_out` NULL or writable; `counts` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_collect_candidates(
+    snapshot: *const kvrelay_snapshot,
+    caps: *const kvrelay_capabilities,
+    out: *mut kvrelay_candidate,
+    cap: usize,
+    count_out: *mut usize,
+    counts: *mut kvrelay_candidate_counts,
+) -> kvrelay_status {
+    guard(|| {
+        let count_out = out_ptr(count_out)?;
+        // SAFETY: forwarded contract.
+        let (s, c) = unsafe { (borrow(snapshot)?, input(caps)?) };
+        if out.is_null() && cap != 0 {
+            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+        }
+        let mut list = Vec::new();
+        let n = collect_candidates_into(&s, &c.inner, &mut list);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(count_out, list.len()) };
+        if !counts.is_null() {
+            let v =
+                kvrelay_candidate_counts { unknown_type: n.unknown_type, no_matching_version: n.no_matching_version };
+            // SAFETY: non-NULL and writable per the contract.
+            unsafe { put(counts, v) };
+        }
+        if cap < list.len() {
+            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+        }
+        for (i, c) in list.iter().enumerate() {
+            // SAFETY: i < list.len() <= cap elements, writable per the contract.
+            unsafe { put(out.add(i), kvrelay_candidate { action_index: c.action_index, families: c.families.bits() }) };
+        }
+        Ok(())
+    })
+}
+
+/// Start a policy configuration (no bindings, empty registry, prefix `kvrelay_kv_policy`).
+///
+/// # Safety
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_new(out: *mut *mut kvrelay_policy_config) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_policy_config { inner: PolicyConfig::default() }))) };
+        Ok(())
+    })
+}
+
+/// Free a policy configuration. NULL does nothing.
+///
+/// # Safety
+/// `config` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_free(config: *mut kvrelay_policy_config) {
+    guard_void(|| {
+        if !config.is_null() {
+            // SAFETY: live box per the contract.
+            drop(unsafe { Box::from_raw(config) });
+        }
+    });
+}
+
+/// Add a binding of `family` with `addressing` (a `kvrelay_addressing` value) and authorization.
+/// Add what the binding itself supports with `kvrelay_policy_config_binding_support`.
+///
+/// # Safety
+/// `config` NULL or live; strings NULL or readable for their lengths.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_add_binding(
+    config: *mut kvrelay_policy_config,
+    id: *const c_char,
+    id_len: usize,
+    family: *const c_char,
+    family_len: usize,
+    addressing: i32,
+    authorized: bool,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config) }?;
+        // SAFETY: forwarded contract.
+        let (id, family) = unsafe { (text(id.cast(), id_len)?, text(family.cast(), family_len)?) };
+        let addressing = match addressing {
+            0 => Addressing::Named,
+            1 => Addressing::RequestPaired,
+            _ => return Err(KVRELAY_ERR_INVALID_ARGUMENT),
+        };
+        c.inner.bindings.push(BindingSpec {
+            id: id.into(),
+            family: family.into(),
+            addressing,
+            supports: Vec::new(),
+            authorized,
+        });
+        Ok(())
+    })
+}
+
+/// Declare that binding `id` (added before) supports `(action_type, action_version)`.
+/// `KVRELAY_ERR_INVALID_ARGUMENT` when no binding has that id.
+///
+/// # Safety
+/// `config` NULL or live; strings NULL or readable for their lengths.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_binding_support(
+    config: *mut kvrelay_policy_config,
+    id: *const c_char,
+    id_len: usize,
+    action_type: *const c_char,
+    action_type_len: usize,
+    action_version: *const c_char,
+    action_version_len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config) }?;
+        // SAFETY: forwarded contract.
+        let (id, t, v) = unsafe {
+            (
+                text(id.cast(), id_len)?,
+                text(action_type.cast(), action_type_len)?,
+                text(action_version.cast(), action_version_len)?,
+            )
+        };
+        let b = c.inner.bindings.iter_mut().find(|b| b.id == id).ok_or(KVRELAY_ERR_INVALID_ARGUMENT)?;
+        b.supports.push((t.into(), v.into()));
+        Ok(())
+    })
+}
+
+/// Add an endpoint (`scheme://host:port`) to the trusted registry. `KVRELAY_ERR_INVALID_ARGUMENT`
+/// when it does not normalize (wildcard host, no port, path...).
+///
+/// # Safety
+/// `config` NULL or live; `endpoint` NULL or readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_add_endpoint(
+    config: *mut kvrelay_policy_config,
+    endpoint: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config) }?;
+        // SAFETY: forwarded contract.
+        let e = unsafe { text(endpoint.cast(), len) }?;
+        crate::policy::normalize_endpoint(e).map_err(|_| KVRELAY_ERR_INVALID_ARGUMENT)?;
+        c.inner.endpoints.push(e.into());
+        Ok(())
+    })
+}
+
+/// Prefix of the policy's Prometheus metric names (default `kvrelay_kv_policy`).
+///
+/// # Safety
+/// `config` NULL or live; `prefix` NULL or readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_policy_config_set_metric_prefix(
+    config: *mut kvrelay_policy_config,
+    prefix: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config) }?;
+        // SAFETY: forwarded contract.
+        c.inner.metric_prefix = unsafe { text(prefix.cast(), len) }?.into();
+        Ok(())
+    })
+}
+
+/// Build an orchestrator. The capability snapshot is shared (free yours whenever you like), the
+/// config copied, and the provider owned from here on: its `destroy` runs when the
+/// orchestrator is freed, or right away if this call fails for any reason but a NULL `out` or
+/// `provider`. `KVRELAY_ERR_INVALID_CONFIG` for a binding of an unknown family, a repeated
+/// binding id, or a bad metric prefix.
+///
+/// # Safety
+/// `caps`, `config` NULL or live; `provider` NULL or readable; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrator_new(
+    caps: *const kvrelay_capabilities,
+    config: *const kvrelay_policy_config,
+    provider: *const kvrelay_provider,
+    out: *mut *mut kvrelay_orchestrator,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let p = CProvider(*unsafe { input(provider) }?);
+        // SAFETY: forwarded contract.
+        let (c, cfg) = unsafe { (input(caps)?, input(config)?) };
+        let o = Orchestrator::new(c.inner.clone(), cfg.inner.clone(), Box::new(p))
+            .map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_orchestrator { inner: o }))) };
+        Ok(())
+    })
+}
+
+/// Free an orchestrator (calls the provider's `destroy`). NULL does nothing.
+///
+/// # Safety
+/// `orchestrator` NULL or live and not in use by another thread.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrator_free(orchestrator: *mut kvrelay_orchestrator) {
+    guard_void(|| {
+        if !orchestrator.is_null() {
+            // SAFETY: live box per the contract.
+            drop(unsafe { Box::from_raw(orchestrator) });
+        }
+    });
+}
+
+/// `kvrelay_decision.kind`.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_decision_kind {
+    /// Named fetch validated and submitted.
+    KVRELAY_DECISION_NAMED_FETCH = 1,
+    /// Keep the existing paired path; see `discard`.
+    KVRELAY_DECISION_KEEP_PAIRED_PATH = 2,
+}
+
+/// The decision for one request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_decision {
+    /// A `kvrelay_decision_kind` value.
+    pub kind: i32,
+    /// For KEEP_PAIRED_PATH: the reason, a stable code; `kvrelay_discard_name` renders it.
+    /// 0 for NAMED_FETCH.
+    pub discard: i32,
+    /// For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
+    pub binding_id: kvrelay_str,
+    /// For NAMED_FETCH: the action's position in the snapshot.
+    pub action_index: usize,
+}
+
+/// Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
+/// passes, call the provider's `validate` then `fetch`. Counts the outcome once.
+///
+/// # Safety
+/// `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrate(
+    orchestrator: *const kvrelay_orchestrator,
+    request: *const kvrelay_request_info,
+    snapshot: *const kvrelay_snapshot,
+    out: *mut kvrelay_decision,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (o, r) = unsafe { (input(orchestrator)?, input(request)?) };
+        let snap = if snapshot.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL live handle per the contract.
+            Some(unsafe { borrow(snapshot) }?)
+        };
+        let req = RequestInfo { generation_only: r.generation_only, lora_adapter: r.lora_adapter };
+        let d = o.inner.decide(&req, snap.as_deref());
+        let c = match d {
+            Decision::NamedFetch { binding, envelope } => {
+                // point at the orchestrator's own copy of the id so the view outlives `d`
+                let id = o.inner.binding_id(&binding).expect("decided binding exists");
+                kvrelay_decision {
+                    kind: kvrelay_decision_kind::KVRELAY_DECISION_NAMED_FETCH as i32,
+                    discard: 0,
+                    binding_id: kvrelay_str::of(id),
+                    action_index: envelope.action().index(),
+                }
+            }
+            Decision::KeepPairedPath(r) => kvrelay_decision {
+                kind: kvrelay_decision_kind::KVRELAY_DECISION_KEEP_PAIRED_PATH as i32,
+                discard: r as i32,
+                binding_id: kvrelay_str::of(""),
+                action_index: 0,
+            },
+        };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, c) };
+        Ok(())
+    })
+}
+
+/// The metric label of a discard code (`"request_paired"`, ...); `"unknown"` for other values.
+/// Static, NUL-terminated, never NULL.
+#[no_mangle]
+pub extern "C" fn kvrelay_discard_name(discard: i32) -> *const c_char {
+    static NAMES: [&[u8]; 15] = [
+        b"none\0",
+        b"not_generation_only\0",
+        b"lora_adapter\0",
+        b"no_hint\0",
+        b"no_candidate\0",
+        b"missing_mapping\0",
+        b"unauthorized\0",
+        b"capability_mismatch\0",
+        b"ambiguous_mapping\0",
+        b"request_paired\0",
+        b"endpoint_missing\0",
+        b"endpoint_invalid\0",
+        b"endpoint_not_trusted\0",
+        b"provider_rejected\0",
+        b"fetch_failed\0",
+    ];
+    let s: &[u8] = usize::try_from(discard).ok().and_then(|i| NAMES.get(i).copied()).unwrap_or(b"unknown\0");
+    s.as_ptr().cast()
+}
+
+/// The orchestrator's counters as Prometheus text, NUL-terminated, with the size-query
+/// convention of `kvrelay_admission_prometheus`.
+///
+/// # Safety
+/// `orchestrator` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrator_prometheus(
+    orchestrator: *const kvrelay_orchestrator,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let o = unsafe { input(orchestrator) }?;
+        let mut s = o.inner.prometheus();
+        s.push('\0');
+        // SAFETY: forwarded contract.
+        unsafe { fill(s.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Discard;
+
+    #[test]
+    fn discard_names_follow_the_enum() {
+        for d in Discard::ALL {
+            // SAFETY: static NUL-terminated strings.
+            let n = unsafe { std::ffi::CStr::from_ptr(kvrelay_discard_name(d as i32)) };
+            assert_eq!(n.to_str().unwrap(), d.as_str());
+        }
+        // SAFETY: as above.
+        let n = unsafe { std::ffi::CStr::from_ptr(kvrelay_discard_name(15)) };
+        assert_eq!(n.to_str().unwrap(), "unknown");
+    }
+}

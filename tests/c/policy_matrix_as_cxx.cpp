@@ -1,0 +1,2 @@
+// policy_matrix.c compiled as C++.
+#include "policy_matrix.c"
