@@ -23,6 +23,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod copy;
 pub mod ffi;
 pub mod hints;
 pub mod metrics;

@@ -1,0 +1,289 @@
+//! KV copy engines. The CPU reference engine runs everywhere; the GPU tests run where a CUDA
+//! driver and device exist and otherwise skip, printing why (the CPU tests cover the same plan).
+
+use kvrelay::copy::*;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+    fn perm(&mut self, n: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in (1..v.len()).rev() {
+            v.swap(i, (self.next() % (i as u64 + 1)) as usize);
+        }
+        v
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    KvFirst,
+    BlockFirst,
+    AllLayers,
+}
+
+const KINDS: [Kind; 3] = [Kind::KvFirst, Kind::BlockFirst, Kind::AllLayers];
+
+/// Bytes a pool of this kind needs, and the layout at `base` (per-layer pools are laid out one
+/// after another with a 4 KiB gap).
+fn layout_at(kind: Kind, base: u64, layers: u32, blocks: u32, kv: u64) -> (KvLayout, u64) {
+    let per_layer = 2 * u64::from(blocks) * kv + 4096;
+    match kind {
+        Kind::KvFirst | Kind::BlockFirst => {
+            let pools: Vec<u64> = (0..u64::from(layers)).map(|l| base + l * per_layer).collect();
+            let l = if matches!(kind, Kind::KvFirst) {
+                KvLayout::per_layer_kv_first(&pools, blocks, kv)
+            } else {
+                KvLayout::per_layer_block_first(&pools, blocks, kv)
+            };
+            (l.unwrap(), per_layer * u64::from(layers))
+        }
+        Kind::AllLayers => {
+            (KvLayout::all_layers_per_block(base, layers, blocks, kv).unwrap(), 2 * u64::from(layers * blocks) * kv)
+        }
+    }
+}
+
+/// A host pool of random bytes, 64-byte aligned.
+struct HostPool {
+    mem: Vec<u128>,
+}
+impl HostPool {
+    fn new(bytes: u64, rng: &mut Rng) -> HostPool {
+        let mut p = HostPool { mem: vec![0u128; (bytes as usize).div_ceil(16) + 4] };
+        rng.fill(p.bytes_mut());
+        p
+    }
+    fn base(&self) -> u64 {
+        (self.mem.as_ptr() as u64).next_multiple_of(64)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: a Vec<u128> viewed as bytes; u8 has no invalid values.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr().cast::<u8>(), self.mem.len() * 16) }
+    }
+    fn slice(&self, addr: u64, len: u64) -> &[u8] {
+        let off = (addr - self.mem.as_ptr() as u64) as usize;
+        // SAFETY: callers pass addresses inside the pool (checked by the layout bounds).
+        unsafe { std::slice::from_raw_parts(self.mem.as_ptr().cast::<u8>().add(off), len as usize) }
+    }
+}
+
+fn cpu(kind: Kind, layers: u32, blocks: u32, kv: u64, rng: &mut Rng) -> (HostPool, CpuEngine) {
+    let (_, bytes) = layout_at(kind, 0, layers, blocks, kv);
+    let pool = HostPool::new(bytes + 64, rng);
+    let (layout, _) = layout_at(kind, pool.base(), layers, blocks, kv);
+    // SAFETY: the layout lies inside `pool`, which the caller keeps alive beside the engine.
+    let e = unsafe { CpuEngine::new(layout) };
+    (pool, e)
+}
+
+/// The expected staging of `ids`, computed independently of the engine from the pool bytes.
+fn expected(pool: &HostPool, layout: &KvLayout, ids: &[u32]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for &id in ids {
+        for s in layout.segments() {
+            v.extend_from_slice(pool.slice(s.base + u64::from(id) * s.block_stride, s.bytes_per_block));
+        }
+    }
+    v
+}
+
+#[test]
+fn cpu_gather_and_scatter_every_layout_kind() {
+    let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+    for kind in KINDS {
+        let (layers, blocks, kv) = (3, 40, 256);
+        let (pool, mut e) = cpu(kind, layers, blocks, kv, &mut rng);
+        let ids: Vec<u32> = rng.perm(blocks).into_iter().take(17).collect();
+        let mut staging = vec![0xEEu8; e.layout().staging_bytes(ids.len()) as usize + 33];
+        e.gather(&ids, &mut staging).unwrap();
+        let want = expected(&pool, e.layout(), &ids);
+        assert!(staging[..want.len()] == want[..], "{kind:?}: gather differs from the pool bytes");
+        assert!(staging[want.len()..].iter().all(|&b| b == 0xEE), "{kind:?}: wrote past the blocks");
+        // round trip into other blocks, then gather those: the same bytes
+        let others: Vec<u32> = rng.perm(blocks).into_iter().take(ids.len()).collect();
+        e.scatter(&staging, &others).unwrap();
+        let mut again = vec![0u8; staging.len()];
+        e.gather(&others, &mut again).unwrap();
+        assert!(again[..want.len()] == staging[..want.len()], "{kind:?}: round trip differs");
+        // repeated ids are fine for a gather
+        let mut twice = vec![0u8; e.layout().staging_bytes(2) as usize];
+        e.gather(&[5, 5], &mut twice).unwrap();
+        let half = twice.len() / 2;
+        assert!(twice[..half] == twice[half..]);
+        drop(e);
+        drop(pool);
+    }
+}
+
+#[test]
+fn cpu_refusals() {
+    let mut rng = Rng(99);
+    let (_pool, mut e) = cpu(Kind::AllLayers, 2, 8, 64, &mut rng);
+    let bb = e.layout().stage_block_bytes() as usize;
+    let mut staging = vec![0u8; bb * 4];
+    assert_eq!(e.gather(&[], &mut staging), Ok(()));
+    assert_eq!(e.scatter(&staging, &[]), Ok(()));
+    assert_eq!(e.gather(&[1, 8], &mut staging), Err(CopyError::BlockOutOfRange { position: 1, id: 8, num_blocks: 8 }));
+    assert_eq!(e.scatter(&staging, &[3, 1, 3]), Err(CopyError::DuplicateBlock { position: 2, id: 3 }));
+    // the duplicate check leaves no state behind
+    assert_eq!(e.scatter(&staging, &[3, 1]), Ok(()));
+    assert_eq!(
+        e.gather(&[0, 1, 2, 3, 4], &mut staging),
+        Err(CopyError::StagingTooSmall { needed: 5 * bb as u64, got: 4 * bb as u64 })
+    );
+}
+
+#[test]
+fn layouts_are_validated_once() {
+    let seg = |base, block_stride, bytes_per_block| Segment { base, block_stride, bytes_per_block };
+    assert_eq!(KvLayout::new(0, vec![seg(0, 64, 64)], &[]), Err(LayoutError::Empty));
+    assert_eq!(KvLayout::new(4, vec![], &[]), Err(LayoutError::Empty));
+    assert_eq!(KvLayout::new(4, vec![seg(8, 64, 64)], &[]), Err(LayoutError::Alignment(0)));
+    assert_eq!(KvLayout::new(4, vec![seg(0, 64, 48), seg(4096, 64, 40)], &[]), Err(LayoutError::Alignment(1)));
+    assert_eq!(KvLayout::new(4, vec![seg(0, 64, 128)], &[]), Err(LayoutError::Shape(0)));
+    assert_eq!(KvLayout::new(4, vec![seg(u64::MAX - 15, 64, 64)], &[]), Err(LayoutError::Shape(0)));
+    // K and V interleaved in one stride: fine; windows that meet: refused
+    assert!(KvLayout::new(4, vec![seg(0, 128, 64), seg(64, 128, 64)], &[]).is_ok());
+    assert_eq!(KvLayout::new(4, vec![seg(0, 128, 64), seg(48, 128, 64)], &[]), Err(LayoutError::Overlap(0, 1)));
+    assert_eq!(KvLayout::new(4, vec![seg(0, 128, 64), seg(256, 64, 64)], &[]), Err(LayoutError::Overlap(0, 1)));
+    // bounds against the pools given
+    assert_eq!(KvLayout::new(4, vec![seg(0, 64, 64)], &[(0, 255)]), Err(LayoutError::Bounds(0)));
+    assert!(KvLayout::new(4, vec![seg(0, 64, 64)], &[(0, 256)]).is_ok());
+    // staging is block-major
+    let l = KvLayout::all_layers_per_block(0, 3, 10, 32).unwrap();
+    assert_eq!(l.segments().len(), 6);
+    assert_eq!(l.stage_block_bytes(), 6 * 32);
+    assert_eq!((0..6).map(|s| l.stage_offset(s)).collect::<Vec<_>>(), [0, 32, 64, 96, 128, 160]);
+}
+
+#[test]
+fn no_driver_is_a_clean_error() {
+    if driver_present() {
+        println!("CUDA driver present: the no-driver path is exercised on machines without one");
+        return;
+    }
+    assert_eq!(CudaDevice::open(0).unwrap_err(), CopyError::NoDriver);
+}
+
+// ---------------------------------------------------------------- GPU
+
+fn gpu() -> Option<std::sync::Arc<CudaDevice>> {
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("SKIP GPU test: {e} (the CPU reference engine tests cover the copy plan)");
+            None
+        }
+    }
+}
+
+/// A device pool mirrored on the host: same random bytes, same layout shape.
+struct Mirror {
+    host: HostPool,
+    host_layout: KvLayout,
+    dev: DeviceBuffer,
+    dev_layout: KvLayout,
+}
+
+fn mirror(d: &std::sync::Arc<CudaDevice>, kind: Kind, layers: u32, blocks: u32, kv: u64, rng: &mut Rng) -> Mirror {
+    let (_, bytes) = layout_at(kind, 0, layers, blocks, kv);
+    let host = HostPool::new(bytes + 64, rng);
+    let (host_layout, _) = layout_at(kind, host.base(), layers, blocks, kv);
+    let dev = DeviceBuffer::alloc(d, bytes as usize + 256).unwrap();
+    let (dev_layout, _) = layout_at(kind, dev.ptr().next_multiple_of(256), layers, blocks, kv);
+    // upload the host bytes at the same offsets
+    let off = (host.base() - host.mem.as_ptr() as u64) as usize;
+    let dev_off = (dev.ptr().next_multiple_of(256) - dev.ptr()) as usize;
+    dev.write(dev_off, host.slice(host.mem.as_ptr() as u64 + off as u64, bytes)).unwrap();
+    Mirror { host, host_layout, dev, dev_layout }
+}
+
+#[test]
+fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
+    let Some(d) = gpu() else { return };
+    let mut rng = Rng(0xC0FFEE);
+    let stream = CudaStream::new(&d).unwrap();
+    for kind in KINDS {
+        for method in [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::PerChunk] {
+            let (layers, blocks, kv) = (4, 2000, 4096);
+            let m = mirror(&d, kind, layers, blocks, kv, &mut rng);
+            // SAFETY: the layout lies inside `m.dev`, alive for the test.
+            let mut e = match unsafe {
+                CudaEngine::new(&d, m.dev_layout.clone(), EngineOptions { method, ..Default::default() })
+            } {
+                Ok(e) => e,
+                Err(CopyError::Unsupported(what)) => {
+                    println!("SKIP {kind:?}/{method:?}: {what}");
+                    continue;
+                }
+                Err(e) => panic!("{kind:?}/{method:?}: {e}"),
+            };
+            // SAFETY: host mirror layout inside `m.host`.
+            let mut reference = unsafe { CpuEngine::new(m.host_layout.clone()) };
+            // more ids than one launch carries, random order
+            let ids: Vec<u32> = rng.perm(blocks).into_iter().take(1500).collect();
+            let n = m.dev_layout.staging_bytes(ids.len()) as usize;
+            let mut staging = PinnedBuffer::alloc(&d, n + 4096).unwrap();
+            staging.as_mut_slice().fill(0xA5); // poison
+            let done = CudaEvent::new(&d).unwrap();
+            e.gather(&ids, &staging, &stream, Some(&done)).unwrap();
+            done.synchronize().unwrap();
+            let mut want = vec![0u8; n];
+            reference.gather(&ids, &mut want).unwrap();
+            assert!(staging.as_slice()[..n] == want[..], "{kind:?}/{method:?}: gather differs from the CPU engine");
+            assert!(staging.as_slice()[n..].iter().all(|&b| b == 0xA5), "{kind:?}/{method:?}: wrote past the end");
+            // round trip: scatter into different blocks, gather them back
+            let others: Vec<u32> = rng.perm(blocks).into_iter().take(ids.len()).collect();
+            e.scatter(&staging, &others, &stream, None).unwrap();
+            let mut back = PinnedBuffer::alloc(&d, n).unwrap();
+            back.as_mut_slice().fill(0x5A);
+            e.gather(&others, &back, &stream, Some(&done)).unwrap();
+            done.synchronize().unwrap();
+            assert!(back.as_slice() == &want[..], "{kind:?}/{method:?}: round trip differs");
+            // refusals come back as errors, not faults
+            assert!(matches!(e.scatter(&staging, &[1, 1], &stream, None), Err(CopyError::DuplicateBlock { .. })));
+            assert!(matches!(e.gather(&[blocks], &staging, &stream, None), Err(CopyError::BlockOutOfRange { .. })));
+            let small = PinnedBuffer::alloc(&d, 16).unwrap();
+            assert!(matches!(e.gather(&[0], &small, &stream, None), Err(CopyError::StagingTooSmall { .. })));
+            println!("ok {kind:?}/{method:?}: {} blocks, {} bytes, byte-exact", ids.len(), n);
+        }
+    }
+}
+
+#[test]
+fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
+    let Some(d) = gpu() else { return };
+    let mut rng = Rng(7);
+    let stream = CudaStream::new(&d).unwrap();
+    let m = mirror(&d, Kind::AllLayers, 8, 512, 16384, &mut rng);
+    // SAFETY: the layout lies inside `m.dev`.
+    let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), EngineOptions::default()) }.unwrap();
+    let ids: Vec<u32> = (0..512).collect();
+    let n = m.dev_layout.staging_bytes(ids.len()) as usize;
+    let staging = PinnedBuffer::alloc(&d, n).unwrap();
+    for round in 0..3u8 {
+        // a device-side write of the whole pool enqueued just before the gather
+        let v = 0x10 + round;
+        // SAFETY: writes inside the pool allocation on the test's live stream.
+        let r = unsafe { cudarc::driver::sys::cuMemsetD8Async(m.dev.ptr(), v, m.dev.len(), stream.raw()) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        let done = CudaEvent::new(&d).unwrap();
+        e.gather(&ids, &staging, &stream, Some(&done)).unwrap();
+        done.synchronize().unwrap();
+        assert!(staging.as_slice().iter().all(|&b| b == v), "round {round}: the gather ran before the write");
+    }
+    let _ = &m.host;
+    println!("ok ordering: 3 rounds of write-then-gather on one stream");
+}
