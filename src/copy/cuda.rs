@@ -32,7 +32,8 @@ use super::CopyError;
 pub const IDS_PER_LAUNCH: usize = 960;
 /// Default CTA budget of the kernel.
 pub const DEFAULT_CTAS: u32 = 16;
-const THREADS: u32 = 512;
+/// Default threads per CTA of the kernel.
+pub const DEFAULT_THREADS: u32 = 512;
 
 const KERNEL: &str = r#"
 struct Seg { unsigned long long base, stride, bytes, stage_off; };
@@ -447,13 +448,20 @@ pub struct EngineOptions {
     pub method: CopyMethod,
     /// CTA budget of the kernel (1..=1024).
     pub ctas: u32,
+    /// Threads per CTA of the kernel (a multiple of 32, 64..=512).
+    pub threads: u32,
     /// Most blocks per call the batch method reserves descriptors for (larger calls are split).
     pub max_blocks_per_call: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { method: CopyMethod::Kernel, ctas: DEFAULT_CTAS, max_blocks_per_call: 1024 }
+        EngineOptions {
+            method: CopyMethod::Kernel,
+            ctas: DEFAULT_CTAS,
+            threads: DEFAULT_THREADS,
+            max_blocks_per_call: 1024,
+        }
     }
 }
 
@@ -523,7 +531,11 @@ impl CudaEngine {
     /// Every block of every segment must be device memory of `dev` valid for reads and writes
     /// while the engine is used.
     pub unsafe fn new(dev: &Arc<CudaDevice>, layout: KvLayout, opts: EngineOptions) -> Result<CudaEngine, CopyError> {
-        if !(1..=1024).contains(&opts.ctas) || opts.max_blocks_per_call == 0 {
+        if !(1..=1024).contains(&opts.ctas)
+            || !(64..=512).contains(&opts.threads)
+            || opts.threads % 32 != 0
+            || opts.max_blocks_per_call == 0
+        {
             return Err(CopyError::InvalidOptions);
         }
         dev.bind()?;
@@ -719,7 +731,7 @@ impl CudaEngine {
                             self.opts.ctas,
                             1,
                             1,
-                            THREADS,
+                            self.opts.threads,
                             1,
                             1,
                             0,
