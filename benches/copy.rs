@@ -77,31 +77,39 @@ fn main() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
 
     // the ceiling, measured in this run
-    // SAFETY (both closures): 2 GiB copies between live allocations of at least that size.
-    let d2h = time_ms(&d, &s1, || unsafe {
-        sys::cuMemcpyDtoHAsync_v2(staging.as_slice().as_ptr() as *mut _, pool.ptr(), total, s1.raw());
+    let d2h = time_ms(&d, &s1, || {
+        // SAFETY: a 2 GiB copy between live allocations of at least that size.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(staging.as_slice().as_ptr() as *mut _, pool.ptr(), total, s1.raw()) };
     });
-    let h2d = time_ms(&d, &s1, || unsafe {
-        sys::cuMemcpyHtoDAsync_v2(pool.ptr(), staging.as_slice().as_ptr() as *const _, total, s1.raw());
+    let h2d = time_ms(&d, &s1, || {
+        // SAFETY: as above.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(pool.ptr(), staging.as_slice().as_ptr() as *const _, total, s1.raw()) };
     });
     let (c_d2h, c_h2d) = (gbps(total, d2h), gbps(total, h2d));
     println!("contiguous pinned memcpy, 2 GiB: D2H {c_d2h:.1} GB/s, H2D {c_h2d:.1} GB/s\n");
 
     println!("| chunk | method | gather GB/s | % of contiguous D2H | scatter GB/s | % of contiguous H2D |");
     println!("|---|---|---|---|---|---|");
-    let methods: [(&str, CopyMethod, u32); 4] = [
-        ("cudaMemcpyAsync per chunk", CopyMethod::PerChunk, 16),
-        ("cudaMemcpyBatchAsync", CopyMethod::Batch, 16),
-        ("kvrelay kernel, 8 CTAs", CopyMethod::Kernel, 8),
-        ("kvrelay kernel, 16 CTAs", CopyMethod::Kernel, 16),
+    let methods: [(&str, CopyMethod, u32, IdTransport); 5] = [
+        ("cudaMemcpyAsync per chunk", CopyMethod::PerChunk, 16, IdTransport::Ring),
+        ("cudaMemcpyBatchAsync", CopyMethod::Batch, 16, IdTransport::Ring),
+        ("kvrelay kernel, 8 CTAs", CopyMethod::Kernel, 8, IdTransport::Ring),
+        ("kvrelay kernel, 16 CTAs", CopyMethod::Kernel, 16, IdTransport::Ring),
+        ("kvrelay kernel, 16 CTAs, ids in params", CopyMethod::Kernel, 16, IdTransport::Params),
     ];
     for chunk_kib in [4u64, 16, 64, 256] {
         let chunk = chunk_kib * 1024;
         let moved = (total as u64 / (2 * u64::from(LAYERS) * chunk)) as u32;
         let layout = KvLayout::all_layers_per_block(pool.ptr(), LAYERS, 2 * moved, chunk).unwrap();
         let ids: Vec<u32> = rng.perm(2 * moved).into_iter().take(moved as usize).collect();
-        for (name, method, ctas) in methods {
-            let opts = EngineOptions { method, ctas, max_blocks_per_call: moved as usize, ..Default::default() };
+        for (name, method, ctas, transport) in methods {
+            let opts = EngineOptions {
+                method,
+                ctas,
+                max_blocks_per_call: moved as usize,
+                ids: transport,
+                ..Default::default()
+            };
             // SAFETY: the layout lies inside `pool`, alive for the whole benchmark.
             let mut e = match unsafe { CudaEngine::new(&d, layout.clone(), opts) } {
                 Ok(e) => e,
@@ -155,7 +163,7 @@ fn main() {
         }
     });
     println!("\nboth directions at once, 16 KiB chunks: two contiguous copies {contiguous:.1} GB/s total");
-    for (ctas, threads) in [(16, 512), (8, 512), (16, 256), (32, 512)] {
+    for (ctas, threads) in [(16, 512), (8, 512), (4, 512), (2, 512)] {
         let opts = EngineOptions { ctas, threads, ..Default::default() };
         // SAFETY: as above.
         let (mut ea, mut eb) = unsafe {
@@ -174,25 +182,30 @@ fn main() {
 
     // host-side cost of one call for 1,000 blocks (enqueue only)
     let small = KvLayout::all_layers_per_block(pool.ptr(), 1, 4096, 4096).unwrap();
-    // SAFETY: as above.
-    let mut e = unsafe { CudaEngine::new(&d, small, EngineOptions::default()).unwrap() };
-    for n in [960usize, 1000] {
-        let ids: Vec<u32> = rng.perm(4096).into_iter().take(n).collect();
-        let mut best = f64::MAX;
-        for _ in 0..5 {
+    for transport in [IdTransport::Auto, IdTransport::Ring, IdTransport::Params] {
+        // SAFETY: as above.
+        let mut e = unsafe {
+            CudaEngine::new(&d, small.clone(), EngineOptions { ids: transport, ..Default::default() }).unwrap()
+        };
+        for n in [960usize, 1000] {
+            let ids: Vec<u32> = rng.perm(4096).into_iter().take(n).collect();
+            // one call at a time on an idle stream: the enqueue cost alone
+            let mut t: Vec<f64> = (0..50)
+                .map(|_| {
+                    s1.synchronize().unwrap();
+                    let t0 = Instant::now();
+                    e.gather(&ids, &staging, &s1, None).unwrap();
+                    t0.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
             s1.synchronize().unwrap();
-            let t = Instant::now();
-            for _ in 0..100 {
-                e.gather(&ids, &staging, &s1, None).unwrap();
-            }
-            best = best.min(t.elapsed().as_secs_f64() / 100.0);
+            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            println!(
+                "host-side cost of one gather call for {n} blocks (kernel, ids {transport:?}): median {:.2} us, best {:.2} us",
+                t[t.len() / 2],
+                t[0]
+            );
         }
-        s1.synchronize().unwrap();
-        println!(
-            "host-side cost of one gather call for {n} blocks (kernel method, {} launches): {:.2} us",
-            n.div_ceil(IDS_PER_LAUNCH),
-            best * 1e6
-        );
     }
 
     // gather while a compute kernel keeps the other SMs busy

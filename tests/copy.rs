@@ -216,7 +216,13 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
     let mut rng = Rng(0xC0FFEE);
     let stream = CudaStream::new(&d).unwrap();
     for kind in KINDS {
-        for method in [CopyMethod::Kernel, CopyMethod::Batch, CopyMethod::PerChunk] {
+        for (method, ids_via) in [
+            (CopyMethod::Kernel, IdTransport::Auto),
+            (CopyMethod::Kernel, IdTransport::Ring),
+            (CopyMethod::Kernel, IdTransport::Params),
+            (CopyMethod::Batch, IdTransport::Ring),
+            (CopyMethod::PerChunk, IdTransport::Ring),
+        ] {
             let (layers, blocks, kv) = (4, 2000, 4096);
             let m = mirror(&d, kind, layers, blocks, kv, &mut rng);
             // SAFETY: the layout lies inside `m.dev`, alive for the test.
@@ -257,7 +263,7 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
             assert!(matches!(e.gather(&[blocks], &staging, &stream, None), Err(CopyError::BlockOutOfRange { .. })));
             let small = PinnedBuffer::alloc(&d, 16).unwrap();
             assert!(matches!(e.gather(&[0], &small, &stream, None), Err(CopyError::StagingTooSmall { .. })));
-            println!("ok {kind:?}/{method:?}: {} blocks, {} bytes, byte-exact", ids.len(), n);
+            println!("ok {kind:?}/{method:?}/{ids_via:?}: {} blocks, {} bytes, byte-exact", ids.len(), n);
         }
     }
 }

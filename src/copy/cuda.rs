@@ -42,21 +42,25 @@ struct Params {
   unsigned int n_seg, n_ids, to_staging, pad;
   unsigned int ids[960];
 };
-extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
-  const Seg* segs = (const Seg*)p.segs;
+struct RingParams {
+  unsigned long long segs, staging, stage_block_bytes, ids;
+  unsigned int n_seg, n_ids, to_staging, pad;
+};
+__device__ __forceinline__ void copy_chunks(const Seg* segs, const unsigned int* ids, unsigned long long staging,
+    unsigned long long stage_block_bytes, unsigned n_seg, unsigned n_ids, unsigned to_staging) {
   const unsigned lane = threadIdx.x & 31u;
   const unsigned long long wpc = blockDim.x >> 5;
   const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
   const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
-  const unsigned long long n_chunks = (unsigned long long)p.n_ids * p.n_seg;
+  const unsigned long long n_chunks = (unsigned long long)n_ids * n_seg;
   for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
-    const unsigned i = (unsigned)(c / p.n_seg);
-    const unsigned s = (unsigned)(c - (unsigned long long)i * p.n_seg);
+    const unsigned i = (unsigned)(c / n_seg);
+    const unsigned s = (unsigned)(c - (unsigned long long)i * n_seg);
     const Seg g = segs[s];
-    uint4* dev = (uint4*)(g.base + (unsigned long long)p.ids[i] * g.stride);
-    uint4* host = (uint4*)(p.staging + (unsigned long long)i * p.stage_block_bytes + g.stage_off);
-    const uint4* src = p.to_staging ? dev : host;
-    uint4* dst = p.to_staging ? host : dev;
+    uint4* dev = (uint4*)(g.base + (unsigned long long)ids[i] * g.stride);
+    uint4* host = (uint4*)(staging + (unsigned long long)i * stage_block_bytes + g.stage_off);
+    const uint4* src = to_staging ? dev : host;
+    uint4* dst = to_staging ? host : dev;
     const unsigned long long n = g.bytes >> 4;
     unsigned long long k = lane;
     for (; k + 224 < n; k += 256) {
@@ -68,6 +72,12 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
     for (; k < n; k += 32) dst[k] = src[k];
   }
 }
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
+  copy_chunks((const Seg*)p.segs, p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
+}
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_ring(const RingParams p) {
+  copy_chunks((const Seg*)p.segs, (const unsigned int*)p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
+}
 "#;
 
 #[repr(C)]
@@ -78,6 +88,23 @@ struct SegRow {
     bytes: u64,
     stage_off: u64,
 }
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RingParams {
+    segs: u64,
+    staging: u64,
+    stage_block_bytes: u64,
+    ids: u64,
+    n_seg: u32,
+    n_ids: u32,
+    to_staging: u32,
+    pad: u32,
+}
+
+/// Block ids carried by one launch through the id ring.
+pub const RING_IDS_PER_LAUNCH: usize = 16384;
+const RING_SLOTS: usize = 32;
 
 #[repr(C)]
 struct Params {
@@ -342,10 +369,8 @@ impl CudaStream {
         dev.bind()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: plain driver call with a valid out-pointer.
-        check(
-            unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-            "cuStreamCreate",
-        )?;
+        let r = unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
+        check(r, "cuStreamCreate")?;
         Ok(CudaStream { dev: dev.clone(), raw: s })
     }
     /// The raw handle (what a C++ caller would pass).
@@ -452,6 +477,23 @@ pub struct EngineOptions {
     pub threads: u32,
     /// Most blocks per call the batch method reserves descriptors for (larger calls are split).
     pub max_blocks_per_call: usize,
+    /// How the kernel receives block ids.
+    pub ids: IdTransport,
+}
+
+/// How the kernel method hands block ids to the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdTransport {
+    /// `Params` for calls of up to [`IDS_PER_LAUNCH`] blocks (cheapest: no event), `Ring` above
+    /// (one launch instead of several). The default.
+    Auto,
+    /// In a ring of pinned, device-mapped slots reserved at setup (the kernel reads them over
+    /// the bus): a small parameter block, one launch per [`RING_IDS_PER_LAUNCH`] blocks, and a
+    /// slot is reused only after the launch that read it completed (an event per slot).
+    Ring,
+    /// Inside the kernel's 4 KiB parameter block: nothing written before the launch, but one
+    /// launch per [`IDS_PER_LAUNCH`] blocks and a larger parameter copy per launch.
+    Params,
 }
 
 impl Default for EngineOptions {
@@ -461,6 +503,7 @@ impl Default for EngineOptions {
             ctas: DEFAULT_CTAS,
             threads: DEFAULT_THREADS,
             max_blocks_per_call: 1024,
+            ids: IdTransport::Auto,
         }
     }
 }
@@ -506,6 +549,10 @@ pub struct CudaEngine {
     srcs: Vec<u64>,
     sizes: Vec<usize>,
     params: Box<Params>,
+    ring_func: sys::CUfunction,
+    ring: Option<PinnedBuffer>,
+    ring_events: Vec<sys::CUevent>,
+    ring_next: usize,
 }
 
 // SAFETY: the module/function handles belong to the retained context and may be used from any
@@ -560,6 +607,10 @@ impl CudaEngine {
                 pad: 0,
                 ids: [0; IDS_PER_LAUNCH],
             }),
+            ring_func: std::ptr::null_mut(),
+            ring: None,
+            ring_events: Vec::new(),
+            ring_next: 0,
             layout,
         };
         match opts.method {
@@ -593,6 +644,21 @@ impl CudaEngine {
         unsafe {
             check(sys::cuModuleLoadData(&mut self.module, src.as_ptr().cast()), "cuModuleLoadData")?;
             check(sys::cuModuleGetFunction(&mut self.func, self.module, name.as_ptr()), "cuModuleGetFunction")?;
+            let ring_name = CString::new("kvrelay_copy_ring").expect("no NUL");
+            check(
+                sys::cuModuleGetFunction(&mut self.ring_func, self.module, ring_name.as_ptr()),
+                "cuModuleGetFunction",
+            )?;
+        }
+        if self.opts.ids != IdTransport::Params {
+            self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
+            for _ in 0..RING_SLOTS {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: plain driver call with a valid out-pointer; destroyed in Drop.
+                let r = unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) };
+                check(r, "cuEventCreate")?;
+                self.ring_events.push(e);
+            }
         }
         let rows: Vec<SegRow> = self
             .layout
@@ -711,6 +777,63 @@ impl CudaEngine {
         }
         self.dev.bind()?;
         match self.opts.method {
+            CopyMethod::Kernel
+                if self.opts.ids == IdTransport::Ring
+                    || (self.opts.ids == IdTransport::Auto && ids.len() > IDS_PER_LAUNCH) =>
+            {
+                let sbb = self.layout.stage_block_bytes();
+                for (k, part) in ids.chunks(RING_IDS_PER_LAUNCH).enumerate() {
+                    let slot = self.ring_next;
+                    self.ring_next = (slot + 1) % RING_SLOTS;
+                    let ev = self.ring_events[slot];
+                    // The slot's previous launch must be done reading it (normally long since).
+                    // SAFETY: a live event of this engine.
+                    let q = unsafe { sys::cuEventQuery(ev) };
+                    if q == sys::CUresult::CUDA_ERROR_NOT_READY {
+                        // SAFETY: as above.
+                        check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")?;
+                    }
+                    let ring = self.ring.as_mut().expect("allocated at setup");
+                    let at = slot * RING_IDS_PER_LAUNCH * 4;
+                    let dst = &mut ring.as_mut_slice()[at..at + part.len() * 4];
+                    for (d, id) in dst.chunks_exact_mut(4).zip(part) {
+                        d.copy_from_slice(&id.to_ne_bytes());
+                    }
+                    let mut p = RingParams {
+                        segs: self.params.segs,
+                        staging: staging.device_ptr() + (k * RING_IDS_PER_LAUNCH) as u64 * sbb,
+                        stage_block_bytes: sbb,
+                        ids: ring.device_ptr() + at as u64,
+                        n_seg: self.params.n_seg,
+                        n_ids: part.len() as u32,
+                        to_staging: to_staging as u32,
+                        pad: 0,
+                    };
+                    let mut args = [(&mut p as *mut RingParams).cast::<c_void>()];
+                    // SAFETY: `ring_func` takes one `RingParams` (same layout as the CUDA
+                    // struct); every address was checked; the ids slot stays untouched until the
+                    // event recorded right after this launch completes; the stream is the
+                    // caller's per the contract.
+                    let r = unsafe {
+                        sys::cuLaunchKernel(
+                            self.ring_func,
+                            self.opts.ctas,
+                            1,
+                            1,
+                            self.opts.threads,
+                            1,
+                            1,
+                            0,
+                            stream,
+                            args.as_mut_ptr(),
+                            std::ptr::null_mut(),
+                        )
+                    };
+                    check(r, "cuLaunchKernel")?;
+                    // SAFETY: a live event; the caller's stream.
+                    check(unsafe { sys::cuEventRecord(ev, stream) }, "cuEventRecord")?;
+                }
+            }
             CopyMethod::Kernel => {
                 let sbb = self.layout.stage_block_bytes();
                 for (k, part) in ids.chunks(IDS_PER_LAUNCH).enumerate() {
@@ -807,8 +930,16 @@ impl CudaEngine {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
+        let _ = self.dev.bind();
+        for &e in &self.ring_events {
+            // SAFETY: waits for the last launch that read the slot, then destroys the event
+            // created in `setup_kernel`, once; the ring buffer is freed after this.
+            unsafe {
+                sys::cuEventSynchronize(e);
+                sys::cuEventDestroy_v2(e);
+            }
+        }
         if !self.module.is_null() {
-            let _ = self.dev.bind();
             // SAFETY: unloads the module loaded in `setup_kernel`, once.
             unsafe { sys::cuModuleUnload(self.module) };
         }
