@@ -63,6 +63,20 @@ enum kvrelay_status
   // A handle that is not live was passed (detected in debug builds of the library only,
   // where live snapshot handles are tracked; release builds do not check).
   KVRELAY_ERR_INVALID_HANDLE = 8,
+  // A KV layout did not validate (alignment, overlap, bounds, shape).
+  KVRELAY_ERR_INVALID_LAYOUT = 9,
+  // No CUDA driver library on this machine.
+  KVRELAY_ERR_NO_CUDA_DRIVER = 10,
+  // The CUDA driver reports no such device.
+  KVRELAY_ERR_NO_CUDA_DEVICE = 11,
+  // A CUDA driver call failed.
+  KVRELAY_ERR_CUDA = 12,
+  // A feature this machine's driver or toolkit lacks (e.g. NVRTC, `cuMemcpyBatchAsync`).
+  KVRELAY_ERR_UNSUPPORTED = 13,
+  // The same destination block twice in one scatter (the writes would race).
+  KVRELAY_ERR_DUPLICATE_BLOCK = 14,
+  // A staging buffer smaller than the call needs, or overlapping the KV pool.
+  KVRELAY_ERR_STAGING = 15,
   // A panic inside kvrelay was caught at the boundary. This is a bug in kvrelay; the call
   // had no effect on its outputs.
   KVRELAY_ERR_PANIC = 99,
@@ -159,6 +173,27 @@ typedef int32_t kvrelay_addressing;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// `kvrelay_cuda_engine_options.method`.
+enum kvrelay_copy_method
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Zero-copy kernel (NVRTC once per engine); the default.
+  KVRELAY_COPY_KERNEL = 0,
+  // `cuMemcpyBatchAsync`.
+  KVRELAY_COPY_BATCH = 1,
+  // One `cuMemcpyAsync` per chunk.
+  KVRELAY_COPY_PER_CHUNK = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_copy_method kvrelay_copy_method;
+#else
+typedef int32_t kvrelay_copy_method;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
 typedef struct kvrelay_admission kvrelay_admission;
@@ -174,9 +209,22 @@ typedef struct kvrelay_capabilities kvrelay_capabilities;
 // Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
 typedef struct kvrelay_capabilities_builder kvrelay_capabilities_builder;
 
+// The CPU reference engine over host memory. Owned: `_free`.
+typedef struct kvrelay_cpu_engine kvrelay_cpu_engine;
+
+// The CUDA engine over a device KV pool. Owned: `_free`. Not thread-safe: one engine per
+// thread or stream that copies concurrently.
+typedef struct kvrelay_cuda_engine kvrelay_cuda_engine;
+
+// A validated KV pool layout. Owned: `_free`.
+typedef struct kvrelay_kv_layout kvrelay_kv_layout;
+
 // An orchestrator: capabilities, bindings, endpoint registry, provider and counters.
 // Owned: `_new` / `_free`. `kvrelay_orchestrate` is thread-safe.
 typedef struct kvrelay_orchestrator kvrelay_orchestrator;
+
+// Page-locked, device-mapped host memory. Owned: `_free` (frees or unregisters it once).
+typedef struct kvrelay_pinned kvrelay_pinned;
 
 // The server's policy configuration under construction: bindings, trusted endpoints.
 typedef struct kvrelay_policy_config kvrelay_policy_config;
@@ -208,6 +256,38 @@ typedef struct kvrelay_counters {
   // `ignored_total{reason="malformed"}`
   uint64_t malformed;
 } kvrelay_counters;
+
+// One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
+// `bytes_per_block` long.
+typedef struct kvrelay_kv_segment {
+  // Address of block 0.
+  uint64_t base;
+  // Distance between blocks.
+  uint64_t block_stride;
+  // Bytes per block.
+  uint64_t bytes_per_block;
+} kvrelay_kv_segment;
+
+// A memory extent the segments must stay inside.
+typedef struct kvrelay_kv_extent {
+  // First byte.
+  uint64_t base;
+  // Length.
+  uint64_t len;
+} kvrelay_kv_extent;
+
+// Options of `kvrelay_cuda_engine_new` (pass NULL for the defaults: kernel, 16 CTAs of 512
+// threads, 1024 blocks per batch call).
+typedef struct kvrelay_cuda_engine_options {
+  // A `kvrelay_copy_method` value.
+  int32_t method;
+  // Kernel CTA budget, 1..=1024.
+  uint32_t ctas;
+  // Kernel threads per CTA, a multiple of 32 in 64..=512.
+  uint32_t threads;
+  // Blocks per `cuMemcpyBatchAsync` call (descriptors reserved at setup).
+  size_t max_blocks_per_call;
+} kvrelay_cuda_engine_options;
 
 // A candidate: a supported `kv.fetch` action and the families supporting it.
 typedef struct kvrelay_candidate {
@@ -462,6 +542,182 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             char *buf,
                                             size_t cap,
                                             size_t *len_out);
+
+// Validate a segment table for `num_blocks` blocks (see the Rust `KvLayout::new`): bases,
+// strides and sizes non-zero multiples of 16, no two segments able to touch one byte, every
+// segment inside one of `pools` (pass `(NULL, 0)` to skip the bounds check).
+// `KVRELAY_ERR_INVALID_LAYOUT` otherwise.
+//
+// # Safety
+// `segments` readable for `n_segments`, `pools` for `n_pools` (or NULL with 0); `out` NULL or
+// writable.
+kvrelay_status kvrelay_kv_layout_new(uint32_t num_blocks,
+                                     const struct kvrelay_kv_segment *segments,
+                                     size_t n_segments,
+                                     const struct kvrelay_kv_extent *pools,
+                                     size_t n_pools,
+                                     struct kvrelay_kv_layout **out);
+
+// vLLM-style layout: one pool per layer shaped `[2, num_blocks, kv_block_bytes]`.
+//
+// # Safety
+// `layer_pools` readable for `layers` addresses; `out` NULL or writable.
+kvrelay_status kvrelay_kv_layout_per_layer_kv_first(const uint64_t *layer_pools,
+                                                    size_t layers,
+                                                    uint32_t num_blocks,
+                                                    uint64_t kv_block_bytes,
+                                                    struct kvrelay_kv_layout **out);
+
+// FlashInfer-style layout: one pool per layer shaped `[num_blocks, 2, kv_block_bytes]`.
+//
+// # Safety
+// As `kvrelay_kv_layout_per_layer_kv_first`.
+kvrelay_status kvrelay_kv_layout_per_layer_block_first(const uint64_t *layer_pools,
+                                                       size_t layers,
+                                                       uint32_t num_blocks,
+                                                       uint64_t kv_block_bytes,
+                                                       struct kvrelay_kv_layout **out);
+
+// TensorRT-LLM-style layout: one pool shaped `[num_blocks, layers, 2, kv_block_bytes]`.
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_kv_layout_all_layers_per_block(uint64_t pool,
+                                                      uint32_t layers,
+                                                      uint32_t num_blocks,
+                                                      uint64_t kv_block_bytes,
+                                                      struct kvrelay_kv_layout **out);
+
+// Bytes of one staged block (every segment, block-major). 0 for NULL.
+//
+// # Safety
+// `layout` NULL or live.
+uint64_t kvrelay_kv_layout_stage_block_bytes(const struct kvrelay_kv_layout *layout);
+
+// Free a layout. NULL does nothing.
+//
+// # Safety
+// `layout` NULL or live.
+void kvrelay_kv_layout_free(struct kvrelay_kv_layout *layout);
+
+// A CPU engine over `layout`, whose addresses are host addresses. The layout is copied.
+//
+// # Safety
+// Every block of every segment must be host memory valid for reads and writes while the
+// engine is used, and not accessed by anything else during a call. `out` NULL or writable.
+kvrelay_status kvrelay_cpu_engine_new(const struct kvrelay_kv_layout *layout,
+                                      struct kvrelay_cpu_engine **out);
+
+// Copy blocks `ids[0..n]` (in order, repeats allowed) into `staging[0..staging_len]`,
+// block-major. `KVRELAY_ERR_OUT_OF_RANGE` for an id past the pool, `KVRELAY_ERR_STAGING` for a
+// buffer too small.
+//
+// # Safety
+// `engine` NULL or live; `ids` readable for `n`; `staging` writable for `staging_len` bytes.
+kvrelay_status kvrelay_cpu_gather(struct kvrelay_cpu_engine *engine,
+                                  const uint32_t *ids,
+                                  size_t n,
+                                  uint8_t *staging,
+                                  size_t staging_len);
+
+// Copy `staging` back into blocks `ids[0..n]` (no repeats: `KVRELAY_ERR_DUPLICATE_BLOCK`).
+//
+// # Safety
+// `engine` NULL or live; `ids` readable for `n`; `staging` readable for `staging_len` bytes.
+kvrelay_status kvrelay_cpu_scatter(struct kvrelay_cpu_engine *engine,
+                                   const uint8_t *staging,
+                                   size_t staging_len,
+                                   const uint32_t *ids,
+                                   size_t n);
+
+// Free a CPU engine. NULL does nothing.
+//
+// # Safety
+// `engine` NULL or live.
+void kvrelay_cpu_engine_free(struct kvrelay_cpu_engine *engine);
+
+// `KVRELAY_OK` when CUDA device `device` can be used; `KVRELAY_ERR_NO_CUDA_DRIVER` without a
+// driver, `KVRELAY_ERR_NO_CUDA_DEVICE` without the device. Lets callers skip cleanly.
+kvrelay_status kvrelay_cuda_available(int32_t device);
+
+// Allocate `len` bytes of pinned, device-mapped host memory on `device`.
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_pinned_alloc(int32_t device, size_t len, struct kvrelay_pinned **out);
+
+// Pin and map the caller's memory `[ptr, ptr + len)` (unregistered by `kvrelay_pinned_free`).
+//
+// # Safety
+// The memory must stay allocated and not be registered elsewhere until the handle is freed.
+// `out` NULL or writable.
+kvrelay_status kvrelay_pinned_register(int32_t device,
+                                       void *ptr,
+                                       size_t len,
+                                       struct kvrelay_pinned **out);
+
+// The host address of pinned memory (NULL for NULL).
+//
+// # Safety
+// `pinned` NULL or live.
+uint8_t *kvrelay_pinned_host(struct kvrelay_pinned *pinned);
+
+// The size of pinned memory (0 for NULL).
+//
+// # Safety
+// `pinned` NULL or live.
+size_t kvrelay_pinned_len(const struct kvrelay_pinned *pinned);
+
+// Free (or unregister) pinned memory, once. NULL does nothing. No copy may still use it.
+//
+// # Safety
+// `pinned` NULL or live.
+void kvrelay_pinned_free(struct kvrelay_pinned *pinned);
+
+// A CUDA engine on `device` over `layout` (device addresses; copied). `options` NULL for the
+// defaults. Compiles the copy kernel once (NVRTC).
+//
+// # Safety
+// Every block of every segment must be device memory of `device` valid while the engine is
+// used. `layout` NULL or live; `options` NULL or readable; `out` NULL or writable.
+kvrelay_status kvrelay_cuda_engine_new(int32_t device,
+                                       const struct kvrelay_kv_layout *layout,
+                                       const struct kvrelay_cuda_engine_options *options,
+                                       struct kvrelay_cuda_engine **out);
+
+// Enqueue a copy of blocks `ids[0..n]` into `staging` on `stream` (a `CUstream`, or NULL for
+// the legacy default stream): it runs after the work enqueued on that stream before it.
+// `done_event` (a `CUevent`, may be NULL) is recorded after it. Host cost: a few microseconds,
+// no allocation, no lock.
+//
+// # Safety
+// `engine`, `staging` NULL or live; `ids` readable for `n`; `stream` NULL or a live stream and
+// `done_event` NULL or a live event, both of the engine's device context.
+kvrelay_status kvrelay_cuda_gather(struct kvrelay_cuda_engine *engine,
+                                   const uint32_t *ids,
+                                   size_t n,
+                                   const struct kvrelay_pinned *staging,
+                                   void *stream,
+                                   void *done_event);
+
+// Enqueue a copy of `staging` back into blocks `ids[0..n]` (no repeats) on `stream`; otherwise
+// as `kvrelay_cuda_gather`.
+//
+// # Safety
+// As `kvrelay_cuda_gather`.
+kvrelay_status kvrelay_cuda_scatter(struct kvrelay_cuda_engine *engine,
+                                    const struct kvrelay_pinned *staging,
+                                    const uint32_t *ids,
+                                    size_t n,
+                                    void *stream,
+                                    void *done_event);
+
+// Free a CUDA engine (waits for its launches to finish reading their block ids). NULL does
+// nothing.
+//
+// # Safety
+// `engine` NULL or live.
+void kvrelay_cuda_engine_free(struct kvrelay_cuda_engine *engine);
 
 // Start a capability snapshot.
 //

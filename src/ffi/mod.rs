@@ -17,6 +17,7 @@
 
 pub mod admission;
 pub mod boundary;
+pub mod copy;
 pub mod policy;
 pub mod snapshot;
 pub mod status;

@@ -28,6 +28,20 @@ pub enum kvrelay_status {
     /// A handle that is not live was passed (detected in debug builds of the library only,
     /// where live snapshot handles are tracked; release builds do not check).
     KVRELAY_ERR_INVALID_HANDLE = 8,
+    /// A KV layout did not validate (alignment, overlap, bounds, shape).
+    KVRELAY_ERR_INVALID_LAYOUT = 9,
+    /// No CUDA driver library on this machine.
+    KVRELAY_ERR_NO_CUDA_DRIVER = 10,
+    /// The CUDA driver reports no such device.
+    KVRELAY_ERR_NO_CUDA_DEVICE = 11,
+    /// A CUDA driver call failed.
+    KVRELAY_ERR_CUDA = 12,
+    /// A feature this machine's driver or toolkit lacks (e.g. NVRTC, `cuMemcpyBatchAsync`).
+    KVRELAY_ERR_UNSUPPORTED = 13,
+    /// The same destination block twice in one scatter (the writes would race).
+    KVRELAY_ERR_DUPLICATE_BLOCK = 14,
+    /// A staging buffer smaller than the call needs, or overlapping the KV pool.
+    KVRELAY_ERR_STAGING = 15,
     /// A panic inside kvrelay was caught at the boundary. This is a bug in kvrelay; the call
     /// had no effect on its outputs.
     KVRELAY_ERR_PANIC = 99,
@@ -63,6 +77,13 @@ pub extern "C" fn kvrelay_status_message(status: i32) -> *const c_char {
         6 => b"string argument is not valid UTF-8\0",
         7 => b"kv_hints list length differs from the prompt count\0",
         8 => b"handle is not live (released or never created)\0",
+        9 => b"KV layout does not validate\0",
+        10 => b"no CUDA driver on this machine\0",
+        11 => b"no such CUDA device\0",
+        12 => b"a CUDA driver call failed\0",
+        13 => b"not supported by this machine's driver or toolkit\0",
+        14 => b"the same block twice in one scatter\0",
+        15 => b"staging buffer too small or overlapping the KV pool\0",
         99 => b"internal error: a panic was caught at the kvrelay boundary\0",
         _ => b"unknown kvrelay status\0",
     };
@@ -75,7 +96,7 @@ use kvrelay_status::*;
 #[cfg(test)]
 impl kvrelay_status {
     /// Every status, for tests.
-    pub(crate) const ALL: [kvrelay_status; 10] = [
+    pub(crate) const ALL: [kvrelay_status; 17] = [
         KVRELAY_OK,
         KVRELAY_ERR_NULL,
         KVRELAY_ERR_INVALID_ARGUMENT,
@@ -85,6 +106,13 @@ impl kvrelay_status {
         KVRELAY_ERR_INVALID_UTF8,
         KVRELAY_ERR_BATCH_LENGTH_MISMATCH,
         KVRELAY_ERR_INVALID_HANDLE,
+        KVRELAY_ERR_INVALID_LAYOUT,
+        KVRELAY_ERR_NO_CUDA_DRIVER,
+        KVRELAY_ERR_NO_CUDA_DEVICE,
+        KVRELAY_ERR_CUDA,
+        KVRELAY_ERR_UNSUPPORTED,
+        KVRELAY_ERR_DUPLICATE_BLOCK,
+        KVRELAY_ERR_STAGING,
         KVRELAY_ERR_PANIC,
     ];
 }
@@ -107,7 +135,7 @@ mod tests {
             assert_ne!(m, "unknown kvrelay status", "{s:?}");
             assert!(seen.insert(m), "duplicate message {m}");
         }
-        for invented in [-1, 9, 42, 98, 100, i32::MIN, i32::MAX] {
+        for invented in [-1, 16, 42, 98, 100, i32::MIN, i32::MAX] {
             assert_eq!(msg(invented), "unknown kvrelay status");
         }
     }
