@@ -386,6 +386,108 @@ class Orchestrator {
   kvrelay_orchestrator *p_ = nullptr;
 };
 
+/// A validated KV pool layout (see kvrelay_kv_layout_*). Movable, not copyable.
+class KvLayout {
+ public:
+  /// TensorRT-LLM-style `[num_blocks, layers, 2, kv_block_bytes]` pool at `pool`.
+  static KvLayout all_layers_per_block(uint64_t pool, uint32_t layers, uint32_t num_blocks, uint64_t kv_block_bytes) {
+    KvLayout l;
+    check(kvrelay_kv_layout_all_layers_per_block(pool, layers, num_blocks, kv_block_bytes, &l.p_));
+    return l;
+  }
+  /// vLLM-style: one `[2, num_blocks, kv_block_bytes]` pool per layer.
+  static KvLayout per_layer_kv_first(const std::vector<uint64_t> &layer_pools, uint32_t num_blocks, uint64_t kv_block_bytes) {
+    KvLayout l;
+    check(kvrelay_kv_layout_per_layer_kv_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, &l.p_));
+    return l;
+  }
+  /// FlashInfer-style: one `[num_blocks, 2, kv_block_bytes]` pool per layer.
+  static KvLayout per_layer_block_first(const std::vector<uint64_t> &layer_pools, uint32_t num_blocks, uint64_t kv_block_bytes) {
+    KvLayout l;
+    check(kvrelay_kv_layout_per_layer_block_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, &l.p_));
+    return l;
+  }
+  /// Any segment table; `pools` are the extents the segments must stay inside (may be empty).
+  static KvLayout from_segments(uint32_t num_blocks, const std::vector<kvrelay_kv_segment> &segments,
+                                const std::vector<kvrelay_kv_extent> &pools = {}) {
+    KvLayout l;
+    check(kvrelay_kv_layout_new(num_blocks, segments.data(), segments.size(), pools.data(), pools.size(), &l.p_));
+    return l;
+  }
+  KvLayout(const KvLayout &) = delete;
+  KvLayout &operator=(const KvLayout &) = delete;
+  KvLayout(KvLayout &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  KvLayout &operator=(KvLayout &&o) noexcept {
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  ~KvLayout() { kvrelay_kv_layout_free(p_); }
+  const kvrelay_kv_layout *get() const noexcept { return p_; }
+  /// Bytes of one staged block (every segment, block-major).
+  uint64_t stage_block_bytes() const noexcept { return kvrelay_kv_layout_stage_block_bytes(p_); }
+
+ private:
+  KvLayout() = default;
+  kvrelay_kv_layout *p_ = nullptr;
+};
+
+/// The CPU reference engine over a host-memory pool (the caller keeps the pool alive).
+class CpuEngine {
+ public:
+  explicit CpuEngine(const KvLayout &layout) { check(kvrelay_cpu_engine_new(layout.get(), &p_)); }
+  CpuEngine(const CpuEngine &) = delete;
+  CpuEngine &operator=(const CpuEngine &) = delete;
+  CpuEngine(CpuEngine &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  ~CpuEngine() { kvrelay_cpu_engine_free(p_); }
+  void gather(const std::vector<uint32_t> &ids, uint8_t *staging, std::size_t len) {
+    check(kvrelay_cpu_gather(p_, ids.data(), ids.size(), staging, len));
+  }
+  void scatter(const uint8_t *staging, std::size_t len, const std::vector<uint32_t> &ids) {
+    check(kvrelay_cpu_scatter(p_, staging, len, ids.data(), ids.size()));
+  }
+
+ private:
+  kvrelay_cpu_engine *p_ = nullptr;
+};
+
+/// Pinned, device-mapped host memory.
+class Pinned {
+ public:
+  Pinned(int device, std::size_t len) { check(kvrelay_pinned_alloc(device, len, &p_)); }
+  Pinned(const Pinned &) = delete;
+  Pinned &operator=(const Pinned &) = delete;
+  Pinned(Pinned &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  ~Pinned() { kvrelay_pinned_free(p_); }
+  uint8_t *data() noexcept { return kvrelay_pinned_host(p_); }
+  std::size_t size() const noexcept { return kvrelay_pinned_len(p_); }
+  const kvrelay_pinned *get() const noexcept { return p_; }
+
+ private:
+  kvrelay_pinned *p_ = nullptr;
+};
+
+/// The CUDA engine over a device pool; copies are enqueued on the caller's CUstream (passed as
+/// void*), after the work already enqueued there.
+class CudaEngine {
+ public:
+  CudaEngine(int device, const KvLayout &layout, const kvrelay_cuda_engine_options *options = nullptr) {
+    check(kvrelay_cuda_engine_new(device, layout.get(), options, &p_));
+  }
+  CudaEngine(const CudaEngine &) = delete;
+  CudaEngine &operator=(const CudaEngine &) = delete;
+  CudaEngine(CudaEngine &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  ~CudaEngine() { kvrelay_cuda_engine_free(p_); }
+  void gather(const std::vector<uint32_t> &ids, const Pinned &staging, void *stream, void *done_event = nullptr) {
+    check(kvrelay_cuda_gather(p_, ids.data(), ids.size(), staging.get(), stream, done_event));
+  }
+  void scatter(const Pinned &staging, const std::vector<uint32_t> &ids, void *stream, void *done_event = nullptr) {
+    check(kvrelay_cuda_scatter(p_, staging.get(), ids.data(), ids.size(), stream, done_event));
+  }
+
+ private:
+  kvrelay_cuda_engine *p_ = nullptr;
+};
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_KVRELAY_HPP

@@ -9,7 +9,8 @@ use cudarc::driver::sys;
 use super::boundary::{guard, guard_void, input, input_mut, out_ptr, put};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
-    CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer, Segment,
+    CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer,
+    Segment,
 };
 
 /// A validated KV pool layout. Owned: `_free`.
@@ -109,7 +110,10 @@ unsafe fn array<'a, T>(p: *const T, n: usize) -> Result<&'a [T], kvrelay_status>
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
 }
 
-fn emit_layout(r: Result<KvLayout, crate::copy::LayoutError>, out: *mut *mut kvrelay_kv_layout) -> Result<(), kvrelay_status> {
+fn emit_layout(
+    r: Result<KvLayout, crate::copy::LayoutError>,
+    out: *mut *mut kvrelay_kv_layout,
+) -> Result<(), kvrelay_status> {
     let inner = r.map_err(|_| KVRELAY_ERR_INVALID_LAYOUT)?;
     // SAFETY: `out` was checked non-NULL by the caller of this helper and is writable.
     unsafe { put(out, Box::into_raw(Box::new(kvrelay_kv_layout { inner }))) };
@@ -137,7 +141,10 @@ pub unsafe extern "C" fn kvrelay_kv_layout_new(
         let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
         let (segs, pools) = unsafe { (array(segments, n_segments)?, array(pools, n_pools)?) };
-        let segs = segs.iter().map(|s| Segment { base: s.base, block_stride: s.block_stride, bytes_per_block: s.bytes_per_block }).collect();
+        let segs = segs
+            .iter()
+            .map(|s| Segment { base: s.base, block_stride: s.block_stride, bytes_per_block: s.bytes_per_block })
+            .collect();
         let pools: Vec<(u64, u64)> = pools.iter().map(|p| (p.base, p.len)).collect();
         emit_layout(KvLayout::new(num_blocks, segs, &pools), out)
     })
@@ -231,7 +238,10 @@ pub unsafe extern "C" fn kvrelay_kv_layout_free(layout: *mut kvrelay_kv_layout) 
 /// Every block of every segment must be host memory valid for reads and writes while the
 /// engine is used, and not accessed by anything else during a call. `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_cpu_engine_new(layout: *const kvrelay_kv_layout, out: *mut *mut kvrelay_cpu_engine) -> kvrelay_status {
+pub unsafe extern "C" fn kvrelay_cpu_engine_new(
+    layout: *const kvrelay_kv_layout,
+    out: *mut *mut kvrelay_cpu_engine,
+) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
@@ -319,7 +329,11 @@ pub extern "C" fn kvrelay_cuda_available(device: i32) -> kvrelay_status {
 /// # Safety
 /// `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_pinned_alloc(device: i32, len: usize, out: *mut *mut kvrelay_pinned) -> kvrelay_status {
+pub unsafe extern "C" fn kvrelay_pinned_alloc(
+    device: i32,
+    len: usize,
+    out: *mut *mut kvrelay_pinned,
+) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
         let d = CudaDevice::open(device).map_err(status_of)?;
@@ -336,7 +350,12 @@ pub unsafe extern "C" fn kvrelay_pinned_alloc(device: i32, len: usize, out: *mut
 /// The memory must stay allocated and not be registered elsewhere until the handle is freed.
 /// `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_pinned_register(device: i32, ptr: *mut c_void, len: usize, out: *mut *mut kvrelay_pinned) -> kvrelay_status {
+pub unsafe extern "C" fn kvrelay_pinned_register(
+    device: i32,
+    ptr: *mut c_void,
+    len: usize,
+    out: *mut *mut kvrelay_pinned,
+) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
         if ptr.is_null() {

@@ -1,0 +1,2 @@
+// copy_engine.c compiled as C++.
+#include "copy_engine.c"
