@@ -35,8 +35,10 @@ cmake -S . -B "$b/asan" -DCMAKE_BUILD_TYPE=Debug -DKVRELAY_CARGO_PROFILE=debug \
   -DCMAKE_C_FLAGS="$san" -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 cmake --build "$b/asan" -j 2
 for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx policy_matrix policy_matrix_cxx copy_engine copy_engine_cxx; do
+  # capture first: with pipefail, `ldd | grep -q` fails when grep exits early and ldd gets SIGPIPE
+  libs=$(ldd "$b/asan/$exe")
   for rt in libasan libubsan; do
-    if ! ldd "$b/asan/$exe" | grep -q "$rt"; then
+    if ! grep -q "$rt" <<<"$libs"; then
       echo "sanitizer runtime $rt is not linked into $exe" >&2
       exit 1
     fi
