@@ -43,7 +43,7 @@ struct Params {
   unsigned int ids[960];
 };
 struct RingParams {
-  unsigned long long segs, staging, stage_block_bytes, ids;
+  unsigned long long segs, staging, stage_block_bytes, ids, done, counter, gen;
   unsigned int n_seg, n_ids, to_staging, pad;
 };
 __device__ __forceinline__ void copy_chunks(const Seg* segs, const unsigned int* ids, unsigned long long staging,
@@ -77,6 +77,18 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
 }
 extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_ring(const RingParams p) {
   copy_chunks((const Seg*)p.segs, (const unsigned int*)p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
+  // The last CTA to finish tells the host the ids slot may be reused: it publishes the launch's
+  // generation to a pinned flag after every CTA is done reading the ids.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned prev = atomicAdd((unsigned*)p.counter, 1u);
+    if (prev == gridDim.x - 1) {
+      *(volatile unsigned*)p.counter = 0u;
+      __threadfence_system();
+      *(volatile unsigned long long*)p.done = p.gen;
+    }
+  }
 }
 "#;
 
@@ -96,6 +108,9 @@ struct RingParams {
     staging: u64,
     stage_block_bytes: u64,
     ids: u64,
+    done: u64,
+    counter: u64,
+    gen: u64,
     n_seg: u32,
     n_ids: u32,
     to_staging: u32,
@@ -103,6 +118,9 @@ struct RingParams {
 }
 
 /// Block ids carried by one launch through the id ring.
+///
+/// Slot reuse is signalled by the kernel itself (the last CTA writes the launch's generation to a
+/// pinned flag), so a call makes one driver call: the launch.
 pub const RING_IDS_PER_LAUNCH: usize = 16384;
 const RING_SLOTS: usize = 32;
 
@@ -551,7 +569,13 @@ pub struct CudaEngine {
     params: Box<Params>,
     ring_func: sys::CUfunction,
     ring: Option<PinnedBuffer>,
-    ring_events: Vec<sys::CUevent>,
+    /// One u64 per slot: the generation of the last launch that finished with it.
+    ring_done: Option<PinnedBuffer>,
+    /// One u32 per slot: CTAs finished in the slot's current launch.
+    ring_counters: Option<DeviceBuffer>,
+    /// Generation of the last launch that used each slot (0: never used).
+    ring_gen: Vec<u64>,
+    next_gen: u64,
     ring_next: usize,
 }
 
@@ -609,7 +633,10 @@ impl CudaEngine {
             }),
             ring_func: std::ptr::null_mut(),
             ring: None,
-            ring_events: Vec::new(),
+            ring_done: None,
+            ring_counters: None,
+            ring_gen: Vec::new(),
+            next_gen: 0,
             ring_next: 0,
             layout,
         };
@@ -652,13 +679,13 @@ impl CudaEngine {
         }
         if self.opts.ids != IdTransport::Params {
             self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
-            for _ in 0..RING_SLOTS {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: plain driver call with a valid out-pointer; destroyed in Drop.
-                let r = unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) };
-                check(r, "cuEventCreate")?;
-                self.ring_events.push(e);
-            }
+            let mut done = PinnedBuffer::alloc(&self.dev, RING_SLOTS * 8)?;
+            done.as_mut_slice().fill(0);
+            self.ring_done = Some(done);
+            let counters = DeviceBuffer::alloc(&self.dev, RING_SLOTS * 4)?;
+            counters.write(0, &[0u8; RING_SLOTS * 4])?;
+            self.ring_counters = Some(counters);
+            self.ring_gen = vec![0; RING_SLOTS];
         }
         let rows: Vec<SegRow> = self
             .layout
@@ -785,25 +812,26 @@ impl CudaEngine {
                 for (k, part) in ids.chunks(RING_IDS_PER_LAUNCH).enumerate() {
                     let slot = self.ring_next;
                     self.ring_next = (slot + 1) % RING_SLOTS;
-                    let ev = self.ring_events[slot];
                     // The slot's previous launch must be done reading it (normally long since).
-                    // SAFETY: a live event of this engine.
-                    let q = unsafe { sys::cuEventQuery(ev) };
-                    if q == sys::CUresult::CUDA_ERROR_NOT_READY {
-                        // SAFETY: as above.
-                        check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")?;
-                    }
+                    self.wait_slot(slot);
                     let ring = self.ring.as_mut().expect("allocated at setup");
                     let at = slot * RING_IDS_PER_LAUNCH * 4;
                     let dst = &mut ring.as_mut_slice()[at..at + part.len() * 4];
                     for (d, id) in dst.chunks_exact_mut(4).zip(part) {
                         d.copy_from_slice(&id.to_ne_bytes());
                     }
+                    self.next_gen += 1;
+                    self.ring_gen[slot] = self.next_gen;
+                    let done = self.ring_done.as_ref().expect("allocated at setup").device_ptr() + slot as u64 * 8;
+                    let counter = self.ring_counters.as_ref().expect("allocated at setup").ptr() + slot as u64 * 4;
                     let mut p = RingParams {
                         segs: self.params.segs,
                         staging: staging.device_ptr() + (k * RING_IDS_PER_LAUNCH) as u64 * sbb,
                         stage_block_bytes: sbb,
                         ids: ring.device_ptr() + at as u64,
+                        done,
+                        counter,
+                        gen: self.next_gen,
                         n_seg: self.params.n_seg,
                         n_ids: part.len() as u32,
                         to_staging: to_staging as u32,
@@ -812,7 +840,7 @@ impl CudaEngine {
                     let mut args = [(&mut p as *mut RingParams).cast::<c_void>()];
                     // SAFETY: `ring_func` takes one `RingParams` (same layout as the CUDA
                     // struct); every address was checked; the ids slot stays untouched until the
-                    // event recorded right after this launch completes; the stream is the
+                    // kernel publishes this generation in the slot's flag; the stream is the
                     // caller's per the contract.
                     let r = unsafe {
                         sys::cuLaunchKernel(
@@ -829,9 +857,10 @@ impl CudaEngine {
                             std::ptr::null_mut(),
                         )
                     };
-                    check(r, "cuLaunchKernel")?;
-                    // SAFETY: a live event; the caller's stream.
-                    check(unsafe { sys::cuEventRecord(ev, stream) }, "cuEventRecord")?;
+                    if let Err(e) = check(r, "cuLaunchKernel") {
+                        self.ring_gen[slot] = 0; // nothing will signal this generation
+                        return Err(e);
+                    }
                 }
             }
             CopyMethod::Kernel => {
@@ -928,16 +957,36 @@ impl CudaEngine {
     }
 }
 
+impl CudaEngine {
+    /// Wait until the last launch that used `slot` has finished (its generation is in the
+    /// slot's flag). Spins with yields: with 32 slots this only happens when the caller enqueues
+    /// faster than the GPU drains for a long time.
+    fn wait_slot(&self, slot: usize) {
+        let want = self.ring_gen[slot];
+        if want == 0 {
+            return;
+        }
+        let flags = self.ring_done.as_ref().expect("allocated at setup");
+        let p = flags.as_slice()[slot * 8..].as_ptr().cast::<u64>();
+        loop {
+            // SAFETY: `p` points into the pinned flag array (8-byte aligned allocation, slot*8
+            // offset); the GPU writes it, so it is read volatile.
+            let seen = unsafe { std::ptr::read_volatile(p) };
+            if seen >= want {
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                return;
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
 impl Drop for CudaEngine {
     fn drop(&mut self) {
         let _ = self.dev.bind();
-        for &e in &self.ring_events {
-            // SAFETY: waits for the last launch that read the slot, then destroys the event
-            // created in `setup_kernel`, once; the ring buffer is freed after this.
-            unsafe {
-                sys::cuEventSynchronize(e);
-                sys::cuEventDestroy_v2(e);
-            }
+        // The kernels still running may read the id ring and write the flags: wait for them.
+        for slot in 0..self.ring_gen.len() {
+            self.wait_slot(slot);
         }
         if !self.module.is_null() {
             // SAFETY: unloads the module loaded in `setup_kernel`, once.
