@@ -90,12 +90,14 @@ fn main() {
 
     println!("| chunk | method | gather GB/s | % of contiguous D2H | scatter GB/s | % of contiguous H2D |");
     println!("|---|---|---|---|---|---|");
-    let methods: [(&str, CopyMethod, u32, IdTransport); 5] = [
+    let methods: [(&str, CopyMethod, u32, IdTransport); 7] = [
         ("cudaMemcpyAsync per chunk", CopyMethod::PerChunk, 16, IdTransport::Ring),
         ("cudaMemcpyBatchAsync", CopyMethod::Batch, 16, IdTransport::Ring),
         ("kvrelay kernel, 8 CTAs", CopyMethod::Kernel, 8, IdTransport::Ring),
         ("kvrelay kernel, 16 CTAs", CopyMethod::Kernel, 16, IdTransport::Ring),
         ("kvrelay kernel, 16 CTAs, ids in params", CopyMethod::Kernel, 16, IdTransport::Params),
+        ("kvrelay staged, 16 CTAs", CopyMethod::Staged, 16, IdTransport::Auto),
+        ("kvrelay staged, 64 CTAs", CopyMethod::Staged, 64, IdTransport::Auto),
     ];
     for chunk_kib in [4u64, 16, 64, 256] {
         let chunk = chunk_kib * 1024;
@@ -163,8 +165,13 @@ fn main() {
         }
     });
     println!("\nboth directions at once, 16 KiB chunks: two contiguous copies {contiguous:.1} GB/s total");
-    for (ctas, threads) in [(16, 512), (8, 512), (4, 512), (2, 512)] {
-        let opts = EngineOptions { ctas, threads, ..Default::default() };
+    for (method, ctas, threads) in [
+        (CopyMethod::Kernel, 16, 512),
+        (CopyMethod::Kernel, 8, 512),
+        (CopyMethod::Staged, 16, 512),
+        (CopyMethod::Staged, 64, 512),
+    ] {
+        let opts = EngineOptions { method, ctas, threads, ..Default::default() };
         // SAFETY: as above.
         let (mut ea, mut eb) = unsafe {
             (CudaEngine::new(&d, layout.clone(), opts).unwrap(), CudaEngine::new(&d, layout.clone(), opts).unwrap())
@@ -175,7 +182,7 @@ fn main() {
         });
         let g_only = both(&mut || ea.gather(&ids_a, &staging, &s1, None).unwrap()) / 2.0;
         println!(
-            "  kernels {ctas} CTAs x {threads} threads each: {kernels:.1} GB/s total ({:.0}% of the two copies); gather alone in this setup {g_only:.1} GB/s",
+            "  {method:?} {ctas} CTAs x {threads} threads each: {kernels:.1} GB/s total ({:.0}% of the two copies); gather alone in this setup {g_only:.1} GB/s",
             100.0 * kernels / contiguous
         );
     }

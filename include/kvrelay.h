@@ -185,6 +185,8 @@ enum kvrelay_copy_method
   KVRELAY_COPY_BATCH = 1,
   // One `cuMemcpyAsync` per chunk.
   KVRELAY_COPY_PER_CHUNK = 2,
+  // Through a device scratch buffer and contiguous copies on the copy engines.
+  KVRELAY_COPY_STAGED = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -277,7 +279,7 @@ typedef struct kvrelay_kv_extent {
 } kvrelay_kv_extent;
 
 // Options of `kvrelay_cuda_engine_new` (pass NULL for the defaults: kernel, 16 CTAs of 512
-// threads, 1024 blocks per batch call).
+// threads, 1024 blocks per batch call, 256 MiB of scratch for the staged method).
 typedef struct kvrelay_cuda_engine_options {
   // A `kvrelay_copy_method` value.
   int32_t method;
@@ -287,6 +289,8 @@ typedef struct kvrelay_cuda_engine_options {
   uint32_t threads;
   // Blocks per `cuMemcpyBatchAsync` call (descriptors reserved at setup).
   size_t max_blocks_per_call;
+  // Device scratch of the staged method, bytes.
+  size_t scratch_bytes;
 } kvrelay_cuda_engine_options;
 
 // A candidate: a supported `kv.fetch` action and the families supporting it.

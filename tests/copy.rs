@@ -222,6 +222,7 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
             (CopyMethod::Kernel, IdTransport::Params),
             (CopyMethod::Batch, IdTransport::Ring),
             (CopyMethod::PerChunk, IdTransport::Ring),
+            (CopyMethod::Staged, IdTransport::Auto),
         ] {
             let (layers, blocks, kv) = (4, 2000, 4096);
             let m = mirror(&d, kind, layers, blocks, kv, &mut rng);

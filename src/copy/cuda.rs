@@ -478,6 +478,11 @@ impl Drop for CudaEvent {
 pub enum CopyMethod {
     /// Zero-copy kernel (NVRTC, once per engine).
     Kernel,
+    /// Through a device scratch buffer reserved at setup: the kernel gathers blocks into it at
+    /// HBM speed, then one contiguous `cuMemcpyAsync` per piece crosses the bus on the copy
+    /// engines (scatter: the reverse). Uses `scratch_bytes` of device memory; one stream per
+    /// engine (consecutive pieces reuse the scratch in stream order).
+    Staged,
     /// `cuMemcpyBatchAsync`.
     Batch,
     /// One `cuMemcpyAsync` per chunk.
@@ -497,6 +502,8 @@ pub struct EngineOptions {
     pub max_blocks_per_call: usize,
     /// How the kernel receives block ids.
     pub ids: IdTransport,
+    /// Device scratch reserved by the `Staged` method (rounded down to whole blocks).
+    pub scratch_bytes: usize,
 }
 
 /// How the kernel method hands block ids to the GPU.
@@ -522,6 +529,7 @@ impl Default for EngineOptions {
             threads: DEFAULT_THREADS,
             max_blocks_per_call: 1024,
             ids: IdTransport::Auto,
+            scratch_bytes: 256 << 20,
         }
     }
 }
@@ -577,6 +585,7 @@ pub struct CudaEngine {
     ring_gen: Vec<u64>,
     next_gen: u64,
     ring_next: usize,
+    scratch: Option<DeviceBuffer>,
 }
 
 // SAFETY: the module/function handles belong to the retained context and may be used from any
@@ -638,10 +647,19 @@ impl CudaEngine {
             ring_gen: Vec::new(),
             next_gen: 0,
             ring_next: 0,
+            scratch: None,
             layout,
         };
         match opts.method {
             CopyMethod::Kernel => e.setup_kernel()?,
+            CopyMethod::Staged => {
+                let sbb = e.layout.stage_block_bytes() as usize;
+                if opts.scratch_bytes < sbb {
+                    return Err(CopyError::InvalidOptions);
+                }
+                e.setup_kernel()?;
+                e.scratch = Some(DeviceBuffer::alloc(dev, opts.scratch_bytes / sbb * sbb)?);
+            }
             CopyMethod::Batch => {
                 e.batch = Some(resolve_batch().ok_or(CopyError::Unsupported("cuMemcpyBatchAsync"))?);
                 let n = opts.max_blocks_per_call * e.layout.segments().len();
@@ -804,95 +822,39 @@ impl CudaEngine {
         }
         self.dev.bind()?;
         match self.opts.method {
-            CopyMethod::Kernel
-                if self.opts.ids == IdTransport::Ring
-                    || (self.opts.ids == IdTransport::Auto && ids.len() > IDS_PER_LAUNCH) =>
-            {
-                let sbb = self.layout.stage_block_bytes();
-                for (k, part) in ids.chunks(RING_IDS_PER_LAUNCH).enumerate() {
-                    let slot = self.ring_next;
-                    self.ring_next = (slot + 1) % RING_SLOTS;
-                    // The slot's previous launch must be done reading it (normally long since).
-                    self.wait_slot(slot);
-                    let ring = self.ring.as_mut().expect("allocated at setup");
-                    let at = slot * RING_IDS_PER_LAUNCH * 4;
-                    let dst = &mut ring.as_mut_slice()[at..at + part.len() * 4];
-                    for (d, id) in dst.chunks_exact_mut(4).zip(part) {
-                        d.copy_from_slice(&id.to_ne_bytes());
-                    }
-                    self.next_gen += 1;
-                    self.ring_gen[slot] = self.next_gen;
-                    let done = self.ring_done.as_ref().expect("allocated at setup").device_ptr() + slot as u64 * 8;
-                    let counter = self.ring_counters.as_ref().expect("allocated at setup").ptr() + slot as u64 * 4;
-                    let mut p = RingParams {
-                        segs: self.params.segs,
-                        staging: staging.device_ptr() + (k * RING_IDS_PER_LAUNCH) as u64 * sbb,
-                        stage_block_bytes: sbb,
-                        ids: ring.device_ptr() + at as u64,
-                        done,
-                        counter,
-                        gen: self.next_gen,
-                        n_seg: self.params.n_seg,
-                        n_ids: part.len() as u32,
-                        to_staging: to_staging as u32,
-                        pad: 0,
-                    };
-                    let mut args = [(&mut p as *mut RingParams).cast::<c_void>()];
-                    // SAFETY: `ring_func` takes one `RingParams` (same layout as the CUDA
-                    // struct); every address was checked; the ids slot stays untouched until the
-                    // kernel publishes this generation in the slot's flag; the stream is the
-                    // caller's per the contract.
-                    let r = unsafe {
-                        sys::cuLaunchKernel(
-                            self.ring_func,
-                            self.opts.ctas,
-                            1,
-                            1,
-                            self.opts.threads,
-                            1,
-                            1,
-                            0,
-                            stream,
-                            args.as_mut_ptr(),
-                            std::ptr::null_mut(),
-                        )
-                    };
-                    if let Err(e) = check(r, "cuLaunchKernel") {
-                        self.ring_gen[slot] = 0; // nothing will signal this generation
-                        return Err(e);
-                    }
-                }
-            }
             CopyMethod::Kernel => {
-                let sbb = self.layout.stage_block_bytes();
-                for (k, part) in ids.chunks(IDS_PER_LAUNCH).enumerate() {
-                    let p = &mut *self.params;
-                    p.staging = staging.device_ptr() + (k * IDS_PER_LAUNCH) as u64 * sbb;
-                    p.n_ids = part.len() as u32;
-                    p.to_staging = to_staging as u32;
-                    p.ids[..part.len()].copy_from_slice(part);
-                    let mut args = [(p as *mut Params).cast::<c_void>()];
-                    // SAFETY: `func` is the loaded kernel whose only parameter is a `Params`
-                    // (same layout as the CUDA struct); the driver copies the parameter block at
-                    // launch, so reusing `params` for the next launch is fine. Every address in
-                    // it was checked against the layout and the staging size; the stream is the
-                    // caller's per the contract.
-                    let r = unsafe {
-                        sys::cuLaunchKernel(
-                            self.func,
-                            self.opts.ctas,
-                            1,
-                            1,
-                            self.opts.threads,
-                            1,
-                            1,
-                            0,
-                            stream,
-                            args.as_mut_ptr(),
-                            std::ptr::null_mut(),
-                        )
-                    };
-                    check(r, "cuLaunchKernel")?;
+                // SAFETY: forwarded contract; the staging range was checked by the caller.
+                unsafe { self.launch_kernel(ids, staging.device_ptr(), to_staging, stream)? };
+            }
+            CopyMethod::Staged => {
+                let scratch = self.scratch.as_ref().expect("allocated at setup");
+                let (sptr, slen) = (scratch.ptr(), scratch.len());
+                let sbb = self.layout.stage_block_bytes() as usize;
+                let per = slen / sbb;
+                for (k, part) in ids.chunks(per).enumerate() {
+                    let host = staging.as_slice()[k * per * sbb..].as_ptr();
+                    let bytes = part.len() * sbb;
+                    if to_staging {
+                        // SAFETY: the kernel writes `bytes` into the scratch (checked layout and
+                        // ids), then the copy engine moves them to the pinned staging, which
+                        // holds at least this call's blocks (checked); stream per the contract.
+                        unsafe {
+                            self.launch_kernel(part, sptr, true, stream)?;
+                            check(
+                                sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, sptr, bytes, stream),
+                                "cuMemcpyDtoHAsync",
+                            )?;
+                        }
+                    } else {
+                        // SAFETY: as above, in the other direction.
+                        unsafe {
+                            check(
+                                sys::cuMemcpyHtoDAsync_v2(sptr, host as *const c_void, bytes, stream),
+                                "cuMemcpyHtoDAsync",
+                            )?;
+                            self.launch_kernel(part, sptr, false, stream)?;
+                        }
+                    }
                 }
             }
             CopyMethod::Batch => {
@@ -958,6 +920,108 @@ impl CudaEngine {
 }
 
 impl CudaEngine {
+    /// Launch the copy kernel for `ids` against staging at device address `staging_base`.
+    ///
+    /// # Safety
+    /// `stream` as in [`CudaEngine::gather_raw`]; ids checked; `staging_base` addresses at least
+    /// `ids.len()` staged blocks.
+    unsafe fn launch_kernel(
+        &mut self,
+        ids: &[u32],
+        staging_base: u64,
+        to_staging: bool,
+        stream: sys::CUstream,
+    ) -> Result<(), CopyError> {
+        if self.opts.ids == IdTransport::Ring || (self.opts.ids == IdTransport::Auto && ids.len() > IDS_PER_LAUNCH) {
+            let sbb = self.layout.stage_block_bytes();
+            for (k, part) in ids.chunks(RING_IDS_PER_LAUNCH).enumerate() {
+                let slot = self.ring_next;
+                self.ring_next = (slot + 1) % RING_SLOTS;
+                // The slot's previous launch must be done reading it (normally long since).
+                self.wait_slot(slot);
+                let ring = self.ring.as_mut().expect("allocated at setup");
+                let at = slot * RING_IDS_PER_LAUNCH * 4;
+                let dst = &mut ring.as_mut_slice()[at..at + part.len() * 4];
+                for (d, id) in dst.chunks_exact_mut(4).zip(part) {
+                    d.copy_from_slice(&id.to_ne_bytes());
+                }
+                self.next_gen += 1;
+                self.ring_gen[slot] = self.next_gen;
+                let done = self.ring_done.as_ref().expect("allocated at setup").device_ptr() + slot as u64 * 8;
+                let counter = self.ring_counters.as_ref().expect("allocated at setup").ptr() + slot as u64 * 4;
+                let mut p = RingParams {
+                    segs: self.params.segs,
+                    staging: staging_base + (k * RING_IDS_PER_LAUNCH) as u64 * sbb,
+                    stage_block_bytes: sbb,
+                    ids: ring.device_ptr() + at as u64,
+                    done,
+                    counter,
+                    gen: self.next_gen,
+                    n_seg: self.params.n_seg,
+                    n_ids: part.len() as u32,
+                    to_staging: to_staging as u32,
+                    pad: 0,
+                };
+                let mut args = [(&mut p as *mut RingParams).cast::<c_void>()];
+                // SAFETY: `ring_func` takes one `RingParams` (same layout as the CUDA
+                // struct); every address was checked; the ids slot stays untouched until the
+                // kernel publishes this generation in the slot's flag; the stream is the
+                // caller's per the contract.
+                let r = unsafe {
+                    sys::cuLaunchKernel(
+                        self.ring_func,
+                        self.opts.ctas,
+                        1,
+                        1,
+                        self.opts.threads,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                if let Err(e) = check(r, "cuLaunchKernel") {
+                    self.ring_gen[slot] = 0; // nothing will signal this generation
+                    return Err(e);
+                }
+            }
+        } else {
+            let sbb = self.layout.stage_block_bytes();
+            for (k, part) in ids.chunks(IDS_PER_LAUNCH).enumerate() {
+                let p = &mut *self.params;
+                p.staging = staging_base + (k * IDS_PER_LAUNCH) as u64 * sbb;
+                p.n_ids = part.len() as u32;
+                p.to_staging = to_staging as u32;
+                p.ids[..part.len()].copy_from_slice(part);
+                let mut args = [(p as *mut Params).cast::<c_void>()];
+                // SAFETY: `func` is the loaded kernel whose only parameter is a `Params`
+                // (same layout as the CUDA struct); the driver copies the parameter block at
+                // launch, so reusing `params` for the next launch is fine. Every address in
+                // it was checked against the layout and the staging size; the stream is the
+                // caller's per the contract.
+                let r = unsafe {
+                    sys::cuLaunchKernel(
+                        self.func,
+                        self.opts.ctas,
+                        1,
+                        1,
+                        self.opts.threads,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                check(r, "cuLaunchKernel")?;
+            }
+        }
+        Ok(())
+    }
+
     /// Wait until the last launch that used `slot` has finished (its generation is in the
     /// slot's flag). Spins with yields: with 32 slots this only happens when the caller enqueues
     /// faster than the GPU drains for a long time.

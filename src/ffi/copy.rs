@@ -67,10 +67,12 @@ pub enum kvrelay_copy_method {
     KVRELAY_COPY_BATCH = 1,
     /// One `cuMemcpyAsync` per chunk.
     KVRELAY_COPY_PER_CHUNK = 2,
+    /// Through a device scratch buffer and contiguous copies on the copy engines.
+    KVRELAY_COPY_STAGED = 3,
 }
 
 /// Options of `kvrelay_cuda_engine_new` (pass NULL for the defaults: kernel, 16 CTAs of 512
-/// threads, 1024 blocks per batch call).
+/// threads, 1024 blocks per batch call, 256 MiB of scratch for the staged method).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_cuda_engine_options {
@@ -82,6 +84,8 @@ pub struct kvrelay_cuda_engine_options {
     pub threads: u32,
     /// Blocks per `cuMemcpyBatchAsync` call (descriptors reserved at setup).
     pub max_blocks_per_call: usize,
+    /// Device scratch of the staged method, bytes.
+    pub scratch_bytes: usize,
 }
 
 fn status_of(e: CopyError) -> kvrelay_status {
@@ -428,11 +432,13 @@ pub unsafe extern "C" fn kvrelay_cuda_engine_new(
                 0 => CopyMethod::Kernel,
                 1 => CopyMethod::Batch,
                 2 => CopyMethod::PerChunk,
+                3 => CopyMethod::Staged,
                 _ => return Err(KVRELAY_ERR_INVALID_ARGUMENT),
             };
             opts.ctas = o.ctas;
             opts.threads = o.threads;
             opts.max_blocks_per_call = o.max_blocks_per_call;
+            opts.scratch_bytes = o.scratch_bytes;
             opts.ids = IdTransport::Auto;
         }
         let d: Arc<CudaDevice> = CudaDevice::open(device).map_err(status_of)?;
