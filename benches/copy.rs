@@ -241,37 +241,40 @@ fn main() {
     let moved = (total as u64 / (2 * u64::from(LAYERS) * chunk)) as u32;
     let layout = KvLayout::all_layers_per_block(pool.ptr(), LAYERS, 2 * moved, chunk).unwrap();
     let ids: Vec<u32> = rng.perm(2 * moved).into_iter().take(moved as usize).collect();
-    // SAFETY: as above.
-    let mut e = unsafe { CudaEngine::new(&d, layout, EngineOptions::default()).unwrap() };
     let iters = 2_000_000;
     let busy_alone = time_ms(&d, &s2, || launch_busy(iters));
-    let gather_alone = time_ms(&d, &s1, || e.gather(&ids, &staging, &s1, None).unwrap());
-    let (a1, b1, a2, b2) = (
-        CudaEvent::new(&d).unwrap(),
-        CudaEvent::new(&d).unwrap(),
-        CudaEvent::new(&d).unwrap(),
-        CudaEvent::new(&d).unwrap(),
-    );
-    let mut g_best = f32::MAX;
-    let mut k_best = f32::MAX;
-    for _ in 0..3 {
-        a2.record(&s2).unwrap();
-        launch_busy(iters);
-        b2.record(&s2).unwrap();
-        a1.record(&s1).unwrap();
-        e.gather(&ids, &staging, &s1, None).unwrap();
-        b1.record(&s1).unwrap();
-        b1.synchronize().unwrap();
-        b2.synchronize().unwrap();
-        g_best = g_best.min(b1.elapsed_ms(&a1).unwrap());
-        k_best = k_best.min(b2.elapsed_ms(&a2).unwrap());
+    for method in [CopyMethod::Kernel, CopyMethod::Staged] {
+        // SAFETY: as above.
+        let mut e =
+            unsafe { CudaEngine::new(&d, layout.clone(), EngineOptions { method, ..Default::default() }).unwrap() };
+        let gather_alone = time_ms(&d, &s1, || e.gather(&ids, &staging, &s1, None).unwrap());
+        let (a1, b1, a2, b2) = (
+            CudaEvent::new(&d).unwrap(),
+            CudaEvent::new(&d).unwrap(),
+            CudaEvent::new(&d).unwrap(),
+            CudaEvent::new(&d).unwrap(),
+        );
+        let mut g_best = f32::MAX;
+        let mut k_best = f32::MAX;
+        for _ in 0..3 {
+            a2.record(&s2).unwrap();
+            launch_busy(iters);
+            b2.record(&s2).unwrap();
+            a1.record(&s1).unwrap();
+            e.gather(&ids, &staging, &s1, None).unwrap();
+            b1.record(&s1).unwrap();
+            b1.synchronize().unwrap();
+            b2.synchronize().unwrap();
+            g_best = g_best.min(b1.elapsed_ms(&a1).unwrap());
+            k_best = k_best.min(b2.elapsed_ms(&a2).unwrap());
+        }
+        println!(
+            "{method:?} gather (16 CTAs, 16 KiB chunks) alone {:.1} GB/s; beside a compute kernel on {busy_ctas} CTAs {:.1} GB/s; compute kernel alone {busy_alone:.1} ms, beside the gather {k_best:.1} ms ({:+.1}%)",
+            gbps(total, gather_alone),
+            gbps(total, g_best),
+            100.0 * (k_best - busy_alone) / busy_alone
+        );
     }
-    println!(
-        "gather (16 CTAs, 16 KiB chunks) alone {:.1} GB/s; beside a compute kernel on {busy_ctas} CTAs {:.1} GB/s; compute kernel alone {busy_alone:.1} ms, beside the gather {k_best:.1} ms ({:+.1}%)",
-        gbps(total, gather_alone),
-        gbps(total, g_best),
-        100.0 * (k_best - busy_alone) / busy_alone
-    );
     // SAFETY: unloads the module loaded above.
     unsafe { sys::cuModuleUnload(module) };
 }

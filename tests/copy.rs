@@ -259,6 +259,21 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
             e.gather(&others, &back, &stream, Some(&done)).unwrap();
             done.synchronize().unwrap();
             assert!(back.as_slice() == &want[..], "{kind:?}/{method:?}: round trip differs");
+            // gather -> scatter from the same staging -> gather, all on one stream with no host
+            // wait in between: stream order alone must keep them apart. (The pool changed in the
+            // round trip above, so the expectation is `fresh` itself: had the scatter started
+            // before the first gather finished, it would have spread `fresh`'s poison.)
+            let third: Vec<u32> = rng.perm(blocks).into_iter().take(ids.len()).collect();
+            let mut chained = PinnedBuffer::alloc(&d, n).unwrap();
+            chained.as_mut_slice().fill(0x3C);
+            let mut fresh = PinnedBuffer::alloc(&d, n).unwrap();
+            fresh.as_mut_slice().fill(0xC3);
+            e.gather(&ids, &fresh, &stream, None).unwrap();
+            e.scatter(&fresh, &third, &stream, None).unwrap();
+            e.gather(&third, &chained, &stream, Some(&done)).unwrap();
+            done.synchronize().unwrap();
+            assert!(fresh.as_slice().iter().any(|&b| b != 0xC3), "{kind:?}/{method:?}: the first gather wrote nothing");
+            assert!(chained.as_slice() == fresh.as_slice(), "{kind:?}/{method:?}: chained copies on one stream differ");
             // refusals come back as errors, not faults
             assert!(matches!(e.scatter(&staging, &[1, 1], &stream, None), Err(CopyError::DuplicateBlock { .. })));
             assert!(matches!(e.gather(&[blocks], &staging, &stream, None), Err(CopyError::BlockOutOfRange { .. })));
@@ -275,12 +290,16 @@ fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
     let mut rng = Rng(7);
     let stream = CudaStream::new(&d).unwrap();
     let m = mirror(&d, Kind::AllLayers, 8, 512, 16384, &mut rng);
-    // SAFETY: the layout lies inside `m.dev`.
-    let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), EngineOptions::default()) }.unwrap();
     let ids: Vec<u32> = (0..512).collect();
     let n = m.dev_layout.staging_bytes(ids.len()) as usize;
     let staging = PinnedBuffer::alloc(&d, n).unwrap();
-    for round in 0..3u8 {
+    for (round, method) in
+        [CopyMethod::Kernel, CopyMethod::Staged, CopyMethod::Kernel, CopyMethod::Staged].into_iter().enumerate()
+    {
+        let round = round as u8;
+        let opts = EngineOptions { method, scratch_bytes: 16 << 20, ..Default::default() };
+        // SAFETY: the layout lies inside `m.dev`.
+        let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), opts) }.unwrap();
         // a device-side write of the whole pool enqueued just before the gather
         let v = 0x10 + round;
         // SAFETY: writes inside the pool allocation on the test's live stream.
@@ -289,8 +308,11 @@ fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
         let done = CudaEvent::new(&d).unwrap();
         e.gather(&ids, &staging, &stream, Some(&done)).unwrap();
         done.synchronize().unwrap();
-        assert!(staging.as_slice().iter().all(|&b| b == v), "round {round}: the gather ran before the write");
+        assert!(
+            staging.as_slice().iter().all(|&b| b == v),
+            "round {round} ({method:?}): the gather ran before the write"
+        );
     }
     let _ = &m.host;
-    println!("ok ordering: 3 rounds of write-then-gather on one stream");
+    println!("ok ordering: 4 rounds of write-then-gather on one stream, kernel and staged methods");
 }

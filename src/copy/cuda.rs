@@ -478,10 +478,11 @@ impl Drop for CudaEvent {
 pub enum CopyMethod {
     /// Zero-copy kernel (NVRTC, once per engine).
     Kernel,
-    /// Through a device scratch buffer reserved at setup: the kernel gathers blocks into it at
-    /// HBM speed, then one contiguous `cuMemcpyAsync` per piece crosses the bus on the copy
-    /// engines (scatter: the reverse). Uses `scratch_bytes` of device memory; one stream per
-    /// engine (consecutive pieces reuse the scratch in stream order).
+    /// Through a device scratch buffer reserved at setup, in two halves: the kernel gathers a
+    /// piece of blocks into one half at HBM speed while the copy engines move the previous piece
+    /// across the bus as one contiguous `cuMemcpyAsync` on an internal stream (scatter: the
+    /// reverse). Ordering with the caller's stream is kept by events: the copies start after
+    /// the work enqueued before the call, and the caller's stream waits for the last of them.
     Staged,
     /// `cuMemcpyBatchAsync`.
     Batch,
@@ -586,6 +587,26 @@ pub struct CudaEngine {
     next_gen: u64,
     ring_next: usize,
     scratch: Option<DeviceBuffer>,
+    staged: Option<Staged>,
+}
+
+/// The internal stream and events of the staged method.
+struct Staged {
+    stream: CudaStream,
+    entry: sys::CUevent,
+    ready: [sys::CUevent; 2],
+    free: [sys::CUevent; 2],
+    free_recorded: [bool; 2],
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        for e in [self.entry, self.ready[0], self.ready[1], self.free[0], self.free[1]] {
+            // SAFETY: events created in `setup`, destroyed once, after the stream drained.
+            unsafe { sys::cuEventDestroy_v2(e) };
+        }
+    }
 }
 
 // SAFETY: the module/function handles belong to the retained context and may be used from any
@@ -648,6 +669,7 @@ impl CudaEngine {
             next_gen: 0,
             ring_next: 0,
             scratch: None,
+            staged: None,
             layout,
         };
         match opts.method {
@@ -657,8 +679,24 @@ impl CudaEngine {
                 if opts.scratch_bytes < sbb {
                     return Err(CopyError::InvalidOptions);
                 }
+                if opts.scratch_bytes < 2 * sbb {
+                    return Err(CopyError::InvalidOptions);
+                }
                 e.setup_kernel()?;
-                e.scratch = Some(DeviceBuffer::alloc(dev, opts.scratch_bytes / sbb * sbb)?);
+                e.scratch = Some(DeviceBuffer::alloc(dev, opts.scratch_bytes / (2 * sbb) * 2 * sbb)?);
+                let mk = || -> Result<sys::CUevent, CopyError> {
+                    let mut ev = std::ptr::null_mut();
+                    // SAFETY: plain driver call with a valid out-pointer; destroyed in Drop.
+                    let r = unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) };
+                    check(r, "cuEventCreate").map(|_| ev)
+                };
+                e.staged = Some(Staged {
+                    stream: CudaStream::new(dev)?,
+                    entry: mk()?,
+                    ready: [mk()?, mk()?],
+                    free: [mk()?, mk()?],
+                    free_recorded: [false; 2],
+                });
             }
             CopyMethod::Batch => {
                 e.batch = Some(resolve_batch().ok_or(CopyError::Unsupported("cuMemcpyBatchAsync"))?);
@@ -827,35 +865,8 @@ impl CudaEngine {
                 unsafe { self.launch_kernel(ids, staging.device_ptr(), to_staging, stream)? };
             }
             CopyMethod::Staged => {
-                let scratch = self.scratch.as_ref().expect("allocated at setup");
-                let (sptr, slen) = (scratch.ptr(), scratch.len());
-                let sbb = self.layout.stage_block_bytes() as usize;
-                let per = slen / sbb;
-                for (k, part) in ids.chunks(per).enumerate() {
-                    let host = staging.as_slice()[k * per * sbb..].as_ptr();
-                    let bytes = part.len() * sbb;
-                    if to_staging {
-                        // SAFETY: the kernel writes `bytes` into the scratch (checked layout and
-                        // ids), then the copy engine moves them to the pinned staging, which
-                        // holds at least this call's blocks (checked); stream per the contract.
-                        unsafe {
-                            self.launch_kernel(part, sptr, true, stream)?;
-                            check(
-                                sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, sptr, bytes, stream),
-                                "cuMemcpyDtoHAsync",
-                            )?;
-                        }
-                    } else {
-                        // SAFETY: as above, in the other direction.
-                        unsafe {
-                            check(
-                                sys::cuMemcpyHtoDAsync_v2(sptr, host as *const c_void, bytes, stream),
-                                "cuMemcpyHtoDAsync",
-                            )?;
-                            self.launch_kernel(part, sptr, false, stream)?;
-                        }
-                    }
-                }
+                // SAFETY: forwarded contract; ranges checked by the caller.
+                unsafe { self.enqueue_staged(ids, staging, stream, to_staging)? };
             }
             CopyMethod::Batch => {
                 let batch = self.batch.expect("resolved at setup");
@@ -920,6 +931,74 @@ impl CudaEngine {
 }
 
 impl CudaEngine {
+    /// The staged method, pipelined over the two scratch halves (see [`CopyMethod::Staged`]).
+    ///
+    /// # Safety
+    /// As [`CudaEngine::launch_kernel`]; `staging` holds at least this call's blocks.
+    unsafe fn enqueue_staged(
+        &mut self,
+        ids: &[u32],
+        staging: &PinnedBuffer,
+        stream: sys::CUstream,
+        to_staging: bool,
+    ) -> Result<(), CopyError> {
+        let scratch = self.scratch.as_ref().expect("allocated at setup");
+        let sbb = self.layout.stage_block_bytes() as usize;
+        let half_bytes = scratch.len() / 2;
+        let per = half_bytes / sbb;
+        let base = scratch.ptr();
+        let mut st = self.staged.take().expect("set up with the method");
+        let copy = st.stream.raw();
+        let result = (|| -> Result<(), CopyError> {
+            // SAFETY: live events and streams of this context; the caller's stream
+            // per the contract; every copy stays inside the scratch half and the staging range
+            // of its piece; a half is reused only after the event that frees it.
+            unsafe {
+                // copies start after everything enqueued on the caller's stream before the call
+                check(sys::cuEventRecord(st.entry, stream), "cuEventRecord")?;
+                check(sys::cuStreamWaitEvent(copy, st.entry, 0), "cuStreamWaitEvent")?;
+                for (k, part) in ids.chunks(per).enumerate() {
+                    let h = k % 2;
+                    let half = base + (h * half_bytes) as u64;
+                    let host = staging.as_slice()[k * per * sbb..].as_ptr();
+                    let bytes = part.len() * sbb;
+                    if to_staging {
+                        if st.free_recorded[h] {
+                            check(sys::cuStreamWaitEvent(stream, st.free[h], 0), "cuStreamWaitEvent")?;
+                        }
+                        self.launch_kernel(part, half, true, stream)?;
+                        check(sys::cuEventRecord(st.ready[h], stream), "cuEventRecord")?;
+                        check(sys::cuStreamWaitEvent(copy, st.ready[h], 0), "cuStreamWaitEvent")?;
+                        check(sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, half, bytes, copy), "cuMemcpyDtoHAsync")?;
+                        check(sys::cuEventRecord(st.free[h], copy), "cuEventRecord")?;
+                    } else {
+                        if st.free_recorded[h] {
+                            check(sys::cuStreamWaitEvent(copy, st.free[h], 0), "cuStreamWaitEvent")?;
+                        }
+                        check(
+                            sys::cuMemcpyHtoDAsync_v2(half, host as *const c_void, bytes, copy),
+                            "cuMemcpyHtoDAsync",
+                        )?;
+                        check(sys::cuEventRecord(st.ready[h], copy), "cuEventRecord")?;
+                        check(sys::cuStreamWaitEvent(stream, st.ready[h], 0), "cuStreamWaitEvent")?;
+                        self.launch_kernel(part, half, false, stream)?;
+                        check(sys::cuEventRecord(st.free[h], stream), "cuEventRecord")?;
+                    }
+                    st.free_recorded[h] = true;
+                }
+                // the caller's stream sees the call complete only after the last copies
+                for h in 0..2 {
+                    if st.free_recorded[h] {
+                        check(sys::cuStreamWaitEvent(stream, st.free[h], 0), "cuStreamWaitEvent")?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        self.staged = Some(st);
+        result
+    }
+
     /// Launch the copy kernel for `ids` against staging at device address `staging_base`.
     ///
     /// # Safety
