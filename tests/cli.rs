@@ -110,4 +110,5 @@ fn demo_runs() {
     let s = String::from_utf8(o.stdout).unwrap();
     assert!(s.contains("decoded canonical bytes equal: true"), "{s}");
     assert!(s.contains("kvrelay_kv_hints_ignored_total{reason=\"unknown_version\"} 1"), "{s}");
+    assert!(s.contains("read back byte-exact: true"), "{s}");
 }
