@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{bytes, fill, guard, guard_void, input, input_mut, out_ptr, put, text};
+use super::boundary::{bytes, fill, free_box, guard, input, input_mut, out_ptr, put, text};
 use super::snapshot::{export, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_counters, kvrelay_outcome};
@@ -42,12 +42,8 @@ pub unsafe extern "C" fn kvrelay_admission_config_new(out: *mut *mut kvrelay_adm
 /// `config` must be NULL or from `kvrelay_admission_config_new` and not freed before.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_admission_config_free(config: *mut kvrelay_admission_config) {
-    guard_void(|| {
-        if !config.is_null() {
-            // SAFETY: per the contract, a live box from `_new`.
-            drop(unsafe { Box::from_raw(config) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(config) }
 }
 
 fn set(
@@ -201,12 +197,8 @@ pub unsafe extern "C" fn kvrelay_admission_new(
 /// another thread.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_admission_free(admission: *mut kvrelay_admission) {
-    guard_void(|| {
-        if !admission.is_null() {
-            // SAFETY: per the contract, a live box from `_new`.
-            drop(unsafe { Box::from_raw(admission) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(admission) }
 }
 
 /// Write an outcome and its snapshot (NULL unless admitted) to the out-pointers.

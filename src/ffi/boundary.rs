@@ -22,6 +22,20 @@ pub(crate) fn guard_void(f: impl FnOnce()) {
     let _ = catch_unwind(AssertUnwindSafe(f));
 }
 
+/// Free an owned handle made by `Box::into_raw`; NULL does nothing; a panic in a destructor is
+/// swallowed (no panic crosses the boundary).
+///
+/// # Safety
+/// `p` must be NULL or come from `Box::into_raw` for this `T` and not have been freed.
+pub(crate) unsafe fn free_box<T>(p: *mut T) {
+    guard_void(|| {
+        if !p.is_null() {
+            // SAFETY: per the contract, a live box of this type, given up by the caller.
+            drop(unsafe { Box::from_raw(p) });
+        }
+    });
+}
+
 /// `(ptr, len)` as a slice; `(NULL, 0)` is empty, `(NULL, n > 0)` is invalid.
 ///
 /// # Safety

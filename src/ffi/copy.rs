@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::boundary::{guard, guard_void, input, input_mut, out_ptr, put};
+use super::boundary::{free_box, guard, input, input_mut, out_ptr, put};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
     CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer,
@@ -228,12 +228,8 @@ pub unsafe extern "C" fn kvrelay_kv_layout_stage_block_bytes(layout: *const kvre
 /// `layout` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_kv_layout_free(layout: *mut kvrelay_kv_layout) {
-    guard_void(|| {
-        if !layout.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(layout) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(layout) }
 }
 
 /// A CPU engine over `layout`, whose addresses are host addresses. The layout is copied.
@@ -313,12 +309,8 @@ pub unsafe extern "C" fn kvrelay_cpu_scatter(
 /// `engine` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_cpu_engine_free(engine: *mut kvrelay_cpu_engine) {
-    guard_void(|| {
-        if !engine.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(engine) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(engine) }
 }
 
 /// `KVRELAY_OK` when CUDA device `device` can be used; `KVRELAY_ERR_NO_CUDA_DRIVER` without a
@@ -400,12 +392,8 @@ pub unsafe extern "C" fn kvrelay_pinned_len(pinned: *const kvrelay_pinned) -> us
 /// `pinned` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_pinned_free(pinned: *mut kvrelay_pinned) {
-    guard_void(|| {
-        if !pinned.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(pinned) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(pinned) }
 }
 
 /// A CUDA engine on `device` over `layout` (device addresses; copied). `options` NULL for the
@@ -525,10 +513,6 @@ pub unsafe extern "C" fn kvrelay_cuda_scatter(
 /// `engine` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_cuda_engine_free(engine: *mut kvrelay_cuda_engine) {
-    guard_void(|| {
-        if !engine.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(engine) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(engine) }
 }

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::boundary::{fill, guard, guard_void, input, input_mut, out_ptr, put, text};
+use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, text};
 use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
@@ -244,12 +244,8 @@ pub unsafe extern "C" fn kvrelay_capabilities_build(
 /// `builder` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_capabilities_builder_free(builder: *mut kvrelay_capabilities_builder) {
-    guard_void(|| {
-        if !builder.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(builder) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(builder) }
 }
 
 /// Free a capability snapshot. NULL does nothing.
@@ -258,12 +254,8 @@ pub unsafe extern "C" fn kvrelay_capabilities_builder_free(builder: *mut kvrelay
 /// `caps` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_capabilities_free(caps: *mut kvrelay_capabilities) {
-    guard_void(|| {
-        if !caps.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(caps) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(caps) }
 }
 
 /// Collect the candidates of `snapshot` into `out[0..cap]` (producer order) and the counts
@@ -330,12 +322,8 @@ pub unsafe extern "C" fn kvrelay_policy_config_new(out: *mut *mut kvrelay_policy
 /// `config` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_policy_config_free(config: *mut kvrelay_policy_config) {
-    guard_void(|| {
-        if !config.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(config) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(config) }
 }
 
 /// Add a binding of `family` with `addressing` (a `kvrelay_addressing` value) and authorization.
@@ -482,12 +470,8 @@ pub unsafe extern "C" fn kvrelay_orchestrator_new(
 /// `orchestrator` NULL or live and not in use by another thread.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_orchestrator_free(orchestrator: *mut kvrelay_orchestrator) {
-    guard_void(|| {
-        if !orchestrator.is_null() {
-            // SAFETY: live box per the contract.
-            drop(unsafe { Box::from_raw(orchestrator) });
-        }
-    });
+    // SAFETY: forwarded contract.
+    unsafe { free_box(orchestrator) }
 }
 
 /// `kvrelay_decision.kind`.

@@ -74,6 +74,21 @@ pub(crate) unsafe fn borrow(p: *const kvrelay_snapshot) -> Result<std::mem::Manu
     Ok(unsafe { Snapshot::borrow_raw(p.cast()) })
 }
 
+/// Write `f(snapshot)` through `out`: the shape of every single-value accessor.
+///
+/// # Safety
+/// `snapshot` NULL or live; `out` NULL or writable; the value may borrow from the snapshot.
+unsafe fn view<T>(snapshot: *const kvrelay_snapshot, out: *mut T, f: impl FnOnce(&Snapshot) -> T) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let s = unsafe { borrow(snapshot) }?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { put(out, f(&s)) };
+        Ok(())
+    })
+}
+
 /// Take one more reference to `snapshot` and return it (for a child request, another rank, a
 /// queue). NULL gives NULL. Cost: one atomic increment.
 ///
@@ -122,14 +137,8 @@ pub unsafe extern "C" fn kvrelay_snapshot_canonical(
     snapshot: *const kvrelay_snapshot,
     out: *mut kvrelay_bytes,
 ) -> kvrelay_status {
-    guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let s = unsafe { borrow(snapshot) }?;
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, kvrelay_bytes::of(s.canonical())) };
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { view(snapshot, out, |s| kvrelay_bytes::of(s.canonical())) }
 }
 
 /// `protocol_version`, decoded. O(1), no copy.
@@ -141,14 +150,8 @@ pub unsafe extern "C" fn kvrelay_snapshot_protocol_version(
     snapshot: *const kvrelay_snapshot,
     out: *mut kvrelay_str,
 ) -> kvrelay_status {
-    guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let s = unsafe { borrow(snapshot) }?;
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, kvrelay_str::of(s.protocol_version())) };
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { view(snapshot, out, |s| kvrelay_str::of(s.protocol_version())) }
 }
 
 /// `message_id`, decoded. O(1), no copy.
@@ -160,14 +163,8 @@ pub unsafe extern "C" fn kvrelay_snapshot_message_id(
     snapshot: *const kvrelay_snapshot,
     out: *mut kvrelay_str,
 ) -> kvrelay_status {
-    guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let s = unsafe { borrow(snapshot) }?;
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, kvrelay_str::of(s.message_id())) };
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { view(snapshot, out, |s| kvrelay_str::of(s.message_id())) }
 }
 
 /// Number of actions (repeated action ids included).
@@ -179,14 +176,8 @@ pub unsafe extern "C" fn kvrelay_snapshot_action_count(
     snapshot: *const kvrelay_snapshot,
     out: *mut usize,
 ) -> kvrelay_status {
-    guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let s = unsafe { borrow(snapshot) }?;
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, s.action_count()) };
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { view(snapshot, out, |s| s.action_count()) }
 }
 
 /// The action at `index` (producer order) as borrowed views. `KVRELAY_ERR_OUT_OF_RANGE` past

@@ -8,17 +8,7 @@
 
 #include "kvrelay.h"
 
-static int passed, failed;
-
-#define EXPECT(cond)                                                   \
-  do {                                                                 \
-    if (cond) {                                                        \
-      passed++;                                                        \
-    } else {                                                           \
-      failed++;                                                        \
-      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                  \
-  } while (0)
+#include "expect.h"
 
 static const char HINT[] =
     "{\"protocol_version\":\"0.1\",\"message_id\":\"m\",\"actions\":[{\"action_id\":\"a\",\"action_type\":"

@@ -6,16 +6,7 @@
 
 #include "kvrelay.h"
 
-static int passed, failed;
-#define EXPECT(cond)                                                    \
-  do {                                                                  \
-    if (cond) {                                                         \
-      passed++;                                                         \
-    } else {                                                            \
-      failed++;                                                         \
-      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                   \
-  } while (0)
+#include "expect.h"
 
 enum { LAYERS = 3, BLOCKS = 24, KV = 128 };
 
