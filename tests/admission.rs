@@ -513,3 +513,79 @@ fn config_is_validated() {
     assert_eq!(bad(AdmissionConfig { metric_prefix: "9bad".into(), ..Default::default() }), ConfigError::MetricPrefix);
     assert_eq!(bad(AdmissionConfig { metric_prefix: "a b".into(), ..Default::default() }), ConfigError::MetricPrefix);
 }
+
+/// Long comma-separated number lists (the hash-list fast paths) against an independent
+/// expectation: every boundary the fast path decides on, mixed at random positions.
+#[test]
+fn number_lists_at_every_boundary() {
+    let edge = trusted();
+    // (text, in range, canonical)
+    let pool: &[(&str, bool, &str)] = &[
+        ("0", true, "0"),
+        ("7", true, "7"),
+        ("1234567890123456789", true, "1234567890123456789"),
+        ("9999999999999999999", true, "9999999999999999999"),
+        ("18446744073709551615", true, "18446744073709551615"),
+        ("18446744073709551616", false, ""),
+        ("18446744073709551699", false, ""),
+        ("18446744000000000000", true, "18446744000000000000"),
+        ("18446743999999999999", true, "18446743999999999999"),
+        ("18446745000000000000", false, ""),
+        ("99999999999999999999", false, ""),
+        ("100000000000000000000", false, ""),
+        ("-1", true, "-1"),
+        ("-0", true, "0"),
+        ("-9223372036854775808", true, "-9223372036854775808"),
+        ("-9223372036854775809", false, ""),
+        ("1.5", true, "1.5"),
+        ("1e5", true, "100000.0"),
+        ("12345678901234567890", true, "12345678901234567890"),
+    ];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for case in 0..3000 {
+        let n = 1 + (next() % 60) as usize;
+        // mostly plain random u64s, sometimes a boundary element
+        let elems: Vec<(String, bool, String)> = (0..n)
+            .map(|_| {
+                if next() % 4 == 0 {
+                    let (t, ok, c) = pool[(next() % pool.len() as u64) as usize];
+                    (t.to_string(), ok, c.to_string())
+                } else {
+                    let v = next() >> (next() % 64);
+                    (v.to_string(), true, v.to_string())
+                }
+            })
+            .collect();
+        let text = elems.iter().map(|e| e.0.as_str()).collect::<Vec<_>>().join(",");
+        let raw = with_payload(&format!("[{text}]"));
+        let all_ok = elems.iter().all(|e| e.1);
+        match edge.admit(Some(raw.as_bytes())) {
+            Outcome::Admitted(s) => {
+                assert!(all_ok, "case {case}: admitted with an out-of-range integer: {text}");
+                let canon = elems.iter().map(|e| e.2.as_str()).collect::<Vec<_>>().join(",");
+                assert_eq!(s.action(0).unwrap().payload(), format!(r#"{{"x":[{canon}]}}"#).as_bytes(), "case {case}");
+            }
+            Outcome::Ignored(i) => {
+                assert!(!all_ok, "case {case}: refused a valid list ({i}): {text}");
+                assert_eq!(i.detail.unwrap().what(), "integer outside -2^63 ..= 2^64-1", "case {case}");
+            }
+            Outcome::Absent => panic!("case {case}"),
+        }
+    }
+    // malformed separators and leading zeros inside a long run are still caught
+    let long: Vec<String> = (0..40u64).map(|i| (i * 1_000_000_007 + 10).to_string()).collect();
+    for (i, bad) in ["01", "", " ", "00", "1.", "--1", "+1", "0x10"].iter().enumerate() {
+        let mut v = long.clone();
+        v[5 + i * 3] = bad.to_string();
+        let raw = with_payload(&format!("[{}]", v.join(",")));
+        // (" " leaves ", ,": whitespace is insignificant, the element is still empty)
+        let o = edge.admit(Some(raw.as_bytes()));
+        assert!(matches!(o, Outcome::Ignored(ref i) if i.reason == Reason::Malformed), "{bad:?}: {o:?}");
+    }
+}

@@ -355,6 +355,23 @@ impl Scanner<'_, '_> {
                 b'-' | b'0'..=b'9' => {
                     if self.sc.stack.last().is_some_and(|f| !f.is_obj && f.role == Role::Other) {
                         // an array that records nothing per element: the hash-list fast path
+                        #[cfg(target_arch = "x86_64")]
+                        {
+                            // whole 16-byte blocks of plain integers, then one element through
+                            // the general number path wherever the block scanner stopped
+                            self.number()?;
+                            loop {
+                                self.int_blocks();
+                                match self.inp.get(self.pos..self.pos + 2) {
+                                    Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
+                                        self.pos += 1;
+                                        self.number()?;
+                                    }
+                                    _ => break,
+                                }
+                            }
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
                         self.number_run()?;
                     } else {
                         self.number()?;
@@ -699,12 +716,82 @@ impl Scanner<'_, '_> {
         }
     }
 
-    /// A run of numbers separated by bare commas, starting at `self.pos`, inside an array whose
+    /// After a complete number in a plain array (`self.pos` at the byte after it): consume the
+    /// longest following run of `,integer` pairs whose integers are certainly plain and in
+    /// range, 16 bytes at a time. Each block is classified into digit and comma masks with SSE2
+    /// and the commas are walked with `trailing_zeros`, so the cost per hash is a few
+    /// instructions. Anything else (a float, a sign, an empty element, a leading zero, an
+    /// integer that may be out of range, the last 16 bytes of the input) ends the run just
+    /// before that element, and the general path handles it exactly as before: this can only
+    /// skip work, never change an outcome.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn int_blocks(&mut self) {
+        use std::arch::x86_64::{
+            __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_set1_epi8, _mm_sub_epi8,
+        };
+        let inp = self.inp;
+        let start = self.pos;
+        if inp.get(start) != Some(&b',') {
+            return;
+        }
+        // Plain iff 1..=19 digits without a leading zero, or 20 digits whose first eight sort
+        // below the limit's (a tie goes to the general path).
+        let lim = u64::from_be_bytes(U64_MAX_DIGITS[..8].try_into().expect("8 digits"));
+        let plain = |s: usize, e: usize| -> bool {
+            let nd = e - s;
+            if nd == 0 || nd > 20 || (inp[s] == b'0' && nd > 1) {
+                return false;
+            }
+            nd < 20 || u64::from_be_bytes(inp[s..s + 8].try_into().expect("8 digits")) < lim
+        };
+        let mut done = start; // just after the last consumed integer
+        let mut seg = start + 1; // start of the element being read
+        let mut q = start + 1;
+        while q + 16 <= inp.len() {
+            // SAFETY: SSE2 is part of the x86-64 baseline; `q + 16 <= inp.len()`, so the 16
+            // bytes loaded are inside `inp`, and `_mm_loadu_si128` needs no alignment.
+            let (digits, commas) = unsafe {
+                let v = _mm_loadu_si128(inp.as_ptr().add(q).cast::<__m128i>());
+                let t = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
+                let d = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t)) as u32;
+                let c = _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b',' as i8))) as u32;
+                (d, c)
+            };
+            let other = !(digits | commas) & 0xFFFF;
+            let stop = if other != 0 { other.trailing_zeros() } else { 16 };
+            let mut cm = commas & ((1u32 << stop) - 1);
+            while cm != 0 {
+                let c = q + cm.trailing_zeros() as usize;
+                if !plain(seg, c) {
+                    self.pos = done;
+                    return;
+                }
+                done = c;
+                seg = c + 1;
+                cm &= cm - 1;
+            }
+            if other != 0 {
+                let e = q + stop as usize;
+                if !matches!(inp[e], b'.' | b'e' | b'E' | b'+' | b'-') && plain(seg, e) {
+                    done = e;
+                }
+                self.pos = done;
+                return;
+            }
+            q += 16;
+        }
+        self.pos = done;
+    }
+
+    /// A run of numbers separated by bare commas, starting at `self.pos`, (the portable path;
+    /// x86-64 uses `int_blocks`), inside an array whose
     /// elements need no record (block hash lists). Integers are handled here with about 30
     /// instructions each; anything else (floats, errors, whitespace) goes through [`number`]
     /// or ends the run, leaving `self.pos` after the last number.
     ///
     /// [`number`]: Scanner::number
+    #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
     #[inline(always)]
     fn number_run(&mut self) -> Result<(), Detail> {
         let inp = self.inp;
