@@ -143,18 +143,13 @@ impl KvLayout {
         num_blocks: u32,
         kv_block_bytes: u64,
     ) -> Result<KvLayout, LayoutError> {
-        let pool_len = 2 * u64::from(num_blocks) * kv_block_bytes;
-        let mut segs = Vec::with_capacity(layer_pools.len() * 2);
-        for &b in layer_pools {
-            segs.push(Segment { base: b, block_stride: kv_block_bytes, bytes_per_block: kv_block_bytes });
-            segs.push(Segment {
-                base: b + u64::from(num_blocks) * kv_block_bytes,
-                block_stride: kv_block_bytes,
-                bytes_per_block: kv_block_bytes,
-            });
-        }
-        let pools: Vec<(u64, u64)> = layer_pools.iter().map(|&b| (b, pool_len)).collect();
-        KvLayout::new(num_blocks, segs, &pools)
+        let v_offset = u64::from(num_blocks) * kv_block_bytes;
+        KvLayout::per_layer(layer_pools, num_blocks, kv_block_bytes, |b| {
+            [
+                Segment { base: b, block_stride: kv_block_bytes, bytes_per_block: kv_block_bytes },
+                Segment { base: b + v_offset, block_stride: kv_block_bytes, bytes_per_block: kv_block_bytes },
+            ]
+        })
     }
 
     /// FlashInfer-style: one pool per layer shaped `[num_blocks, 2, kv_block_bytes]` (K and V of
@@ -164,17 +159,25 @@ impl KvLayout {
         num_blocks: u32,
         kv_block_bytes: u64,
     ) -> Result<KvLayout, LayoutError> {
+        KvLayout::per_layer(layer_pools, num_blocks, kv_block_bytes, |b| {
+            [0, 1].map(|kv| Segment {
+                base: b + kv * kv_block_bytes,
+                block_stride: 2 * kv_block_bytes,
+                bytes_per_block: kv_block_bytes,
+            })
+        })
+    }
+
+    /// Per-layer pools of `2 * num_blocks * kv_block_bytes` bytes each, whose K and V segments
+    /// `kv(base)` gives.
+    fn per_layer(
+        layer_pools: &[u64],
+        num_blocks: u32,
+        kv_block_bytes: u64,
+        kv: impl Fn(u64) -> [Segment; 2],
+    ) -> Result<KvLayout, LayoutError> {
         let pool_len = 2 * u64::from(num_blocks) * kv_block_bytes;
-        let mut segs = Vec::with_capacity(layer_pools.len() * 2);
-        for &b in layer_pools {
-            for kv in 0..2 {
-                segs.push(Segment {
-                    base: b + kv * kv_block_bytes,
-                    block_stride: 2 * kv_block_bytes,
-                    bytes_per_block: kv_block_bytes,
-                });
-            }
-        }
+        let segs = layer_pools.iter().flat_map(|&b| kv(b)).collect();
         let pools: Vec<(u64, u64)> = layer_pools.iter().map(|&b| (b, pool_len)).collect();
         KvLayout::new(num_blocks, segs, &pools)
     }
