@@ -50,7 +50,13 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 UBSAN_OPTION
 
 echo "== install, then a separate project: find_package(kvrelay CONFIG REQUIRED)"
 cmake --install "$b/release" --prefix "$b/prefix" >/dev/null
-test -f "$b/prefix/lib/pkgconfig/kvrelay.pc"
+pc="$b/prefix/lib/pkgconfig/kvrelay.pc"
+rel=$(sed -n 's|^prefix=${pcfiledir}/||p' "$pc")
+test -n "$rel" && test -f "$b/prefix/lib/pkgconfig/$rel/include/kvrelay.h" \
+  || { echo "kvrelay.pc does not point at the install prefix" >&2; exit 1; }
+if command -v pkg-config >/dev/null 2>&1; then
+  PKG_CONFIG_PATH="$b/prefix/lib/pkgconfig" pkg-config --cflags --libs kvrelay
+fi
 test -f "$b/prefix/lib/cmake/kvrelay/kvrelayConfigVersion.cmake"
 cmake -S tests/consumer -B "$b/consumer" -DCMAKE_PREFIX_PATH="$b/prefix" >/dev/null
 cmake --build "$b/consumer" -j 2
