@@ -589,3 +589,25 @@ fn number_lists_at_every_boundary() {
         assert!(matches!(o, Outcome::Ignored(ref i) if i.reason == Reason::Malformed), "{bad:?}: {o:?}");
     }
 }
+
+#[test]
+fn the_endpoint_member_is_located_not_interpreted() {
+    let edge = trusted();
+    let raw = r#"{"protocol_version":"0.1","message_id":"m","actions":[
+        {"action_id":"a","action_type":"kv.fetch","action_version":"1.0","payload":{"a":[1,{"source_control_endpoint":"nested"}],"b":{"source_control_endpoint":"deeper"},"source_control_endpoint":"tcp:\/\/h:1","z":1}},
+        {"action_id":"b","action_type":"kv.fetch","action_version":"1.0","payload":{"block_hashes":[1,2]}},
+        {"action_id":"c","action_type":"other","action_version":"1","payload":{"source_control_endpoint":7}},
+        {"action_id":"d","action_type":"other","action_version":"1","payload":{"h":[1,2,3],"source_control_endpoint":"last"}}
+    ],"source_control_endpoint":"root-level is not an action's"}"#;
+    let s = assert_admitted(outcome(&edge, raw));
+    let got: Vec<Option<&[u8]>> = s.actions().map(|a| a.endpoint_value()).collect();
+    assert_eq!(got, [Some(&br#""tcp://h:1""#[..]), None, Some(&b"7"[..]), Some(&br#""last""#[..])]);
+    for a in s.actions() {
+        assert_eq!(a.endpoint_value(), kvrelay::policy::payload_member(a.payload(), "source_control_endpoint"));
+    }
+    // not a 0.1 rule: a future version with such a member is still unknown_version
+    assert_ignored(
+        outcome(&edge, r#"{"protocol_version":"0.2","payload":{"source_control_endpoint":1}}"#),
+        Reason::UnknownVersion,
+    );
+}

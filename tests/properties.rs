@@ -78,7 +78,7 @@ fn envelope(payload: Value, extra: Value) -> Value {
         "protocol_version": "0.1",
         "message_id": "m",
         "actions": [
-            {"action_id": "a", "action_type": "kv.fetch", "action_version": "1.0", "payload": {"x": payload}},
+            {"action_id": "a", "action_type": "kv.fetch", "action_version": "1.0", "payload": {"x": payload.clone(), "source_control_endpoint": payload}},
             {"action_id": "a", "action_type": "other", "action_version": "9", "payload": {}, "e": extra.clone()}
         ],
         "extra": extra
@@ -144,6 +144,7 @@ proptest! {
             prop_assert_eq!(a.id(), va["action_id"].as_str().unwrap());
             prop_assert_eq!(a.action_type(), va["action_type"].as_str().unwrap());
             prop_assert_eq!(a.payload(), &reference(&va["payload"])[..]);
+            prop_assert_eq!(a.endpoint_value(), kvrelay::policy::payload_member(a.payload(), "source_control_endpoint"));
         }
     }
 

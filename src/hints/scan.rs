@@ -53,6 +53,9 @@ pub(crate) struct ActionRec {
     pub ty: Field,
     pub ver: Field,
     pub payload: Field,
+    /// The payload's top-level `source_control_endpoint` member value, located (never
+    /// interpreted) so that a consumer finds it without walking the payload.
+    pub endpoint: Field,
 }
 
 /// A member name of an open object: decoded bytes, either in the input (no escapes) or in
@@ -70,6 +73,8 @@ enum Role {
     Root,
     ActionsArr,
     Action,
+    /// The `payload` object of an action.
+    Payload,
     BatchList,
 }
 
@@ -83,6 +88,8 @@ enum Slot {
     Type,
     Ver,
     Payload,
+    /// The payload's `source_control_endpoint` member.
+    Endpoint,
     /// An element of an action array (recorded through `Scratch::actions`).
     ActionElem,
     /// An element of a batched aligned list (recorded as a raw input span).
@@ -492,13 +499,14 @@ impl Scanner<'_, '_> {
             }
             Slot::MsgId => self.res.msgid = f,
             Slot::Actions => self.res.actions = f,
-            Slot::Id | Slot::Type | Slot::Ver | Slot::Payload => {
+            Slot::Id | Slot::Type | Slot::Ver | Slot::Payload | Slot::Endpoint => {
                 let a = self.sc.actions.last_mut().expect("an open action");
                 match top.slot {
                     Slot::Id => a.id = f,
                     Slot::Type => a.ty = f,
                     Slot::Ver => a.ver = f,
-                    _ => a.payload = f,
+                    Slot::Payload => a.payload = f,
+                    _ => a.endpoint = f,
                 }
             }
             Slot::BatchElem => self.sc.elems.push((top.vraw as usize, self.pos)),
@@ -518,6 +526,7 @@ impl Scanner<'_, '_> {
             Some(p) => match (p.slot, is_obj) {
                 (Slot::Actions, false) => Role::ActionsArr,
                 (Slot::ActionElem, true) => Role::Action,
+                (Slot::Payload, true) => Role::Payload,
                 _ => Role::Other,
             },
         };
@@ -608,7 +617,7 @@ impl Scanner<'_, '_> {
             KeyRef { in_buf: false, start: start as u32, len: (end - start) as u32 }
         };
         let role = self.sc.stack.last().expect("a member needs an object").role;
-        let slot = if matches!(role, Role::Root | Role::Action) {
+        let slot = if matches!(role, Role::Root | Role::Action | Role::Payload) {
             let name: &[u8] = if key.in_buf {
                 &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
             } else {
@@ -622,6 +631,7 @@ impl Scanner<'_, '_> {
                 (Role::Action, b"action_type") => Slot::Type,
                 (Role::Action, b"action_version") => Slot::Ver,
                 (Role::Action, b"payload") => Slot::Payload,
+                (Role::Payload, b"source_control_endpoint") => Slot::Endpoint,
                 _ => Slot::None,
             }
         } else {

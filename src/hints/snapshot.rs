@@ -3,7 +3,7 @@
 //! A snapshot is **one** heap allocation (an `Arc<[u8]>`) laid out as
 //!
 //! ```text
-//! header (40 bytes) | action index (40 bytes per action) | canonical bytes | decoded strings
+//! header (40 bytes) | action index (48 bytes per action) | canonical bytes | decoded strings
 //! ```
 //!
 //! All integers are little-endian `u32` offsets into the same buffer, so every accessor is a few
@@ -16,7 +16,7 @@ use std::fmt;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use super::scan::{decode_string, ActionRec, Field};
+use super::scan::{decode_string, ActionRec, Field, Kind};
 
 const H_TOTAL: usize = 0;
 const H_NACT: usize = 4;
@@ -31,7 +31,8 @@ const A_ID: usize = 8;
 const A_TYPE: usize = 16;
 const A_VER: usize = 24;
 const A_PAYLOAD: usize = 32;
-const ACT: usize = 40;
+const A_ENDPOINT: usize = 40;
+const ACT: usize = 48;
 
 /// An admitted envelope, frozen. Cloning is one atomic increment; the bytes are shared by every
 /// clone and never change. `Send + Sync`: hand it to other threads, queues, ranks and child
@@ -171,6 +172,13 @@ impl Snapshot {
             }
             w.u32(canon_off + r.payload.start as usize);
             w.u32((r.payload.end - r.payload.start) as usize);
+            if r.endpoint.kind == Kind::Missing {
+                w.u32(canon_off);
+                w.u32(0);
+            } else {
+                w.u32(canon_off + r.endpoint.start as usize);
+                w.u32((r.endpoint.end - r.endpoint.start) as usize);
+            }
         }
         debug_assert_eq!(x, extra.len());
         w.put(p.canon);
@@ -358,6 +366,13 @@ impl<'a> Action<'a> {
     /// The canonical bytes of `payload` (a JSON object). Admission never interprets it.
     pub fn payload(&self) -> &'a [u8] {
         self.snap.span(self.base() + A_PAYLOAD)
+    }
+    /// The canonical bytes of the value of the payload's top-level `source_control_endpoint`
+    /// member (with quotes if it is a string), or `None` when the payload has no such member.
+    /// Located during admission, never interpreted there; O(1), no copy.
+    pub fn endpoint_value(&self) -> Option<&'a [u8]> {
+        let v = self.snap.span(self.base() + A_ENDPOINT);
+        (!v.is_empty()).then_some(v)
     }
     /// The canonical bytes of the whole action object, extra members included.
     pub fn canonical(&self) -> &'a [u8] {

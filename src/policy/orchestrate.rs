@@ -11,7 +11,6 @@ use std::sync::Arc;
 use super::candidates::{first_candidate, Candidate};
 use super::caps::{Capabilities, FamilyId};
 use super::endpoint::{normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};
-use super::payload;
 use crate::hints::{Action, ActionEnvelope, Snapshot};
 use crate::metrics::valid_metric_prefix;
 
@@ -403,7 +402,7 @@ impl Orchestrator {
             return Keep(Discard::RequestPaired);
         }
         // The server's registry decides the destination; a supplied address grants nothing.
-        let Some(raw) = payload::member(action.payload(), "source_control_endpoint") else {
+        let Some(raw) = action.endpoint_value() else {
             return Keep(Discard::EndpointMissing);
         };
         let mut decoded = Vec::new();
