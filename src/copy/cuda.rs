@@ -1102,8 +1102,9 @@ impl CudaEngine {
     }
 
     /// Wait until the last launch that used `slot` has finished (its generation is in the
-    /// slot's flag). Spins with yields: with 32 slots this only happens when the caller enqueues
-    /// faster than the GPU drains for a long time.
+    /// slot's flag). Spins with yields for up to a millisecond (with 32 slots a wait only
+    /// happens when the caller enqueues faster than the GPU drains for a long time), then waits
+    /// for the context, which also ends the wait if the context has failed.
     fn wait_slot(&self, slot: usize) {
         let want = self.ring_gen[slot];
         if want == 0 {
@@ -1111,6 +1112,7 @@ impl CudaEngine {
         }
         let flags = self.ring_done.as_ref().expect("allocated at setup");
         let p = flags.as_slice()[slot * 8..].as_ptr().cast::<u64>();
+        let started = std::time::Instant::now();
         loop {
             // SAFETY: `p` points into the pinned flag array (8-byte aligned allocation, slot*8
             // offset); the GPU writes it, so it is read volatile.
@@ -1118,6 +1120,20 @@ impl CudaEngine {
             if seen >= want {
                 std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
                 return;
+            }
+            if started.elapsed() > std::time::Duration::from_millis(1) {
+                // Slow path: wait for the whole context. Either every launch completed (the
+                // flag is set now), or the context hit a sticky error (a faulting kernel), in
+                // which case nothing will ever read the slot again and waiting longer would hang.
+                let _ = self.dev.bind();
+                // SAFETY: plain driver call on the current, retained context.
+                let r = unsafe { sys::cuCtxSynchronize() };
+                // SAFETY: as above.
+                let seen = unsafe { std::ptr::read_volatile(p) };
+                if r != sys::CUresult::CUDA_SUCCESS || seen >= want {
+                    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                    return;
+                }
             }
             std::thread::yield_now();
         }
