@@ -42,6 +42,10 @@ pub(crate) struct Field {
     pub kind: Kind,
     pub start: u32,
     pub end: u32,
+    /// For strings: the raw text had an escape. Without one the canonical text has no
+    /// backslash either (raw strings cannot hold `"`, `\` or control bytes unescaped), so the
+    /// snapshot need not look for escapes to decode.
+    pub escaped: bool,
 }
 
 /// One element of the root `actions` array that is an object.
@@ -217,6 +221,8 @@ struct Scanner<'a, 's> {
     rewrote: bool,
     res: Scan,
     root_end: usize,
+    /// Whether the last string scanned had an escape (read by `record`).
+    last_escaped: bool,
 }
 
 /// Scan one JSON value. `max_bytes` only bounds how much canonical output is written; the
@@ -247,6 +253,7 @@ pub(crate) fn scan(
         rewrote: false,
         res: Scan::default(),
         root_end: 0,
+        last_escaped: false,
     };
     while s.pos < inp.len() && is_ws(inp[s.pos]) {
         s.pos += 1;
@@ -356,7 +363,7 @@ impl Scanner<'_, '_> {
                     }
                 }
                 b'"' => {
-                    self.string()?;
+                    self.last_escaped = self.string()?;
                     self.finish_value(Kind::String);
                 }
                 b'-' | b'0'..=b'9' => {
@@ -480,7 +487,7 @@ impl Scanner<'_, '_> {
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
         let top = *self.sc.stack.last().expect("record needs a parent");
-        let f = Field { kind, start: top.vstart, end };
+        let f = Field { kind, start: top.vstart, end, escaped: kind == Kind::String && self.last_escaped };
         match top.slot {
             Slot::None | Slot::ActionElem => {}
             Slot::Pv => {

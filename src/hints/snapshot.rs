@@ -92,7 +92,7 @@ impl Fill<'_> {
 /// to the extra area, length, in_extra).
 fn string_span(canon: &[u8], f: Field, extra: &mut Vec<u8>) -> (usize, usize, bool) {
     let inner = &canon[f.start as usize + 1..f.end as usize - 1];
-    if inner.contains(&b'\\') {
+    if f.escaped && inner.contains(&b'\\') {
         let at = extra.len();
         decode_string(inner, extra);
         (at, extra.len() - at, true)
@@ -128,7 +128,7 @@ impl Snapshot {
         for r in p.recs {
             for f in [r.id, r.ty, r.ver] {
                 let inner = &p.canon[f.start as usize + 1..f.end as usize - 1];
-                if inner.contains(&b'\\') {
+                if f.escaped && inner.contains(&b'\\') {
                     decode_string(inner, extra);
                 }
             }
@@ -158,7 +158,7 @@ impl Snapshot {
             for f in [r.id, r.ty, r.ver] {
                 let inner_start = f.start as usize + 1;
                 let inner = &p.canon[inner_start..f.end as usize - 1];
-                if inner.contains(&b'\\') {
+                if f.escaped && inner.contains(&b'\\') {
                     // The decoded text was appended above in this same order; its length
                     // follows from the canonical escapes without decoding again.
                     let len = decoded_len(inner);
