@@ -110,7 +110,11 @@ fn admitted(edge: &Admission, raw: &[u8]) -> Snapshot {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // 256 cases in CI; PROPTEST_CASES=N runs longer searches locally.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn canonical_equals_serde_json_compact_in_every_spelling(payload in arb_json(), extra in arb_json()) {
@@ -172,6 +176,30 @@ proptest! {
             prop_assert!(parsed.is_object());
             let again = admitted(&edge, s.canonical());
             prop_assert_eq!(again.canonical(), s.canonical());
+        }
+    }
+
+    #[test]
+    fn msgpack_decoding_survives_garbage_and_mutations(
+        payload in arb_json(),
+        junk in prop::collection::vec(any::<u8>(), 0..64),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+    ) {
+        let edge = edge();
+        // arbitrary bytes: any outcome but a panic
+        let _ = edge.decode_msgpack(&junk);
+        // a valid encoding with a few bytes changed: whatever decodes must be a consistent snapshot
+        let s = admitted(&edge, &serde_json::to_vec(&envelope(payload, Value::Null)).unwrap());
+        let mut mp = s.to_msgpack();
+        for (at, byte) in edits {
+            let i = at.index(mp.len());
+            mp[i] = byte;
+        }
+        if let Ok(d) = edge.decode_msgpack(&mp) {
+            let again = edge.decode_msgpack(&d.to_msgpack()).unwrap();
+            prop_assert_eq!(again.canonical(), d.canonical());
+            let readmitted = admitted(&edge, d.canonical());
+            prop_assert_eq!(readmitted.canonical(), d.canonical());
         }
     }
 }
