@@ -1,7 +1,7 @@
 //! The C ABI (`include/kvrelay.h`, generated from this module by cbindgen).
 //!
 //! Conventions (the same for every feature that joins the ABI later):
-//! - every function goes through [`boundary::guard`]: null checks, `catch_unwind`, and a panic
+//! - every function goes through one boundary helper (`boundary::guard`): null checks, `catch_unwind`, and a panic
 //!   becomes `KVRELAY_ERR_PANIC`, never an abort or undefined behaviour;
 //! - functions return `kvrelay_status` (an `int32_t` whose values never change meaning);
 //!   `kvrelay_status_message` renders any integer, invented ones included;

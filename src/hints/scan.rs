@@ -116,7 +116,7 @@ struct Frame {
     n: u32,
 }
 
-/// Reusable working memory for [`scan`]. Buffers keep their capacity between calls, so after
+/// Reusable working memory for the scanner (see [`crate::hints::Admission::admit_with`]). Buffers keep their capacity between calls, so after
 /// the first few calls a validation allocates nothing.
 #[derive(Default)]
 pub struct Scratch {
