@@ -12,6 +12,10 @@ export CARGO_TERM_COLOR=never
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
+echo "== clippy and docs (warnings are errors)"
+cargo clippy --locked --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps
+
 echo "== Rust tests"
 cargo test --locked
 
