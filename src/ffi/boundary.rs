@@ -106,19 +106,37 @@ pub(crate) unsafe fn put<T>(p: *mut T, v: T) {
 /// `len_out` must be valid for a write; a non-NULL `buf` must be valid for `cap` bytes of
 /// writes.
 pub(crate) unsafe fn fill(src: &[u8], buf: *mut u8, cap: usize, len_out: *mut usize) -> Result<(), kvrelay_status> {
+    // SAFETY: forwarded contract.
+    unsafe { fill_pieces(&[src], buf, cap, len_out) }
+}
+
+/// [`fill`] for output made of several borrowed pieces, written one after the other (so a
+/// value assembled from parts is copied only into the caller's buffer).
+///
+/// # Safety
+/// As [`fill`].
+pub(crate) unsafe fn fill_pieces(
+    pieces: &[&[u8]],
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> Result<(), kvrelay_status> {
     let len_out = out_ptr(len_out)?;
     if buf.is_null() && cap != 0 {
         return Err(KVRELAY_ERR_INVALID_ARGUMENT);
     }
+    let need: usize = pieces.iter().map(|p| p.len()).sum();
     // SAFETY: `len_out` is non-NULL and the caller promises it is writable.
-    unsafe { put(len_out, src.len()) };
-    if cap < src.len() {
+    unsafe { put(len_out, need) };
+    if cap < need {
         return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
     }
-    if !src.is_empty() {
-        // SAFETY: `buf` is non-NULL here (cap >= len > 0), writable for `cap >= src.len()` bytes
-        // per the contract, and cannot overlap `src`, which kvrelay owns.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, src.len()) };
+    let mut at = 0;
+    for p in pieces.iter().filter(|p| !p.is_empty()) {
+        // SAFETY: `buf` is non-NULL here (cap >= need > 0), writable for `cap >= need` bytes per
+        // the contract, and cannot overlap the pieces, which kvrelay owns.
+        unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), buf.add(at), p.len()) };
+        at += p.len();
     }
     Ok(())
 }

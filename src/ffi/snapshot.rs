@@ -6,7 +6,7 @@
 //! reported (`KVRELAY_ERR_INVALID_HANDLE`, and a message on stderr from `_release`) instead of
 //! corrupting memory; release builds do not pay for that check.
 
-use super::boundary::{fill, guard, guard_void, out_ptr, put};
+use super::boundary::{fill, fill_pieces, guard, guard_void, out_ptr, put};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_action, kvrelay_bytes, kvrelay_str};
 use crate::hints::Snapshot;
@@ -268,27 +268,11 @@ pub unsafe extern "C" fn kvrelay_snapshot_action_envelope(
     len_out: *mut usize,
 ) -> kvrelay_status {
     guard(|| {
-        let len_out = out_ptr(len_out)?;
         // SAFETY: forwarded contract.
         let s = unsafe { borrow(snapshot) }?;
         let view = s.action_envelope(index).ok_or(KVRELAY_ERR_OUT_OF_RANGE)?;
-        let need = view.canonical_len();
-        if buf.is_null() && cap != 0 {
-            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
-        }
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(len_out, need) };
-        if cap < need {
-            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
-        }
-        let mut at = 0;
-        for piece in view.pieces() {
-            // SAFETY: `buf` is writable for `cap >= need` bytes and the pieces add up to
-            // `need`; they live in the snapshot, not in the caller's buffer.
-            unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), buf.add(at), piece.len()) };
-            at += piece.len();
-        }
-        Ok(())
+        // SAFETY: forwarded contract.
+        unsafe { fill_pieces(&view.pieces(), buf, cap, len_out) }
     })
 }
 
