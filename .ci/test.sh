@@ -9,6 +9,12 @@ cd "$(dirname "$0")/.."
 root=$PWD
 export CARGO_TERM_COLOR=never
 
+echo "== the repository is self-contained (nothing reads outside it)"
+if grep -rnI --exclude-dir=target --exclude-dir=.git -e '\.\./shared' . ; then
+  echo "the lines above read outside the repository; vendor what they need" >&2
+  exit 1
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -2,8 +2,9 @@
 //! `y_` must be admitted unless SPEC.md rejects it (each exception names its rule), `n_` must be
 //! malformed, `i_` must come back with a clean outcome and never panic.
 //!
-//! The corpus lives in `../shared/conformance/JSONTestSuite` beside the repository (or where
-//! `KVRELAY_CONFORMANCE_DIR` points); its absence fails the test rather than skipping it.
+//! The corpus is vendored in `tests/data/JSONTestSuite` (MIT, see its LICENSE and README), or
+//! read from where `KVRELAY_CONFORMANCE_DIR` points; its absence fails the test rather than
+//! skipping it.
 
 use std::path::PathBuf;
 
@@ -24,7 +25,7 @@ const DECODE_DIFFERS: &[(&str, &str)] = &[
 fn corpus() -> PathBuf {
     let dir = std::env::var_os("KVRELAY_CONFORMANCE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/conformance/JSONTestSuite"));
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/JSONTestSuite"));
     let p = dir.join("test_parsing");
     assert!(p.is_dir(), "conformance corpus not found at {} (set KVRELAY_CONFORMANCE_DIR)", p.display());
     p
