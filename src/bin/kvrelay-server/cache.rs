@@ -1,0 +1,278 @@
+//! The paged KV pool and its reuse cache, keyed by block names (SPEC section 8).
+//!
+//! Blocks are numbered `0..capacity`. A block is *free*, *held* (referenced by at least one
+//! lease: a running request, or a transfer that sends it) or *cached* (named, unreferenced, in
+//! LRU order). Eviction takes the least recently released cached block and never a held one.
+//! A request takes every block it needs in one step (its cached prefix and fresh blocks for
+//! the rest) or none, so requests never hold some blocks while waiting for others: a request
+//! that cannot be served now waits for a release; one that could never fit is refused.
+//!
+//! Cost: one mutex acquisition per acquire, commit and release; `O(blocks)` work under it, no
+//! I/O. The bytes live behind [`crate::engine::KvStore`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+
+#[derive(Clone, Copy, Default)]
+struct Meta {
+    /// The name the block is cached under (`None`: free or private to a lease).
+    name: Option<u64>,
+    refs: u32,
+    /// Position in the LRU order while cached and unreferenced.
+    tick: u64,
+}
+
+struct State {
+    meta: Vec<Meta>,
+    by_name: HashMap<u64, u32>,
+    free: Vec<u32>,
+    lru: BTreeMap<u64, u32>,
+    tick: u64,
+}
+
+/// The block table: free list, names, reference counts, LRU.
+pub struct BlockCache {
+    state: Mutex<State>,
+    released: Notify,
+    capacity: usize,
+    evicted: AtomicU64,
+}
+
+/// A request needs more blocks than the whole pool holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NeverFits {
+    /// Blocks the request needs.
+    pub needed: usize,
+    /// Blocks in the pool.
+    pub capacity: usize,
+}
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Blocks referenced by a lease.
+    pub held: usize,
+    /// Named, unreferenced blocks (evictable).
+    pub cached: usize,
+    /// Blocks on the free list.
+    pub free: usize,
+    /// Evictions since start.
+    pub evicted: u64,
+}
+
+/// Blocks a request or transfer holds: the cached prefix first, then fresh blocks, in prompt
+/// order. Dropping it releases every block (fresh blocks that were not committed go back to
+/// the free list), so a cancelled request frees what it took.
+pub struct Lease {
+    cache: Arc<BlockCache>,
+    /// Block ids in prompt order.
+    pub ids: Vec<u32>,
+    /// How many leading ids were cache hits.
+    pub hits: usize,
+}
+
+impl BlockCache {
+    /// A pool of `capacity` blocks, all free.
+    pub fn new(capacity: usize) -> Arc<BlockCache> {
+        Arc::new(BlockCache {
+            state: Mutex::new(State {
+                meta: vec![Meta::default(); capacity],
+                by_name: HashMap::with_capacity(capacity),
+                free: (0..capacity as u32).rev().collect(),
+                lru: BTreeMap::new(),
+                tick: 0,
+            }),
+            released: Notify::new(),
+            capacity,
+            evicted: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent bookkeeping (every update is a
+        // few assignments), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Blocks in the pool.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// How many leading `names` are cached or held under that name (no reference taken).
+    pub fn held_prefix(&self, names: &[u64]) -> usize {
+        let s = self.lock();
+        names.iter().take_while(|n| s.by_name.contains_key(n)).count()
+    }
+
+    /// The block cached under `name`, if any.
+    pub fn lookup(&self, name: u64) -> Option<u32> {
+        self.lock().by_name.get(&name).copied()
+    }
+
+    /// Take the longest cached prefix of `names` and `total - hits` fresh blocks, now or not at
+    /// all. `Ok(None)`: not enough free or evictable blocks at the moment.
+    pub fn try_acquire(self: &Arc<Self>, names: &[u64], total: usize) -> Result<Option<Lease>, NeverFits> {
+        if total > self.capacity {
+            return Err(NeverFits { needed: total, capacity: self.capacity });
+        }
+        let mut s = self.lock();
+        let hit_ids: Vec<u32> = names.iter().take(total).map_while(|n| s.by_name.get(n).copied()).collect();
+        let hits = hit_ids.len();
+        let needed = total - hits;
+        // Evictable: cached and unreferenced, minus the hits we are about to reference.
+        let hits_in_lru = hit_ids.iter().filter(|&&b| s.meta[b as usize].refs == 0).count();
+        if s.free.len() + s.lru.len() - hits_in_lru < needed {
+            return Ok(None);
+        }
+        for &b in &hit_ids {
+            let m = s.meta[b as usize];
+            if m.refs == 0 {
+                s.lru.remove(&m.tick);
+            }
+            s.meta[b as usize].refs += 1;
+        }
+        let mut ids = hit_ids;
+        for _ in 0..needed {
+            let b = match s.free.pop() {
+                Some(b) => b,
+                None => {
+                    let (_, b) = s.lru.pop_first().expect("counted above");
+                    let old = s.meta[b as usize].name.take().expect("cached blocks are named");
+                    s.by_name.remove(&old);
+                    self.evicted.fetch_add(1, Ordering::Relaxed);
+                    b
+                }
+            };
+            s.meta[b as usize] = Meta { name: None, refs: 1, tick: 0 };
+            ids.push(b);
+        }
+        Ok(Some(Lease { cache: self.clone(), ids, hits }))
+    }
+
+    /// [`try_acquire`](Self::try_acquire), waiting for releases while the pool is full.
+    pub async fn acquire(self: &Arc<Self>, names: &[u64], total: usize) -> Result<Lease, NeverFits> {
+        loop {
+            let notified = self.released.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable(); // registered before the check: no release is missed
+            if let Some(l) = self.try_acquire(names, total)? {
+                return Ok(l);
+            }
+            notified.await;
+        }
+    }
+
+    /// Reference the blocks cached under `names` (a leading run; stops at the first miss), for
+    /// a transfer that sends them: they cannot be evicted until the lease drops.
+    pub fn pin_prefix(self: &Arc<Self>, names: &[u64]) -> Lease {
+        let mut s = self.lock();
+        let mut ids = Vec::new();
+        for n in names {
+            let Some(&b) = s.by_name.get(n) else { break };
+            let m = s.meta[b as usize];
+            if m.refs == 0 {
+                s.lru.remove(&m.tick);
+            }
+            s.meta[b as usize].refs += 1;
+            ids.push(b);
+        }
+        let hits = ids.len();
+        Lease { cache: self.clone(), ids, hits }
+    }
+
+    /// Counts for metrics.
+    pub fn stats(&self) -> CacheStats {
+        let s = self.lock();
+        let free = s.free.len();
+        let cached = s.lru.len();
+        CacheStats { held: self.capacity - free - cached, cached, free, evicted: self.evicted.load(Ordering::Relaxed) }
+    }
+
+    fn release(&self, ids: &[u32]) {
+        let mut s = self.lock();
+        for &b in ids {
+            let m = &mut s.meta[b as usize];
+            m.refs -= 1;
+            if m.refs > 0 {
+                continue;
+            }
+            if m.name.is_some() {
+                s.tick += 1;
+                let t = s.tick;
+                s.meta[b as usize].tick = t;
+                s.lru.insert(t, b);
+            } else {
+                s.free.push(b);
+            }
+        }
+        drop(s);
+        self.released.notify_waiters();
+    }
+}
+
+impl Lease {
+    /// Publish fresh block `i` of this lease under `name` once its bytes are complete. A block
+    /// another request published under the same name first stays private and is freed on
+    /// release. Returns whether it was published.
+    pub fn commit(&self, i: usize, name: u64) -> bool {
+        let b = self.ids[i];
+        let mut s = self.cache.lock();
+        if s.by_name.contains_key(&name) || s.meta[b as usize].name.is_some() {
+            return false;
+        }
+        s.by_name.insert(name, b);
+        s.meta[b as usize].name = Some(name);
+        true
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.cache.release(&self.ids);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hits_reuse_and_lru_evicts_only_unreferenced_blocks() {
+        let c = BlockCache::new(4);
+        let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
+        assert_eq!(a.hits, 0);
+        assert!(a.commit(0, 1) && a.commit(1, 2));
+        let held = c.try_acquire(&[9, 8], 2).unwrap().unwrap(); // the other two blocks
+        assert!(c.try_acquire(&[7], 1).unwrap().is_none(), "nothing free or evictable");
+        drop(a); // blocks 1, 2 become cached (LRU: 1 then 2)
+        assert_eq!(c.stats().cached, 2);
+        let b = c.try_acquire(&[1, 2, 3], 3).unwrap();
+        assert!(b.is_none(), "two hits, one fresh needed, nothing evictable but the hits");
+        let r = c.try_acquire(&[1, 5], 2).unwrap().unwrap();
+        assert_eq!(r.hits, 1);
+        assert_eq!(c.stats().evicted, 1, "name 2 was evicted for the fresh block");
+        assert_eq!(c.held_prefix(&[1, 2]), 1);
+        drop((r, held));
+        assert_eq!(c.stats().held, 0);
+        assert_eq!(c.try_acquire(&[], 5).err(), Some(NeverFits { needed: 5, capacity: 4 }));
+    }
+
+    #[test]
+    fn uncommitted_blocks_go_back_to_the_free_list() {
+        let c = BlockCache::new(2);
+        let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
+        assert!(a.commit(0, 1));
+        drop(a);
+        let s = c.stats();
+        assert_eq!((s.cached, s.free, s.held), (1, 1, 0));
+        // a duplicate publication stays private
+        let x = c.try_acquire(&[3], 1).unwrap().unwrap();
+        let y = c.try_acquire(&[3], 1).unwrap().unwrap();
+        assert!(x.commit(0, 3));
+        assert!(!y.commit(0, 3));
+    }
+}

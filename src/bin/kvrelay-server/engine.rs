@@ -1,0 +1,415 @@
+//! The reference engine: small, deterministic and honest about reuse.
+//!
+//! - **Tokenizer.** A prompt's UTF-8 bytes are cut into 4-byte pieces; each piece is one token,
+//!   its id the piece read as a little-endian `u32` (the last piece zero-padded). Deterministic,
+//!   reversible, about as many characters per token as a real BPE vocabulary. Token-id prompts
+//!   (`[1, 2, 3]`) are taken as given. Chat messages are rendered with a fixed template first:
+//!   `<|ROLE|>\nCONTENT\n` per message, then `<|assistant|>\n`.
+//! - **Block names** (SPEC section 8): `name(i) = XXH3-64(seed, name(i-1) or 0 as u64 LE,
+//!   lora_id as u64 LE, [cache_salt length as u64 LE, cache_salt bytes if i == 0], tokens of
+//!   block i as u32 LE)`, seed [`NAME_SEED`]. Only full blocks are named.
+//! - **KV.** Token `p`'s KV is a pure function of its prefix: `h(p) = XXH3-64(token_p as u32
+//!   LE, seed h(p-1))` (`h(-1) = MODEL_SEED`), and the bytes of each (layer, K/V) head slice are a
+//!   splitmix64 stream seeded by `h(p)` and the slice number. A block holds, for each layer and
+//!   K/V, `block_tokens` slices of `kv_heads * head_dim * dtype_bytes` bytes. Prefill writes
+//!   them through the copy engine (scatter from staging), so its work grows with the tokens and
+//!   the KV bytes; a modeled compute rate (`--prefill-tokens-per-s`) then stretches each
+//!   prefill to the time a real model would take, so time-to-first-token comparisons mean
+//!   something.
+//! - **Generation** reads every KV byte of the prompt back through the copy engine (gather) and
+//!   hashes it; output token `j` is `XXH3-64(digest, j, token j-1)` mapped onto a fixed word
+//!   list. Reused KV that differs by one bit from what a cold prefill writes gives a different
+//!   answer.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+
+use crate::abi::{AbiError, CpuEngine, HostPool, KvLayout};
+use crate::cache::{BlockCache, Lease, NeverFits};
+
+/// Seed of the block-name chain (part of the layout fingerprint's naming scheme).
+pub const NAME_SEED: u64 = 0x6b76_7265_6c61_7931; // "kvrelay1"
+/// Seed of the reference model's KV function.
+pub const MODEL_SEED: u64 = 0x6d6f_6465_6c2d_7631;
+
+/// The KV shape and block size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// Layers.
+    pub layers: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head size.
+    pub head_dim: usize,
+    /// Bytes per element.
+    pub dtype_bytes: usize,
+}
+
+impl Shape {
+    /// Bytes of one token's K or V in one layer.
+    pub fn slice_bytes(&self) -> usize {
+        self.kv_heads * self.head_dim * self.dtype_bytes
+    }
+    /// Bytes of one token's KV over every layer.
+    pub fn token_bytes(&self) -> usize {
+        2 * self.layers * self.slice_bytes()
+    }
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.token_bytes() * self.block_tokens
+    }
+}
+
+/// Tokenize text (see the module docs).
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(4)
+        .map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
+}
+
+/// Render chat messages with the fixed template.
+pub fn render_chat(messages: &[(String, String)]) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|>\n");
+        s.push_str(content);
+        s.push('\n');
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+/// The names of the full blocks of `tokens`.
+pub fn block_names(tokens: &[u32], block_tokens: usize, lora_id: u64, salt: Option<&str>) -> Vec<u64> {
+    let mut names = Vec::with_capacity(tokens.len() / block_tokens);
+    let mut buf = Vec::with_capacity(24 + block_tokens * 4 + salt.map_or(0, str::len));
+    let mut prev = 0u64;
+    for (i, block) in tokens.chunks_exact(block_tokens).enumerate() {
+        buf.clear();
+        buf.extend_from_slice(&prev.to_le_bytes());
+        buf.extend_from_slice(&lora_id.to_le_bytes());
+        if i == 0 {
+            if let Some(s) = salt {
+                buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                buf.extend_from_slice(s.as_bytes());
+            }
+        }
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        prev = xxh3_64_with_seed(&buf, NAME_SEED);
+        names.push(prev);
+    }
+    names
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Where the pool's bytes live; every access goes through the kvrelay copy engine.
+enum Store {
+    Host {
+        engine: CpuEngine,
+        // Dropped after the engine (field order), which addresses it.
+        _mem: HostPool,
+    },
+}
+
+/// The KV pool's bytes behind the copy engine. One copy at a time (the engines take `&mut`).
+pub struct KvStore {
+    store: Mutex<Store>,
+    block_bytes: usize,
+}
+
+impl KvStore {
+    /// A host-memory pool of `blocks` blocks of `block_bytes`, through the CPU engine.
+    pub fn host(blocks: usize, block_bytes: usize) -> Result<KvStore, AbiError> {
+        let mem = HostPool::new(blocks * block_bytes);
+        let layout = KvLayout::contiguous(mem.addr(), blocks as u32, block_bytes as u64)?;
+        debug_assert_eq!(layout.stage_block_bytes() as usize, block_bytes);
+        // SAFETY: the layout covers exactly `mem`, which this store owns for as long as the
+        // engine lives (field order) and which nothing else touches: all access is through the
+        // engine under the store's lock.
+        let engine = unsafe { CpuEngine::new(&layout)? };
+        Ok(KvStore { store: Mutex::new(Store::Host { engine, _mem: mem }), block_bytes })
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
+    pub fn read(&self, ids: &[u32], out: &mut [u8]) -> Result<(), AbiError> {
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Store::Host { engine, .. } => engine.gather(ids, out),
+        }
+    }
+
+    /// Copy `data` into blocks `ids`.
+    pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Store::Host { engine, .. } => engine.scatter(data, ids),
+        }
+    }
+}
+
+/// Engine settings.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    /// KV shape.
+    pub shape: Shape,
+    /// Modeled prefill rate, tokens per second (0: no modeled time, compute only).
+    pub prefill_tokens_per_s: f64,
+}
+
+/// One generation's result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    /// Output tokens (indices into the word list).
+    pub tokens: Vec<u32>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was reused.
+    pub cached_tokens: usize,
+    /// Prompt tokens prefilled here.
+    pub prefilled_tokens: usize,
+}
+
+/// Why a generation failed.
+#[derive(Debug)]
+pub enum EngineError {
+    /// The prompt can never fit in the pool.
+    NeverFits(NeverFits),
+    /// An empty prompt.
+    EmptyPrompt,
+    /// The copy engine failed.
+    Copy(AbiError),
+}
+
+impl std::fmt::Display for EngineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngineError::NeverFits(n) => write!(
+                f,
+                "the prompt needs {} KV blocks and the pool holds {}; it can never be served (shorten it or start the server with more --kv-blocks)",
+                n.needed, n.capacity
+            ),
+            EngineError::EmptyPrompt => f.write_str("the prompt is empty"),
+            EngineError::Copy(e) => write!(f, "KV copy failed: {e}"),
+        }
+    }
+}
+
+/// Words that output token ids map onto.
+pub const WORDS: [&str; 32] = [
+    "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+    "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray",
+    "yankee", "zulu", "red", "green", "blue", "amber", "violet", "white",
+];
+
+/// Render output tokens as text (each token a word, space-separated).
+pub fn detokenize(tokens: &[u32]) -> Vec<String> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| format!("{}{}", if i == 0 { "" } else { " " }, WORDS[t as usize % WORDS.len()]))
+        .collect()
+}
+
+/// The reference engine: pool bytes, block table, model.
+pub struct Engine {
+    /// Settings.
+    pub config: EngineConfig,
+    /// The block table and reuse cache.
+    pub cache: Arc<BlockCache>,
+    /// The bytes.
+    pub store: KvStore,
+}
+
+impl Engine {
+    /// An engine over `store` with `store`'s block count in `cache`.
+    pub fn new(config: EngineConfig, cache: Arc<BlockCache>, store: KvStore) -> Engine {
+        Engine { config, cache, store }
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.config.shape.block_tokens)
+    }
+
+    /// Fill `out` (one block) with the KV of `tokens` whose first token has prefix state
+    /// `h` (updated to the state after the last token); `first` is the token's slot in the block.
+    fn write_kv(&self, h: &mut u64, tokens: &[u32], first: usize, out: &mut [u8]) {
+        let sh = self.config.shape;
+        let slice = sh.slice_bytes();
+        for (k, &t) in tokens.iter().enumerate() {
+            *h = xxh3_64_with_seed(&t.to_le_bytes(), *h);
+            let slot = first + k;
+            for s in 0..2 * sh.layers {
+                let off = (s * sh.block_tokens + slot) * slice;
+                let mut st = *h ^ (s as u64).wrapping_mul(0x100_0000_01b3);
+                for chunk in out[off..off + slice].chunks_mut(8) {
+                    let v = splitmix(&mut st).to_le_bytes();
+                    chunk.copy_from_slice(&v[..chunk.len()]);
+                }
+            }
+        }
+    }
+
+    /// Run one prompt: reuse the cached prefix (`names` are its full-block names), prefill the
+    /// rest through the copy engine, then generate `max_tokens` tokens from the KV bytes read
+    /// back. Cancel-safe: dropping the future releases every block it took.
+    pub async fn generate(&self, tokens: &[u32], names: &[u64], max_tokens: usize) -> Result<Generation, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let sh = self.config.shape;
+        let total = self.blocks_for(tokens.len());
+        let lease = self.cache.acquire(names, total).await.map_err(EngineError::NeverFits)?;
+        let started = Instant::now();
+        let cached_tokens = lease.hits * sh.block_tokens;
+        // Prefix state up to the first token to compute (hashes only, no KV).
+        let mut h = MODEL_SEED;
+        for &t in &tokens[..cached_tokens] {
+            h = xxh3_64_with_seed(&t.to_le_bytes(), h);
+        }
+        let bb = self.store.block_bytes();
+        let mut staging = vec![0u8; bb];
+        for i in lease.hits..total {
+            let lo = i * sh.block_tokens;
+            let hi = (lo + sh.block_tokens).min(tokens.len());
+            self.write_kv(&mut h, &tokens[lo..hi], 0, &mut staging);
+            self.store.write(&lease.ids[i..i + 1], &staging).map_err(EngineError::Copy)?;
+            if hi - lo == sh.block_tokens {
+                lease.commit(i, names[i]);
+            }
+            tokio::task::yield_now().await;
+        }
+        let prefilled = tokens.len() - cached_tokens;
+        if self.config.prefill_tokens_per_s > 0.0 && prefilled > 0 {
+            let modeled = Duration::from_secs_f64(prefilled as f64 / self.config.prefill_tokens_per_s);
+            let spent = started.elapsed();
+            if modeled > spent {
+                tokio::time::sleep(modeled - spent).await;
+            }
+        }
+        let digest = self.read_digest(&lease, tokens.len())?;
+        drop(lease);
+        let mut out = Vec::with_capacity(max_tokens);
+        let mut prev = 0u32;
+        for j in 0..max_tokens {
+            let mut b = [0u8; 12];
+            b[..8].copy_from_slice(&(j as u64).to_le_bytes());
+            b[8..].copy_from_slice(&prev.to_le_bytes());
+            prev = (xxh3_64_with_seed(&b, digest) % WORDS.len() as u64) as u32;
+            out.push(prev);
+        }
+        Ok(Generation { tokens: out, prompt_tokens: tokens.len(), cached_tokens, prefilled_tokens: prefilled })
+    }
+
+    /// Read every valid KV byte of the prompt back through the copy engine and hash it.
+    fn read_digest(&self, lease: &Lease, n_tokens: usize) -> Result<u64, EngineError> {
+        let sh = self.config.shape;
+        let bb = self.store.block_bytes();
+        let mut hasher = Xxh3::with_seed(MODEL_SEED);
+        let mut buf = vec![0u8; bb * 16.min(lease.ids.len())];
+        for (c, ids) in lease.ids.chunks(16).enumerate() {
+            let part = &mut buf[..ids.len() * bb];
+            self.store.read(ids, part).map_err(EngineError::Copy)?;
+            for (k, block) in part.chunks(bb).enumerate() {
+                let first_token = (c * 16 + k) * sh.block_tokens;
+                let valid = (n_tokens - first_token).min(sh.block_tokens);
+                if valid == sh.block_tokens {
+                    hasher.update(block);
+                } else {
+                    // a partial block: only its valid token slots (the rest is stale memory)
+                    let slice = sh.slice_bytes();
+                    for s in 0..2 * sh.layers {
+                        let off = s * sh.block_tokens * slice;
+                        hasher.update(&block[off..off + valid * slice]);
+                    }
+                }
+            }
+        }
+        Ok(hasher.digest())
+    }
+
+    /// Flip one byte of the block cached under `name` (test hook: proves that wrong KV changes
+    /// the answer). Returns whether the block was found.
+    pub fn corrupt_block(&self, name: u64) -> Result<bool, AbiError> {
+        let lease = self.cache.pin_prefix(&[name]);
+        let Some(&b) = lease.ids.first() else { return Ok(false) };
+        let mut buf = vec![0u8; self.store.block_bytes()];
+        self.store.read(&[b], &mut buf)?;
+        buf[0] ^= 0x5a;
+        self.store.write(&[b], &buf)?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(blocks: usize) -> Engine {
+        let shape = Shape { block_tokens: 4, layers: 2, kv_heads: 1, head_dim: 8, dtype_bytes: 2 };
+        let store = KvStore::host(blocks, shape.block_bytes()).unwrap();
+        Engine::new(EngineConfig { shape, prefill_tokens_per_s: 0.0 }, BlockCache::new(blocks), store)
+    }
+
+    fn run(e: &Engine, text: &str, salt: Option<&str>) -> Generation {
+        let t = tokenize(text);
+        let names = block_names(&t, e.config.shape.block_tokens, 0, salt);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(e.generate(&t, &names, 8)).unwrap()
+    }
+
+    #[test]
+    fn reuse_gives_the_cold_answer_and_corruption_changes_it() {
+        let e = engine(16);
+        let p = "the quick brown fox jumps over the lazy dog, twice over";
+        let cold = run(&e, p, None);
+        assert_eq!(cold.cached_tokens, 0);
+        let warm = run(&e, p, None);
+        assert!(warm.cached_tokens > 0);
+        assert_eq!(warm.tokens, cold.tokens);
+        let salted = run(&e, p, Some("tenant-b"));
+        assert_eq!((salted.cached_tokens, &salted.tokens), (0, &cold.tokens));
+        let t = tokenize(p);
+        let names = block_names(&t, 4, 0, None);
+        assert!(e.corrupt_block(names[1]).unwrap());
+        let bad = run(&e, p, None);
+        assert!(bad.cached_tokens > 0);
+        assert_ne!(bad.tokens, cold.tokens, "corrupted KV must change the answer");
+    }
+
+    #[test]
+    fn names_depend_on_the_whole_prefix_salt_and_lora() {
+        let a = block_names(&[1, 2, 3, 4, 5, 6, 7, 8], 4, 0, None);
+        let b = block_names(&[9, 2, 3, 4, 5, 6, 7, 8], 4, 0, None);
+        assert_eq!(a.len(), 2);
+        assert_ne!(a[1], b[1]);
+        assert_ne!(a, block_names(&[1, 2, 3, 4, 5, 6, 7, 8], 4, 1, None));
+        assert_ne!(a, block_names(&[1, 2, 3, 4, 5, 6, 7, 8], 4, 0, Some("s")));
+        assert_eq!(block_names(&[1, 2, 3], 4, 0, None), Vec::<u64>::new());
+        assert_eq!(tokenize("abcde"), vec![u32::from_le_bytes(*b"abcd"), u32::from(b'e')]);
+    }
+}

@@ -1,0 +1,247 @@
+//! `kvrelay-server`: the test server. OpenAI-compatible endpoints carrying `kv_hints`, a
+//! reference engine whose reuse can be checked, Prometheus metrics, and a demo of the whole
+//! flow. It consumes kvrelay through its C ABI (module `abi`), as a C++ runtime does.
+
+mod abi;
+mod cache;
+mod client;
+mod demo;
+mod engine;
+mod http;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand};
+
+use abi::{Admission, BindingConfig, FetchCall, FetchProvider, Orchestrator};
+use cache::BlockCache;
+use engine::{Engine, EngineConfig, KvStore, Shape};
+use http::{AppState, HttpConfig};
+
+/// kvrelay's test server.
+#[derive(Parser, Debug)]
+#[command(name = "kvrelay-server", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve HTTP until interrupted (prints `listening on ADDR` once ready).
+    Serve(ServeArgs),
+    /// Start an instance on loopback, drive the whole flow, check every answer against a cold
+    /// run, print a report and the metrics; exit 0 only when everything matched.
+    Demo(ServeArgs),
+}
+
+/// Every setting; each flag also reads the environment variable it names.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, env = "KVRELAY_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// The model name served and reported by /v1/models.
+    #[arg(long, env = "KVRELAY_MODEL", default_value = "kvrelay-reference")]
+    pub model: String,
+    /// Tokens per KV block (the unit of reuse and naming).
+    #[arg(long, env = "KVRELAY_BLOCK_TOKENS", default_value_t = 32)]
+    pub block_tokens: usize,
+    /// Layers of the reference model's KV.
+    #[arg(long, env = "KVRELAY_LAYERS", default_value_t = 4)]
+    pub layers: usize,
+    /// KV heads.
+    #[arg(long, env = "KVRELAY_KV_HEADS", default_value_t = 2)]
+    pub kv_heads: usize,
+    /// Head size.
+    #[arg(long, env = "KVRELAY_HEAD_DIM", default_value_t = 64)]
+    pub head_dim: usize,
+    /// Bytes per KV element.
+    #[arg(long, env = "KVRELAY_DTYPE_BYTES", default_value_t = 2)]
+    pub dtype_bytes: usize,
+    /// KV pool size in blocks.
+    #[arg(long, env = "KVRELAY_KV_BLOCKS", default_value_t = 1024)]
+    pub kv_blocks: usize,
+    /// Where the KV pool lives: `cpu` (host memory, the CPU copy engine).
+    #[arg(long, env = "KVRELAY_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Requests running at once.
+    #[arg(long, env = "KVRELAY_MAX_CONCURRENCY", default_value_t = 64)]
+    pub max_concurrency: usize,
+    /// Requests waiting for a running slot; beyond, 429 with Retry-After.
+    #[arg(long, env = "KVRELAY_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+    /// Modeled prefill rate in tokens/s (about an 8B model in BF16 on one H200: 2 x 8e9 FLOP
+    /// per token at ~40% of 989 TFLOP/s); 0 runs at the reference engine's own speed.
+    #[arg(long, env = "KVRELAY_PREFILL_TOKENS_PER_S", default_value_t = 25_000.0)]
+    pub prefill_tokens_per_s: f64,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, env = "KVRELAY_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Output tokens when a request names none.
+    #[arg(long, env = "KVRELAY_DEFAULT_MAX_TOKENS", default_value_t = 16)]
+    pub default_max_tokens: usize,
+    /// Largest max_tokens accepted.
+    #[arg(long, env = "KVRELAY_MAX_TOKENS_LIMIT", default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+    /// Limit on a hint's canonical encoding, bytes (kvrelay's default: 65,536).
+    #[arg(long, env = "KVRELAY_HINT_MAX_BYTES")]
+    pub hint_max_bytes: Option<usize>,
+    /// A trusted KV endpoint (`tcp://HOST:PORT`) for the orchestration registry; repeatable
+    /// (comma-separated in the environment variable).
+    #[arg(long = "trusted-endpoint", env = "KVRELAY_TRUSTED_ENDPOINTS", value_delimiter = ',')]
+    pub trusted_endpoints: Vec<String>,
+    /// Serve /debug/kv/corrupt (flips a byte of a cached block; for tests).
+    #[arg(long, env = "KVRELAY_DEBUG_ENDPOINTS")]
+    pub debug_endpoints: bool,
+}
+
+/// The environment variable that turns hint trust on (off by default).
+pub const TRUST_ENV: &str = "KVRELAY_TRUST_KV_HINTS";
+
+/// Provider codes (the server's own).
+pub mod provider_code {
+    /// No KV transport is available on this instance.
+    pub const NO_TRANSPORT: i32 = 1;
+}
+
+/// The provider until a KV transport exists: it refuses every named fetch, so the request
+/// prefills locally (counted as `kv_fetch_refused{reason="no_transport"}`).
+struct NoTransport;
+
+impl FetchProvider for NoTransport {
+    fn validate(&self, _call: &FetchCall<'_>) -> Result<(), i32> {
+        Err(provider_code::NO_TRANSPORT)
+    }
+    fn fetch(&self, _call: &FetchCall<'_>) -> Result<(), i32> {
+        Err(provider_code::NO_TRANSPORT)
+    }
+}
+
+/// A running server.
+pub struct Server {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// Its state (for in-process inspection).
+    pub state: Arc<AppState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Build everything and start serving on `args.listen`. Hint trust comes from
+/// `KVRELAY_TRUST_KV_HINTS` unless `trust` forces it on or off.
+pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, String> {
+    if args.block_tokens == 0
+        || args.kv_blocks == 0
+        || args.layers == 0
+        || args.kv_heads == 0
+        || args.head_dim == 0
+        || args.dtype_bytes == 0
+    {
+        return Err("--block-tokens, --kv-blocks and the KV shape must all be at least 1".into());
+    }
+    let shape = Shape {
+        block_tokens: args.block_tokens,
+        layers: args.layers,
+        kv_heads: args.kv_heads,
+        head_dim: args.head_dim,
+        dtype_bytes: args.dtype_bytes,
+    };
+    if shape.slice_bytes() % 16 != 0 {
+        return Err(
+            "kv_heads * head_dim * dtype_bytes must be a multiple of 16 bytes (the copy engine's alignment)".into()
+        );
+    }
+    let store = match args.device.as_str() {
+        "cpu" => KvStore::host(args.kv_blocks, shape.block_bytes()).map_err(|e| e.to_string())?,
+        other => return Err(format!("--device {other}: this build serves `cpu` only")),
+    };
+    let admission = Admission::new(TRUST_ENV, trust, args.hint_max_bytes).map_err(|e| e.to_string())?;
+    let family = "kvrelay";
+    let orchestrator = Orchestrator::new(
+        &[(family, "kv.fetch", "1.0")],
+        &[BindingConfig { id: "kv-tcp", family, named: true, authorized: true, supports: &[("kv.fetch", "1.0")] }],
+        &args.trusted_endpoints,
+        Arc::new(NoTransport),
+    )
+    .map_err(|e| format!("{e} (is every --trusted-endpoint of the form tcp://HOST:PORT?)"))?;
+    let engine = Arc::new(Engine::new(
+        EngineConfig { shape, prefill_tokens_per_s: args.prefill_tokens_per_s },
+        BlockCache::new(args.kv_blocks),
+        store,
+    ));
+    let state = AppState::new(
+        admission,
+        orchestrator,
+        engine,
+        HttpConfig {
+            model: args.model.clone(),
+            max_body_bytes: args.max_body_bytes,
+            max_concurrency: args.max_concurrency,
+            max_queue: args.max_queue,
+            default_max_tokens: args.default_max_tokens,
+            max_tokens_limit: args.max_tokens_limit,
+            debug_endpoints: args.debug_endpoints,
+        },
+    );
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.map_err(|e| format!("listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let app = http::router(state.clone());
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("server stopped: {e}");
+        }
+    });
+    Ok(Server { addr, state, task })
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVRELAY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let code = rt.block_on(async {
+        match cli.command {
+            Command::Serve(args) => serve(args).await,
+            Command::Demo(args) => demo::run(args).await,
+        }
+    });
+    std::process::exit(code);
+}
+
+async fn serve(args: ServeArgs) -> i32 {
+    let server = match start(&args, None).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvrelay-server: {e}");
+            return 2;
+        }
+    };
+    tracing::info!(
+        addr = %server.addr,
+        model = %args.model,
+        kvrelay = abi::version(),
+        kv_blocks = args.kv_blocks,
+        block_bytes = server.state.engine.store.block_bytes(),
+        "serving"
+    );
+    println!("listening on {}", server.addr);
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = tokio::signal::ctrl_c().await;
+    0
+}

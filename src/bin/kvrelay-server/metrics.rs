@@ -1,0 +1,130 @@
+//! The server's own Prometheus series (prometheus-client), served after the library's
+//! admission and policy counters, which appear exactly as the library renders them.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+use crate::cache::CacheStats;
+
+/// `endpoint`, `status`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Route, e.g. `/v1/completions`.
+    pub endpoint: String,
+    /// HTTP status code.
+    pub status: u16,
+}
+
+/// `endpoint`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabel {
+    /// Route.
+    pub endpoint: String,
+}
+
+/// `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why.
+    pub reason: String,
+}
+
+/// `state`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// `held`, `cached` or `free`.
+    pub state: String,
+}
+
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// Every series the server adds.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by endpoint and status.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Time to first token, by endpoint.
+    pub ttft: Family<EndpointLabel, Histogram, fn() -> Histogram>,
+    /// Total request time, by endpoint.
+    pub duration: Family<EndpointLabel, Histogram, fn() -> Histogram>,
+    /// Prompt tokens served.
+    pub prompt_tokens: Counter,
+    /// Prompt tokens whose KV was reused.
+    pub cached_tokens: Counter,
+    /// Prompt tokens prefilled locally.
+    pub prefilled_tokens: Counter,
+    /// Generated tokens.
+    pub generated_tokens: Counter,
+    /// KV blocks by state.
+    pub blocks: Family<StateLabel, Gauge>,
+    /// Evictions.
+    pub evicted: Counter,
+    /// Named fetches the server's provider refused, by reason.
+    pub fetch_refused: Family<ReasonLabel, Counter>,
+    /// Seconds spent in hint admission and orchestration (compare with the request duration sum).
+    pub hint_seconds: Counter<f64, AtomicU64>,
+}
+
+impl Metrics {
+    /// Register everything under `kvrelay_server_`.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kvrelay_server");
+        let m = Metrics {
+            requests: Family::default(),
+            ttft: Family::new_with_constructor(latency),
+            duration: Family::new_with_constructor(latency),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            prefilled_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            blocks: Family::default(),
+            evicted: Counter::default(),
+            fetch_refused: Family::default(),
+            hint_seconds: Counter::default(),
+            registry: Registry::default(),
+        };
+        registry.register("requests", "HTTP requests by endpoint and status", m.requests.clone());
+        registry.register("time_to_first_token_seconds", "Time to first token", m.ttft.clone());
+        registry.register("request_duration_seconds", "Total request time", m.duration.clone());
+        registry.register("prompt_tokens", "Prompt tokens served", m.prompt_tokens.clone());
+        registry.register("cached_tokens", "Prompt tokens whose KV was reused", m.cached_tokens.clone());
+        registry.register("prefilled_tokens", "Prompt tokens prefilled locally", m.prefilled_tokens.clone());
+        registry.register("generated_tokens", "Output tokens generated", m.generated_tokens.clone());
+        registry.register("kv_blocks", "KV pool blocks by state (held, cached, free)", m.blocks.clone());
+        registry.register("kv_blocks_evicted", "KV blocks evicted from the reuse cache", m.evicted.clone());
+        registry.register(
+            "kv_fetch_refused",
+            "Named fetches the server's provider refused, by reason",
+            m.fetch_refused.clone(),
+        );
+        registry.register(
+            "hint_processing_seconds",
+            "Time spent in hint admission and orchestration",
+            m.hint_seconds.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Record the pool's state (called at scrape time).
+    pub fn set_blocks(&self, s: CacheStats) {
+        for (state, v) in [("held", s.held), ("cached", s.cached), ("free", s.free)] {
+            self.blocks.get_or_create(&StateLabel { state: state.into() }).set(v as i64);
+        }
+        let seen = self.evicted.get();
+        if s.evicted > seen {
+            self.evicted.inc_by(s.evicted - seen);
+        }
+    }
+
+    /// The server's series as Prometheus text.
+    pub fn encode(&self, out: &mut String) {
+        let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
+    }
+}
