@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one test command (README "Two commands"). Installs what a fresh machine lacks (CMake, from
-# PyPI, into target/ci-tools), then runs every test: Rust (unit, integration, conformance,
-# property, header freshness), the C/C++ programs built with -Wall -Wextra -Werror as C and as
+# PyPI, into target/ci-tools, and the openai client for the server check), then runs every test:
+# Rust (unit, integration, conformance, property, header freshness, the test server over HTTP),
+# the official openai client against the test server, the C/C++ programs built with -Wall -Wextra -Werror as C and as
 # C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build
 # of the library, and a consumer project that finds the installed package.
 set -euo pipefail
@@ -19,14 +20,22 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
 echo "== clippy and docs (warnings are errors)"
-cargo clippy --locked --all-targets -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps
+cargo clippy --locked --all-targets --features server -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server
 
-echo "== Rust tests"
-cargo test --locked
+echo "== Rust tests (the library, and the test server over real HTTP on loopback)"
+cargo test --locked --features server
+
+echo "== the official openai Python client against kvrelay-server"
+cargo build --locked --release --features server --bin kvrelay-server
+oa="$root/target/ci-tools/openai"
+if ! PYTHONPATH="$oa" python3 -c "import openai" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --target "$oa" openai
+fi
+PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server
 
 echo "== benches compile"
-cargo build --locked --release --benches
+cargo build --locked --release --benches --features server
 
 echo "== CMake"
 source .ci/ensure-cmake.sh

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The main job on embedded defaults: the Rust demo of the whole admission flow, then the C++
-# batch manager (built with CMake, which is installed if missing) on host memory.
+# The main job on embedded defaults: the test server's demo (kvrelay-server on loopback: reuse,
+# hints admitted and ignored by each reason, every answer checked against a cold run), then the
+# C++ batch manager over the C ABI (built with CMake, which is installed if missing) on host memory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source .ci/ensure-cmake.sh
-echo "== kvrelay demo (Rust API)"
-cargo run --quiet --release --locked --bin kvrelay -- demo
+echo "== kvrelay-server demo"
+cargo run --quiet --release --locked --features server --bin kvrelay-server -- demo
 echo
 echo "== batch_manager (C++ over the C ABI)"
+source .ci/ensure-cmake.sh
 cmake -S . -B target/demo-build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build target/demo-build -j 2 --target batch_manager >/dev/null
 target/demo-build/batch_manager

@@ -5,7 +5,6 @@
 //! Ownership mirrors the header: owned handles are freed on `Drop`, snapshots are retained on
 //! `Clone` and released on `Drop`. Views borrow from the wrapper that produced them.
 
-use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
@@ -563,8 +562,7 @@ impl Orchestrator {
         });
         // SAFETY: `cfg` live; the orchestrator copied it.
         unsafe { kvrelay_policy_config_free(cfg) };
-        let r = r.map_err(free_caps)?;
-        let _ = r;
+        r.map_err(free_caps)?;
         Ok(Orchestrator { orch: NonNull::new(orch).expect("OK with NULL"), caps })
     }
 
@@ -605,24 +603,6 @@ impl Drop for Orchestrator {
             kvrelay_capabilities_free(self.caps.as_ptr());
         }
     }
-}
-
-thread_local! {
-    static FETCH_SLOT: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
-}
-
-/// Run `f` (which calls [`Orchestrator::decide`]) with a per-thread slot that a provider's
-/// `fetch` may fill through [`put_fetch`]: the orchestrator calls the provider on the calling
-/// thread, inside `decide`, so the slot carries the accepted payload back to this request.
-pub fn with_fetch_slot<R>(f: impl FnOnce() -> R) -> (R, Option<Vec<u8>>) {
-    FETCH_SLOT.with(|s| s.borrow_mut().take());
-    let r = f();
-    (r, FETCH_SLOT.with(|s| s.borrow_mut().take()))
-}
-
-/// Store the payload of an accepted fetch for [`with_fetch_slot`].
-pub fn put_fetch(payload: &[u8]) {
-    FETCH_SLOT.with(|s| *s.borrow_mut() = Some(payload.to_vec()));
 }
 
 // ---------------------------------------------------------------------------------------------

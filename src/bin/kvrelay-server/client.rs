@@ -1,6 +1,7 @@
 //! A minimal blocking HTTP/1.1 client for loopback (the demo, the tests and the load
 //! benchmark include this file): one request per connection, `Connection: close`, fixed-length
 //! or chunked bodies, a deadline on every read and write.
+#![allow(dead_code)] // each includer uses a different part
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -277,6 +277,7 @@ impl Engine {
     /// Run one prompt: reuse the cached prefix (`names` are its full-block names), prefill the
     /// rest through the copy engine, then generate `max_tokens` tokens from the KV bytes read
     /// back. Cancel-safe: dropping the future releases every block it took.
+    #[allow(clippy::needless_range_loop)] // `i` indexes the lease, the names and the tokens
     pub async fn generate(&self, tokens: &[u32], names: &[u64], max_tokens: usize) -> Result<Generation, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);

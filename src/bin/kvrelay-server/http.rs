@@ -27,7 +27,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-use crate::abi::{with_fetch_slot, Admission, Decision, HintOutcome, Orchestrator};
+use crate::abi::{Admission, Decision, HintOutcome, Orchestrator};
 use crate::engine::{block_names, detokenize, render_chat, tokenize, Engine, EngineError, Generation};
 use crate::metrics::{EndpointLabel, Metrics, ReasonLabel, RequestLabels};
 
@@ -529,7 +529,8 @@ struct Job {
     salt: Option<String>,
     max_tokens: usize,
     include_usage: bool,
-    hints: Vec<HintOutcome>,
+    /// The admitted snapshots travel with the request until it ends.
+    _hints: Vec<HintOutcome>,
     hint_label: String,
     decision_label: String,
 }
@@ -586,7 +587,7 @@ fn admit_and_decide(
     };
     let mut decisions = Vec::with_capacity(hints.len());
     for h in &hints {
-        let (d, _fetch) = with_fetch_slot(|| st.orchestrator.decide(false, h.snapshot()));
+        let d = st.orchestrator.decide(false, h.snapshot());
         let label = match d {
             Decision::NamedFetch { .. } => "named_fetch",
             Decision::Keep(r) => {
@@ -866,7 +867,7 @@ async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -
                 salt: b.cache_salt,
                 max_tokens,
                 include_usage: b.stream_options.unwrap_or_default().include_usage,
-                hints,
+                _hints: hints,
                 hint_label,
                 decision_label,
             },
@@ -899,7 +900,7 @@ async fn chat_completions(State(st): State<Shared>, headers: HeaderMap, body: Bo
                 salt: b.cache_salt,
                 max_tokens,
                 include_usage: b.stream_options.unwrap_or_default().include_usage,
-                hints,
+                _hints: hints,
                 hint_label,
                 decision_label,
             },
@@ -932,7 +933,7 @@ async fn responses(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
                 salt: b.cache_salt,
                 max_tokens,
                 include_usage: true,
-                hints,
+                _hints: hints,
                 hint_label,
                 decision_label,
             },

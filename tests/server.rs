@@ -1,0 +1,377 @@
+//! The test server over real HTTP on loopback: each test starts `kvrelay-server serve` as a
+//! child process (its own settings and environment), talks to it with a plain HTTP/1.1 client
+//! and reads its metrics and logs.
+
+#[path = "../src/bin/kvrelay-server/client.rs"]
+mod client;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(trusted: bool, args: &[&str]) -> Server {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let log = std::env::temp_dir().join(format!("kvrelay-server-test-{}-{n}.log", std::process::id()));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrelay-server"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .env("KVRELAY_PREFILL_TOKENS_PER_S", "0") // a flag overrides it
+        .env("KVRELAY_TRUST_KV_HINTS", if trusted { "1" } else { "0" })
+        .env("KVRELAY_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut child = cmd.spawn().expect("start kvrelay-server");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .unwrap();
+    Server { child, addr, log }
+}
+
+impl Server {
+    fn post(&self, path: &str, body: &Value) -> client::Reply {
+        client::post(self.addr, path, body).unwrap()
+    }
+    fn complete(&self, body: Value) -> Value {
+        let r = self.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+    fn metrics(&self) -> String {
+        client::get(self.addr, "/metrics").unwrap().text()
+    }
+    /// The value of a series (exact name with labels), 0 when absent.
+    fn metric(&self, series: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.parse().unwrap()))
+            .unwrap_or(0.0)
+    }
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap()
+    }
+}
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens always present")
+}
+
+fn prompt(seed: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{seed}{i} ")).collect()
+}
+
+/// A cold run of `p`: a salt nobody else uses, so nothing is reused.
+fn cold(s: &Server, p: &str) -> String {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let salt = format!("cold-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let v = s.complete(json!({"prompt": p, "cache_salt": salt}));
+    assert_eq!(cached(&v), 0);
+    text(&v)
+}
+
+const MARK: &str = "SECRET-HINT-MARKER-7f3a";
+
+fn envelope(version: &str, hashes: Value) -> Value {
+    json!({"protocol_version": version, "message_id": MARK, "actions": [{
+        "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+        "payload": {"source_control_endpoint": "tcp://127.0.0.1:23280", "block_hashes": hashes}}]})
+}
+
+fn raw_completion(s: &Server, prompt: &str, hint_json: &str) -> client::Reply {
+    let body = format!(r#"{{"prompt":{},"kv_hints":{hint_json}}}"#, json!(prompt));
+    client::request(s.addr, "POST", "/v1/completions", Some(body.as_bytes())).unwrap()
+}
+
+#[test]
+fn each_ignore_reason_is_counted_once_and_never_fails_the_request() {
+    let s = start(true, &[]);
+    let p = prompt("reasons", 60);
+    let want = cold(&s, &p);
+    let big: Vec<u64> = (0..4000).map(|i| u64::MAX - i).collect();
+    let deep = format!("{}{}", "[".repeat(300), "]".repeat(300));
+    let cases: Vec<(&str, String)> = vec![
+        ("admitted", envelope("0.1", json!([1, 2])).to_string()),
+        ("unknown_version", envelope("0.2", json!([1])).to_string()),
+        ("oversized", envelope("0.1", json!(big)).to_string()),
+        ("malformed", format!(r#"{{"protocol_version":"0.1","message_id":"{MARK}","actions":[],"x":1,"x":2}}"#)),
+        ("malformed", format!(r#"{{"protocol_version":"0.1","message_id":"{MARK}","actions":[],"x":{deep}}}"#)),
+        ("malformed", format!(r#"{{"protocol_version":"0.1","message_id":"{MARK}\ud800","actions":[]}}"#)),
+        (
+            "malformed",
+            format!(r#"{{"protocol_version":"0.1","message_id":"{MARK}","actions":[],"n":123456789012345678901234}}"#),
+        ),
+        ("malformed", r#"[1,2,3]"#.to_string()),
+    ];
+    for (reason, h) in &cases {
+        let before = counters(&s);
+        let r = raw_completion(&s, &p, h);
+        assert_eq!(r.status, 200, "{reason}: {}", r.text());
+        assert_eq!(text(&r.json()), want, "{reason}: the answer equals a cold run");
+        let after = counters(&s);
+        let changed: Vec<_> =
+            after.iter().zip(&before).filter(|(a, b)| a.1 != b.1).map(|(a, b)| (a.0, a.1 - b.1)).collect();
+        assert_eq!(changed, vec![(*reason, 1.0)], "{reason}: exactly one counter moved by one");
+    }
+    // absent and null count nothing
+    let before = counters(&s);
+    s.complete(json!({"prompt": p, "kv_hints": null}));
+    s.complete(json!({"prompt": p}));
+    assert_eq!(counters(&s), before);
+
+    let u = start(false, &[]);
+    let r = raw_completion(&u, &p, "{\"not\": \"even a valid envelope\"}");
+    assert_eq!((r.status, text(&r.json())), (200, want.clone()));
+    assert_eq!(u.metric("kvrelay_kv_hints_ignored_total{reason=\"untrusted\"}"), 1.0);
+    assert_eq!(u.metric("kvrelay_kv_hints_ignored_total{reason=\"malformed\"}"), 0.0, "untrusted hints are not parsed");
+    assert!(!s.logs().contains(MARK) && !u.logs().contains(MARK), "a hint's bytes reached a log");
+}
+
+fn counters(s: &Server) -> Vec<(&'static str, f64)> {
+    let m = s.metrics();
+    let get = |series: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.parse().unwrap()))
+            .unwrap_or(0.0)
+    };
+    vec![
+        ("admitted", get("kvrelay_kv_hints_admitted_total")),
+        ("untrusted", get("kvrelay_kv_hints_ignored_total{reason=\"untrusted\"}")),
+        ("unknown_version", get("kvrelay_kv_hints_ignored_total{reason=\"unknown_version\"}")),
+        ("oversized", get("kvrelay_kv_hints_ignored_total{reason=\"oversized\"}")),
+        ("malformed", get("kvrelay_kv_hints_ignored_total{reason=\"malformed\"}")),
+    ]
+}
+
+#[test]
+fn hint_spellings_batches_and_request_errors() {
+    let s = start(true, &["--trusted-endpoint", "tcp://127.0.0.1:23280"]);
+    let h = envelope("0.1", json!([5, 6]));
+    let p = prompt("spell", 20);
+    for body in
+        [json!({"prompt": p, "kv_hint": h}), json!({"prompt": p, "kv_transfer_params": {"kv_hint": h, "other": 1}})]
+    {
+        let before = s.metric("kvrelay_kv_hints_admitted_total");
+        s.complete(body);
+        assert_eq!(s.metric("kvrelay_kv_hints_admitted_total"), before + 1.0);
+    }
+    // the admitted kv.fetch went through orchestration to the provider, which has no transport
+    assert!(s.metric("kvrelay_server_kv_fetch_refused_total{reason=\"no_transport\"}") >= 2.0);
+    assert!(s.metric("kvrelay_kv_policy_discarded_total{reason=\"provider_rejected\"}") >= 2.0);
+
+    let mut errors = vec![];
+    let two = s.post("/v1/completions", &json!({"prompt": p, "kv_hints": h, "kv_hint": h}));
+    errors.push((two.status, two.json()["error"]["code"].clone(), two.text()));
+    let mismatch = s.post("/v1/completions", &json!({"prompt": ["a", "b", "c"], "kv_hints": [h, null]}));
+    errors.push((mismatch.status, mismatch.json()["error"]["code"].clone(), mismatch.text()));
+    let missing = s.post("/v1/completions", &json!({"max_tokens": 3}));
+    errors.push((missing.status, missing.json()["error"]["code"].clone(), missing.text()));
+    let bad = client::request(s.addr, "POST", "/v1/completions", Some(b"{\"prompt\": \"x\",")).unwrap();
+    errors.push((bad.status, bad.json()["error"]["code"].clone(), bad.text()));
+    let codes: Vec<_> = errors.iter().map(|(s, c, _)| (*s, c.as_str().unwrap_or("").to_string())).collect();
+    assert_eq!(
+        codes,
+        [(400, "multiple_kv_hints"), (400, "kv_hints_length_mismatch"), (400, "missing_prompt"), (400, "invalid_json")]
+            .map(|(s, c)| (s, c.to_string()))
+    );
+    for (_, _, body) in &errors {
+        assert!(!body.contains(MARK), "an error body repeated the hint: {body}");
+    }
+
+    // a scalar envelope for a batch is admitted once and shared; an aligned list entry by entry
+    let before = s.metric("kvrelay_kv_hints_admitted_total");
+    let v = s.complete(json!({"prompt": ["a b c", "d e f", "g h i"], "kv_hints": h}));
+    assert_eq!(v["choices"].as_array().unwrap().len(), 3);
+    assert_eq!(s.metric("kvrelay_kv_hints_admitted_total"), before + 1.0);
+    let v = s.complete(json!({"prompt": ["a b c", "d e f", "g h i"], "kv_hints": [h, null, envelope("7", json!([]))]}));
+    let idx: Vec<_> = v["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect();
+    assert_eq!(idx, [0, 1, 2]);
+    assert_eq!(s.metric("kvrelay_kv_hints_admitted_total"), before + 2.0);
+    assert_eq!(s.metric("kvrelay_kv_hints_ignored_total{reason=\"unknown_version\"}"), 1.0);
+    // batched answers equal single ones
+    let single = text(&s.complete(json!({"prompt": "d e f"})));
+    assert_eq!(v["choices"][1]["text"].as_str().unwrap(), single);
+
+    let logs = s.logs();
+    assert!(!logs.contains(MARK), "a hint's bytes reached a log");
+    assert!(
+        logs.contains("hint=admitted") && logs.contains("decision=provider_rejected"),
+        "one line per request with the hint outcome"
+    );
+}
+
+#[test]
+fn reuse_salt_and_a_corrupted_block_that_changes_the_answer() {
+    let s = start(true, &["--debug-endpoints"]);
+    let p = prompt("reuse", 80);
+    let first = s.complete(json!({"prompt": p}));
+    assert_eq!(cached(&first), 0);
+    let again = s.complete(json!({"prompt": p}));
+    let pt = again["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached(&again), pt / 32 * 32, "every full block reused");
+    assert_eq!(text(&again), text(&first));
+    let salted = s.complete(json!({"prompt": p, "cache_salt": "tenant-b"}));
+    assert_eq!((cached(&salted), text(&salted)), (0, text(&first)));
+
+    let look = s.post("/v1/kv/lookup", &json!({"prompt": p})).json();
+    assert_eq!(look["blocks_held"], look["blocks_total"]);
+    let h = look["block_hashes"][1].as_u64().unwrap();
+    let r = s.post("/debug/kv/corrupt", &json!({"block_hash": h}));
+    assert_eq!(r.json()["corrupted"], true);
+    let bad = s.complete(json!({"prompt": p}));
+    assert!(cached(&bad) > 0);
+    assert_ne!(text(&bad), text(&first), "reused KV that is wrong must change the answer");
+    assert_eq!(cold(&s, &p), text(&first));
+    let other = s.post("/v1/kv/lookup", &json!({"prompt": p, "cache_salt": "nobody"})).json();
+    assert_eq!(other["blocks_held"], 0);
+    assert_ne!(other["block_hashes"], look["block_hashes"]);
+
+    // chat and responses reuse the rendered template's blocks too
+    let msgs = json!([{"role": "user", "content": p}]);
+    let c1 = s.post("/v1/chat/completions", &json!({"messages": msgs})).json();
+    let c2 = s.post("/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 16})).json();
+    assert!(cached(&c2) > 0 && c1["choices"][0]["message"] == c2["choices"][0]["message"]);
+    let r1 = s.post("/v1/responses", &json!({"input": p})).json();
+    let r2 = s.post("/v1/responses", &json!({"input": [{"role": "user", "content": p}]})).json();
+    assert_eq!(r1["output"][0]["content"][0]["text"], r2["output"][0]["content"][0]["text"]);
+    assert!(r2["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+    assert!(!s.post("/v1/debug/none", &json!({})).json()["error"]["message"].is_null());
+    assert_eq!(client::get(s.addr, "/v1/models").unwrap().json()["data"][0]["id"], "kvrelay-reference");
+    assert_eq!(client::get(s.addr, "/health").unwrap().status, 200);
+    let wrong_model = s.post("/v1/completions", &json!({"prompt": "x", "model": "gpt-9"}));
+    assert_eq!(wrong_model.status, 404);
+}
+
+#[test]
+fn streaming_matches_the_whole_answer() {
+    let s = start(true, &[]);
+    let p = prompt("stream", 30);
+    let whole = text(&s.complete(json!({"prompt": p})));
+    let r = s.post("/v1/completions", &json!({"prompt": p, "stream": true, "stream_options": {"include_usage": true}}));
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let ev = client::sse_data(&r.text());
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let vals: Vec<Value> = ev[..ev.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let joined: String = vals.iter().filter_map(|v| v["choices"][0]["text"].as_str()).collect();
+    assert_eq!(joined, whole);
+    let usage = &vals.last().unwrap()["usage"];
+    assert!(usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0);
+    let rs = s.post("/v1/responses", &json!({"input": p, "stream": true}));
+    let ev = client::sse_data(&rs.text());
+    let types: Vec<String> = ev
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .map(|v| v["type"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(types.first().unwrap(), "response.created");
+    assert_eq!(types.last().unwrap(), "response.completed");
+}
+
+fn blocks(s: &Server, state: &str) -> f64 {
+    s.metric(&format!("kvrelay_server_kv_blocks{{state=\"{state}\"}}"))
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn eviction_under_pressure_never_touches_blocks_in_use() {
+    // 12 blocks of 4 tokens (16 bytes of text); prefill at 40 tokens/s keeps requests running
+    let s = start(true, &["--block-tokens", "4", "--kv-blocks", "12", "--prefill-tokens-per-s", "40"]);
+    let base: String = "0123456789abcdef".repeat(5); // 5 full blocks
+    let long = format!("{base}{}", "ZYXWVUTSRQPONMLK".repeat(4)); // + 4 blocks
+    let want_long = {
+        let v = s.complete(json!({"prompt": long, "cache_salt": "cold", "max_tokens": 8}));
+        text(&v)
+    };
+    s.complete(json!({"prompt": base, "max_tokens": 8})); // 5 blocks cached
+                                                          // The long request reuses those 5 and prefills 4 more slowly: 9 blocks held for ~0.4 s.
+    let addr = s.addr;
+    let long2 = long.clone();
+    let t = std::thread::spawn(move || {
+        client::post(addr, "/v1/completions", &json!({"prompt": long2, "max_tokens": 8})).unwrap().json()
+    });
+    wait_until("the long request to hold its blocks", || blocks(&s, "held") >= 9.0);
+    // Others evict what is cached and free, never the 9 held blocks.
+    for i in 0..4 {
+        let q = format!("q{i}-------------------------------------"); // 3 blocks
+        s.complete(json!({"prompt": q, "max_tokens": 2}));
+    }
+    let v = t.join().unwrap();
+    assert_eq!(cached(&v), 20, "the held prefix stayed usable");
+    assert_eq!(text(&v), want_long, "blocks in use were not touched");
+    assert!(s.metric("kvrelay_server_kv_blocks_evicted_total") > 0.0);
+    // Never fits: 13 blocks.
+    let r = s.post("/v1/completions", &json!({"prompt": "x".repeat(13 * 16)}));
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (400, Some("context_length_exceeded")));
+    // Must wait: while 9 blocks are held, a 6-block prompt waits, then succeeds.
+    let long3 = format!("{}{}", "9".repeat(16 * 5), "8".repeat(16 * 4));
+    let t = std::thread::spawn(move || {
+        client::post(addr, "/v1/completions", &json!({"prompt": long3, "max_tokens": 2})).unwrap()
+    });
+    wait_until("the second long request to hold its blocks", || blocks(&s, "held") >= 9.0);
+    let waited = s.post("/v1/completions", &json!({"prompt": "7".repeat(16 * 6), "max_tokens": 2}));
+    assert_eq!(waited.status, 200, "{}", waited.text());
+    assert_eq!(t.join().unwrap().status, 200);
+    wait_until("every block released", || blocks(&s, "held") == 0.0);
+}
+
+#[test]
+fn client_disconnect_frees_blocks_and_a_full_queue_answers_429() {
+    let s = start(
+        true,
+        &["--prefill-tokens-per-s", "200", "--max-concurrency", "1", "--max-queue", "1", "--max-body-bytes", "4096"],
+    );
+    let body = json!({"prompt": "z".repeat(1600), "max_tokens": 2}).to_string(); // 400 tokens: 2 s
+    for stream in [false, true] {
+        let body =
+            body.replace("\"max_tokens\"", if stream { "\"stream\":true,\"max_tokens\"" } else { "\"max_tokens\"" });
+        let conn = client::send(s.addr, "POST", "/v1/completions", Some(body.as_bytes())).unwrap();
+        wait_until("the request to hold blocks", || blocks(&s, "held") > 0.0);
+        drop(conn);
+        wait_until("its blocks to be released after the disconnect", || blocks(&s, "held") == 0.0);
+    }
+    // one running, one waiting, the third is refused with Retry-After
+    let a = client::send(s.addr, "POST", "/v1/completions", Some(body.replace('z', "y").as_bytes())).unwrap();
+    wait_until("the first request to run", || blocks(&s, "held") > 0.0);
+    let b = client::send(s.addr, "POST", "/v1/completions", Some(body.replace('z', "x").as_bytes())).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = s.post("/v1/completions", &json!({"prompt": "w", "max_tokens": 1}));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.json()["error"]["code"], "queue_full");
+    drop((a, b));
+    let big = s.post("/v1/completions", &json!({"prompt": "v".repeat(5000)}));
+    assert_eq!((big.status, big.json()["error"]["code"].as_str()), (413, Some("body_too_large")));
+    assert_eq!(s.metric("kvrelay_server_requests_total{endpoint=\"/v1/completions\",status=\"429\"}"), 1.0);
+}
