@@ -681,6 +681,101 @@ impl Drop for CpuEngine {
     }
 }
 
+/// `Ok` when CUDA device `device` can be used; the error says why not (no driver, no device).
+pub fn cuda_available(device: i32) -> Result<(), AbiError> {
+    check("kvrelay_cuda_available", kvrelay_cuda_available(device))
+}
+
+/// Pinned, device-mapped host memory (`kvrelay_pinned`): the staging of GPU copies.
+pub struct Pinned(NonNull<kvrelay_pinned>);
+
+// SAFETY: plain page-locked memory owned by this handle; `&mut self` guards writes.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    /// `len` bytes on `device`.
+    pub fn alloc(device: i32, len: usize) -> Result<Pinned, AbiError> {
+        let mut out: *mut kvrelay_pinned = ptr::null_mut();
+        // SAFETY: `out` writable.
+        check("kvrelay_pinned_alloc", unsafe { kvrelay_pinned_alloc(device, len, &mut out) })?;
+        Ok(Pinned(NonNull::new(out).expect("OK with NULL")))
+    }
+
+    /// The bytes (no copy is in flight when the caller holds `&mut self`: every copy of the
+    /// server's store is synchronized before it returns).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: live handle; host address and length from kvrelay; `&mut self` is exclusive.
+        unsafe {
+            std::slice::from_raw_parts_mut(kvrelay_pinned_host(self.0.as_ptr()), kvrelay_pinned_len(self.0.as_ptr()))
+        }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: from `kvrelay_pinned_alloc`, freed once, no copy in flight (see `bytes_mut`).
+        unsafe { kvrelay_pinned_free(self.0.as_ptr()) };
+    }
+}
+
+/// The CUDA copy engine over a device pool (`kvrelay_cuda_engine`).
+pub struct CudaEngine(NonNull<kvrelay_cuda_engine>);
+
+// SAFETY: one engine is used by one thread at a time (`&mut self`), as the header requires.
+unsafe impl Send for CudaEngine {}
+
+impl CudaEngine {
+    /// An engine on `device` over `layout` (device addresses), default options (the kernel).
+    ///
+    /// # Safety
+    /// Every block of the layout must be device memory of `device` valid while the engine lives.
+    pub unsafe fn new(device: i32, layout: &KvLayout) -> Result<CudaEngine, AbiError> {
+        let mut out: *mut kvrelay_cuda_engine = ptr::null_mut();
+        // SAFETY: live layout; NULL options (defaults); `out` writable; memory per the caller.
+        check("kvrelay_cuda_engine_new", unsafe {
+            kvrelay_cuda_engine_new(device, layout.0.as_ptr(), ptr::null(), &mut out)
+        })?;
+        Ok(CudaEngine(NonNull::new(out).expect("OK with NULL")))
+    }
+
+    /// Enqueue a copy of blocks `ids` into `staging` on the legacy default stream.
+    pub fn gather(&mut self, ids: &[u32], staging: &Pinned) -> Result<(), AbiError> {
+        // SAFETY: live engine and staging; `ids` readable; NULL stream and event.
+        check("kvrelay_cuda_gather", unsafe {
+            kvrelay_cuda_gather(
+                self.0.as_ptr(),
+                ids.as_ptr(),
+                ids.len(),
+                staging.0.as_ptr(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Enqueue a copy of `staging` into blocks `ids` on the legacy default stream.
+    pub fn scatter(&mut self, staging: &Pinned, ids: &[u32]) -> Result<(), AbiError> {
+        // SAFETY: as `gather`.
+        check("kvrelay_cuda_scatter", unsafe {
+            kvrelay_cuda_scatter(
+                self.0.as_ptr(),
+                staging.0.as_ptr(),
+                ids.as_ptr(),
+                ids.len(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        // SAFETY: from `kvrelay_cuda_engine_new`, freed once.
+        unsafe { kvrelay_cuda_engine_free(self.0.as_ptr()) };
+    }
+}
+
 /// A zeroed, 64-byte aligned host allocation the CPU engine addresses by integer (the
 /// reference engine's host pool).
 pub struct HostPool {

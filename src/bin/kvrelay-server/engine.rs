@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
-use crate::abi::{AbiError, CpuEngine, HostPool, KvLayout};
+use crate::abi::{cuda_available, AbiError, CpuEngine, CudaEngine, HostPool, KvLayout, Pinned};
 use crate::cache::{BlockCache, Lease, NeverFits};
 
 /// Seed of the block-name chain (part of the layout fingerprint's naming scheme).
@@ -129,7 +129,17 @@ enum Store {
         // Dropped after the engine (field order), which addresses it.
         _mem: HostPool,
     },
+    Cuda {
+        engine: CudaEngine,
+        staging: Pinned,
+        ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+        // Dropped after the engine (field order), which addresses it.
+        _mem: cudarc::driver::CudaSlice<u8>,
+    },
 }
+
+/// Blocks per staged GPU copy (the pinned staging holds this many).
+const STAGE_BLOCKS: usize = 16;
 
 /// The KV pool's bytes behind the copy engine. One copy at a time (the engines take `&mut`).
 pub struct KvStore {
@@ -150,6 +160,28 @@ impl KvStore {
         Ok(KvStore { store: Mutex::new(Store::Host { engine, _mem: mem }), block_bytes })
     }
 
+    /// A pool of `blocks` blocks in the memory of CUDA device `device`, allocated here (the
+    /// server plays the runtime that owns its pool) and moved through the CUDA copy engine and a
+    /// pinned staging buffer of [`STAGE_BLOCKS`] blocks.
+    pub fn cuda(device: i32, blocks: usize, block_bytes: usize) -> Result<KvStore, String> {
+        cuda_available(device).map_err(|e| format!("--device cuda:{device}: {e}"))?;
+        let ctx = cudarc::driver::CudaContext::new(device as usize).map_err(|e| format!("cuda:{device}: {e:?}"))?;
+        let stream = ctx.default_stream();
+        let mem = stream.alloc_zeros::<u8>(blocks * block_bytes).map_err(|e| format!("device pool: {e:?}"))?;
+        let base = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = mem.device_ptr(&stream);
+            p
+        };
+        stream.synchronize().map_err(|e| format!("{e:?}"))?;
+        let layout = KvLayout::contiguous(base, blocks as u32, block_bytes as u64).map_err(|e| e.to_string())?;
+        // SAFETY: the layout covers exactly `mem`, device memory of `device` that the store owns
+        // for as long as the engine lives (field order).
+        let engine = unsafe { CudaEngine::new(device, &layout) }.map_err(|e| e.to_string())?;
+        let staging = Pinned::alloc(device, STAGE_BLOCKS * block_bytes).map_err(|e| e.to_string())?;
+        Ok(KvStore { store: Mutex::new(Store::Cuda { engine, staging, ctx, _mem: mem }), block_bytes })
+    }
+
     /// Bytes per block.
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
@@ -157,19 +189,41 @@ impl KvStore {
 
     /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
     pub fn read(&self, ids: &[u32], out: &mut [u8]) -> Result<(), AbiError> {
+        let bb = self.block_bytes;
         let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
         match &mut *s {
             Store::Host { engine, .. } => engine.gather(ids, out),
+            Store::Cuda { engine, staging, ctx, .. } => {
+                for (ids, out) in ids.chunks(STAGE_BLOCKS).zip(out.chunks_mut(STAGE_BLOCKS * bb)) {
+                    engine.gather(ids, staging)?;
+                    ctx.synchronize().map_err(cuda_sync_error)?;
+                    out.copy_from_slice(&staging.bytes_mut()[..out.len()]);
+                }
+                Ok(())
+            }
         }
     }
 
     /// Copy `data` into blocks `ids`.
     pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
+        let bb = self.block_bytes;
         let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
         match &mut *s {
             Store::Host { engine, .. } => engine.scatter(data, ids),
+            Store::Cuda { engine, staging, ctx, .. } => {
+                for (ids, data) in ids.chunks(STAGE_BLOCKS).zip(data.chunks(STAGE_BLOCKS * bb)) {
+                    staging.bytes_mut()[..data.len()].copy_from_slice(data);
+                    engine.scatter(staging, ids)?;
+                    ctx.synchronize().map_err(cuda_sync_error)?;
+                }
+                Ok(())
+            }
         }
     }
+}
+
+fn cuda_sync_error(_: cudarc::driver::DriverError) -> AbiError {
+    AbiError { call: "cuCtxSynchronize", status: kvrelay::ffi::kvrelay_status::KVRELAY_ERR_CUDA as i32 }
 }
 
 /// Engine settings.

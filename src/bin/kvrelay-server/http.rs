@@ -29,7 +29,10 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::abi::{Admission, Decision, HintOutcome, Orchestrator};
 use crate::engine::{block_names, detokenize, render_chat, tokenize, Engine, EngineError, Generation};
-use crate::metrics::{EndpointLabel, Metrics, ReasonLabel, RequestLabels};
+use crate::metrics::{DirectionLabel, EndpointLabel, Metrics, RequestLabels, TransferLabels};
+use crate::transfer::api::{TransferConfig, TransferJobs};
+use crate::transfer::tcp::ServiceStats;
+use crate::transfer::{fetch_into_cache, with_plan_slot, FetchOutcome, FetchPlan, TransferState};
 
 /// Server settings the HTTP layer needs.
 #[derive(Clone, Debug)]
@@ -62,21 +65,43 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Settings.
     pub config: HttpConfig,
+    /// Cross-instance transfer: transport, estimator, fingerprint, KV endpoint.
+    pub transfer: TransferState,
+    /// `/v1/kv_transfer` settings.
+    pub transfer_config: TransferConfig,
+    /// `/v1/kv_transfer` counters and dedup table.
+    pub transfer_jobs: TransferJobs,
+    /// The KV service's counters.
+    pub kv_service: Arc<ServiceStats>,
     slots: Arc<Semaphore>,
     waiting: AtomicUsize,
     next_id: AtomicU64,
 }
 
-type Shared = Arc<AppState>;
+/// The state handlers share.
+pub type Shared = Arc<AppState>;
 
 impl AppState {
     /// Assemble the state.
-    pub fn new(admission: Admission, orchestrator: Orchestrator, engine: Arc<Engine>, config: HttpConfig) -> Shared {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        admission: Admission,
+        orchestrator: Orchestrator,
+        engine: Arc<Engine>,
+        config: HttpConfig,
+        transfer: TransferState,
+        transfer_config: TransferConfig,
+        kv_service: Arc<ServiceStats>,
+    ) -> Shared {
         Arc::new(AppState {
             admission,
             orchestrator,
             engine,
             metrics: Metrics::new(),
+            transfer,
+            transfer_config,
+            transfer_jobs: TransferJobs::default(),
+            kv_service,
             slots: Arc::new(Semaphore::new(config.max_concurrency.max(1))),
             waiting: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
@@ -86,6 +111,30 @@ impl AppState {
 
     fn next_id(&self, prefix: &str) -> String {
         format!("{prefix}{:016x}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Count a fetch's outcome in the metrics; returns its label for the request's log line.
+    pub fn record_fetch(&self, f: &FetchOutcome) -> String {
+        let m = &self.metrics;
+        let bt = self.engine.config.shape.block_tokens;
+        if f.blocks > 0 {
+            let received = DirectionLabel { direction: "received".into() };
+            m.transfer_blocks.get_or_create(&received).inc_by(f.blocks as u64);
+            m.transfer_bytes.get_or_create(&received).inc_by(f.bytes as u64);
+            m.fetched_tokens.inc_by((f.blocks * bt) as u64);
+        }
+        let (outcome, reason) = match (&f.error, f.not_worth_it, f.nothing) {
+            (Some(e), _, _) => ("failed", e.reason.as_str()),
+            (None, true, _) => ("skipped", "fetch_not_worth_it"),
+            (None, _, true) => ("skipped", "nothing_to_fetch"),
+            (None, false, false) => ("ok", "none"),
+        };
+        m.transfers.get_or_create(&TransferLabels { outcome: outcome.into(), reason: reason.into() }).inc();
+        if outcome == "ok" {
+            m.transfer_seconds.observe(f.seconds);
+        }
+        let local = if f.local_s.is_finite() { format!("{:.2}ms", f.local_s * 1e3) } else { "unmodeled".into() };
+        format!("{outcome}:{reason}:{}blocks:est={:.2}ms:local={local}", f.blocks, f.estimate_s * 1e3)
     }
 }
 
@@ -100,6 +149,10 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/kv/lookup", post(kv_lookup))
         .route("/debug/kv/corrupt", post(debug_corrupt))
+        .route("/v1/kv/info", get(crate::transfer::api::kv_info))
+        .route("/v1/kv/prefill", post(crate::transfer::api::kv_prefill))
+        .route("/v1/kv_transfer", post(crate::transfer::api::kv_transfer))
+        .route("/v1/kv_transfer/stats", get(crate::transfer::api::kv_transfer_stats))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), record))
         .layer(DefaultBodyLimit::disable())
@@ -119,10 +172,21 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad_request(message: impl Into<String>) -> ApiError {
+    /// A 400.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
         ApiError { status: StatusCode::BAD_REQUEST, kind: "invalid_request_error", code: None, message: message.into() }
     }
-    fn with_code(mut self, code: &'static str) -> ApiError {
+    /// A 403.
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::FORBIDDEN,
+            kind: "permission_error",
+            code: Some("forbidden"),
+            message: message.into(),
+        }
+    }
+    /// Set the error code.
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
         self.code = Some(code);
         self
     }
@@ -147,11 +211,16 @@ struct Facts {
     cached_tokens: usize,
     hint: String,
     decision: String,
+    fetch: String,
     /// The handler logs the line itself when the stream ends.
     streamed: bool,
 }
 
-const ROUTES: [&str; 8] = [
+const ROUTES: [&str; 12] = [
+    "/v1/kv/info",
+    "/v1/kv/prefill",
+    "/v1/kv_transfer",
+    "/v1/kv_transfer/stats",
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
@@ -188,6 +257,7 @@ fn log_request(f: &Facts, endpoint: &str, status: u16) {
         cached_tokens = f.cached_tokens,
         hint = %f.hint,
         decision = %f.decision,
+        fetch = %f.fetch,
         "request"
     );
 }
@@ -204,7 +274,8 @@ async fn not_found() -> ApiError {
 // ---------------------------------------------------------------------------------------------
 // Bodies
 
-async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+/// Read a body with the server's size limit (413 above it).
+pub async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let limit = st.config.max_body_bytes;
     let too_large = || ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
@@ -222,7 +293,8 @@ async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Byt
     axum::body::to_bytes(body, limit).await.map_err(|_| too_large())
 }
 
-fn parse<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
+/// Parse a JSON body (400 with `invalid_json` when it is not JSON).
+pub fn parse<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     // Values kept raw or skipped are walked iteratively by serde_json, so lifting the limit
     // lets deep hints reach admission; typed members are shallow.
@@ -494,6 +566,27 @@ fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// The tokens of a `{prompt | messages}` body with one prompt (lookup, prefill, transfer).
+pub fn prompt_tokens(
+    st: &AppState,
+    prompt: Option<&RawValue>,
+    messages: Option<&Value>,
+    model: Option<&str>,
+) -> Result<Vec<u32>, ApiError> {
+    check_model(st, model)?;
+    if let Some(m) = messages {
+        let text = m.to_string();
+        let msgs: Vec<Message<'_>> = serde_json::from_str(&text)
+            .map_err(|_| ApiError::bad_request("messages must be a list of {role, content}"))?;
+        return Ok(tokenize(&chat_text(Some(&msgs), None)?));
+    }
+    let (p, batched) = completion_prompts(prompt)?;
+    if batched {
+        return Err(ApiError::bad_request("this endpoint takes one prompt"));
+    }
+    Ok(p[0].tokens())
+}
+
 fn max_tokens(st: &AppState, n: Option<u64>) -> Result<usize, ApiError> {
     let n = n.map_or(st.config.default_max_tokens as u64, |n| n);
     if n == 0 || n > st.config.max_tokens_limit as u64 {
@@ -531,6 +624,8 @@ struct Job {
     include_usage: bool,
     /// The admitted snapshots travel with the request until it ends.
     _hints: Vec<HintOutcome>,
+    /// Per prompt: the named fetch the provider took, if any.
+    plans: Vec<Option<FetchPlan>>,
     hint_label: String,
     decision_label: String,
 }
@@ -568,14 +663,11 @@ async fn take_slot(st: &AppState) -> Result<Slot, ApiError> {
     Ok(Slot { _permit: p })
 }
 
+type Admitted = (Vec<HintOutcome>, Vec<Option<FetchPlan>>, String, String);
+
 /// Admit the hint (once, or per prompt for an aligned list), freeze it, and run every prompt
 /// through eligibility, candidates and orchestration. Before the request is queued.
-fn admit_and_decide(
-    st: &AppState,
-    raw: Option<&[u8]>,
-    prompts: usize,
-    batched: bool,
-) -> Result<(Vec<HintOutcome>, String, String), ApiError> {
+fn admit_and_decide(st: &AppState, raw: Option<&[u8]>, prompts: usize, batched: bool) -> Result<Admitted, ApiError> {
     let t0 = Instant::now();
     let hints = if batched {
         st.admission.admit_batch(raw, prompts).map_err(|_| {
@@ -586,25 +678,22 @@ fn admit_and_decide(
         vec![st.admission.admit(raw)]
     };
     let mut decisions = Vec::with_capacity(hints.len());
+    let mut plans = Vec::with_capacity(hints.len());
     for h in &hints {
-        let d = st.orchestrator.decide(false, h.snapshot());
-        let label = match d {
+        let (d, plan) = with_plan_slot(|| st.orchestrator.decide(false, h.snapshot()));
+        decisions.push(match d {
             Decision::NamedFetch { .. } => "named_fetch",
-            Decision::Keep(r) => {
-                if r == "provider_rejected" {
-                    st.metrics.fetch_refused.get_or_create(&ReasonLabel { reason: "no_transport".into() }).inc();
-                }
-                r
-            }
-        };
-        decisions.push(label);
+            Decision::Keep(r) => r,
+        });
+        plans.push(plan);
     }
     st.metrics.hint_seconds.inc_by(t0.elapsed().as_secs_f64());
     let hint_label = hints.iter().map(HintOutcome::label).collect::<Vec<_>>().join(",");
-    Ok((hints, hint_label, decisions.join(",")))
+    Ok((hints, plans, hint_label, decisions.join(",")))
 }
 
-fn engine_error(e: EngineError) -> ApiError {
+/// The API error of an engine failure.
+pub fn engine_error(e: EngineError) -> ApiError {
     match e {
         EngineError::NeverFits(_) => ApiError::bad_request(e.to_string()).with_code("context_length_exceeded"),
         EngineError::EmptyPrompt => ApiError::bad_request(e.to_string()).with_code("missing_prompt"),
@@ -617,14 +706,36 @@ fn engine_error(e: EngineError) -> ApiError {
     }
 }
 
+/// Run one prompt: the named fetch first when the provider took one (a failure prefills
+/// locally, or fails the request under `--kv-load-failure-policy fail`), then the engine.
 async fn run_prompt(
     st: &AppState,
     prompt: &[u32],
     salt: Option<&str>,
     max_tokens: usize,
-) -> Result<Generation, EngineError> {
+    plan: Option<&FetchPlan>,
+    fetch_log: &mut String,
+) -> Result<Generation, ApiError> {
     let names = block_names(prompt, st.engine.config.shape.block_tokens, 0, salt);
-    let g = st.engine.generate(prompt, &names, max_tokens).await?;
+    if let Some(plan) = plan {
+        let t = &st.transfer;
+        let f = fetch_into_cache(&st.engine, &*t.transport, &t.estimator, &plan.endpoint, &names, &plan.hashes, false)
+            .await;
+        let label = st.record_fetch(&f);
+        if !fetch_log.is_empty() {
+            fetch_log.push(',');
+        }
+        fetch_log.push_str(&label);
+        if let Some(e) = f.error.filter(|_| t.fail_on_load_error) {
+            return Err(ApiError {
+                status: StatusCode::BAD_GATEWAY,
+                kind: "server_error",
+                code: Some("kv_load_failed"),
+                message: format!("fetching the hinted KV failed ({}) and --kv-load-failure-policy is fail", e.reason),
+            });
+        }
+    }
+    let g = st.engine.generate(prompt, &names, max_tokens).await.map_err(engine_error)?;
     st.metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
     st.metrics.cached_tokens.inc_by(g.cached_tokens as u64);
     st.metrics.prefilled_tokens.inc_by(g.prefilled_tokens as u64);
@@ -680,10 +791,11 @@ async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
     }
     let started = Instant::now();
     let mut gens = Vec::with_capacity(job.prompts.len());
-    for p in &job.prompts {
-        match run_prompt(&st, p, job.salt.as_deref(), job.max_tokens).await {
+    let mut fetch_log = String::new();
+    for (p, plan) in job.prompts.iter().zip(&job.plans) {
+        match run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log).await {
             Ok(g) => gens.push(g),
-            Err(e) => return with_facts(engine_error(e).into_response(), &job, &gens),
+            Err(e) => return with_facts(e.into_response(), &job, &gens, &fetch_log),
         }
         if gens.len() == 1 {
             observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
@@ -713,7 +825,7 @@ async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
         Api::Responses => response_object(&st, &job, &detokenize(&gens[0].tokens).concat(), u, "completed"),
     };
     observe(&st.metrics.duration, job.api, started.elapsed().as_secs_f64());
-    with_facts(Json(body).into_response(), &job, &gens)
+    with_facts(Json(body).into_response(), &job, &gens, &fetch_log)
 }
 
 fn observe(
@@ -732,7 +844,7 @@ fn totals(gens: &[Generation]) -> (usize, usize, usize) {
     gens.iter().fold((0, 0, 0), |(p, c, g), x| (p + x.prompt_tokens, c + x.cached_tokens, g + x.tokens.len()))
 }
 
-fn facts_of(job: &Job, gens: &[Generation]) -> Facts {
+fn facts_of(job: &Job, gens: &[Generation], fetch: &str) -> Facts {
     let (pt, ct, _) = totals(gens);
     Facts {
         id: job.id.clone(),
@@ -740,12 +852,13 @@ fn facts_of(job: &Job, gens: &[Generation]) -> Facts {
         cached_tokens: ct,
         hint: job.hint_label.clone(),
         decision: job.decision_label.clone(),
+        fetch: if fetch.is_empty() { "-".into() } else { fetch.into() },
         streamed: false,
     }
 }
 
-fn with_facts(mut r: Response, job: &Job, gens: &[Generation]) -> Response {
-    r.extensions_mut().insert(facts_of(job, gens));
+fn with_facts(mut r: Response, job: &Job, gens: &[Generation], fetch: &str) -> Response {
+    r.extensions_mut().insert(facts_of(job, gens, fetch));
     r
 }
 
@@ -758,7 +871,7 @@ fn sse(v: Value) -> Result<Event, Infallible> {
 fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
     let (tx, mut rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let st2 = st.clone();
-    let job_facts = facts_of(&job, &[]);
+    let job_facts = facts_of(&job, &[], "");
     tokio::spawn(async move {
         let _slot = slot;
         let st = st2;
@@ -770,18 +883,19 @@ fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
             let _ = tx.send(sse(json!({"type": "response.created", "sequence_number": 0, "response": r}))).await;
         }
         let mut seq = 1u64;
-        for (i, p) in job.prompts.iter().enumerate() {
+        let mut fetch_log = String::new();
+        for (i, (p, plan)) in job.prompts.iter().zip(&job.plans).enumerate() {
             let g = tokio::select! {
-                g = run_prompt(&st, p, job.salt.as_deref(), job.max_tokens) => g,
+                g = run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log) => g,
                 () = tx.closed() => {
-                    log_request(&Facts { decision: job.decision_label.clone() + ",client_gone", ..facts_of(&job, &gens) }, job.api.endpoint(), 499);
+                    log_request(&Facts { decision: job.decision_label.clone() + ",client_gone", ..facts_of(&job, &gens, "") }, job.api.endpoint(), 499);
                     return;
                 }
             };
             let g = match g {
                 Ok(g) => g,
                 Err(e) => {
-                    let msg = engine_error(e).message;
+                    let msg = e.message;
                     let _ = tx.send(sse(json!({"error": {"message": msg, "type": "invalid_request_error"}}))).await;
                     break;
                 }
@@ -836,7 +950,7 @@ fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         observe(&st.metrics.duration, job.api, started.elapsed().as_secs_f64());
-        log_request(&facts_of(&job, &gens), job.api.endpoint(), 200);
+        log_request(&facts_of(&job, &gens, &fetch_log), job.api.endpoint(), 200);
     });
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
     let mut r = Sse::new(stream).into_response();
@@ -858,7 +972,7 @@ async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -
         let (prompts, batched) = completion_prompts(b.prompt)?;
         let max_tokens = max_tokens(&st, b.max_tokens)?;
         let raw = hint_fields!(b).raw()?;
-        let (hints, hint_label, decision_label) = admit_and_decide(&st, raw, prompts.len(), batched)?;
+        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, prompts.len(), batched)?;
         Ok::<_, ApiError>((
             Job {
                 api: Api::Completions,
@@ -868,6 +982,7 @@ async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -
                 max_tokens,
                 include_usage: b.stream_options.unwrap_or_default().include_usage,
                 _hints: hints,
+                plans,
                 hint_label,
                 decision_label,
             },
@@ -891,7 +1006,7 @@ async fn chat_completions(State(st): State<Shared>, headers: HeaderMap, body: Bo
         let text = chat_text(b.messages.as_deref(), None)?;
         let max_tokens = max_tokens(&st, b.max_completion_tokens.or(b.max_tokens))?;
         let raw = hint_fields!(b).raw()?;
-        let (hints, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
+        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
         Ok::<_, ApiError>((
             Job {
                 api: Api::Chat,
@@ -901,6 +1016,7 @@ async fn chat_completions(State(st): State<Shared>, headers: HeaderMap, body: Bo
                 max_tokens,
                 include_usage: b.stream_options.unwrap_or_default().include_usage,
                 _hints: hints,
+                plans,
                 hint_label,
                 decision_label,
             },
@@ -924,7 +1040,7 @@ async fn responses(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
         let text = responses_text(&b)?;
         let max_tokens = max_tokens(&st, b.max_output_tokens)?;
         let raw = hint_fields!(b).raw()?;
-        let (hints, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
+        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
         Ok::<_, ApiError>((
             Job {
                 api: Api::Responses,
@@ -934,6 +1050,7 @@ async fn responses(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
                 max_tokens,
                 include_usage: true,
                 _hints: hints,
+                plans,
                 hint_label,
                 decision_label,
             },
@@ -957,7 +1074,11 @@ async fn health() -> Json<Value> {
 }
 
 async fn metrics(State(st): State<Shared>) -> Response {
-    st.metrics.set_blocks(st.engine.cache.stats());
+    st.metrics.set_blocks(
+        st.engine.cache.stats(),
+        st.kv_service.blocks_sent.load(Ordering::Relaxed),
+        st.engine.store.block_bytes() as u64,
+    );
     let mut text = st.admission.prometheus();
     text.push_str(&st.orchestrator.prometheus());
     st.metrics.encode(&mut text);

@@ -9,13 +9,14 @@ mod demo;
 mod engine;
 mod http;
 mod metrics;
+mod transfer;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
-use abi::{Admission, BindingConfig, FetchCall, FetchProvider, Orchestrator};
+use abi::{Admission, BindingConfig, Orchestrator};
 use cache::BlockCache;
 use engine::{Engine, EngineConfig, KvStore, Shape};
 use http::{AppState, HttpConfig};
@@ -64,7 +65,8 @@ pub struct ServeArgs {
     /// KV pool size in blocks.
     #[arg(long, env = "KVRELAY_KV_BLOCKS", default_value_t = 1024)]
     pub kv_blocks: usize,
-    /// Where the KV pool lives: `cpu` (host memory, the CPU copy engine).
+    /// Where the KV pool lives: `cpu` (host memory, the CPU copy engine) or `cuda:N` (memory of
+    /// CUDA device N, the CUDA copy engine through pinned staging).
     #[arg(long, env = "KVRELAY_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Requests running at once.
@@ -93,32 +95,39 @@ pub struct ServeArgs {
     /// (comma-separated in the environment variable).
     #[arg(long = "trusted-endpoint", env = "KVRELAY_TRUSTED_ENDPOINTS", value_delimiter = ',')]
     pub trusted_endpoints: Vec<String>,
-    /// Serve /debug/kv/corrupt (flips a byte of a cached block; for tests).
+    /// Serve /debug/kv/corrupt (flips a byte of a cached block) and allow --kv-fault (tests).
     #[arg(long, env = "KVRELAY_DEBUG_ENDPOINTS")]
     pub debug_endpoints: bool,
+    /// Address of this instance's KV service (its `source_control_endpoint`; port 0 picks one,
+    /// reported by /v1/kv/info).
+    #[arg(long, env = "KVRELAY_KV_LISTEN", default_value = "127.0.0.1:0")]
+    pub kv_listen: SocketAddr,
+    /// Peers the KV service accepts: `loopback`, an address or ADDR/PREFIX; repeatable
+    /// (comma-separated in the environment variable).
+    #[arg(long = "kv-peer-allow", env = "KVRELAY_KV_PEER_ALLOW", value_delimiter = ',', default_value = "loopback")]
+    pub kv_peer_allow: Vec<String>,
+    /// On a failed KV fetch: `recompute` (prefill locally, answer as a cold run) or `fail` (the
+    /// request fails with 502 `kv_load_failed`).
+    #[arg(long, env = "KVRELAY_KV_LOAD_FAILURE_POLICY", default_value = "recompute")]
+    pub kv_load_failure_policy: String,
+    /// Fault the KV service injects (tests; needs --debug-endpoints): none, corrupt, truncate,
+    /// stall, die.
+    #[arg(long, env = "KVRELAY_KV_FAULT", default_value = "none")]
+    pub kv_fault: String,
+    /// Source base URLs `/v1/kv_transfer` may pull from (`http://HOST:PORT`, comma-separated);
+    /// unset refuses every transfer (403).
+    #[arg(long, env = "KV_TRANSFER_SOURCE_ALLOW", value_delimiter = ',')]
+    pub kv_transfer_source_allow: Vec<String>,
+    /// Seconds a `/v1/kv_transfer` request hash is deduplicated.
+    #[arg(long, env = "KV_TRANSFER_DEDUP_TTL", default_value_t = 60)]
+    pub kv_transfer_dedup_ttl: u64,
+    /// `/v1/kv_transfer` jobs running at once (`skipped_busy` beyond).
+    #[arg(long, env = "KV_TRANSFER_MAX_INFLIGHT", default_value_t = 4)]
+    pub kv_transfer_max_inflight: usize,
 }
 
 /// The environment variable that turns hint trust on (off by default).
 pub const TRUST_ENV: &str = "KVRELAY_TRUST_KV_HINTS";
-
-/// Provider codes (the server's own).
-pub mod provider_code {
-    /// No KV transport is available on this instance.
-    pub const NO_TRANSPORT: i32 = 1;
-}
-
-/// The provider until a KV transport exists: it refuses every named fetch, so the request
-/// prefills locally (counted as `kv_fetch_refused{reason="no_transport"}`).
-struct NoTransport;
-
-impl FetchProvider for NoTransport {
-    fn validate(&self, _call: &FetchCall<'_>) -> Result<(), i32> {
-        Err(provider_code::NO_TRANSPORT)
-    }
-    fn fetch(&self, _call: &FetchCall<'_>) -> Result<(), i32> {
-        Err(provider_code::NO_TRANSPORT)
-    }
-}
 
 /// A running server.
 pub struct Server {
@@ -127,11 +136,20 @@ pub struct Server {
     /// Its state (for in-process inspection).
     pub state: Arc<AppState>,
     task: tokio::task::JoinHandle<()>,
+    kv_task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    /// The KV service's endpoint (`tcp://host:port`).
+    pub fn kv_endpoint(&self) -> &str {
+        &self.state.transfer.endpoint
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         self.task.abort();
+        self.kv_task.abort();
     }
 }
 
@@ -161,7 +179,10 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     }
     let store = match args.device.as_str() {
         "cpu" => KvStore::host(args.kv_blocks, shape.block_bytes()).map_err(|e| e.to_string())?,
-        other => return Err(format!("--device {other}: this build serves `cpu` only")),
+        d => match d.strip_prefix("cuda:").and_then(|n| n.parse::<i32>().ok()) {
+            Some(n) => KvStore::cuda(n, args.kv_blocks, shape.block_bytes())?,
+            None => return Err(format!("--device {d}: expected `cpu` or `cuda:N`")),
+        },
     };
     let admission = Admission::new(TRUST_ENV, trust, args.hint_max_bytes).map_err(|e| e.to_string())?;
     let family = "kvrelay";
@@ -169,14 +190,53 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         &[(family, "kv.fetch", "1.0")],
         &[BindingConfig { id: "kv-tcp", family, named: true, authorized: true, supports: &[("kv.fetch", "1.0")] }],
         &args.trusted_endpoints,
-        Arc::new(NoTransport),
+        Arc::new(transfer::KvProvider),
     )
     .map_err(|e| format!("{e} (is every --trusted-endpoint of the form tcp://HOST:PORT?)"))?;
+    let block_bytes = store.block_bytes();
     let engine = Arc::new(Engine::new(
         EngineConfig { shape, prefill_tokens_per_s: args.prefill_tokens_per_s },
         BlockCache::new(args.kv_blocks),
         store,
     ));
+    let fail_on_load_error = match args.kv_load_failure_policy.as_str() {
+        "recompute" => false,
+        "fail" => true,
+        p => return Err(format!("--kv-load-failure-policy {p}: expected recompute or fail")),
+    };
+    let fault = transfer::tcp::Fault::parse(&args.kv_fault)?;
+    if fault != transfer::tcp::Fault::None && !args.debug_endpoints {
+        return Err("--kv-fault needs --debug-endpoints".into());
+    }
+    let allow = transfer::tcp::PeerAllow::parse(&args.kv_peer_allow)?;
+    let mut source_allow = Vec::new();
+    for s in &args.kv_transfer_source_allow {
+        source_allow.push(
+            transfer::api::normalize_source(s)
+                .ok_or_else(|| format!("KV_TRANSFER_SOURCE_ALLOW: `{s}` is not a base URL like http://HOST:PORT"))?,
+        );
+    }
+    let kv_listener = tokio::net::TcpListener::bind(args.kv_listen)
+        .await
+        .map_err(|e| format!("--kv-listen {}: {e}", args.kv_listen))?;
+    let kv_addr = kv_listener.local_addr().map_err(|e| e.to_string())?;
+    let fingerprint = transfer::Fingerprint::of(shape);
+    let kv_stats = Arc::new(transfer::tcp::ServiceStats::default());
+    let kv_task = tokio::spawn(transfer::tcp::serve(
+        kv_listener,
+        engine.clone(),
+        fingerprint.clone(),
+        allow,
+        fault,
+        kv_stats.clone(),
+    ));
+    let transfer_state = transfer::TransferState {
+        transport: Arc::new(transfer::tcp::TcpTransport::new(fingerprint.clone(), block_bytes)),
+        estimator: transfer::Estimator::default(),
+        fingerprint,
+        endpoint: format!("tcp://{kv_addr}"),
+        fail_on_load_error,
+    };
     let state = AppState::new(
         admission,
         orchestrator,
@@ -190,6 +250,13 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             max_tokens_limit: args.max_tokens_limit,
             debug_endpoints: args.debug_endpoints,
         },
+        transfer_state,
+        transfer::api::TransferConfig {
+            source_allow,
+            dedup_ttl: std::time::Duration::from_secs(args.kv_transfer_dedup_ttl),
+            max_inflight: args.kv_transfer_max_inflight,
+        },
+        kv_stats,
     );
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.map_err(|e| format!("listen on {}: {e}", args.listen))?;
@@ -200,7 +267,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             tracing::error!("server stopped: {e}");
         }
     });
-    Ok(Server { addr, state, task })
+    Ok(Server { addr, state, task, kv_task })
 }
 
 fn main() {
@@ -239,6 +306,7 @@ async fn serve(args: ServeArgs) -> i32 {
         block_bytes = server.state.engine.store.block_bytes(),
         "serving"
     );
+    tracing::info!(kv_endpoint = %server.kv_endpoint(), transport = server.state.transfer.transport.name(), "kv service");
     println!("listening on {}", server.addr);
     use std::io::Write as _;
     let _ = std::io::stdout().flush();

@@ -27,10 +27,19 @@ pub struct EndpointLabel {
     pub endpoint: String,
 }
 
-/// `reason`.
+/// `direction`: `received` or `sent`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabel {
-    /// Why.
+pub struct DirectionLabel {
+    /// Which way.
+    pub direction: String,
+}
+
+/// `outcome`, `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransferLabels {
+    /// `ok`, `failed` or `skipped`.
+    pub outcome: String,
+    /// The failure or skip reason (`none` when ok).
     pub reason: String,
 }
 
@@ -66,8 +75,16 @@ pub struct Metrics {
     pub blocks: Family<StateLabel, Gauge>,
     /// Evictions.
     pub evicted: Counter,
-    /// Named fetches the server's provider refused, by reason.
-    pub fetch_refused: Family<ReasonLabel, Counter>,
+    /// Fetches by outcome and reason.
+    pub transfers: Family<TransferLabels, Counter>,
+    /// KV blocks moved between instances.
+    pub transfer_blocks: Family<DirectionLabel, Counter>,
+    /// KV bytes moved between instances.
+    pub transfer_bytes: Family<DirectionLabel, Counter>,
+    /// Duration of successful fetches.
+    pub transfer_seconds: Histogram,
+    /// Prompt tokens whose KV was fetched from another instance.
+    pub fetched_tokens: Counter,
     /// Seconds spent in hint admission and orchestration (compare with the request duration sum).
     pub hint_seconds: Counter<f64, AtomicU64>,
 }
@@ -86,7 +103,11 @@ impl Metrics {
             generated_tokens: Counter::default(),
             blocks: Family::default(),
             evicted: Counter::default(),
-            fetch_refused: Family::default(),
+            transfers: Family::default(),
+            transfer_blocks: Family::default(),
+            transfer_bytes: Family::default(),
+            transfer_seconds: latency(),
+            fetched_tokens: Counter::default(),
             hint_seconds: Counter::default(),
             registry: Registry::default(),
         };
@@ -99,10 +120,14 @@ impl Metrics {
         registry.register("generated_tokens", "Output tokens generated", m.generated_tokens.clone());
         registry.register("kv_blocks", "KV pool blocks by state (held, cached, free)", m.blocks.clone());
         registry.register("kv_blocks_evicted", "KV blocks evicted from the reuse cache", m.evicted.clone());
+        registry.register("kv_transfers", "KV fetches from other instances by outcome and reason", m.transfers.clone());
+        registry.register("kv_transfer_blocks", "KV blocks moved between instances", m.transfer_blocks.clone());
+        registry.register("kv_transfer_bytes", "KV bytes moved between instances", m.transfer_bytes.clone());
+        registry.register("kv_transfer_seconds", "Duration of successful KV fetches", m.transfer_seconds.clone());
         registry.register(
-            "kv_fetch_refused",
-            "Named fetches the server's provider refused, by reason",
-            m.fetch_refused.clone(),
+            "fetched_tokens",
+            "Prompt tokens whose KV was fetched from another instance",
+            m.fetched_tokens.clone(),
         );
         registry.register(
             "hint_processing_seconds",
@@ -112,8 +137,16 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// Record the pool's state (called at scrape time).
-    pub fn set_blocks(&self, s: CacheStats) {
+    /// Record the pool's state and the KV service's sent blocks (called at scrape time).
+    pub fn set_blocks(&self, s: CacheStats, sent_blocks: u64, block_bytes: u64) {
+        let sent = DirectionLabel { direction: "sent".into() };
+        let c = self.transfer_blocks.get_or_create(&sent);
+        let seen = c.get();
+        if sent_blocks > seen {
+            c.inc_by(sent_blocks - seen);
+            self.transfer_bytes.get_or_create(&sent).inc_by((sent_blocks - seen) * block_bytes);
+        }
+        drop(c);
         for (state, v) in [("held", s.held), ("cached", s.cached), ("free", s.free)] {
             self.blocks.get_or_create(&StateLabel { state: state.into() }).set(v as i64);
         }

@@ -1,0 +1,437 @@
+//! The embedded TCP transport: framed, versioned, MessagePack control and raw block bytes.
+//!
+//! Every frame is a 12-byte header — magic `KVRX`, version 1, kind, two reserved zero bytes,
+//! payload length (u32 LE) — then the payload. Kinds:
+//! - `HELLO` (destination -> source, MessagePack): `{fingerprint, names}`;
+//! - `OFFER` (source -> destination, MessagePack): `{fingerprint, count, block_bytes}`: the
+//!   source holds the first `count` names (a leading run) and pins those blocks (they cannot be
+//!   evicted) until it has sent them;
+//! - `BLOCK` (source -> destination, raw): name (u64 LE), XXH3-64 of the bytes (u64 LE), then
+//!   exactly `block_bytes` bytes; one per offered block, in order;
+//! - `REFUSE` (either way, MessagePack): `{reason, message}`.
+//!
+//! Limits on every read: control frames at most [`MAX_CONTROL`] bytes, block frames exactly
+//! 16 + `block_bytes`, at most [`MAX_BLOCKS`] names per request, a deadline per read
+//! ([`READ_TIMEOUT`]) and per transfer ([`total_deadline`]), connect within
+//! [`CONNECT_TIMEOUT`]. The service accepts peers from its allowlist only and serves at most
+//! [`MAX_CONNECTIONS`] at once.
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{BlockSink, BoxFuture, FailReason, FetchError, Fingerprint, Transport};
+use crate::engine::Engine;
+
+const MAGIC: &[u8; 4] = b"KVRX";
+const VERSION: u8 = 1;
+const HELLO: u8 = 1;
+const OFFER: u8 = 2;
+const BLOCK: u8 = 3;
+const REFUSE: u8 = 4;
+
+/// Largest control frame.
+pub const MAX_CONTROL: usize = 16 << 20;
+/// Most names in one request.
+pub const MAX_BLOCKS: usize = 1 << 20;
+/// Connect deadline.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline of every read and write.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections the service serves at once.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// The whole transfer's deadline: 10 s plus 1 s per 100 MB.
+pub fn total_deadline(bytes: usize) -> Duration {
+    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    fingerprint: Fingerprint,
+    names: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Offer {
+    fingerprint: Fingerprint,
+    count: u64,
+    block_bytes: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Refuse {
+    reason: String,
+    message: String,
+}
+
+/// `tcp://host:port` -> a socket address (resolving names).
+pub fn socket_addr(endpoint: &str) -> Option<SocketAddr> {
+    endpoint.strip_prefix("tcp://")?.to_socket_addrs().ok()?.next()
+}
+
+fn header(kind: u8, len: usize) -> [u8; 12] {
+    let mut h = [0u8; 12];
+    h[..4].copy_from_slice(MAGIC);
+    h[4] = VERSION;
+    h[5] = kind;
+    h[8..].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+fn io_err(e: std::io::Error) -> FetchError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+            FetchError::new(FailReason::Truncated, format!("the stream ended early: {e}"))
+        }
+        std::io::ErrorKind::TimedOut => FetchError::new(FailReason::Timeout, "a read ran past its deadline"),
+        _ => FetchError::new(FailReason::Truncated, format!("i/o: {e}")),
+    }
+}
+
+async fn timed<T>(f: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, FetchError> {
+    match tokio::time::timeout(READ_TIMEOUT, f).await {
+        Ok(r) => r.map_err(io_err),
+        Err(_) => Err(FetchError::new(FailReason::Timeout, "a read or write ran past its deadline")),
+    }
+}
+
+/// Read one frame header: `(kind, len)`, checked against `max`.
+async fn read_header(s: &mut TcpStream, max: usize) -> Result<(u8, usize), FetchError> {
+    let mut h = [0u8; 12];
+    timed(s.read_exact(&mut h)).await?;
+    if &h[..4] != MAGIC || h[4] != VERSION {
+        return Err(FetchError::new(FailReason::Corrupt, "not a kvrelay KV frame (magic or version)"));
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > max {
+        return Err(FetchError::new(FailReason::Corrupt, format!("a frame of {len} bytes (limit {max})")));
+    }
+    Ok((h[5], len))
+}
+
+async fn read_control<T: for<'de> Deserialize<'de>>(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    len: usize,
+) -> Result<T, FetchError> {
+    buf.resize(len, 0);
+    timed(s.read_exact(buf)).await?;
+    rmp_serde::from_slice(buf).map_err(|_| FetchError::new(FailReason::Corrupt, "a control frame does not decode"))
+}
+
+async fn write_control<T: Serialize>(s: &mut TcpStream, kind: u8, v: &T) -> Result<(), FetchError> {
+    let body = rmp_serde::to_vec_named(v).map_err(|e| FetchError::new(FailReason::Corrupt, e.to_string()))?;
+    let mut frame = header(kind, body.len()).to_vec();
+    frame.extend_from_slice(&body);
+    timed(s.write_all(&frame)).await
+}
+
+fn refused(r: Refuse) -> FetchError {
+    let reason = if r.reason == "fingerprint_mismatch" { FailReason::FingerprintMismatch } else { FailReason::Refused };
+    FetchError::new(reason, format!("the source refused: {} ({})", r.reason, r.message))
+}
+
+/// The destination side.
+pub struct TcpTransport {
+    fingerprint: Fingerprint,
+    block_bytes: usize,
+}
+
+impl TcpTransport {
+    /// A client for this instance's layout.
+    pub fn new(fingerprint: Fingerprint, block_bytes: usize) -> TcpTransport {
+        TcpTransport { fingerprint, block_bytes }
+    }
+
+    async fn pull(&self, endpoint: &str, names: &[u64], sink: &mut BlockSink<'_>) -> Result<usize, FetchError> {
+        let addr = socket_addr(endpoint)
+            .ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
+        let mut s = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(FetchError::new(FailReason::Connect, format!("connect: {e}"))),
+            Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
+        };
+        let _ = s.set_nodelay(true);
+        write_control(&mut s, HELLO, &Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec() }).await?;
+        let mut buf = Vec::new();
+        let (kind, len) = read_header(&mut s, MAX_CONTROL).await?;
+        match kind {
+            REFUSE => return Err(refused(read_control(&mut s, &mut buf, len).await?)),
+            OFFER => {}
+            _ => return Err(FetchError::new(FailReason::Corrupt, "expected an offer")),
+        }
+        let offer: Offer = read_control(&mut s, &mut buf, len).await?;
+        if offer.fingerprint != self.fingerprint {
+            return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
+        }
+        let count = offer.count as usize;
+        if count > names.len() || offer.block_bytes as usize != self.block_bytes {
+            return Err(FetchError::new(FailReason::Corrupt, "the offer does not match the request"));
+        }
+        let frame = 16 + self.block_bytes;
+        buf.resize(frame, 0);
+        for (i, &want) in names.iter().enumerate().take(count) {
+            let (kind, len) = read_header(&mut s, frame).await?;
+            if kind == REFUSE {
+                return Err(FetchError::new(FailReason::Refused, "the source stopped the transfer"));
+            }
+            if kind != BLOCK || len != frame {
+                return Err(FetchError::new(
+                    FailReason::Corrupt,
+                    format!("block {i}: a frame of kind {kind}, {len} bytes"),
+                ));
+            }
+            timed(s.read_exact(&mut buf[..frame])).await?;
+            let name = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+            let sum = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
+            let data = &buf[16..frame];
+            if name != want {
+                return Err(FetchError::new(FailReason::Corrupt, format!("block {i}: another name than asked")));
+            }
+            if xxh3_64(data) != sum {
+                return Err(FetchError::new(FailReason::Corrupt, format!("block {i}: checksum mismatch")));
+            }
+            sink(i, data)?;
+        }
+        Ok(count)
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        endpoint: &'a str,
+        names: &'a [u64],
+        sink: &'a mut BlockSink<'a>,
+    ) -> BoxFuture<'a, Result<usize, FetchError>> {
+        Box::pin(async move {
+            let deadline = total_deadline(names.len() * self.block_bytes);
+            match tokio::time::timeout(deadline, self.pull(endpoint, names, sink)).await {
+                Ok(r) => r,
+                Err(_) => Err(FetchError::new(FailReason::Timeout, "the transfer ran past its total deadline")),
+            }
+        })
+    }
+}
+
+/// Which peers the KV service accepts.
+#[derive(Clone, Debug)]
+pub struct PeerAllow(Vec<(IpAddr, u8)>);
+
+impl PeerAllow {
+    /// Parse `loopback`, an address, or `ADDR/PREFIX`, comma-separated.
+    pub fn parse(list: &[String]) -> Result<PeerAllow, String> {
+        let mut v = Vec::new();
+        for item in list.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+            if item == "loopback" {
+                v.push(("127.0.0.0".parse().expect("ip"), 8));
+                v.push(("::1".parse().expect("ip"), 128));
+                continue;
+            }
+            let (a, p) = item.split_once('/').unwrap_or((item, ""));
+            let ip: IpAddr = a.parse().map_err(|_| format!("--kv-peer-allow: `{item}` is not an address"))?;
+            let max = if ip.is_ipv4() { 32 } else { 128 };
+            let prefix = if p.is_empty() {
+                max
+            } else {
+                p.parse().map_err(|_| format!("--kv-peer-allow: bad prefix in `{item}`"))?
+            };
+            if prefix > max {
+                return Err(format!("--kv-peer-allow: bad prefix in `{item}`"));
+            }
+            v.push((ip, prefix));
+        }
+        Ok(PeerAllow(v))
+    }
+
+    /// Whether `ip` is allowed.
+    pub fn allows(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        };
+        self.0.iter().any(|&(net, prefix)| match (net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = if prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = if prefix == 0 { 0 } else { u128::MAX << (128 - prefix) };
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        })
+    }
+}
+
+/// Fault injection for tests (`--kv-fault`, only with `--debug-endpoints`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Serve correctly.
+    None,
+    /// Flip a byte of the second block after its checksum was computed.
+    Corrupt,
+    /// Close the connection halfway through the second block.
+    Truncate,
+    /// Stop sending after the offer (the peer's deadline must fire).
+    Stall,
+    /// Exit the process after the first block (a source killed mid-transfer).
+    Die,
+}
+
+impl Fault {
+    /// Parse a `--kv-fault` value.
+    pub fn parse(s: &str) -> Result<Fault, String> {
+        Ok(match s {
+            "none" => Fault::None,
+            "corrupt" => Fault::Corrupt,
+            "truncate" => Fault::Truncate,
+            "stall" => Fault::Stall,
+            "die" => Fault::Die,
+            _ => return Err(format!("--kv-fault {s}: expected none|corrupt|truncate|stall|die")),
+        })
+    }
+}
+
+/// Counters of the service.
+#[derive(Default)]
+pub struct ServiceStats {
+    /// Blocks sent.
+    pub blocks_sent: std::sync::atomic::AtomicU64,
+    /// Connections refused (peer, fingerprint, limits).
+    pub refused: std::sync::atomic::AtomicU64,
+}
+
+/// Serve the reuse cache of `engine` on `listener` until the task is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    fingerprint: Fingerprint,
+    allow: PeerAllow,
+    fault: Fault,
+    stats: Arc<ServiceStats>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok((mut s, peer)) = listener.accept().await else { continue };
+        let (engine, fp, stats, allow) = (engine.clone(), fingerprint.clone(), stats.clone(), allow.clone());
+        let permit = slots.clone().try_acquire_owned();
+        tokio::spawn(async move {
+            let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
+            let r = if !allow.allows(peer.ip()) {
+                Err(refuse("peer_not_allowed", "this peer is not on the KV service's allowlist".into()))
+            } else if permit.is_err() {
+                Err(refuse("busy", format!("the KV service serves {MAX_CONNECTIONS} connections at most")))
+            } else {
+                serve_one(&mut s, &engine, &fp, fault, &stats).await
+            };
+            if let Err(r) = r {
+                stats.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _ = write_control(&mut s, REFUSE, &r).await;
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// One request; `Err` is a refusal to send back.
+async fn serve_one(
+    s: &mut TcpStream,
+    engine: &Engine,
+    fp: &Fingerprint,
+    fault: Fault,
+    stats: &ServiceStats,
+) -> Result<(), Refuse> {
+    let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
+    let _ = s.set_nodelay(true);
+    let mut buf = Vec::new();
+    let (kind, len) = read_header(s, MAX_CONTROL).await.map_err(|e| refuse("bad_request", e.detail))?;
+    if kind != HELLO {
+        return Err(refuse("bad_request", "expected a hello".into()));
+    }
+    let hello: Hello = read_control(s, &mut buf, len).await.map_err(|e| refuse("bad_request", e.detail))?;
+    if &hello.fingerprint != fp {
+        return Err(refuse("fingerprint_mismatch", "the layouts differ".into()));
+    }
+    if hello.names.len() > MAX_BLOCKS {
+        return Err(refuse("too_many_blocks", format!("at most {MAX_BLOCKS} names")));
+    }
+    // Pin the leading run held here: those blocks cannot be evicted until they are sent.
+    let lease = engine.cache.pin_prefix(&hello.names);
+    let bb = engine.store.block_bytes();
+    let offer = Offer { fingerprint: fp.clone(), count: lease.ids.len() as u64, block_bytes: bb as u64 };
+    if write_control(s, OFFER, &offer).await.is_err() {
+        return Ok(());
+    }
+    if fault == Fault::Stall {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    const CHUNK: usize = 16;
+    let mut data = vec![0u8; CHUNK * bb];
+    let mut frame = vec![0u8; 12 + 16 + bb];
+    for (c, ids) in lease.ids.chunks(CHUNK).enumerate() {
+        let part = &mut data[..ids.len() * bb];
+        if engine.store.read(ids, part).is_err() {
+            return Ok(()); // the peer sees a truncated stream
+        }
+        for (k, block) in part.chunks(bb).enumerate() {
+            let i = c * CHUNK + k;
+            frame[..12].copy_from_slice(&header(BLOCK, 16 + bb));
+            frame[12..20].copy_from_slice(&hello.names[i].to_le_bytes());
+            frame[20..28].copy_from_slice(&xxh3_64(block).to_le_bytes());
+            frame[28..].copy_from_slice(block);
+            let mut n = frame.len();
+            if i == 1 {
+                match fault {
+                    Fault::Corrupt => frame[28 + bb / 2] ^= 0x40,
+                    Fault::Truncate => n = 28 + bb / 2,
+                    _ => {}
+                }
+            }
+            if timed(s.write_all(&frame[..n])).await.is_err() {
+                return Ok(());
+            }
+            stats.blocks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if i == 1 && fault == Fault::Truncate {
+                let _ = s.shutdown().await;
+                return Ok(());
+            }
+            if i == 0 && fault == Fault::Die {
+                let _ = s.flush().await;
+                eprintln!("kvrelay-server: --kv-fault die: exiting mid-transfer");
+                std::process::exit(3);
+            }
+        }
+    }
+    let _ = s.flush().await;
+    drop(lease);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_allowlist() {
+        let a = PeerAllow::parse(&["loopback".into()]).unwrap();
+        assert!(a.allows("127.0.0.1".parse().unwrap()) && a.allows("::1".parse().unwrap()));
+        assert!(a.allows("::ffff:127.0.0.2".parse().unwrap()));
+        assert!(!a.allows("10.0.0.1".parse().unwrap()));
+        let b = PeerAllow::parse(&["10.1.0.0/16,192.168.1.7".into()]).unwrap();
+        assert!(b.allows("10.1.200.3".parse().unwrap()) && !b.allows("10.2.0.1".parse().unwrap()));
+        assert!(b.allows("192.168.1.7".parse().unwrap()) && !b.allows("127.0.0.1".parse().unwrap()));
+        assert!(PeerAllow::parse(&["nonsense".into()]).is_err());
+    }
+}
