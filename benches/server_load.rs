@@ -4,7 +4,8 @@
 //! cold run of its prompt measured before the load. Reports requests per second against the
 //! same clients hitting `GET /health` in the same run (the bare HTTP round trip), p50/p99
 //! latency, server errors, wrong answers, RSS before and after, and the share of request time
-//! spent in hint admission plus orchestration (from the server's own counters).
+//! spent in hint admission plus orchestration (from the server's own counters). The load runs
+//! twice: a warm-up round, then the measured round; RSS is read before and after the latter.
 //!
 //! Bounded: a fixed number of requests and a 300 s deadline; the server listens on loopback.
 //! Knobs: `KVRELAY_LOAD_REQUESTS` (10000), `KVRELAY_LOAD_CLIENTS` (64).
@@ -29,7 +30,7 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-struct Server(Child, SocketAddr);
+struct Server(Child);
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -265,7 +266,7 @@ fn main() {
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let addr: SocketAddr = line.trim().strip_prefix("listening on ").expect("listening line").parse().unwrap();
     let pid = child.id();
-    let _server = Server(child, addr);
+    let _server = Server(child);
 
     // Cold answers: every prompt once with a salt of its own (nothing reused).
     let ps = prompts();
@@ -289,10 +290,15 @@ fn main() {
         Ok(r) if r.status == 200 => t.ok += 1,
         _ => t.transport_errors += 1,
     });
+    // Round 1 warms the allocator, the cache and the connection paths; round 2 is measured,
+    // and memory must stay flat across it.
+    let rss_start = rss_kib(pid);
+    let _ = run_clients(clients, total, |i, t| one(addr, i, &ps, &cold, &chat_cold, t));
+    std::thread::sleep(Duration::from_millis(300)); // cancelled requests finish unwinding
     let m0 = client::get(addr, "/metrics").unwrap().text();
     let rss_before = rss_kib(pid);
-    let (mut load, load_t) = run_clients(clients, total, |i, t| one(addr, i, &ps, &cold, &chat_cold, t));
-    std::thread::sleep(Duration::from_millis(300)); // cancelled requests finish unwinding
+    let (mut load, load_t) = run_clients(clients, total, |i, t| one(addr, i + total, &ps, &cold, &chat_cold, t));
+    std::thread::sleep(Duration::from_millis(300));
     let rss_after = rss_kib(pid);
     let m1 = client::get(addr, "/metrics").unwrap().text();
 
@@ -329,7 +335,7 @@ fn main() {
     println!("  latency p50 {p50:.2} ms, p99 {p99:.2} ms (completed requests)");
     println!("  server errors (5xx): {}; answers different from the cold run: {}", load.server_errors, load.wrong);
     println!(
-        "  RSS before {} KiB, after {} KiB ({:+.1}%); KV blocks held after the run: {held}; evicted: {evicted}",
+        "  RSS at start {rss_start} KiB; after a warm-up round {} KiB, after the measured round {} KiB ({:+.1}%); KV blocks held after the run: {held}; evicted: {evicted}",
         rss_before,
         rss_after,
         (rss_after as f64 / rss_before as f64 - 1.0) * 100.0

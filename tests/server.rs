@@ -2,97 +2,12 @@
 //! child process (its own settings and environment), talks to it with a plain HTTP/1.1 client
 //! and reads its metrics and logs.
 
-#[path = "../src/bin/kvrelay-server/client.rs"]
-mod client;
+mod common;
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::{blocks, cached, client, cold, prompt, start, text, wait_until, Server};
 use serde_json::{json, Value};
-
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(trusted: bool, args: &[&str]) -> Server {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let log = std::env::temp_dir().join(format!("kvrelay-server-test-{}-{n}.log", std::process::id()));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrelay-server"));
-    cmd.args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
-        .env("KVRELAY_PREFILL_TOKENS_PER_S", "0") // a flag overrides it
-        .env("KVRELAY_TRUST_KV_HINTS", if trusted { "1" } else { "0" })
-        .env("KVRELAY_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap());
-    let mut child = cmd.spawn().expect("start kvrelay-server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .unwrap();
-    Server { child, addr, log }
-}
-
-impl Server {
-    fn post(&self, path: &str, body: &Value) -> client::Reply {
-        client::post(self.addr, path, body).unwrap()
-    }
-    fn complete(&self, body: Value) -> Value {
-        let r = self.post("/v1/completions", &body);
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()
-    }
-    fn metrics(&self) -> String {
-        client::get(self.addr, "/metrics").unwrap().text()
-    }
-    /// The value of a series (exact name with labels), 0 when absent.
-    fn metric(&self, series: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.parse().unwrap()))
-            .unwrap_or(0.0)
-    }
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap()
-    }
-}
-
-fn text(v: &Value) -> String {
-    v["choices"][0]["text"].as_str().unwrap().to_string()
-}
-fn cached(v: &Value) -> u64 {
-    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens always present")
-}
-
-fn prompt(seed: &str, words: usize) -> String {
-    (0..words).map(|i| format!("{seed}{i} ")).collect()
-}
-
-/// A cold run of `p`: a salt nobody else uses, so nothing is reused.
-fn cold(s: &Server, p: &str) -> String {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let salt = format!("cold-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    let v = s.complete(json!({"prompt": p, "cache_salt": salt}));
-    assert_eq!(cached(&v), 0);
-    text(&v)
-}
 
 const MARK: &str = "SECRET-HINT-MARKER-7f3a";
 
@@ -179,9 +94,15 @@ fn hint_spellings_batches_and_request_errors() {
         s.complete(body);
         assert_eq!(s.metric("kvrelay_kv_hints_admitted_total"), before + 1.0);
     }
-    // the admitted kv.fetch went through orchestration to the provider, which has no transport
-    assert!(s.metric("kvrelay_server_kv_fetch_refused_total{reason=\"no_transport\"}") >= 2.0);
-    assert!(s.metric("kvrelay_kv_policy_discarded_total{reason=\"provider_rejected\"}") >= 2.0);
+    // The admitted kv.fetch went through orchestration to the provider, which took it; its
+    // hashes name none of this prompt's blocks, so nothing was fetched.
+    assert_eq!(s.metric("kvrelay_kv_policy_named_fetch_total"), 2.0);
+    assert_eq!(s.metric("kvrelay_server_kv_transfers_total{outcome=\"skipped\",reason=\"nothing_to_fetch\"}"), 2.0);
+    // A payload without block_hashes is refused by the provider's own validation.
+    let mut bad = envelope("0.1", json!([1]));
+    bad["actions"][0]["payload"].as_object_mut().unwrap().remove("block_hashes");
+    s.complete(json!({"prompt": p, "kv_hints": bad}));
+    assert_eq!(s.metric("kvrelay_kv_policy_discarded_total{reason=\"provider_rejected\"}"), 1.0);
 
     let mut errors = vec![];
     let two = s.post("/v1/completions", &json!({"prompt": p, "kv_hints": h, "kv_hint": h}));
@@ -290,18 +211,6 @@ fn streaming_matches_the_whole_answer() {
         .collect();
     assert_eq!(types.first().unwrap(), "response.created");
     assert_eq!(types.last().unwrap(), "response.completed");
-}
-
-fn blocks(s: &Server, state: &str) -> f64 {
-    s.metric(&format!("kvrelay_server_kv_blocks{{state=\"{state}\"}}"))
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -51,15 +51,78 @@ fn cold(rep: &mut Report, addr: SocketAddr, prompt: &str) -> Result<String, Stri
     Ok(text)
 }
 
-fn hint(message_id: &str, version: &str, hashes: &[Value]) -> Value {
+fn hint_to(endpoint: &str, message_id: &str, version: &str, hashes: &[Value]) -> Value {
     json!({
         "protocol_version": version,
         "message_id": message_id,
         "actions": [{
             "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
-            "payload": {"source_control_endpoint": "tcp://127.0.0.1:23280", "block_hashes": hashes},
+            "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes},
         }],
     })
+}
+
+fn hint(message_id: &str, version: &str, hashes: &[Value]) -> Value {
+    hint_to("tcp://127.0.0.1:23280", message_id, version, hashes)
+}
+
+/// Instances: A (hints trusted; the source), B (hints trusted; trusts A's KV endpoint and may
+/// pull from A with /v1/kv_transfer), U (trust off).
+struct Addrs {
+    a: SocketAddr,
+    a_kv: String,
+    b: SocketAddr,
+    u: SocketAddr,
+}
+
+fn two_instances(x: &Addrs, rep: &mut Report) -> Result<(), String> {
+    let p3 = "Cross-instance reuse: instance B answers this prompt with the KV that instance A computed. ".repeat(8);
+    let cold3 = cold(rep, x.b, &p3)?;
+    let (t, _, _) = completion(x.a, &p3, json!({}))?;
+    rep.check(t == cold3, "prompt sent to instance A (prefilled there)".into());
+    let look = client::post(x.a, "/v1/kv/lookup", &json!({"prompt": p3})).map_err(|e| e.to_string())?.json();
+    let hashes = look["block_hashes"].as_array().cloned().unwrap_or_default();
+    let h = hint_to(&x.a_kv, "demo-fetch", "0.1", &hashes);
+    let before = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let (t, c, v) = completion(x.b, &p3, json!({"kv_hints": h}))?;
+    let pt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    let after = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let fetched =
+        metric(&after, "kvrelay_server_fetched_tokens_total") - metric(&before, "kvrelay_server_fetched_tokens_total");
+    rep.check(
+        c > 0 && fetched as u64 == c && t == cold3,
+        format!("instance B with a kv.fetch hint naming A's blocks: fetched {fetched} tokens of KV from A over TCP, cached_tokens {c} of {pt}, answer equals the cold run"),
+    );
+    let p4 = "A router asks instance B to pull this prompt's KV from A before any request arrives. ".repeat(8);
+    let cold4 = cold(rep, x.b, &p4)?;
+    let r = client::post(x.b, "/v1/kv_transfer", &json!({"source": format!("http://{}", x.a), "prompt": p4}))
+        .map_err(|e| e.to_string())?;
+    let status = r.json()["status"].clone();
+    let mut stats = Value::Null;
+    for _ in 0..200 {
+        stats = client::get(x.b, "/v1/kv_transfer/stats").map_err(|e| e.to_string())?.json();
+        if stats["inflight"] == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    rep.check(
+        r.status == 202 && status == "accepted" && stats["transferred"] == 1,
+        format!(
+            "POST /v1/kv_transfer on B (source A, which prefilled it first): {} {status}, then {} blocks moved",
+            r.status, stats["blocks_moved"]
+        ),
+    );
+    let (t, c, _) = completion(x.b, &p4, json!({}))?;
+    rep.check(
+        c > 0 && t == cold4,
+        format!("a plain request on B for that prompt: cached_tokens {c}, answer equals the cold run"),
+    );
+    Ok(())
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
 fn script(a: SocketAddr, untrusted: SocketAddr, rep: &mut Report) -> Result<(), String> {
@@ -99,7 +162,7 @@ fn script(a: SocketAddr, untrusted: SocketAddr, rep: &mut Report) -> Result<(), 
     let cold2 = cold(rep, a, &p2)?;
     let h = hint("demo-admitted", "0.1", &hashes);
     let (t, _, _) = completion(a, &p2, json!({"kv_hints": h}))?;
-    rep.check(t == cold2, "hint admitted, named fetch offered to the provider (no KV transport on this instance yet: refused, prefilled locally); answer equals the cold run".into());
+    rep.check(t == cold2, "hint admitted and orchestrated; it names none of this prompt's blocks, so nothing is fetched; answer equals the cold run".into());
     let cases = [
         ("unknown_version", hint("demo-v9", "9.9", &hashes)),
         ("oversized", hint("demo-big", "0.1", &(0..4000u64).map(|i| json!(u64::MAX - i)).collect::<Vec<_>>())),
@@ -183,11 +246,27 @@ pub async fn run(mut args: ServeArgs) -> i32 {
             return 2;
         }
     };
-    println!("kvrelay-server demo: instance A (hints trusted) on {}, instance U (trust off) on {}", a.addr, u.addr);
-    let (aa, ua) = (a.addr, u.addr);
+    let mut b_args = args.clone();
+    b_args.trusted_endpoints = vec![a.kv_endpoint().to_string()];
+    b_args.kv_transfer_source_allow = vec![format!("http://{}", a.addr)];
+    let b = match crate::start(&b_args, Some(true)).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvrelay-server demo: {e}");
+            return 2;
+        }
+    };
+    println!(
+        "kvrelay-server demo: instance A (hints trusted, KV service {}) on {}, instance B (trusts A's KV endpoint) on {}, instance U (trust off) on {}",
+        a.kv_endpoint(),
+        a.addr,
+        b.addr,
+        u.addr
+    );
+    let x = Addrs { a: a.addr, a_kv: a.kv_endpoint().to_string(), b: b.addr, u: u.addr };
     let rep = tokio::task::spawn_blocking(move || {
         let mut rep = Report { lines: Vec::new(), failed: 0, cold_seq: 0 };
-        if let Err(e) = script(aa, ua, &mut rep) {
+        if let Err(e) = script(x.a, x.u, &mut rep).and_then(|()| two_instances(&x, &mut rep)) {
             rep.check(false, format!("the demo stopped: {e}"));
         }
         rep
@@ -197,16 +276,18 @@ pub async fn run(mut args: ServeArgs) -> i32 {
     for l in &rep.lines {
         println!("{l}");
     }
-    let metrics = client::get(a.addr, "/metrics").map(|r| r.text()).unwrap_or_default();
-    println!("\nmetrics of instance A (excerpt):");
-    for l in metrics.lines().filter(|l| !l.starts_with('#')) {
+    let metrics = client::get(a.addr, "/metrics").map(|r| r.text()).unwrap_or_default()
+        + &client::get(b.addr, "/metrics").map(|r| r.text()).unwrap_or_default();
+    println!("\nmetrics of instances A then B (excerpt):");
+    for l in metrics.lines().filter(|l| !l.starts_with('#') && !l.contains("_bucket{")) {
         let keep = l.starts_with("kvrelay_kv_hints")
             || (l.starts_with("kvrelay_kv_policy") && !l.ends_with(" 0"))
             || l.starts_with("kvrelay_server_requests")
             || l.starts_with("kvrelay_server_prompt_tokens")
             || l.starts_with("kvrelay_server_cached_tokens")
             || l.starts_with("kvrelay_server_kv_blocks")
-            || l.starts_with("kvrelay_server_kv_fetch_refused");
+            || l.starts_with("kvrelay_server_kv_transfer")
+            || l.starts_with("kvrelay_server_fetched_tokens");
         if keep {
             println!("  {l}");
         }

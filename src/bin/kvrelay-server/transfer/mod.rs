@@ -343,9 +343,7 @@ pub async fn fetch_into_cache(
     out.bytes = committed * bb;
     out.seconds = started.elapsed().as_secs_f64();
     match result {
-        Ok(0) => {
-            out.error = Some(FetchError::new(FailReason::SourceMiss, "the source holds none of the blocks"))
-        }
+        Ok(0) => out.error = Some(FetchError::new(FailReason::SourceMiss, "the source holds none of the blocks")),
         Ok(_) => {
             let setup = first_byte.unwrap_or_default();
             estimator.record(endpoint, setup, out.bytes, started.elapsed().saturating_sub(setup));
