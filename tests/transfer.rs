@@ -1,0 +1,245 @@
+//! Cross-instance KV transfer between two `kvrelay-server` processes on loopback: fetch by
+//! hint (root-aligned, suffix-only, partial), `/v1/kv_transfer`, and failures (killed source,
+//! corrupt, truncated, stalled, fingerprint mismatch, peers and endpoints off their lists) that
+//! leave nothing behind and still answer as a cold run.
+
+mod common;
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{blocks, cached, client, cold, start, start_env, text, wait_until, Server};
+use serde_json::{json, Value};
+
+/// 32-token blocks of 128 bytes of text: `n` blocks named by `tag`.
+fn blocks_text(tag: &str, n: usize) -> String {
+    (0..n).map(|i| format!("{tag:>8}-block-{i:04}-").repeat(8)[..128].to_string()).collect()
+}
+
+fn kv_endpoint(s: &Server) -> String {
+    client::get(s.addr, "/v1/kv/info").unwrap().json()["kv_endpoint"].as_str().unwrap().to_string()
+}
+
+fn hashes(s: &Server, p: &str) -> Vec<u64> {
+    let v = s.post("/v1/kv/lookup", &json!({"prompt": p})).json();
+    v["block_hashes"].as_array().unwrap().iter().map(|h| h.as_u64().unwrap()).collect()
+}
+
+fn fetch_hint(endpoint: &str, hashes: &[u64]) -> Value {
+    json!({"protocol_version": "0.1", "message_id": "t", "actions": [{
+        "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+        "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]})
+}
+
+fn sent(s: &Server) -> f64 {
+    s.metric("kvrelay_server_kv_transfer_blocks_total{direction=\"sent\"}")
+}
+
+fn failed(s: &Server, reason: &str) -> f64 {
+    s.metric(&format!("kvrelay_server_kv_transfers_total{{outcome=\"failed\",reason=\"{reason}\"}}"))
+}
+
+/// A destination trusting `source`'s KV endpoint.
+fn destination(source: &Server, extra: &[&str]) -> Server {
+    let ep = kv_endpoint(source);
+    let mut args = vec!["--trusted-endpoint", ep.as_str()];
+    args.extend_from_slice(extra);
+    start(true, &args)
+}
+
+#[test]
+fn hinted_fetch_takes_only_the_missing_run_root_aligned_or_suffix_only() {
+    let src = start(true, &[]);
+    let dst = destination(&src, &[]);
+    let ep = kv_endpoint(&src);
+    // 10 full blocks + a tail; the destination already holds the first 3.
+    let p = blocks_text("alpha", 10) + "tail";
+    let want = cold(&dst, &p);
+    src.complete(json!({"prompt": p}));
+    dst.complete(json!({"prompt": blocks_text("alpha", 3)}));
+    let h = hashes(&src, &p);
+    assert_eq!(h.len(), 10);
+    let before = sent(&src);
+    let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&ep, &h)}));
+    assert_eq!(sent(&src) - before, 7.0, "only the 7 blocks the destination lacked crossed the wire");
+    assert_eq!((cached(&v), text(&v)), (320, want.clone()), "all 10 blocks reused, answer as cold");
+    assert_eq!(dst.metric("kvrelay_server_fetched_tokens_total"), 7.0 * 32.0);
+
+    // Suffix-only hint (Dynamo sends what the destination lacks): blocks 4.. of another prompt.
+    let q = blocks_text("bravo", 9);
+    let want_q = cold(&dst, &q);
+    src.complete(json!({"prompt": q}));
+    dst.complete(json!({"prompt": blocks_text("bravo", 4)}));
+    let hq = hashes(&src, &q);
+    let before = sent(&src);
+    let v = dst.complete(json!({"prompt": q, "kv_hints": fetch_hint(&ep, &hq[4..])}));
+    assert_eq!(sent(&src) - before, 5.0);
+    assert_eq!((cached(&v), text(&v)), (9 * 32, want_q));
+
+    // A suffix that starts after the first missing block fetches nothing (a block is useless
+    // without its prefix), and a different naming scheme fetches nothing.
+    let r = blocks_text("charlie", 6);
+    src.complete(json!({"prompt": r}));
+    let hr = hashes(&src, &r);
+    let before = sent(&src);
+    let v = dst.complete(json!({"prompt": r, "kv_hints": fetch_hint(&ep, &hr[2..])}));
+    let v2 = dst.complete(json!({"prompt": r, "cache_salt": "x", "kv_hints": fetch_hint(&ep, &[1, 2, 3])}));
+    assert_eq!(sent(&src) - before, 0.0);
+    assert_eq!(cached(&v), 0);
+    assert_eq!(text(&v), text(&v2));
+    assert_eq!(dst.metric("kvrelay_server_kv_transfers_total{outcome=\"skipped\",reason=\"nothing_to_fetch\"}"), 2.0);
+    assert_eq!(blocks(&dst, "held"), 0.0);
+}
+
+#[test]
+fn kv_transfer_statuses_prefill_on_the_source_dedup_and_cap() {
+    let src = start(true, &[]);
+    let src_url = format!("http://{}", src.addr);
+    let dst = start_env(true, &[], &[("KV_TRANSFER_SOURCE_ALLOW", &src_url), ("KV_TRANSFER_MAX_INFLIGHT", "1")]);
+    let p = blocks_text("delta", 6);
+    let want = cold(&dst, &p);
+
+    let bad = client::request(dst.addr, "POST", "/v1/kv_transfer", Some(b"{nope")).unwrap();
+    let no_source = dst.post("/v1/kv_transfer", &json!({"prompt": p}));
+    let no_prompt = dst.post("/v1/kv_transfer", &json!({"source": src_url}));
+    let off_list = dst.post("/v1/kv_transfer", &json!({"source": "http://127.0.0.1:9", "prompt": p}));
+    assert_eq!([bad.status, no_source.status, no_prompt.status, off_list.status], [400, 400, 400, 403]);
+    let closed = start(true, &[]); // no KV_TRANSFER_SOURCE_ALLOW: fail closed
+    assert_eq!(closed.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).status, 403);
+
+    // The source does not hold the prompt: it is asked to prefill first.
+    let r = dst.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p}));
+    assert_eq!((r.status, r.json()["status"].as_str()), (202, Some("accepted")));
+    let hash = r.json()["request_hash"].clone();
+    wait_until("the transfer", || dst.post_get("/v1/kv_transfer/stats")["inflight"] == 0);
+    let st = dst.post_get("/v1/kv_transfer/stats");
+    assert_eq!((st["transferred"].as_u64(), st["blocks_moved"].as_u64()), (Some(1), Some(6)));
+    assert_eq!(src.metric("kvrelay_server_requests_total{endpoint=\"/v1/kv/prefill\",status=\"200\"}"), 1.0);
+    let again = dst.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).json();
+    assert_eq!((again["status"].as_str(), &again["request_hash"]), (Some("deduped"), &hash));
+    let v = dst.complete(json!({"prompt": p}));
+    assert_eq!((cached(&v), text(&v)), (192, want));
+
+    // A source that already holds a prompt is not asked to prefill it again.
+    let q = blocks_text("echo", 4);
+    src.complete(json!({"prompt": q}));
+    assert_eq!(dst.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": q})).status, 202);
+    wait_until("the transfer", || dst.post_get("/v1/kv_transfer/stats")["transferred"] == 2);
+    assert_eq!(src.metric("kvrelay_server_requests_total{endpoint=\"/v1/kv/prefill\",status=\"200\"}"), 1.0);
+
+    // The in-flight cap: a stalled source holds the one slot; the next request is skipped_busy.
+    let stall = start(true, &["--debug-endpoints", "--kv-fault", "stall"]);
+    let stall_url = format!("http://{}", stall.addr);
+    let dst2 = start_env(true, &[], &[("KV_TRANSFER_SOURCE_ALLOW", &stall_url), ("KV_TRANSFER_MAX_INFLIGHT", "1")]);
+    let a = dst2.post("/v1/kv_transfer", &json!({"source": stall_url, "prompt": blocks_text("f", 3)})).json();
+    let b = dst2.post("/v1/kv_transfer", &json!({"source": stall_url, "prompt": blocks_text("g", 3)})).json();
+    assert_eq!((a["status"].as_str(), b["status"].as_str()), (Some("accepted"), Some("skipped_busy")));
+    // the stall runs past the read deadline: failed by timeout, dedup cleared, retry accepted
+    wait_until("the stalled transfer to fail", || dst2.post_get("/v1/kv_transfer/stats")["failed"] == 1);
+    let st = dst2.post_get("/v1/kv_transfer/stats");
+    assert_eq!(st["failures"]["timeout"], 1);
+    assert_eq!(st["skipped_busy"], 1);
+    let retry = dst2.post("/v1/kv_transfer", &json!({"source": stall_url, "prompt": blocks_text("f", 3)})).json();
+    assert_eq!(retry["status"], "accepted");
+    assert_eq!(blocks(&dst2, "held"), 0.0, "nothing of the failed transfer is held");
+}
+
+trait PostGet {
+    fn post_get(&self, path: &str) -> Value;
+}
+impl PostGet for Server {
+    fn post_get(&self, path: &str) -> Value {
+        client::get(self.addr, path).unwrap().json()
+    }
+}
+
+#[test]
+fn failing_sources_leave_nothing_behind_and_answer_as_cold() {
+    for (fault, reason) in
+        [("corrupt", "corrupt"), ("truncate", "truncated"), ("die", "truncated"), ("stall", "timeout")]
+    {
+        let src = start(true, &["--debug-endpoints", "--kv-fault", fault]);
+        let dst = destination(&src, &["--kv-blocks", "64"]);
+        let p = blocks_text(fault, 8) + "and a tail";
+        let want = cold(&dst, &p);
+        src.complete(json!({"prompt": p}));
+        let h = hashes(&src, &p);
+        let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&src), &h)}));
+        assert_eq!(text(&v), want, "{fault}: the request answers as a cold run");
+        assert_eq!(failed(&dst, reason), 1.0, "{fault}: counted once as {reason}");
+        assert_eq!(blocks(&dst, "held"), 0.0, "{fault}: nothing held after the request");
+        // only complete, verified blocks were committed: at most the first block came through
+        let fetched = dst.metric("kvrelay_server_fetched_tokens_total");
+        assert!(fetched <= 32.0, "{fault}: {fetched} tokens committed from a failing source");
+        let again = dst.complete(json!({"prompt": p}));
+        assert_eq!(text(&again), want, "{fault}: what was committed is right");
+    }
+}
+
+#[test]
+fn fingerprint_mismatch_peers_and_endpoints_off_their_lists() {
+    // another layout: same names (same tokens and block size), other KV shape
+    let src = start(true, &["--layers", "2"]);
+    let dst = destination(&src, &[]);
+    let p = blocks_text("golf", 4);
+    let want = cold(&dst, &p);
+    src.complete(json!({"prompt": p}));
+    let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&src), &hashes(&src, &p))}));
+    assert_eq!((cached(&v), text(&v)), (0, want));
+    assert_eq!(failed(&dst, "fingerprint_mismatch"), 1.0);
+
+    // a peer off the source's --kv-peer-allow is refused by the KV service
+    let strict = start(true, &["--kv-peer-allow", "10.9.9.9"]);
+    let dst2 = destination(&strict, &[]);
+    strict.complete(json!({"prompt": p}));
+    dst2.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&strict), &hashes(&strict, &p))}));
+    assert_eq!(failed(&dst2, "refused"), 1.0);
+    assert_eq!(sent(&strict), 0.0);
+
+    // a listener that counts accepts: no hint endpoint off the registry, no source off the
+    // allowlist ever gets a connection
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    l.set_nonblocking(true).unwrap();
+    let accepts = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicUsize::new(0));
+    let (a2, s2) = (accepts.clone(), stop.clone());
+    let t = std::thread::spawn(move || {
+        while s2.load(Ordering::Relaxed) == 0 {
+            if l.accept().is_ok() {
+                a2.fetch_add(1, Ordering::Relaxed);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let d3 = start_env(
+        true,
+        &["--trusted-endpoint", "tcp://127.0.0.1:1"],
+        &[("KV_TRANSFER_SOURCE_ALLOW", "http://127.0.0.1:2")],
+    );
+    let hint = fetch_hint(&format!("tcp://127.0.0.1:{port}"), &hashes(&d3, &p));
+    let v = d3.complete(json!({"prompt": p, "kv_hints": hint}));
+    assert!(v["choices"][0]["text"].is_string());
+    assert_eq!(d3.metric("kvrelay_kv_policy_discarded_total{reason=\"endpoint_not_trusted\"}"), 1.0);
+    let r = d3.post("/v1/kv_transfer", &json!({"source": format!("http://127.0.0.1:{port}"), "prompt": p}));
+    assert_eq!(r.status, 403);
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(1, Ordering::Relaxed);
+    t.join().unwrap();
+    assert_eq!(accepts.load(Ordering::Relaxed), 0, "a connection was opened to an address off the lists");
+}
+
+#[test]
+fn failure_policy_fail_turns_a_failed_load_into_a_request_error() {
+    let src = start(true, &["--debug-endpoints", "--kv-fault", "corrupt"]);
+    let dst = destination(&src, &["--kv-load-failure-policy", "fail"]);
+    let p = blocks_text("hotel", 4);
+    src.complete(json!({"prompt": p}));
+    let r = dst
+        .post("/v1/completions", &json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&src), &hashes(&src, &p))}));
+    assert_eq!((r.status, r.json()["error"]["code"].as_str()), (502, Some("kv_load_failed")));
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("corrupt"));
+    assert_eq!(blocks(&dst, "held"), 0.0);
+}
