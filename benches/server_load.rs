@@ -246,7 +246,7 @@ fn main() {
     }
     let total = env_usize("KVRELAY_LOAD_REQUESTS", 10_000);
     let clients = env_usize("KVRELAY_LOAD_CLIENTS", 64);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrelay-server"))
+    let mut child = Command::new(server_bin())
         .args([
             "serve",
             "--listen",
@@ -355,4 +355,10 @@ fn main() {
     if !ok {
         std::process::exit(1);
     }
+}
+
+/// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
+/// another machine, e.g. the GPU machine).
+fn server_bin() -> std::path::PathBuf {
+    std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
 }

@@ -37,7 +37,7 @@ pub fn start_env(trusted: bool, args: &[&str], env: &[(&str, &str)]) -> Server {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let log = std::env::temp_dir().join(format!("kvrelay-server-test-{}-{n}.log", std::process::id()));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrelay-server"));
+    let mut cmd = Command::new(server_bin());
     cmd.args(["serve", "--listen", "127.0.0.1:0"])
         .args(args)
         .env("KVRELAY_PREFILL_TOKENS_PER_S", "0") // a flag overrides it
@@ -113,4 +113,10 @@ pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
         assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
+/// another machine, e.g. the GPU machine).
+fn server_bin() -> std::path::PathBuf {
+    std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
 }

@@ -776,7 +776,7 @@ impl Drop for CudaEngine {
     }
 }
 
-/// A zeroed, 64-byte aligned host allocation the CPU engine addresses by integer (the
+/// A zeroed, 16-byte aligned host allocation the CPU engine addresses by integer (the
 /// reference engine's host pool).
 pub struct HostPool {
     ptr: NonNull<u8>,
@@ -789,12 +789,19 @@ unsafe impl Send for HostPool {}
 unsafe impl Sync for HostPool {}
 
 impl HostPool {
-    /// `len` zeroed bytes.
+    /// `len` zeroed bytes, every page touched once here (as a runtime pre-faults its KV pool),
+    /// so that no request pays the first-touch page faults.
     pub fn new(len: usize) -> HostPool {
-        let layout = std::alloc::Layout::from_size_align(len.max(64), 64).expect("pool size fits a layout");
+        // 16-byte alignment (what the copy engine needs) lets the allocator hand out zeroed
+        // pages (calloc) that the loop below faults in one store per page.
+        let layout = std::alloc::Layout::from_size_align(len.max(64), 16).expect("pool size fits a layout");
         // SAFETY: non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        for off in (0..layout.size()).step_by(4096) {
+            // SAFETY: `off < size`, inside the allocation; writing the zero it already holds.
+            unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+        }
         HostPool { ptr, layout }
     }
 

@@ -122,8 +122,10 @@ impl FetchError {
     }
 }
 
-/// Receives verified blocks in prefix order: `(position in the run, bytes)`.
-pub type BlockSink<'a> = dyn FnMut(usize, &[u8]) -> Result<(), FetchError> + Send + 'a;
+/// Receives verified blocks in prefix order: `(position in the run, bytes)`. A transport may
+/// call it from a blocking thread, overlapped with reading the next block; never two calls at
+/// once, always in order.
+pub type BlockSink = Arc<dyn Fn(usize, &[u8]) -> Result<(), FetchError> + Send + Sync>;
 
 /// A boxed future (the seam is object-safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -139,7 +141,7 @@ pub trait Transport: Send + Sync {
         &'a self,
         endpoint: &'a str,
         names: &'a [u64],
-        sink: &'a mut BlockSink<'a>,
+        sink: BlockSink,
     ) -> BoxFuture<'a, Result<usize, FetchError>>;
 }
 
@@ -285,7 +287,7 @@ pub struct FetchOutcome {
 /// Fetch the run of `names` that `hashes` covers from `endpoint` into `engine`'s reuse cache.
 /// Unless `force`, skip it when local prefill of those tokens is estimated faster.
 pub async fn fetch_into_cache(
-    engine: &Engine,
+    engine: &Arc<Engine>,
     transport: &dyn Transport,
     estimator: &Estimator,
     endpoint: &str,
@@ -325,32 +327,39 @@ pub async fn fetch_into_cache(
         }
     };
     let started = Instant::now();
-    let mut first_byte: Option<Duration> = None;
-    let mut committed = 0usize;
-    let result = {
-        let mut sink = |i: usize, bytes: &[u8]| -> Result<(), FetchError> {
-            first_byte.get_or_insert_with(|| started.elapsed());
+    let first_byte = Arc::new(std::sync::OnceLock::<Duration>::new());
+    let committed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let lease = Arc::new(lease);
+    let run = Arc::new(run);
+    let sink: BlockSink = {
+        let (engine, lease, run, committed, first_byte) =
+            (engine.clone(), lease.clone(), run.clone(), committed.clone(), first_byte.clone());
+        Arc::new(move |i: usize, bytes: &[u8]| -> Result<(), FetchError> {
+            first_byte.get_or_init(|| started.elapsed());
             if let Err(e) = engine.store.write(&lease.ids[i..i + 1], bytes) {
                 return Err(FetchError::new(FailReason::Corrupt, format!("writing a received block: {e}")));
             }
             lease.commit(i, run[i]);
-            committed = i + 1;
+            committed.store(i + 1, std::sync::atomic::Ordering::Release);
             Ok(())
-        };
-        transport.fetch(endpoint, &run, &mut sink).await
+        })
     };
+    let result = transport.fetch(endpoint, &run, sink).await;
+    let committed = committed.load(std::sync::atomic::Ordering::Acquire);
     out.blocks = committed;
     out.bytes = committed * bb;
     out.seconds = started.elapsed().as_secs_f64();
     match result {
         Ok(0) => out.error = Some(FetchError::new(FailReason::SourceMiss, "the source holds none of the blocks")),
         Ok(_) => {
-            let setup = first_byte.unwrap_or_default();
+            let setup = first_byte.get().copied().unwrap_or_default();
             estimator.record(endpoint, setup, out.bytes, started.elapsed().saturating_sub(setup));
         }
         Err(e) => out.error = Some(e),
     }
-    drop(lease); // committed blocks stay cached; the rest go back to the free list
+    // Committed blocks stay cached; the rest go back to the free list when the last holder of
+    // the lease (this function, or a transport's blocking stage still unwinding) drops it.
+    drop(lease);
     out
 }
 

@@ -138,6 +138,10 @@ fn refused(r: Refuse) -> FetchError {
     FetchError::new(reason, format!("the source refused: {} ({})", r.reason, r.message))
 }
 
+/// A received block being checksummed and committed on a blocking thread: its buffer comes
+/// back with the result.
+type Checking = tokio::task::JoinHandle<(Vec<u8>, Result<(), FetchError>)>;
+
 /// The destination side.
 pub struct TcpTransport {
     fingerprint: Fingerprint,
@@ -150,7 +154,7 @@ impl TcpTransport {
         TcpTransport { fingerprint, block_bytes }
     }
 
-    async fn pull(&self, endpoint: &str, names: &[u64], sink: &mut BlockSink<'_>) -> Result<usize, FetchError> {
+    async fn pull(&self, endpoint: &str, names: &[u64], sink: BlockSink) -> Result<usize, FetchError> {
         let addr = socket_addr(endpoint)
             .ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
         let mut s = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
@@ -175,10 +179,36 @@ impl TcpTransport {
         if count > names.len() || offer.block_bytes as usize != self.block_bytes {
             return Err(FetchError::new(FailReason::Corrupt, "the offer does not match the request"));
         }
+        // Pipelined: block i is read from the socket while block i-1 is checksummed and
+        // handed to the sink on a blocking thread; blocks still reach the sink in order.
         let frame = 16 + self.block_bytes;
-        buf.resize(frame, 0);
+        let mut spare: Vec<Vec<u8>> = vec![vec![0u8; frame], vec![0u8; frame]];
+        let mut pending: Option<Checking> = None;
+        let r = self.pull_blocks(&mut s, names, count, frame, &sink, &mut spare, &mut pending).await;
+        // Let a block in flight finish either way: what it commits is complete and verified.
+        if let Some(h) = pending.take() {
+            let last = h.await.map_err(|e| FetchError::new(FailReason::Corrupt, e.to_string())).and_then(|(_, r)| r);
+            r?;
+            last?;
+            return Ok(count);
+        }
+        r.map(|()| count)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn pull_blocks(
+        &self,
+        s: &mut TcpStream,
+        names: &[u64],
+        count: usize,
+        frame: usize,
+        sink: &BlockSink,
+        spare: &mut Vec<Vec<u8>>,
+        pending: &mut Option<Checking>,
+    ) -> Result<(), FetchError> {
         for (i, &want) in names.iter().enumerate().take(count) {
-            let (kind, len) = read_header(&mut s, frame).await?;
+            let mut buf = spare.pop().unwrap_or_else(|| vec![0u8; frame]);
+            let (kind, len) = read_header(s, frame).await?;
             if kind == REFUSE {
                 return Err(FetchError::new(FailReason::Refused, "the source stopped the transfer"));
             }
@@ -190,17 +220,27 @@ impl TcpTransport {
             }
             timed(s.read_exact(&mut buf[..frame])).await?;
             let name = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-            let sum = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
-            let data = &buf[16..frame];
             if name != want {
                 return Err(FetchError::new(FailReason::Corrupt, format!("block {i}: another name than asked")));
             }
-            if xxh3_64(data) != sum {
-                return Err(FetchError::new(FailReason::Corrupt, format!("block {i}: checksum mismatch")));
+            if let Some(h) = pending.take() {
+                let (b, r) = h.await.map_err(|e| FetchError::new(FailReason::Corrupt, e.to_string()))?;
+                r?;
+                spare.push(b);
             }
-            sink(i, data)?;
+            let sink = sink.clone();
+            *pending = Some(tokio::task::spawn_blocking(move || {
+                let sum = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
+                let data = &buf[16..];
+                let r = if xxh3_64(data) != sum {
+                    Err(FetchError::new(FailReason::Corrupt, format!("block {i}: checksum mismatch")))
+                } else {
+                    sink(i, data)
+                };
+                (buf, r)
+            }));
         }
-        Ok(count)
+        Ok(())
     }
 }
 
@@ -213,7 +253,7 @@ impl Transport for TcpTransport {
         &'a self,
         endpoint: &'a str,
         names: &'a [u64],
-        sink: &'a mut BlockSink<'a>,
+        sink: BlockSink,
     ) -> BoxFuture<'a, Result<usize, FetchError>> {
         Box::pin(async move {
             let deadline = total_deadline(names.len() * self.block_bytes);
@@ -348,7 +388,7 @@ pub async fn serve(
 /// One request; `Err` is a refusal to send back.
 async fn serve_one(
     s: &mut TcpStream,
-    engine: &Engine,
+    engine: &Arc<Engine>,
     fp: &Fingerprint,
     fault: Fault,
     stats: &ServiceStats,
@@ -377,29 +417,46 @@ async fn serve_one(
     if fault == Fault::Stall {
         tokio::time::sleep(Duration::from_secs(3600)).await;
     }
+    // Pipelined: a blocking thread gathers the next chunk through the copy engine and
+    // checksums it while this task writes the current one to the socket.
     const CHUNK: usize = 16;
-    let mut data = vec![0u8; CHUNK * bb];
-    let mut frame = vec![0u8; 12 + 16 + bb];
-    for (c, ids) in lease.ids.chunks(CHUNK).enumerate() {
-        let part = &mut data[..ids.len() * bb];
-        if engine.store.read(ids, part).is_err() {
-            return Ok(()); // the peer sees a truncated stream
-        }
-        for (k, block) in part.chunks(bb).enumerate() {
+    let lease = Arc::new(lease);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>, Vec<u64>)>(1);
+    let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let producer = {
+        let (engine, lease) = (engine.clone(), lease.clone());
+        tokio::task::spawn_blocking(move || {
+            for (c, ids) in lease.ids.chunks(CHUNK).enumerate() {
+                let mut buf = back_rx.try_recv().unwrap_or_else(|_| vec![0u8; CHUNK * bb]);
+                let part = &mut buf[..ids.len() * bb];
+                if engine.store.read(ids, part).is_err() {
+                    return; // the peer sees a truncated stream
+                }
+                let sums = part.chunks(bb).map(xxh3_64).collect();
+                if tx.blocking_send((c, buf, sums)).is_err() {
+                    return; // the writer stopped
+                }
+            }
+        })
+    };
+    while let Some((c, mut buf, sums)) = rx.recv().await {
+        for (k, sum) in sums.into_iter().enumerate() {
             let i = c * CHUNK + k;
-            frame[..12].copy_from_slice(&header(BLOCK, 16 + bb));
-            frame[12..20].copy_from_slice(&hello.names[i].to_le_bytes());
-            frame[20..28].copy_from_slice(&xxh3_64(block).to_le_bytes());
-            frame[28..].copy_from_slice(block);
-            let mut n = frame.len();
+            let block = &mut buf[k * bb..(k + 1) * bb];
+            // header, name and checksum, then the block straight from the gather buffer
+            let mut head = [0u8; 28];
+            head[..12].copy_from_slice(&header(BLOCK, 16 + bb));
+            head[12..20].copy_from_slice(&hello.names[i].to_le_bytes());
+            head[20..28].copy_from_slice(&sum.to_le_bytes());
+            let mut n = bb;
             if i == 1 {
                 match fault {
-                    Fault::Corrupt => frame[28 + bb / 2] ^= 0x40,
-                    Fault::Truncate => n = 28 + bb / 2,
+                    Fault::Corrupt => block[bb / 2] ^= 0x40,
+                    Fault::Truncate => n = bb / 2,
                     _ => {}
                 }
             }
-            if timed(s.write_all(&frame[..n])).await.is_err() {
+            if timed(s.write_all(&head)).await.is_err() || timed(s.write_all(&block[..n])).await.is_err() {
                 return Ok(());
             }
             stats.blocks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -413,7 +470,9 @@ async fn serve_one(
                 std::process::exit(3);
             }
         }
+        let _ = back_tx.send(buf);
     }
+    let _ = producer.await;
     let _ = s.flush().await;
     drop(lease);
     Ok(())
