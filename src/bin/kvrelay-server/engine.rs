@@ -226,6 +226,13 @@ fn cuda_sync_error(_: cudarc::driver::DriverError) -> AbiError {
     AbiError { call: "cuCtxSynchronize", status: kvrelay::ffi::kvrelay_status::KVRELAY_ERR_CUDA as i32 }
 }
 
+/// Blocks per bulk copy through a host buffer: about 8 MiB (at least one block), so that a
+/// small request does not allocate and fault in a large buffer, and a large one still moves
+/// big pieces.
+pub fn chunk_blocks(block_bytes: usize) -> usize {
+    ((8 << 20) / block_bytes.max(1)).clamp(1, STAGE_BLOCKS)
+}
+
 /// Engine settings.
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {
@@ -385,12 +392,13 @@ impl Engine {
         let sh = self.config.shape;
         let bb = self.store.block_bytes();
         let mut hasher = Xxh3::with_seed(MODEL_SEED);
-        let mut buf = vec![0u8; bb * 16.min(lease.ids.len())];
-        for (c, ids) in lease.ids.chunks(16).enumerate() {
+        let per = chunk_blocks(bb);
+        let mut buf = vec![0u8; bb * per.min(lease.ids.len())];
+        for (c, ids) in lease.ids.chunks(per).enumerate() {
             let part = &mut buf[..ids.len() * bb];
             self.store.read(ids, part).map_err(EngineError::Copy)?;
             for (k, block) in part.chunks(bb).enumerate() {
-                let first_token = (c * 16 + k) * sh.block_tokens;
+                let first_token = (c * per + k) * sh.block_tokens;
                 let valid = (n_tokens - first_token).min(sh.block_tokens);
                 if valid == sh.block_tokens {
                     hasher.update(block);

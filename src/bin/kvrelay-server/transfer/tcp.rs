@@ -419,15 +419,15 @@ async fn serve_one(
     }
     // Pipelined: a blocking thread gathers the next chunk through the copy engine and
     // checksums it while this task writes the current one to the socket.
-    const CHUNK: usize = 16;
+    let chunk = crate::engine::chunk_blocks(bb);
     let lease = Arc::new(lease);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Vec<u8>, Vec<u64>)>(1);
     let (back_tx, back_rx) = std::sync::mpsc::channel::<Vec<u8>>();
     let producer = {
         let (engine, lease) = (engine.clone(), lease.clone());
         tokio::task::spawn_blocking(move || {
-            for (c, ids) in lease.ids.chunks(CHUNK).enumerate() {
-                let mut buf = back_rx.try_recv().unwrap_or_else(|_| vec![0u8; CHUNK * bb]);
+            for (c, ids) in lease.ids.chunks(chunk).enumerate() {
+                let mut buf = back_rx.try_recv().unwrap_or_else(|_| vec![0u8; chunk * bb]);
                 let part = &mut buf[..ids.len() * bb];
                 if engine.store.read(ids, part).is_err() {
                     return; // the peer sees a truncated stream
@@ -441,7 +441,7 @@ async fn serve_one(
     };
     while let Some((c, mut buf, sums)) = rx.recv().await {
         for (k, sum) in sums.into_iter().enumerate() {
-            let i = c * CHUNK + k;
+            let i = c * chunk + k;
             let block = &mut buf[k * bb..(k + 1) * bb];
             // header, name and checksum, then the block straight from the gather buffer
             let mut head = [0u8; 28];
