@@ -26,6 +26,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server
 echo "== Rust tests (the library, and the test server over real HTTP on loopback)"
 cargo test --locked --features server
 
+echo "== the portable scanner (what non-x86-64 hosts run): admission, property and conformance tests"
+RUSTFLAGS="--cfg kvrelay_portable" CARGO_TARGET_DIR="$root/target/portable" \
+  cargo test --locked --test admission --test properties --test conformance
+
 echo "== the official openai Python client against kvrelay-server"
 cargo build --locked --release --features server --bin kvrelay-server
 oa="$root/target/ci-tools/openai"

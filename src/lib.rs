@@ -1,7 +1,9 @@
 //! # kvrelay
 //!
-//! KV hint envelopes admitted at a trusted edge, frozen into immutable snapshots that travel
-//! with a request, and (in later modules) the policy and the data plane that act on them.
+//! KV hint envelopes admitted at a trusted edge ([`hints`]), frozen into immutable snapshots
+//! that travel with a request, the policy that decides on them ([`policy`]), the KV copy
+//! engines that move paged KV between GPU memory and pinned host memory ([`copy`]), and the C
+//! ABI over all of it ([`ffi`], `include/kvrelay.h`).
 //!
 //! ```
 //! use kvrelay::{Admission, AdmissionConfig, Outcome};

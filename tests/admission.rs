@@ -611,3 +611,11 @@ fn the_endpoint_member_is_located_not_interpreted() {
         Reason::UnknownVersion,
     );
 }
+
+/// The test command runs this file, the property tests and the conformance suite a second time
+/// with `--cfg kvrelay_portable`: this proves that run really takes the portable scanner.
+#[test]
+fn the_scanner_is_the_one_this_build_asked_for() {
+    let want = if cfg!(kvrelay_portable) || !cfg!(target_arch = "x86_64") { "portable" } else { "sse2" };
+    assert_eq!(kvrelay::hints::SCANNER, want);
+}

@@ -6,9 +6,11 @@
 
 mod admission;
 mod detail;
+mod lex;
 mod msgpack;
 mod scan;
 mod snapshot;
+mod strings;
 
 pub use admission::{
     env_value_trusts, Admission, AdmissionConfig, BatchLengthMismatch, BatchOutcome, ConfigError, Ignored, Outcome,
@@ -16,6 +18,8 @@ pub use admission::{
     LIMIT_DEPTH_CEILING,
 };
 pub use detail::{Detail, Where};
-pub(crate) use scan::decode_string as decode_canonical_string;
+#[doc(hidden)]
+pub use lex::SCANNER;
 pub use scan::Scratch;
 pub use snapshot::{Action, ActionEnvelope, Snapshot};
+pub(crate) use strings::decode_string as decode_canonical_string;

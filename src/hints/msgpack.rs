@@ -13,7 +13,7 @@
 use rmp::Marker;
 
 use super::detail::Detail;
-use super::scan::{decode_string, write_canonical_string};
+use super::strings::{decode_string, write_canonical_string};
 
 /// A token of canonical JSON (input known to be valid canonical JSON).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -22,6 +22,8 @@
 //! overflow the thread's stack.
 
 use super::detail::Detail;
+use super::lex::{count_digits, digits_le, skip_digits, skip_plain, BSLASH, CTRL, QUOTE, STR_CLASS};
+use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
 
 /// The JSON kind of a recorded value; `Missing` when the member was not present.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -171,33 +173,6 @@ pub(crate) struct Scan {
     /// Position of the first element of `actions` that is not an object.
     pub action_not_object: Option<u32>,
 }
-
-const PLAIN: u8 = 0;
-const QUOTE: u8 = 1;
-const BSLASH: u8 = 2;
-const CTRL: u8 = 3;
-const HIGH: u8 = 4;
-
-/// Byte classes inside a string.
-static STR_CLASS: [u8; 256] = {
-    let mut t = [PLAIN; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = if i < 0x20 {
-            CTRL
-        } else if i == b'"' as usize {
-            QUOTE
-        } else if i == b'\\' as usize {
-            BSLASH
-        } else if i >= 0x80 {
-            HIGH
-        } else {
-            PLAIN
-        };
-        i += 1;
-    }
-    t
-};
 
 #[inline(always)]
 fn is_ws(b: u8) -> bool {
@@ -369,7 +344,7 @@ impl Scanner<'_, '_> {
                 b'-' | b'0'..=b'9' => {
                     if self.sc.stack.last().is_some_and(|f| !f.is_obj && f.role == Role::Other) {
                         // an array that records nothing per element: the hash-list fast path
-                        #[cfg(target_arch = "x86_64")]
+                        #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
                         {
                             // whole 16-byte blocks of plain integers, then one element through
                             // the general number path wherever the block scanner stopped
@@ -385,7 +360,7 @@ impl Scanner<'_, '_> {
                                 }
                             }
                         }
-                        #[cfg(not(target_arch = "x86_64"))]
+                        #[cfg(not(all(target_arch = "x86_64", not(kvrelay_portable))))]
                         self.number_run()?;
                     } else {
                         self.number()?;
@@ -741,7 +716,7 @@ impl Scanner<'_, '_> {
     /// integer that may be out of range, the last 16 bytes of the input) ends the run just
     /// before that element, and the general path handles it exactly as before: this can only
     /// skip work, never change an outcome.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
     #[inline(always)]
     fn int_blocks(&mut self) {
         use std::arch::x86_64::{
@@ -808,7 +783,7 @@ impl Scanner<'_, '_> {
     /// or ends the run, leaving `self.pos` after the last number.
     ///
     /// [`number`]: Scanner::number
-    #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+    #[cfg_attr(all(target_arch = "x86_64", not(kvrelay_portable)), allow(dead_code))]
     #[inline(always)]
     fn number_run(&mut self) -> Result<(), Detail> {
         let inp = self.inp;
@@ -927,221 +902,6 @@ impl Scanner<'_, '_> {
             self.res.number_error = Some(Detail::at(what, at));
         }
     }
-}
-
-/// Position of the first byte at or after `p` that is not plain string content (a quote, a
-/// backslash, a control character or a non-ASCII byte): 16 bytes per step with SSE2 on x86-64.
-#[inline(always)]
-fn skip_plain(inp: &[u8], mut p: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{
-            __m128i, _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
-        };
-        while p + 16 <= inp.len() {
-            // SAFETY: SSE2 is part of the x86-64 baseline; `p + 16 <= inp.len()`, so the 16
-            // bytes loaded are inside `inp`, and `_mm_loadu_si128` needs no alignment.
-            let mask = unsafe {
-                let v = _mm_loadu_si128(inp.as_ptr().add(p).cast::<__m128i>());
-                // signed compare: bytes below 0x20 and bytes 0x80.. (negative) both match
-                let special = _mm_or_si128(
-                    _mm_cmplt_epi8(v, _mm_set1_epi8(0x20)),
-                    _mm_or_si128(
-                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
-                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
-                    ),
-                );
-                _mm_movemask_epi8(special) as u32
-            };
-            if mask != 0 {
-                return p + mask.trailing_zeros() as usize;
-            }
-            p += 16;
-        }
-    }
-    while p < inp.len() && STR_CLASS[inp[p] as usize] == PLAIN {
-        p += 1;
-    }
-    p
-}
-
-/// `a <= b` for two ASCII digit strings of the same length (19 or 20): lexicographic order of
-/// digits is numeric order, and big-endian words compare lexicographically.
-#[inline(always)]
-fn digits_le(a: &[u8], b: &[u8]) -> bool {
-    debug_assert_eq!(a.len(), b.len());
-    let be = |s: &[u8], i: usize| u64::from_be_bytes(s[i..i + 8].try_into().expect("8 bytes"));
-    let tail = |s: &[u8]| s[16..].iter().fold(0u32, |acc, &c| (acc << 8) | c as u32);
-    let (a0, a1, a2) = (be(a, 0), be(a, 8), tail(a));
-    let (b0, b1, b2) = (be(b, 0), be(b, 8), tail(b));
-    // non-short-circuit operators keep this free of branches
-    (a0 < b0) | ((a0 == b0) & ((a1 < b1) | ((a1 == b1) & (a2 <= b2))))
-}
-
-/// Number of ASCII digits starting at `p`.
-#[inline(always)]
-fn count_digits(inp: &[u8], p: usize) -> usize {
-    skip_digits(inp, p) - p
-}
-
-/// Position of the first non-digit at or after `p`: 16 bytes per step with SSE2 (part of the
-/// x86-64 baseline), then 8 with SWAR.
-#[inline(always)]
-fn skip_digits(inp: &[u8], mut p: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{
-            __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_set1_epi8, _mm_sub_epi8,
-        };
-        while p + 16 <= inp.len() {
-            // SAFETY: SSE2 is part of the x86-64 baseline, so these intrinsics are available on
-            // every x86-64 CPU; `p + 16 <= inp.len()`, so the 16 bytes loaded are inside `inp`,
-            // and `_mm_loadu_si128` has no alignment requirement.
-            let mask = unsafe {
-                let v = _mm_loadu_si128(inp.as_ptr().add(p).cast::<__m128i>());
-                let t = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
-                // digit iff (byte - '0') as unsigned <= 9, i.e. min(t, 9) == t
-                _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t))
-            };
-            let non_digit = !(mask as u32) & 0xFFFF;
-            if non_digit != 0 {
-                return p + non_digit.trailing_zeros() as usize;
-            }
-            p += 16;
-        }
-    }
-    while p + 8 <= inp.len() {
-        let w = u64::from_le_bytes(inp[p..p + 8].try_into().expect("8 bytes"));
-        let t = w ^ 0x3030_3030_3030_3030;
-        // A byte is a digit iff its high nibble is 0 after the xor and adding 6 does not carry
-        // into bit 4. Carries out of a non-digit byte only disturb bytes above the first
-        // non-digit, which trailing_zeros never looks at.
-        let non_digit = (t & 0xF0F0_F0F0_F0F0_F0F0) | (t.wrapping_add(0x0606_0606_0606_0606) & 0x1010_1010_1010_1010);
-        if non_digit != 0 {
-            return p + (non_digit.trailing_zeros() / 8) as usize;
-        }
-        p += 8;
-    }
-    while p < inp.len() && inp[p].is_ascii_digit() {
-        p += 1;
-    }
-    p
-}
-
-fn hex4(inp: &[u8], p: usize) -> Option<u32> {
-    let h = inp.get(p..p + 4)?;
-    let mut v = 0u32;
-    for &c in h {
-        v = v * 16 + (c as char).to_digit(16)?;
-    }
-    Some(v)
-}
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
-
-/// The canonical spelling of one code point inside a string.
-fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
-    match cp {
-        0x08 => b"\\b",
-        0x09 => b"\\t",
-        0x0A => b"\\n",
-        0x0C => b"\\f",
-        0x0D => b"\\r",
-        0x22 => b"\\\"",
-        0x5C => b"\\\\",
-        0..=0x1F => {
-            *buf = [b'\\', b'u', b'0', b'0', HEX[(cp >> 4) as usize], HEX[(cp & 15) as usize]];
-            &buf[..]
-        }
-        _ => {
-            let c = char::from_u32(cp).expect("surrogates were excluded");
-            let n = c.encode_utf8(&mut buf[..4]).len();
-            &buf[..n]
-        }
-    }
-}
-
-/// Validate one multi-byte UTF-8 sequence starting at `p` (RFC 3629, Unicode table 3-7);
-/// returns the position after it.
-#[inline]
-fn utf8_seq(inp: &[u8], p: usize) -> Result<usize, Detail> {
-    let b0 = inp[p];
-    let (n, lo, hi) = match b0 {
-        0xC2..=0xDF => (2, 0x80, 0xBF),
-        0xE0 => (3, 0xA0, 0xBF),
-        0xE1..=0xEC | 0xEE..=0xEF => (3, 0x80, 0xBF),
-        0xED => (3, 0x80, 0x9F),
-        0xF0 => (4, 0x90, 0xBF),
-        0xF1..=0xF3 => (4, 0x80, 0xBF),
-        0xF4 => (4, 0x80, 0x8F),
-        _ => return Err(Detail::at("invalid UTF-8", p)),
-    };
-    let Some(rest) = inp.get(p + 1..p + n) else {
-        return Err(Detail::at("invalid UTF-8", p));
-    };
-    if !(lo..=hi).contains(&rest[0]) || rest[1..].iter().any(|&c| !(0x80..=0xBF).contains(&c)) {
-        return Err(Detail::at("invalid UTF-8", p));
-    }
-    Ok(p + n)
-}
-
-/// Decode the inside of a string that has already been validated (raw input or canonical
-/// bytes) and append the UTF-8 text to `out`.
-pub(crate) fn decode_string(inner: &[u8], out: &mut Vec<u8>) {
-    let mut i = 0;
-    while i < inner.len() {
-        let Some(off) = inner[i..].iter().position(|&b| b == b'\\') else {
-            out.extend_from_slice(&inner[i..]);
-            return;
-        };
-        out.extend_from_slice(&inner[i..i + off]);
-        i += off;
-        let c = inner[i + 1];
-        let simple = match c {
-            b'"' => Some(b'"'),
-            b'\\' => Some(b'\\'),
-            b'/' => Some(b'/'),
-            b'b' => Some(0x08),
-            b'f' => Some(0x0C),
-            b'n' => Some(b'\n'),
-            b'r' => Some(b'\r'),
-            b't' => Some(b'\t'),
-            _ => None,
-        };
-        if let Some(s) = simple {
-            out.push(s);
-            i += 2;
-            continue;
-        }
-        let hi = hex4(inner, i + 2).expect("validated \\u escape");
-        let (cp, len) = if (0xD800..0xDC00).contains(&hi) {
-            let lo = hex4(inner, i + 8).expect("validated surrogate pair");
-            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), 12)
-        } else {
-            (hi, 6)
-        };
-        let c = char::from_u32(cp).expect("validated code point");
-        let mut b = [0u8; 4];
-        out.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
-        i += len;
-    }
-}
-
-/// Append `s` as a canonical JSON string (with quotes) to `out`.
-pub(crate) fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
-    out.push(b'"');
-    let bytes = s.as_bytes();
-    let mut run = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        if b < 0x20 || b == b'"' || b == b'\\' {
-            out.extend_from_slice(&bytes[run..i]);
-            let mut buf = [0u8; 6];
-            out.extend_from_slice(canonical_char(b as u32, &mut buf));
-            run = i + 1;
-        }
-    }
-    out.extend_from_slice(&bytes[run..]);
-    out.push(b'"');
 }
 
 #[cfg(test)]

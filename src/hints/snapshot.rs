@@ -16,7 +16,8 @@ use std::fmt;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use super::scan::{decode_string, ActionRec, Field, Kind};
+use super::scan::{ActionRec, Field, Kind};
+use super::strings::decode_string;
 
 const H_TOTAL: usize = 0;
 const H_NACT: usize = 4;

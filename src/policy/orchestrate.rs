@@ -349,9 +349,10 @@ impl Orchestrator {
     /// outcome once.
     ///
     /// Cost without a provider contact: a scan of the actions' type and version strings up to
-    /// the first candidate, a pass over the bindings, and a `memchr` walk over the payload's
-    /// top-level members up to `source_control_endpoint`. Allocates only to normalize the
-    /// endpoint (one short string) and, on the named-fetch path, for the provider.
+    /// the first candidate, a pass over the bindings, and the payload's
+    /// `source_control_endpoint` value, which admission already located (O(1)), normalized
+    /// into a fixed buffer. Allocates only to decode an endpoint string that contains escapes
+    /// and, on the named-fetch path, for the provider.
     pub fn decide(&self, req: &RequestInfo, snapshot: Option<&Snapshot>) -> Decision {
         let d = self.decide_inner(req, snapshot);
         match &d {

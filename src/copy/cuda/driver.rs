@@ -1,0 +1,345 @@
+//! The CUDA driver wrappers: device and primary context, pinned and device memory, streams,
+//! events. Each owns its resource and frees it once.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::copy::CopyError;
+
+pub(super) fn check(r: sys::CUresult, what: &'static str) -> Result<(), CopyError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CopyError::Cuda { call: what, code: r as i32 })
+    }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A device's primary context, retained for as long as this value (and engines, buffers and
+/// streams made from it) live.
+#[derive(Debug)]
+pub struct CudaDevice {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    pub(super) ordinal: i32,
+}
+
+// SAFETY: a CUcontext handle may be used from any thread (each call makes it current first).
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the handle itself is never mutated after creation.
+unsafe impl Sync for CudaDevice {}
+
+impl CudaDevice {
+    /// Open device `ordinal`: [`CopyError::NoDriver`] without `libcuda`, [`CopyError::NoDevice`]
+    /// when the driver reports no such device.
+    pub fn open(ordinal: i32) -> Result<Arc<CudaDevice>, CopyError> {
+        if !driver_present() {
+            return Err(CopyError::NoDriver);
+        }
+        // SAFETY: the driver library is present; these are plain driver calls with valid
+        // out-pointers.
+        unsafe {
+            check(sys::cuInit(0), "cuInit").map_err(|_| CopyError::NoDevice)?;
+            let mut n = 0;
+            check(sys::cuDeviceGetCount(&mut n), "cuDeviceGetCount")?;
+            if ordinal < 0 || ordinal >= n {
+                return Err(CopyError::NoDevice);
+            }
+            let mut dev = 0;
+            check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+            let mut ctx = std::ptr::null_mut();
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            let d = CudaDevice { ctx, dev, ordinal };
+            d.bind()?;
+            Ok(Arc::new(d))
+        }
+    }
+
+    /// Make the context current on the calling thread (cheap; every entry point does it).
+    pub fn bind(&self) -> Result<(), CopyError> {
+        // SAFETY: `ctx` is a retained primary context.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // SAFETY: releases the reference retained in `open`, once.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space: allocated with
+/// `cuMemHostAlloc(PORTABLE | DEVICEMAP)` (cacheable, so the CPU reads it at full speed), or
+/// the caller's memory registered with `cuMemHostRegister`. Freed or unregistered exactly once,
+/// on drop.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    dev: Arc<CudaDevice>,
+    host: *mut u8,
+    device_ptr: u64,
+    len: usize,
+    registered: bool,
+}
+
+// SAFETY: the buffer is plain memory; the raw pointer is only a handle.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: shared access only hands out `&[u8]`; writes need `&mut`.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocate `len` bytes.
+    pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<PinnedBuffer, CopyError> {
+        dev.bind()?;
+        let mut p = std::ptr::null_mut();
+        let mut dp = 0;
+        // SAFETY: plain driver calls with valid out-pointers; the context is current.
+        unsafe {
+            check(
+                sys::cuMemHostAlloc(&mut p, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP),
+                "cuMemHostAlloc",
+            )?;
+            if let Err(e) = check(sys::cuMemHostGetDevicePointer_v2(&mut dp, p, 0), "cuMemHostGetDevicePointer") {
+                sys::cuMemFreeHost(p);
+                return Err(e);
+            }
+        }
+        Ok(PinnedBuffer { dev: dev.clone(), host: p.cast(), device_ptr: dp, len, registered: false })
+    }
+
+    /// Register the caller's memory `[ptr, ptr + len)` (unregistered on drop).
+    ///
+    /// # Safety
+    /// The memory must stay allocated, and not be registered elsewhere, until the buffer drops.
+    pub unsafe fn register(dev: &Arc<CudaDevice>, ptr: *mut u8, len: usize) -> Result<PinnedBuffer, CopyError> {
+        dev.bind()?;
+        let mut dp = 0;
+        // SAFETY: the caller vouches for the memory; plain driver calls.
+        unsafe {
+            check(
+                sys::cuMemHostRegister_v2(
+                    ptr.cast(),
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                ),
+                "cuMemHostRegister",
+            )?;
+            if let Err(e) =
+                check(sys::cuMemHostGetDevicePointer_v2(&mut dp, ptr.cast(), 0), "cuMemHostGetDevicePointer")
+            {
+                sys::cuMemHostUnregister(ptr.cast());
+                return Err(e);
+            }
+        }
+        Ok(PinnedBuffer { dev: dev.clone(), host: ptr, device_ptr: dp, len, registered: true })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device-side address of the buffer.
+    pub fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+    /// The bytes (make sure the copies that write them have completed).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `host` points to `len` bytes owned or registered by this buffer.
+        unsafe { std::slice::from_raw_parts(self.host, self.len) }
+    }
+    /// The bytes, mutably (make sure no copy that reads them is in flight).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.host, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // SAFETY: frees or unregisters exactly what `alloc` / `register` set up, once.
+        unsafe {
+            if self.registered {
+                sys::cuMemHostUnregister(self.host.cast());
+            } else {
+                sys::cuMemFreeHost(self.host.cast());
+            }
+        }
+    }
+}
+
+/// Device memory (for tests, benchmarks and small tables; runtimes bring their own pools).
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dev: Arc<CudaDevice>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocate `len` bytes with `cuMemAlloc`.
+    pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<DeviceBuffer, CopyError> {
+        dev.bind()?;
+        let mut p = 0;
+        // SAFETY: plain driver call with a valid out-pointer.
+        check(unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) }, "cuMemAlloc")?;
+        Ok(DeviceBuffer { dev: dev.clone(), ptr: p, len })
+    }
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Copy `src` to offset `at` (synchronous).
+    pub fn write(&self, at: usize, src: &[u8]) -> Result<(), CopyError> {
+        if at.checked_add(src.len()).is_none_or(|e| e > self.len) {
+            return Err(CopyError::OutOfBounds);
+        }
+        self.dev.bind()?;
+        // SAFETY: the range is inside the allocation (checked); `src` is readable.
+        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
+    }
+    /// Copy from offset `at` into `dst` (synchronous).
+    pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<(), CopyError> {
+        if at.checked_add(dst.len()).is_none_or(|e| e > self.len) {
+            return Err(CopyError::OutOfBounds);
+        }
+        self.dev.bind()?;
+        // SAFETY: the range is inside the allocation (checked); `dst` is writable.
+        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + at as u64, dst.len()) }, "cuMemcpyDtoH")
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // SAFETY: frees the allocation made in `alloc`, once.
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// A CUDA stream (non-blocking), for callers that do not bring their own.
+#[derive(Debug)]
+pub struct CudaStream {
+    dev: Arc<CudaDevice>,
+    raw: sys::CUstream,
+}
+
+// SAFETY: streams may be used from any thread.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above.
+unsafe impl Sync for CudaStream {}
+
+impl CudaStream {
+    /// Create a stream.
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<CudaStream, CopyError> {
+        dev.bind()?;
+        let mut s = std::ptr::null_mut();
+        // SAFETY: plain driver call with a valid out-pointer.
+        let r = unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
+        check(r, "cuStreamCreate")?;
+        Ok(CudaStream { dev: dev.clone(), raw: s })
+    }
+    /// The raw handle (what a C++ caller would pass).
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+    /// Wait for everything enqueued so far.
+    pub fn synchronize(&self) -> Result<(), CopyError> {
+        self.dev.bind()?;
+        // SAFETY: a live stream.
+        check(unsafe { sys::cuStreamSynchronize(self.raw) }, "cuStreamSynchronize")
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // SAFETY: destroys the stream created in `new`, once.
+        unsafe { sys::cuStreamDestroy_v2(self.raw) };
+    }
+}
+
+/// A CUDA event with timing enabled.
+#[derive(Debug)]
+pub struct CudaEvent {
+    dev: Arc<CudaDevice>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: events may be used from any thread.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above.
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// Create an event (timing enabled).
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<CudaEvent, CopyError> {
+        dev.bind()?;
+        let mut e = std::ptr::null_mut();
+        // SAFETY: plain driver call with a valid out-pointer.
+        check(unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) }, "cuEventCreate")?;
+        Ok(CudaEvent { dev: dev.clone(), raw: e })
+    }
+    /// The raw handle.
+    pub fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+    /// Record on a stream.
+    pub fn record(&self, stream: &CudaStream) -> Result<(), CopyError> {
+        // SAFETY: a live event and a live stream of this library.
+        unsafe { self.record_raw(stream.raw) }
+    }
+
+    /// Record on a raw stream.
+    ///
+    /// # Safety
+    /// `stream` must be null (the legacy default stream) or a live stream of this context.
+    pub unsafe fn record_raw(&self, stream: sys::CUstream) -> Result<(), CopyError> {
+        // SAFETY: a live event; the stream per the contract.
+        check(unsafe { sys::cuEventRecord(self.raw, stream) }, "cuEventRecord")
+    }
+    /// Wait for it.
+    pub fn synchronize(&self) -> Result<(), CopyError> {
+        self.dev.bind()?;
+        // SAFETY: a live event.
+        check(unsafe { sys::cuEventSynchronize(self.raw) }, "cuEventSynchronize")
+    }
+    /// Milliseconds between `start` and this event (both recorded and complete).
+    pub fn elapsed_ms(&self, start: &CudaEvent) -> Result<f32, CopyError> {
+        let mut ms = 0.0;
+        // SAFETY: live events, valid out-pointer.
+        check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.raw, self.raw) }, "cuEventElapsedTime")?;
+        Ok(ms)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // SAFETY: destroys the event created in `new`, once.
+        unsafe { sys::cuEventDestroy_v2(self.raw) };
+    }
+}

@@ -1,0 +1,260 @@
+//! The copy kernel: its CUDA source (compiled once per engine with NVRTC), the parameter
+//! blocks it takes, its launch, and the pinned id ring for calls larger than one parameter
+//! block, whose slots the kernel itself releases.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::*;
+use crate::copy::CopyError;
+
+/// Block ids carried by one kernel launch.
+pub const IDS_PER_LAUNCH: usize = 960;
+/// Default CTA budget of the kernel.
+pub const DEFAULT_CTAS: u32 = 16;
+/// Default threads per CTA of the kernel.
+pub const DEFAULT_THREADS: u32 = 512;
+
+pub(super) const KERNEL: &str = r#"
+struct Seg { unsigned long long base, stride, bytes, stage_off; };
+struct Params {
+  unsigned long long segs, staging, stage_block_bytes;
+  unsigned int n_seg, n_ids, to_staging, pad;
+  unsigned int ids[960];
+};
+struct RingParams {
+  unsigned long long segs, staging, stage_block_bytes, ids, done, counter, gen;
+  unsigned int n_seg, n_ids, to_staging, pad;
+};
+__device__ __forceinline__ void copy_chunks(const Seg* segs, const unsigned int* ids, unsigned long long staging,
+    unsigned long long stage_block_bytes, unsigned n_seg, unsigned n_ids, unsigned to_staging) {
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned long long wpc = blockDim.x >> 5;
+  const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
+  const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
+  const unsigned long long n_chunks = (unsigned long long)n_ids * n_seg;
+  for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
+    const unsigned i = (unsigned)(c / n_seg);
+    const unsigned s = (unsigned)(c - (unsigned long long)i * n_seg);
+    const Seg g = segs[s];
+    uint4* dev = (uint4*)(g.base + (unsigned long long)ids[i] * g.stride);
+    uint4* host = (uint4*)(staging + (unsigned long long)i * stage_block_bytes + g.stage_off);
+    const uint4* src = to_staging ? dev : host;
+    uint4* dst = to_staging ? host : dev;
+    const unsigned long long n = g.bytes >> 4;
+    unsigned long long k = lane;
+    for (; k + 224 < n; k += 256) {
+      uint4 r0 = src[k], r1 = src[k + 32], r2 = src[k + 64], r3 = src[k + 96];
+      uint4 r4 = src[k + 128], r5 = src[k + 160], r6 = src[k + 192], r7 = src[k + 224];
+      dst[k] = r0; dst[k + 32] = r1; dst[k + 64] = r2; dst[k + 96] = r3;
+      dst[k + 128] = r4; dst[k + 160] = r5; dst[k + 192] = r6; dst[k + 224] = r7;
+    }
+    for (; k < n; k += 32) dst[k] = src[k];
+  }
+}
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
+  copy_chunks((const Seg*)p.segs, p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
+}
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_ring(const RingParams p) {
+  copy_chunks((const Seg*)p.segs, (const unsigned int*)p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
+  // The last CTA to finish tells the host the ids slot may be reused: it publishes the launch's
+  // generation to a pinned flag after every CTA is done reading the ids.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned prev = atomicAdd((unsigned*)p.counter, 1u);
+    if (prev == gridDim.x - 1) {
+      *(volatile unsigned*)p.counter = 0u;
+      __threadfence_system();
+      *(volatile unsigned long long*)p.done = p.gen;
+    }
+  }
+}
+"#;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct SegRow {
+    pub(super) base: u64,
+    pub(super) stride: u64,
+    pub(super) bytes: u64,
+    pub(super) stage_off: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct RingParams {
+    pub(super) segs: u64,
+    pub(super) staging: u64,
+    pub(super) stage_block_bytes: u64,
+    pub(super) ids: u64,
+    pub(super) done: u64,
+    pub(super) counter: u64,
+    pub(super) gen: u64,
+    pub(super) n_seg: u32,
+    pub(super) n_ids: u32,
+    pub(super) to_staging: u32,
+    pub(super) pad: u32,
+}
+
+/// Block ids carried by one launch through the id ring.
+///
+/// Slot reuse is signalled by the kernel itself (the last CTA writes the launch's generation to a
+/// pinned flag), so a call makes one driver call: the launch.
+pub const RING_IDS_PER_LAUNCH: usize = 16384;
+pub(super) const RING_SLOTS: usize = 32;
+
+#[repr(C)]
+pub(super) struct Params {
+    pub(super) segs: u64,
+    pub(super) staging: u64,
+    pub(super) stage_block_bytes: u64,
+    pub(super) n_seg: u32,
+    pub(super) n_ids: u32,
+    pub(super) to_staging: u32,
+    pub(super) pad: u32,
+    pub(super) ids: [u32; IDS_PER_LAUNCH],
+}
+
+impl CudaEngine {
+    /// Launch the copy kernel for `ids` against staging at device address `staging_base`.
+    ///
+    /// # Safety
+    /// `stream` as in [`CudaEngine::gather_raw`]; ids checked; `staging_base` addresses at least
+    /// `ids.len()` staged blocks.
+    pub(super) unsafe fn launch_kernel(
+        &mut self,
+        ids: &[u32],
+        staging_base: u64,
+        to_staging: bool,
+        stream: sys::CUstream,
+    ) -> Result<(), CopyError> {
+        if self.opts.ids == IdTransport::Ring || (self.opts.ids == IdTransport::Auto && ids.len() > IDS_PER_LAUNCH) {
+            let sbb = self.layout.stage_block_bytes();
+            for (k, part) in ids.chunks(RING_IDS_PER_LAUNCH).enumerate() {
+                let slot = self.ring_next;
+                self.ring_next = (slot + 1) % RING_SLOTS;
+                // The slot's previous launch must be done reading it (normally long since).
+                self.wait_slot(slot);
+                let ring = self.ring.as_mut().expect("allocated at setup");
+                let at = slot * RING_IDS_PER_LAUNCH * 4;
+                let dst = &mut ring.as_mut_slice()[at..at + part.len() * 4];
+                for (d, id) in dst.chunks_exact_mut(4).zip(part) {
+                    d.copy_from_slice(&id.to_ne_bytes());
+                }
+                self.next_gen += 1;
+                self.ring_gen[slot] = self.next_gen;
+                let done = self.ring_done.as_ref().expect("allocated at setup").device_ptr() + slot as u64 * 8;
+                let counter = self.ring_counters.as_ref().expect("allocated at setup").ptr() + slot as u64 * 4;
+                let mut p = RingParams {
+                    segs: self.params.segs,
+                    staging: staging_base + (k * RING_IDS_PER_LAUNCH) as u64 * sbb,
+                    stage_block_bytes: sbb,
+                    ids: ring.device_ptr() + at as u64,
+                    done,
+                    counter,
+                    gen: self.next_gen,
+                    n_seg: self.params.n_seg,
+                    n_ids: part.len() as u32,
+                    to_staging: to_staging as u32,
+                    pad: 0,
+                };
+                let mut args = [(&mut p as *mut RingParams).cast::<c_void>()];
+                // SAFETY: `ring_func` takes one `RingParams` (same layout as the CUDA
+                // struct); every address was checked; the ids slot stays untouched until the
+                // kernel publishes this generation in the slot's flag; the stream is the
+                // caller's per the contract.
+                let r = unsafe {
+                    sys::cuLaunchKernel(
+                        self.ring_func,
+                        self.opts.ctas,
+                        1,
+                        1,
+                        self.opts.threads,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                if let Err(e) = check(r, "cuLaunchKernel") {
+                    self.ring_gen[slot] = 0; // nothing will signal this generation
+                    return Err(e);
+                }
+            }
+        } else {
+            let sbb = self.layout.stage_block_bytes();
+            for (k, part) in ids.chunks(IDS_PER_LAUNCH).enumerate() {
+                let p = &mut *self.params;
+                p.staging = staging_base + (k * IDS_PER_LAUNCH) as u64 * sbb;
+                p.n_ids = part.len() as u32;
+                p.to_staging = to_staging as u32;
+                p.ids[..part.len()].copy_from_slice(part);
+                let mut args = [(p as *mut Params).cast::<c_void>()];
+                // SAFETY: `func` is the loaded kernel whose only parameter is a `Params`
+                // (same layout as the CUDA struct); the driver copies the parameter block at
+                // launch, so reusing `params` for the next launch is fine. Every address in
+                // it was checked against the layout and the staging size; the stream is the
+                // caller's per the contract.
+                let r = unsafe {
+                    sys::cuLaunchKernel(
+                        self.func,
+                        self.opts.ctas,
+                        1,
+                        1,
+                        self.opts.threads,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                check(r, "cuLaunchKernel")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until the last launch that used `slot` has finished (its generation is in the
+    /// slot's flag). Spins with yields for up to a millisecond (with 32 slots a wait only
+    /// happens when the caller enqueues faster than the GPU drains for a long time), then waits
+    /// for the context, which also ends the wait if the context has failed.
+    pub(super) fn wait_slot(&self, slot: usize) {
+        let want = self.ring_gen[slot];
+        if want == 0 {
+            return;
+        }
+        let flags = self.ring_done.as_ref().expect("allocated at setup");
+        let p = flags.as_slice()[slot * 8..].as_ptr().cast::<u64>();
+        let started = std::time::Instant::now();
+        loop {
+            // SAFETY: `p` points into the pinned flag array (8-byte aligned allocation, slot*8
+            // offset); the GPU writes it, so it is read volatile.
+            let seen = unsafe { std::ptr::read_volatile(p) };
+            if seen >= want {
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                return;
+            }
+            if started.elapsed() > std::time::Duration::from_millis(1) {
+                // Slow path: wait for the whole context. Either every launch completed (the
+                // flag is set now), or the context hit a sticky error (a faulting kernel), in
+                // which case nothing will ever read the slot again and waiting longer would hang.
+                let _ = self.dev.bind();
+                // SAFETY: plain driver call on the current, retained context.
+                let r = unsafe { sys::cuCtxSynchronize() };
+                // SAFETY: as above.
+                let seen = unsafe { std::ptr::read_volatile(p) };
+                if r != sys::CUresult::CUDA_SUCCESS || seen >= want {
+                    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                    return;
+                }
+            }
+            std::thread::yield_now();
+        }
+    }
+}

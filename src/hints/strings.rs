@@ -1,0 +1,121 @@
+//! The JSON string codec shared by the scanner, snapshots, MessagePack and the policy: UTF-8
+//! validation of multi-byte sequences, `\\uXXXX` escapes, the canonical spelling of a code point
+//! (SPEC.md section 3), and decoding or writing a whole string.
+
+use super::detail::Detail;
+
+pub(super) fn hex4(inp: &[u8], p: usize) -> Option<u32> {
+    let h = inp.get(p..p + 4)?;
+    let mut v = 0u32;
+    for &c in h {
+        v = v * 16 + (c as char).to_digit(16)?;
+    }
+    Some(v)
+}
+
+pub(super) const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// The canonical spelling of one code point inside a string.
+pub(super) fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
+    match cp {
+        0x08 => b"\\b",
+        0x09 => b"\\t",
+        0x0A => b"\\n",
+        0x0C => b"\\f",
+        0x0D => b"\\r",
+        0x22 => b"\\\"",
+        0x5C => b"\\\\",
+        0..=0x1F => {
+            *buf = [b'\\', b'u', b'0', b'0', HEX[(cp >> 4) as usize], HEX[(cp & 15) as usize]];
+            &buf[..]
+        }
+        _ => {
+            let c = char::from_u32(cp).expect("surrogates were excluded");
+            let n = c.encode_utf8(&mut buf[..4]).len();
+            &buf[..n]
+        }
+    }
+}
+
+/// Validate one multi-byte UTF-8 sequence starting at `p` (RFC 3629, Unicode table 3-7);
+/// returns the position after it.
+#[inline]
+pub(super) fn utf8_seq(inp: &[u8], p: usize) -> Result<usize, Detail> {
+    let b0 = inp[p];
+    let (n, lo, hi) = match b0 {
+        0xC2..=0xDF => (2, 0x80, 0xBF),
+        0xE0 => (3, 0xA0, 0xBF),
+        0xE1..=0xEC | 0xEE..=0xEF => (3, 0x80, 0xBF),
+        0xED => (3, 0x80, 0x9F),
+        0xF0 => (4, 0x90, 0xBF),
+        0xF1..=0xF3 => (4, 0x80, 0xBF),
+        0xF4 => (4, 0x80, 0x8F),
+        _ => return Err(Detail::at("invalid UTF-8", p)),
+    };
+    let Some(rest) = inp.get(p + 1..p + n) else {
+        return Err(Detail::at("invalid UTF-8", p));
+    };
+    if !(lo..=hi).contains(&rest[0]) || rest[1..].iter().any(|&c| !(0x80..=0xBF).contains(&c)) {
+        return Err(Detail::at("invalid UTF-8", p));
+    }
+    Ok(p + n)
+}
+
+/// Decode the inside of a string that has already been validated (raw input or canonical
+/// bytes) and append the UTF-8 text to `out`.
+pub(crate) fn decode_string(inner: &[u8], out: &mut Vec<u8>) {
+    let mut i = 0;
+    while i < inner.len() {
+        let Some(off) = inner[i..].iter().position(|&b| b == b'\\') else {
+            out.extend_from_slice(&inner[i..]);
+            return;
+        };
+        out.extend_from_slice(&inner[i..i + off]);
+        i += off;
+        let c = inner[i + 1];
+        let simple = match c {
+            b'"' => Some(b'"'),
+            b'\\' => Some(b'\\'),
+            b'/' => Some(b'/'),
+            b'b' => Some(0x08),
+            b'f' => Some(0x0C),
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            _ => None,
+        };
+        if let Some(s) = simple {
+            out.push(s);
+            i += 2;
+            continue;
+        }
+        let hi = hex4(inner, i + 2).expect("validated \\u escape");
+        let (cp, len) = if (0xD800..0xDC00).contains(&hi) {
+            let lo = hex4(inner, i + 8).expect("validated surrogate pair");
+            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), 12)
+        } else {
+            (hi, 6)
+        };
+        let c = char::from_u32(cp).expect("validated code point");
+        let mut b = [0u8; 4];
+        out.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
+        i += len;
+    }
+}
+
+/// Append `s` as a canonical JSON string (with quotes) to `out`.
+pub(crate) fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
+    out.push(b'"');
+    let bytes = s.as_bytes();
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b < 0x20 || b == b'"' || b == b'\\' {
+            out.extend_from_slice(&bytes[run..i]);
+            let mut buf = [0u8; 6];
+            out.extend_from_slice(canonical_char(b as u32, &mut buf));
+            run = i + 1;
+        }
+    }
+    out.extend_from_slice(&bytes[run..]);
+    out.push(b'"');
+}
