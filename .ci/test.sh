@@ -30,6 +30,9 @@ echo "== the portable scanner (what non-x86-64 hosts run): admission, property a
 RUSTFLAGS="--cfg kvrelay_portable" CARGO_TARGET_DIR="$root/target/portable" \
   cargo test --locked --test admission --test properties --test conformance
 
+echo "== fuzz smoke (each target a few seconds; long runs: README \"Fuzzing\")"
+bash .ci/fuzz-smoke.sh
+
 echo "== the official openai Python client against kvrelay-server"
 cargo build --locked --release --features server --bin kvrelay-server
 oa="$root/target/ci-tools/openai"
