@@ -400,10 +400,6 @@ typedef struct kvrelay_action {
 
 
 
-
-
-
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus

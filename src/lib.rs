@@ -25,6 +25,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod labels;
+
 pub mod copy;
 pub mod ffi;
 pub mod hints;

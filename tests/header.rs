@@ -84,3 +84,34 @@ fn header_exports_only_prefixed_names() {
     }
     assert!(bad.is_empty(), "names without the kvrelay prefix in the header: {bad:?}");
 }
+
+/// The C enums stay literal in the header (cbindgen reads them as written); they must agree with
+/// the one list each table is generated from: `KVRELAY_REASON_X = n` is `Reason` `n - 1` with
+/// label `x`, and every discard code has the name the library's list gives it.
+#[test]
+fn c_enums_agree_with_the_rust_lists() {
+    let h = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/kvrelay.h")).unwrap();
+    // SAFETY: both name functions return static NUL-terminated strings for any value.
+    let c_str = |p: *const std::ffi::c_char| unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap();
+    let mut seen = 0;
+    for line in h.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix("KVRELAY_REASON_") else { continue };
+        let (name, value) = rest.trim_end_matches(',').split_once(" = ").unwrap();
+        let value: i32 = value.parse().unwrap();
+        assert_eq!(
+            c_str(kvrelay::ffi::types::kvrelay_reason_name(value)),
+            name.to_ascii_lowercase(),
+            "KVRELAY_REASON_{name}"
+        );
+        if value > 0 {
+            assert_eq!(kvrelay::Reason::ALL[value as usize - 1].as_str(), name.to_ascii_lowercase());
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, kvrelay::Reason::ALL.len() + 1);
+    for d in kvrelay::policy::Discard::ALL {
+        assert_eq!(c_str(kvrelay::ffi::policy::kvrelay_discard_name(d as i32)), d.as_str());
+    }
+    assert_eq!(c_str(kvrelay::ffi::policy::kvrelay_discard_name(99)), "unknown");
+    assert_eq!(c_str(kvrelay::ffi::types::kvrelay_reason_name(99)), "unknown");
+}

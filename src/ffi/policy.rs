@@ -9,8 +9,8 @@ use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
 use crate::policy::{
-    collect_candidates_into, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, FetchRequest,
-    Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
+    collect_candidates_into, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, Discard,
+    FetchRequest, Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
 };
 
 /// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
@@ -552,24 +552,11 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
 /// Static, NUL-terminated, never NULL.
 #[no_mangle]
 pub extern "C" fn kvrelay_discard_name(discard: i32) -> *const c_char {
-    static NAMES: [&[u8]; 15] = [
-        b"none\0",
-        b"not_generation_only\0",
-        b"lora_adapter\0",
-        b"no_hint\0",
-        b"no_candidate\0",
-        b"missing_mapping\0",
-        b"unauthorized\0",
-        b"capability_mismatch\0",
-        b"ambiguous_mapping\0",
-        b"request_paired\0",
-        b"endpoint_missing\0",
-        b"endpoint_invalid\0",
-        b"endpoint_not_trusted\0",
-        b"provider_rejected\0",
-        b"fetch_failed\0",
-    ];
-    let s: &[u8] = usize::try_from(discard).ok().and_then(|i| NAMES.get(i).copied()).unwrap_or(b"unknown\0");
+    let s: &'static [u8] = if discard == 0 {
+        b"none\0"
+    } else {
+        Discard::ALL.iter().find(|d| **d as i32 == discard).map_or(b"unknown\0", |d| d.c_label())
+    };
     s.as_ptr().cast()
 }
 

@@ -189,11 +189,7 @@ impl From<CounterValues> for kvrelay_counters {
 pub extern "C" fn kvrelay_reason_name(reason: i32) -> *const c_char {
     let s: &'static [u8] = match reason {
         0 => b"none\0",
-        1 => b"untrusted\0",
-        2 => b"unknown_version\0",
-        3 => b"oversized\0",
-        4 => b"malformed\0",
-        _ => b"unknown\0",
+        r => Reason::ALL.iter().find(|x| **x as i32 + 1 == r).map_or(b"unknown\0", |x| x.c_label()),
     };
     s.as_ptr().cast()
 }

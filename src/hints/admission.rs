@@ -107,38 +107,17 @@ impl AdmissionConfig {
     }
 }
 
-/// Why a hint was dropped. The discriminants are stable (the C ABI uses them).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Reason {
-    /// Trust is off.
-    Untrusted = 0,
-    /// `protocol_version` is a string other than `"0.1"`.
-    UnknownVersion = 1,
-    /// Raw input or canonical encoding over its limit.
-    Oversized = 2,
-    /// Anything else wrong; see the [`Detail`].
-    Malformed = 3,
-}
-
-impl Reason {
-    /// Every reason, in discriminant order.
-    pub const ALL: [Reason; 4] = [Reason::Untrusted, Reason::UnknownVersion, Reason::Oversized, Reason::Malformed];
-
-    /// The label used in metrics and the CLI.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Untrusted => "untrusted",
-            Reason::UnknownVersion => "unknown_version",
-            Reason::Oversized => "oversized",
-            Reason::Malformed => "malformed",
-        }
-    }
-}
-
-impl fmt::Display for Reason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::labels::labelled_enum! {
+    /// Why a hint was dropped. The discriminants are stable (the C ABI uses them, plus one).
+    pub enum Reason: u8 {
+        /// Trust is off.
+        Untrusted = 0 => "untrusted",
+        /// `protocol_version` is a string other than `"0.1"`.
+        UnknownVersion = 1 => "unknown_version",
+        /// Raw input or canonical encoding over its limit.
+        Oversized = 2 => "oversized",
+        /// Anything else wrong; see the [`Detail`].
+        Malformed = 3 => "malformed",
     }
 }
 

@@ -61,84 +61,38 @@ pub struct RequestInfo {
     pub lora_adapter: bool,
 }
 
-/// Why optional named fetch was not attempted (or failed). The discriminants are stable (the
-/// C ABI and metrics use them).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Discard {
-    /// Not a generation-only request (ineligible: no candidate collection).
-    NotGenerationOnly = 1,
-    /// The request uses a LoRA adapter (ineligible: no candidate collection).
-    LoraAdapter = 2,
-    /// No admitted hint.
-    NoHint = 3,
-    /// No supported `kv.fetch` action.
-    NoCandidate = 4,
-    /// No binding is configured for any family supporting the first candidate.
-    MissingMapping = 5,
-    /// Bindings exist but none is authorized.
-    Unauthorized = 6,
-    /// Authorized bindings exist but none supports the action's type and version.
-    CapabilityMismatch = 7,
-    /// More than one authorized binding supports the action: the mapping does not choose.
-    AmbiguousMapping = 8,
-    /// The resolved binding is request-paired.
-    RequestPaired = 9,
-    /// The payload has no `source_control_endpoint` string.
-    EndpointMissing = 10,
-    /// The endpoint does not normalize (malformed, wildcard, no port...).
-    EndpointInvalid = 11,
-    /// The endpoint is not in the server's trusted endpoint registry.
-    EndpointNotTrusted = 12,
-    /// The provider's own validation refused the action, payload or destination.
-    ProviderRejected = 13,
-    /// The provider accepted but the fetch submission failed.
-    FetchFailed = 14,
-}
-
-impl Discard {
-    /// Every reason, in discriminant order.
-    pub const ALL: [Discard; 14] = [
-        Discard::NotGenerationOnly,
-        Discard::LoraAdapter,
-        Discard::NoHint,
-        Discard::NoCandidate,
-        Discard::MissingMapping,
-        Discard::Unauthorized,
-        Discard::CapabilityMismatch,
-        Discard::AmbiguousMapping,
-        Discard::RequestPaired,
-        Discard::EndpointMissing,
-        Discard::EndpointInvalid,
-        Discard::EndpointNotTrusted,
-        Discard::ProviderRejected,
-        Discard::FetchFailed,
-    ];
-
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Discard::NotGenerationOnly => "not_generation_only",
-            Discard::LoraAdapter => "lora_adapter",
-            Discard::NoHint => "no_hint",
-            Discard::NoCandidate => "no_candidate",
-            Discard::MissingMapping => "missing_mapping",
-            Discard::Unauthorized => "unauthorized",
-            Discard::CapabilityMismatch => "capability_mismatch",
-            Discard::AmbiguousMapping => "ambiguous_mapping",
-            Discard::RequestPaired => "request_paired",
-            Discard::EndpointMissing => "endpoint_missing",
-            Discard::EndpointInvalid => "endpoint_invalid",
-            Discard::EndpointNotTrusted => "endpoint_not_trusted",
-            Discard::ProviderRejected => "provider_rejected",
-            Discard::FetchFailed => "fetch_failed",
-        }
-    }
-}
-
-impl fmt::Display for Discard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::labels::labelled_enum! {
+    /// Why optional named fetch was not attempted (or failed). The discriminants are stable (the
+    /// C ABI and metrics use them).
+    pub enum Discard: u8 {
+        /// Not a generation-only request (ineligible: no candidate collection).
+        NotGenerationOnly = 1 => "not_generation_only",
+        /// The request uses a LoRA adapter (ineligible: no candidate collection).
+        LoraAdapter = 2 => "lora_adapter",
+        /// No admitted hint.
+        NoHint = 3 => "no_hint",
+        /// No supported `kv.fetch` action.
+        NoCandidate = 4 => "no_candidate",
+        /// No binding is configured for any family supporting the first candidate.
+        MissingMapping = 5 => "missing_mapping",
+        /// Bindings exist but none is authorized.
+        Unauthorized = 6 => "unauthorized",
+        /// Authorized bindings exist but none supports the action's type and version.
+        CapabilityMismatch = 7 => "capability_mismatch",
+        /// More than one authorized binding supports the action: the mapping does not choose.
+        AmbiguousMapping = 8 => "ambiguous_mapping",
+        /// The resolved binding is request-paired.
+        RequestPaired = 9 => "request_paired",
+        /// The payload has no `source_control_endpoint` string.
+        EndpointMissing = 10 => "endpoint_missing",
+        /// The endpoint does not normalize (malformed, wildcard, no port...).
+        EndpointInvalid = 11 => "endpoint_invalid",
+        /// The endpoint is not in the server's trusted endpoint registry.
+        EndpointNotTrusted = 12 => "endpoint_not_trusted",
+        /// The provider's own validation refused the action, payload or destination.
+        ProviderRejected = 13 => "provider_rejected",
+        /// The provider accepted but the fetch submission failed.
+        FetchFailed = 14 => "fetch_failed",
     }
 }
 
