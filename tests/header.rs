@@ -114,4 +114,13 @@ fn c_enums_agree_with_the_rust_lists() {
     }
     assert_eq!(c_str(kvrelay::ffi::policy::kvrelay_discard_name(99)), "unknown");
     assert_eq!(c_str(kvrelay::ffi::types::kvrelay_reason_name(99)), "unknown");
+    // every status the header defines has its own message
+    let mut statuses = 0;
+    for line in h.lines().map(str::trim).filter(|l| l.starts_with("KVRELAY_OK =") || l.starts_with("KVRELAY_ERR_")) {
+        let (name, value) = line.trim_end_matches(',').split_once(" = ").unwrap();
+        let msg = c_str(kvrelay::ffi::status::kvrelay_status_message(value.parse().unwrap()));
+        assert_ne!(msg, "unknown kvrelay status", "{name} has no message");
+        statuses += 1;
+    }
+    assert!(statuses >= 16, "{statuses} statuses found in the header");
 }
