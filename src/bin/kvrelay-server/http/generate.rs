@@ -12,6 +12,15 @@ pub(super) enum Api {
 }
 
 impl Api {
+    /// Prefix of response ids.
+    pub(super) fn id_prefix(self) -> &'static str {
+        match self {
+            Api::Completions => "cmpl-",
+            Api::Chat => "chatcmpl-",
+            Api::Responses => "resp_",
+        }
+    }
+
     fn endpoint(self) -> &'static str {
         match self {
             Api::Completions => "/v1/completions",

@@ -283,106 +283,112 @@ async fn not_found() -> ApiError {
 // ---------------------------------------------------------------------------------------------
 // Handlers
 
-async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+/// What each generation endpoint's body comes down to.
+struct Parsed<'a> {
+    model: Option<String>,
+    prompts: Vec<Vec<u32>>,
+    batched: bool,
+    salt: Option<String>,
+    max_tokens: Option<u64>,
+    include_usage: bool,
+    stream: bool,
+    hint: HintFields<'a>,
+}
+
+fn parse_completion(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+    let b: CompletionBody<'_> = parse(bytes)?;
+    let (prompts, batched) = completion_prompts(b.prompt)?;
+    Ok(Parsed {
+        prompts: prompts.iter().map(PromptIn::tokens).collect(),
+        batched,
+        max_tokens: b.max_tokens,
+        include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        stream: b.stream.unwrap_or(false),
+        hint: hint_fields!(b),
+        model: b.model,
+        salt: b.cache_salt,
+    })
+}
+
+fn parse_chat(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+    let b: ChatBody<'_> = parse(bytes)?;
+    let text = chat_text(b.messages.as_deref(), None)?;
+    Ok(Parsed {
+        prompts: vec![tokenize(&text)],
+        batched: false,
+        max_tokens: b.max_completion_tokens.or(b.max_tokens),
+        include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        stream: b.stream.unwrap_or(false),
+        hint: hint_fields!(b),
+        model: b.model,
+        salt: b.cache_salt,
+    })
+}
+
+fn parse_responses(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+    let b: ResponsesBody<'_> = parse(bytes)?;
+    let text = responses_text(&b)?;
+    Ok(Parsed {
+        prompts: vec![tokenize(&text)],
+        batched: false,
+        max_tokens: b.max_output_tokens,
+        include_usage: true,
+        stream: b.stream.unwrap_or(false),
+        hint: hint_fields!(b),
+        model: b.model,
+        salt: b.cache_salt,
+    })
+}
+
+/// The three generation endpoints: read and parse the body, check the model and the output
+/// length, admit the hint and run orchestration (before queueing), then run the job.
+async fn generation(
+    st: Shared,
+    headers: HeaderMap,
+    body: Body,
+    api: Api,
+    parse_body: fn(&[u8]) -> Result<Parsed<'_>, ApiError>,
+) -> Response {
     let bytes = match read_body(&st, &headers, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
     let job = (|| {
-        let b: CompletionBody<'_> = parse(&bytes)?;
-        check_model(&st, b.model.as_deref())?;
-        let (prompts, batched) = completion_prompts(b.prompt)?;
-        let max_tokens = max_tokens(&st, b.max_tokens)?;
-        let raw = hint_fields!(b).raw()?;
-        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, prompts.len(), batched)?;
-        Ok::<_, ApiError>((
-            Job {
-                api: Api::Completions,
-                id: st.next_id("cmpl-"),
-                prompts: prompts.iter().map(PromptIn::tokens).collect(),
-                salt: b.cache_salt,
-                max_tokens,
-                include_usage: b.stream_options.unwrap_or_default().include_usage,
-                _hints: hints,
-                plans,
-                hint_label,
-                decision_label,
-            },
-            b.stream.unwrap_or(false),
-        ))
+        let p = parse_body(&bytes)?;
+        check_model(&st, p.model.as_deref())?;
+        let max_tokens = max_tokens(&st, p.max_tokens)?;
+        let raw = p.hint.raw()?;
+        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, p.prompts.len(), p.batched)?;
+        let job = Job {
+            api,
+            id: st.next_id(api.id_prefix()),
+            prompts: p.prompts,
+            salt: p.salt,
+            max_tokens,
+            include_usage: p.include_usage,
+            _hints: hints,
+            plans,
+            hint_label,
+            decision_label,
+        };
+        Ok::<_, ApiError>((job, p.stream))
     })();
     match job {
         Ok((job, stream)) => run_job(st, job, stream).await,
         Err(e) => e.into_response(),
     }
+}
+
+async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    generation(st, headers, body, Api::Completions, parse_completion).await
 }
 
 async fn chat_completions(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
-    let bytes = match read_body(&st, &headers, body).await {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let job = (|| {
-        let b: ChatBody<'_> = parse(&bytes)?;
-        check_model(&st, b.model.as_deref())?;
-        let text = chat_text(b.messages.as_deref(), None)?;
-        let max_tokens = max_tokens(&st, b.max_completion_tokens.or(b.max_tokens))?;
-        let raw = hint_fields!(b).raw()?;
-        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
-        Ok::<_, ApiError>((
-            Job {
-                api: Api::Chat,
-                id: st.next_id("chatcmpl-"),
-                prompts: vec![tokenize(&text)],
-                salt: b.cache_salt,
-                max_tokens,
-                include_usage: b.stream_options.unwrap_or_default().include_usage,
-                _hints: hints,
-                plans,
-                hint_label,
-                decision_label,
-            },
-            b.stream.unwrap_or(false),
-        ))
-    })();
-    match job {
-        Ok((job, stream)) => run_job(st, job, stream).await,
-        Err(e) => e.into_response(),
-    }
+    generation(st, headers, body, Api::Chat, parse_chat).await
 }
 
 async fn responses(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
-    let bytes = match read_body(&st, &headers, body).await {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let job = (|| {
-        let b: ResponsesBody<'_> = parse(&bytes)?;
-        check_model(&st, b.model.as_deref())?;
-        let text = responses_text(&b)?;
-        let max_tokens = max_tokens(&st, b.max_output_tokens)?;
-        let raw = hint_fields!(b).raw()?;
-        let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, 1, false)?;
-        Ok::<_, ApiError>((
-            Job {
-                api: Api::Responses,
-                id: st.next_id("resp_"),
-                prompts: vec![tokenize(&text)],
-                salt: b.cache_salt,
-                max_tokens,
-                include_usage: true,
-                _hints: hints,
-                plans,
-                hint_label,
-                decision_label,
-            },
-            b.stream.unwrap_or(false),
-        ))
-    })();
-    match job {
-        Ok((job, stream)) => run_job(st, job, stream).await,
-        Err(e) => e.into_response(),
-    }
+    generation(st, headers, body, Api::Responses, parse_responses).await
 }
 
 async fn models(State(st): State<Shared>) -> Json<Value> {
