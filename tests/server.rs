@@ -270,6 +270,8 @@ fn client_disconnect_frees_blocks_and_a_full_queue_answers_429() {
         drop(conn);
         wait_until("its blocks to be released after the disconnect", || blocks(&s, "held") == 0.0);
     }
+    let gone = s.logs().lines().filter(|l| l.contains("status=499") && l.contains("client_gone")).count();
+    assert_eq!(gone, 2, "one log line per cancelled request (whole and streamed)");
     // one running, one waiting, the third is refused with Retry-After
     let a = client::send(s.addr, "POST", "/v1/completions", Some(body.replace('z', "y").as_bytes())).unwrap();
     wait_until("the first request to run", || blocks(&s, "held") > 0.0);

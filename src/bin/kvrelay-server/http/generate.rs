@@ -201,12 +201,37 @@ pub(super) fn response_object(st: &AppState, job: &Job, text: &str, u: Value, st
     })
 }
 
+/// Logs the request's line when its future is dropped before it answered (the client went away
+/// while it waited or ran; its blocks are released by the same drop).
+struct LogIfCancelled<'a> {
+    job: &'a Job,
+    answered: bool,
+}
+
+impl Drop for LogIfCancelled<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            let facts = facts_of(self.job, &[], "");
+            log_request(
+                &Facts { decision: facts.decision.clone() + ",client_gone", ..facts },
+                self.job.api.endpoint(),
+                499,
+            );
+        }
+    }
+}
+
 pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
+    let mut cancelled = LogIfCancelled { job: &job, answered: stream };
     let slot = match take_slot(&st).await {
         Ok(s) => s,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            cancelled.answered = true;
+            return e.into_response();
+        }
     };
     if stream {
+        drop(cancelled);
         return stream_job(st, job, slot);
     }
     let started = Instant::now();
@@ -215,7 +240,10 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
     for (p, plan) in job.prompts.iter().zip(&job.plans) {
         match run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log).await {
             Ok(g) => gens.push(g),
-            Err(e) => return with_facts(e.into_response(), &job, &gens, &fetch_log),
+            Err(e) => {
+                cancelled.answered = true;
+                return with_facts(e.into_response(), &job, &gens, &fetch_log);
+            }
         }
         if gens.len() == 1 {
             observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
@@ -245,6 +273,7 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
         Api::Responses => response_object(&st, &job, &detokenize(&gens[0].tokens).concat(), u, "completed"),
     };
     observe(&st.metrics.duration, job.api, started.elapsed().as_secs_f64());
+    cancelled.answered = true;
     with_facts(Json(body).into_response(), &job, &gens, &fetch_log)
 }
 
