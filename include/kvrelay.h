@@ -135,6 +135,52 @@ typedef int32_t kvrelay_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Why optional named fetch was not attempted: `kvrelay_decision.discard`. The values never
+// change meaning; `kvrelay_discard_name` gives the metric label.
+enum kvrelay_discard
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Not a discard: the named fetch was submitted.
+  KVRELAY_DISCARD_NONE = 0,
+  // Not a generation-only request (ineligible: no candidate collection).
+  KVRELAY_DISCARD_NOT_GENERATION_ONLY = 1,
+  // The request uses a LoRA adapter (ineligible: no candidate collection).
+  KVRELAY_DISCARD_LORA_ADAPTER = 2,
+  // No admitted hint.
+  KVRELAY_DISCARD_NO_HINT = 3,
+  // No supported `kv.fetch` action.
+  KVRELAY_DISCARD_NO_CANDIDATE = 4,
+  // No binding is configured for any family supporting the first candidate.
+  KVRELAY_DISCARD_MISSING_MAPPING = 5,
+  // Bindings exist but none is authorized.
+  KVRELAY_DISCARD_UNAUTHORIZED = 6,
+  // Authorized bindings exist but none supports the action's type and version.
+  KVRELAY_DISCARD_CAPABILITY_MISMATCH = 7,
+  // More than one authorized binding supports the action: the mapping does not choose.
+  KVRELAY_DISCARD_AMBIGUOUS_MAPPING = 8,
+  // The resolved binding is request-paired.
+  KVRELAY_DISCARD_REQUEST_PAIRED = 9,
+  // The payload has no `source_control_endpoint` string.
+  KVRELAY_DISCARD_ENDPOINT_MISSING = 10,
+  // The endpoint does not normalize (malformed, wildcard, no port...).
+  KVRELAY_DISCARD_ENDPOINT_INVALID = 11,
+  // The endpoint is not in the server's trusted endpoint registry.
+  KVRELAY_DISCARD_ENDPOINT_NOT_TRUSTED = 12,
+  // The provider's own validation refused the action, payload or destination.
+  KVRELAY_DISCARD_PROVIDER_REJECTED = 13,
+  // The provider accepted but the fetch submission failed.
+  KVRELAY_DISCARD_FETCH_FAILED = 14,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_discard kvrelay_discard;
+#else
+typedef int32_t kvrelay_discard;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // `kvrelay_decision.kind`.
 enum kvrelay_decision_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -373,8 +419,8 @@ typedef struct kvrelay_request_info {
 typedef struct kvrelay_decision {
   // A `kvrelay_decision_kind` value.
   int32_t kind;
-  // For KEEP_PAIRED_PATH: the reason, a stable code; `kvrelay_discard_name` renders it.
-  // 0 for NAMED_FETCH.
+  // For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name`
+  // renders it. `KVRELAY_DISCARD_NONE` (0) for NAMED_FETCH.
   int32_t discard;
   // For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
   struct kvrelay_str binding_id;
@@ -759,8 +805,9 @@ void kvrelay_capabilities_builder_free(struct kvrelay_capabilities_builder *buil
 void kvrelay_capabilities_free(struct kvrelay_capabilities *caps);
 
 // Collect the candidates of `snapshot` into `out[0..cap]` (producer order) and the counts
-// into `*counts` (may be NULL). `*count_out` receives the number of candidates; a smaller
-// `cap` writes nothing (`KVRELAY_ERR_BUFFER_TOO_SMALL`); `(NULL, 0)` queries. No allocation.
+// into `*counts` (may be NULL). `*count_out` always receives the number of candidates; a
+// smaller `cap` writes nothing else, `*counts` included (`KVRELAY_ERR_BUFFER_TOO_SMALL`);
+// `(NULL, 0)` queries. No allocation: one counting pass over the actions, then one writing pass.
 //
 // # Safety
 // `snapshot` NULL or live; `caps` NULL or live; `out` NULL or writable for `cap` elements;

@@ -51,16 +51,23 @@ struct Action {
 };
 
 namespace detail {
-/// Call a kvrelay "fill the caller's buffer" function twice: size query, then fill.
+/// Call a kvrelay "fill the caller's buffer" function: size query, then fill. Text that grows
+/// between the two (Prometheus text while other threads admit) is asked for again with the
+/// size the failed fill reported, a bounded number of times.
 template <typename Out, typename F>
 Out fill(F &&f) {
   std::size_t need = 0;
   int32_t s = f(nullptr, 0, &need);
   if (s != KVRELAY_ERR_BUFFER_TOO_SMALL && s != KVRELAY_OK) throw Error(s);
-  Out out(need, typename Out::value_type{});
-  check(f(reinterpret_cast<uint8_t *>(out.data()), out.size(), &need));
-  out.resize(need);
-  return out;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    Out out(need, typename Out::value_type{});
+    s = f(reinterpret_cast<uint8_t *>(out.data()), out.size(), &need);
+    if (s == KVRELAY_ERR_BUFFER_TOO_SMALL) continue;  // grew meanwhile; `need` is the new size
+    check(s);
+    out.resize(need);
+    return out;
+  }
+  throw Error(KVRELAY_ERR_BUFFER_TOO_SMALL);
 }
 }  // namespace detail
 

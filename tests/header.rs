@@ -113,6 +113,18 @@ fn c_enums_agree_with_the_rust_lists() {
         assert_eq!(c_str(kvrelay::ffi::policy::kvrelay_discard_name(d as i32)), d.as_str());
     }
     assert_eq!(c_str(kvrelay::ffi::policy::kvrelay_discard_name(99)), "unknown");
+    // KVRELAY_DISCARD_X = n is the discard with code n and label x
+    let mut discards = 0;
+    for line in h.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix("KVRELAY_DISCARD_") else { continue };
+        let (name, value) = rest.trim_end_matches(',').split_once(" = ").unwrap();
+        assert_eq!(
+            c_str(kvrelay::ffi::policy::kvrelay_discard_name(value.parse().unwrap())),
+            name.to_ascii_lowercase()
+        );
+        discards += 1;
+    }
+    assert_eq!(discards, kvrelay::policy::Discard::ALL.len() + 1);
     assert_eq!(c_str(kvrelay::ffi::types::kvrelay_reason_name(99)), "unknown");
     // every status the header defines has its own message
     let mut statuses = 0;

@@ -84,16 +84,14 @@ pub unsafe extern "C" fn kvrelay_admission_config_trust_from_env(
     name: *const c_char,
     len: usize,
 ) -> kvrelay_status {
-    // SAFETY: forwarded contract.
-    let name = match unsafe { text(name.cast(), len) } {
-        Ok(n) => n,
-        Err(e) => return e,
-    };
-    let name = if name.is_empty() { DEFAULT_TRUST_ENV } else { name };
-    if name.contains(['=', '\0']) {
-        return KVRELAY_ERR_INVALID_ARGUMENT;
-    }
+    // Argument conversion runs inside the guard too (inside `set`).
     set(config, |c| {
+        // SAFETY: forwarded contract.
+        let name = unsafe { text(name.cast(), len) }?;
+        let name = if name.is_empty() { DEFAULT_TRUST_ENV } else { name };
+        if name.contains(['=', '\0']) {
+            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+        }
         *c = std::mem::take(c).trust_from_env(name);
         Ok(())
     })
@@ -154,13 +152,10 @@ pub unsafe extern "C" fn kvrelay_admission_config_set_metric_prefix(
     prefix: *const c_char,
     len: usize,
 ) -> kvrelay_status {
-    // SAFETY: forwarded contract.
-    let p = match unsafe { text(prefix.cast(), len) } {
-        Ok(p) => p.to_string(),
-        Err(e) => return e,
-    };
+    // Argument conversion runs inside the guard too (inside `set`).
     set(config, |c| {
-        c.metric_prefix = p;
+        // SAFETY: forwarded contract.
+        c.metric_prefix = unsafe { text(prefix.cast(), len) }?.to_string();
         Ok(())
     })
 }

@@ -110,7 +110,11 @@ unsafe fn array<'a, T>(p: *const T, n: usize) -> Result<&'a [T], kvrelay_status>
     if p.is_null() {
         return if n == 0 { Ok(&[]) } else { Err(KVRELAY_ERR_INVALID_ARGUMENT) };
     }
-    // SAFETY: per the contract.
+    // `from_raw_parts` requires the slice to span at most isize::MAX bytes.
+    if n.checked_mul(std::mem::size_of::<T>()).is_none_or(|b| b > isize::MAX as usize) {
+        return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-NULL, within isize::MAX bytes, and readable for `n` elements per the contract.
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
 }
 

@@ -9,8 +9,8 @@ use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
 use crate::policy::{
-    collect_candidates_into, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, Discard,
-    FetchRequest, Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
+    for_each_candidate, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, Discard, FetchRequest,
+    Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
 };
 
 /// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
@@ -259,8 +259,9 @@ pub unsafe extern "C" fn kvrelay_capabilities_free(caps: *mut kvrelay_capabiliti
 }
 
 /// Collect the candidates of `snapshot` into `out[0..cap]` (producer order) and the counts
-/// into `*counts` (may be NULL). `*count_out` receives the number of candidates; a smaller
-/// `cap` writes nothing (`KVRELAY_ERR_BUFFER_TOO_SMALL`); `(NULL, 0)` queries. No allocation.
+/// into `*counts` (may be NULL). `*count_out` always receives the number of candidates; a
+/// smaller `cap` writes nothing else, `*counts` included (`KVRELAY_ERR_BUFFER_TOO_SMALL`);
+/// `(NULL, 0)` queries. No allocation: one counting pass over the actions, then one writing pass.
 ///
 /// # Safety
 /// `snapshot` NULL or live; `caps` NULL or live; `out` NULL or writable for `cap` elements;
@@ -281,22 +282,27 @@ pub unsafe extern "C" fn kvrelay_collect_candidates(
         if out.is_null() && cap != 0 {
             return Err(KVRELAY_ERR_INVALID_ARGUMENT);
         }
-        let mut list = Vec::new();
-        let n = collect_candidates_into(&s, &c.inner, &mut list);
+        // A counting pass, then (when the buffer is large enough) a writing pass: no allocation,
+        // and nothing but the count is written when the buffer is too small.
+        let mut total = 0usize;
+        let n = for_each_candidate(&s, &c.inner, |_| total += 1);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(count_out, list.len()) };
+        unsafe { put(count_out, total) };
+        if cap < total {
+            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+        }
+        let mut i = 0usize;
+        for_each_candidate(&s, &c.inner, |cand| {
+            let v = kvrelay_candidate { action_index: cand.action_index, families: cand.families.bits() };
+            // SAFETY: i < total <= cap elements, writable per the contract.
+            unsafe { put(out.add(i), v) };
+            i += 1;
+        });
         if !counts.is_null() {
             let v =
                 kvrelay_candidate_counts { unknown_type: n.unknown_type, no_matching_version: n.no_matching_version };
             // SAFETY: non-NULL and writable per the contract.
             unsafe { put(counts, v) };
-        }
-        if cap < list.len() {
-            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
-        }
-        for (i, c) in list.iter().enumerate() {
-            // SAFETY: i < list.len() <= cap elements, writable per the contract.
-            unsafe { put(out.add(i), kvrelay_candidate { action_index: c.action_index, families: c.families.bits() }) };
         }
         Ok(())
     })
@@ -474,6 +480,43 @@ pub unsafe extern "C" fn kvrelay_orchestrator_free(orchestrator: *mut kvrelay_or
     unsafe { free_box(orchestrator) }
 }
 
+/// Why optional named fetch was not attempted: `kvrelay_decision.discard`. The values never
+/// change meaning; `kvrelay_discard_name` gives the metric label.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_discard {
+    /// Not a discard: the named fetch was submitted.
+    KVRELAY_DISCARD_NONE = 0,
+    /// Not a generation-only request (ineligible: no candidate collection).
+    KVRELAY_DISCARD_NOT_GENERATION_ONLY = 1,
+    /// The request uses a LoRA adapter (ineligible: no candidate collection).
+    KVRELAY_DISCARD_LORA_ADAPTER = 2,
+    /// No admitted hint.
+    KVRELAY_DISCARD_NO_HINT = 3,
+    /// No supported `kv.fetch` action.
+    KVRELAY_DISCARD_NO_CANDIDATE = 4,
+    /// No binding is configured for any family supporting the first candidate.
+    KVRELAY_DISCARD_MISSING_MAPPING = 5,
+    /// Bindings exist but none is authorized.
+    KVRELAY_DISCARD_UNAUTHORIZED = 6,
+    /// Authorized bindings exist but none supports the action's type and version.
+    KVRELAY_DISCARD_CAPABILITY_MISMATCH = 7,
+    /// More than one authorized binding supports the action: the mapping does not choose.
+    KVRELAY_DISCARD_AMBIGUOUS_MAPPING = 8,
+    /// The resolved binding is request-paired.
+    KVRELAY_DISCARD_REQUEST_PAIRED = 9,
+    /// The payload has no `source_control_endpoint` string.
+    KVRELAY_DISCARD_ENDPOINT_MISSING = 10,
+    /// The endpoint does not normalize (malformed, wildcard, no port...).
+    KVRELAY_DISCARD_ENDPOINT_INVALID = 11,
+    /// The endpoint is not in the server's trusted endpoint registry.
+    KVRELAY_DISCARD_ENDPOINT_NOT_TRUSTED = 12,
+    /// The provider's own validation refused the action, payload or destination.
+    KVRELAY_DISCARD_PROVIDER_REJECTED = 13,
+    /// The provider accepted but the fetch submission failed.
+    KVRELAY_DISCARD_FETCH_FAILED = 14,
+}
+
 /// `kvrelay_decision.kind`.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -490,8 +533,8 @@ pub enum kvrelay_decision_kind {
 pub struct kvrelay_decision {
     /// A `kvrelay_decision_kind` value.
     pub kind: i32,
-    /// For KEEP_PAIRED_PATH: the reason, a stable code; `kvrelay_discard_name` renders it.
-    /// 0 for NAMED_FETCH.
+    /// For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name`
+    /// renders it. `KVRELAY_DISCARD_NONE` (0) for NAMED_FETCH.
     pub discard: i32,
     /// For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
     pub binding_id: kvrelay_str,

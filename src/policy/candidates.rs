@@ -69,16 +69,21 @@ fn classify(a: &Action<'_>, caps: &Capabilities, counts: &mut CandidateCounts) -
     Some(exact)
 }
 
-/// Collect into a caller-owned vector (cleared first): no allocation once it has capacity.
-pub fn collect_candidates_into(snapshot: &Snapshot, caps: &Capabilities, out: &mut Vec<Candidate>) -> CandidateCounts {
-    out.clear();
+/// Call `f` with every candidate, in producer order; returns the counts. Allocates nothing.
+pub fn for_each_candidate(snapshot: &Snapshot, caps: &Capabilities, mut f: impl FnMut(Candidate)) -> CandidateCounts {
     let mut counts = CandidateCounts::default();
     for a in snapshot.actions() {
         if let Some(families) = classify(&a, caps, &mut counts) {
-            out.push(Candidate { action_index: a.index(), families });
+            f(Candidate { action_index: a.index(), families });
         }
     }
     counts
+}
+
+/// Collect into a caller-owned vector (cleared first): no allocation once it has capacity.
+pub fn collect_candidates_into(snapshot: &Snapshot, caps: &Capabilities, out: &mut Vec<Candidate>) -> CandidateCounts {
+    out.clear();
+    for_each_candidate(snapshot, caps, |c| out.push(c))
 }
 
 /// Collect the candidates of `snapshot` under `caps`: every supported `kv.fetch` action in

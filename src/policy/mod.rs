@@ -9,7 +9,8 @@ mod orchestrate;
 mod payload;
 
 pub use candidates::{
-    collect_candidates, collect_candidates_into, first_candidate, Candidate, CandidateCounts, Candidates, KV_FETCH,
+    collect_candidates, collect_candidates_into, first_candidate, for_each_candidate, Candidate, CandidateCounts,
+    Candidates, KV_FETCH,
 };
 pub use caps::{Capabilities, CapabilitiesBuilder, CapabilitiesError, FamilyId, FamilySet, MAX_FAMILIES};
 pub use endpoint::{normalize_endpoint, normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};

@@ -128,7 +128,11 @@ int main(void) {
   size_t n = 0;
   kvrelay_candidate cand[2];
   kvrelay_candidate_counts counts;
+  counts.unknown_type = 77;
+  counts.no_matching_version = 78;
   EXPECT(kvrelay_collect_candidates(good, c, NULL, 0, &n, &counts) == KVRELAY_ERR_BUFFER_TOO_SMALL && n == 1);
+  /* the header promises nothing but the count is written when the buffer is too small */
+  EXPECT(counts.unknown_type == 77 && counts.no_matching_version == 78);
   EXPECT(kvrelay_collect_candidates(good, c, cand, 2, &n, &counts) == KVRELAY_OK && n == 1);
   EXPECT(cand[0].action_index == 0 && cand[0].families == 1 && counts.unknown_type == 0);
   EXPECT(kvrelay_collect_candidates(unsupported, c, cand, 2, &n, &counts) == KVRELAY_OK && n == 0 && counts.unknown_type == 1);
