@@ -10,13 +10,22 @@
 
 #include "kvrelay.h"
 
-#define CHECK(call)                                                                        \
-  do {                                                                                     \
-    kvrelay_status s_ = (call);                                                            \
-    if (s_ != KVRELAY_OK) {                                                                \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, kvrelay_status_message(s_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
+/* Print why the last kvrelay call on this thread failed (the status's message and, where
+ * kvrelay knows more, the detail: which value was refused, which driver call failed). */
+static void print_last_error(const char *where, const char *call) {
+  char msg[512];
+  size_t need = 0;
+  if (kvrelay_last_error_message(msg, sizeof msg, &need) != KVRELAY_OK) msg[0] = '\0';
+  fprintf(stderr, "%s: %s: %s\n", where, call, msg);
+}
+
+#define CHECK(call)                             \
+  do {                                          \
+    kvrelay_status s_ = (call);                 \
+    if (s_ != KVRELAY_OK) {                     \
+      print_last_error(__FILE__, #call);        \
+      exit(1);                                  \
+    }                                           \
   } while (0)
 
 static unsigned char *read_file(const char *path, size_t *len) {

@@ -1012,6 +1012,17 @@ bool kvrelay_debug_checks(void);
 // `KVRELAY_VERSION_*` macros to detect a header/library mismatch.
 const char *kvrelay_version(void);
 
+// What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
+// message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
+// configuration refused, ...). It never contains bytes of a hint. Calls that succeed leave it
+// as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
+// the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
+// size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
+//
+// # Safety
+// `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_last_error_message(char *buf, size_t cap, size_t *len_out);
+
 // A static NUL-terminated English message for any status value, including values kvrelay
 // never returns (those get "unknown kvrelay status"). Never NULL; never free it.
 const char *kvrelay_status_message(int32_t status);

@@ -26,11 +26,27 @@ namespace kvrelay {
 /// A kvrelay_status other than KVRELAY_OK.
 class Error : public std::runtime_error {
  public:
-  explicit Error(int32_t status) : std::runtime_error(kvrelay_status_message(status)), status_(status) {}
+  /// The status, and what() the thread's last-error detail when it belongs to this status
+  /// (thrown right after the failing call, on the same thread), else the status's message.
+  explicit Error(int32_t status) : std::runtime_error(describe(status)), status_(status) {}
   /// The kvrelay_status value.
   int32_t status() const noexcept { return status_; }
 
  private:
+  static std::string describe(int32_t status) {
+    std::string msg = kvrelay_status_message(status);
+    std::size_t need = 0;
+    if (status == KVRELAY_ERR_BUFFER_TOO_SMALL ||
+        kvrelay_last_error_message(nullptr, 0, &need) != KVRELAY_ERR_BUFFER_TOO_SMALL || need <= 1) {
+      return msg;
+    }
+    std::string last(need, '\0');
+    if (kvrelay_last_error_message(last.data(), last.size(), &need) != KVRELAY_OK) return msg;
+    last.resize(need - 1);
+    // the detail starts with its status's message: use it only when it is this status's
+    return last.compare(0, msg.size(), msg) == 0 ? last : msg;
+  }
+
   int32_t status_;
 };
 

@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{bytes, fill, free_box, guard, input, input_mut, out_ptr, put, text};
+use super::boundary::{bytes, fill, free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
 use super::snapshot::{export, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_counters, kvrelay_outcome};
@@ -178,7 +178,7 @@ pub unsafe extern "C" fn kvrelay_admission_new(
             // SAFETY: non-NULL and live per the contract.
             unsafe { input(config) }?.inner.clone()
         };
-        let inner = Admission::new(cfg).map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+        let inner = Admission::new(cfg).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
         // SAFETY: checked non-NULL; caller promises writable.
         unsafe { put(out, Box::into_raw(Box::new(kvrelay_admission { inner }))) };
         Ok(())

@@ -1,20 +1,66 @@
 //! The one boundary helper every exported function goes through, and the checked conversions
 //! of C arguments.
 
+use std::cell::RefCell;
+use std::ffi::CStr;
+use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::status::kvrelay_status::{self, *};
+use super::status::kvrelay_status_message;
 
-/// Run `f`, turning its error into a status and any panic into `KVRELAY_ERR_PANIC`. `f` must
-/// write out-parameters only after everything that can fail has succeeded.
+thread_local! {
+    /// What the last failing call on this thread said (NUL-free text; see
+    /// `kvrelay_last_error_message`).
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The detail of the failure the current call is about to return.
+    static PENDING: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+fn message(s: kvrelay_status) -> &'static str {
+    // SAFETY: kvrelay_status_message returns a static NUL-terminated ASCII string.
+    unsafe { CStr::from_ptr(kvrelay_status_message(s as i32)) }.to_str().unwrap_or("")
+}
+
+/// Return `status` with a detail that says why (which driver call and `CUresult`, which value
+/// was refused); the guard publishes it as the thread's last error. Never put hint bytes in it.
+pub(crate) fn with_detail(status: kvrelay_status, detail: impl Display) -> kvrelay_status {
+    let text = format!("{}: {detail}", message(status)).replace('\0', " ");
+    PENDING.with(|p| *p.borrow_mut() = Some(text));
+    status
+}
+
+/// Publish the failure `s` of the call ending now as the thread's last error (its detail when
+/// one was recorded, else the status's message). `KVRELAY_ERR_BUFFER_TOO_SMALL` is the size
+/// query's answer, not a failure: it leaves the last error as it was.
+fn publish(s: kvrelay_status) {
+    let pending = PENDING.with(|p| p.borrow_mut().take());
+    if s == KVRELAY_ERR_BUFFER_TOO_SMALL {
+        return;
+    }
+    let text = pending.unwrap_or_else(|| message(s).to_string());
+    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+}
+
+/// The thread's last error text, for `kvrelay_last_error_message`.
+pub(crate) fn last_error<R>(f: impl FnOnce(&str) -> R) -> R {
+    LAST_ERROR.with(|e| f(&e.borrow()))
+}
+
+/// Run `f`, turning its error into a status and any panic into `KVRELAY_ERR_PANIC`, and record
+/// a failure as this thread's last error. `f` must write out-parameters only after everything
+/// that can fail has succeeded.
 pub(crate) fn guard(f: impl FnOnce() -> Result<(), kvrelay_status>) -> kvrelay_status {
+    PENDING.with(|p| p.borrow_mut().take());
     // AssertUnwindSafe: on a panic nothing observes the closure's state again; outputs are
     // written last, so a caught panic leaves them untouched.
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => KVRELAY_OK,
+    let s = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return KVRELAY_OK,
         Ok(Err(s)) => s,
         Err(_) => KVRELAY_ERR_PANIC,
-    }
+    };
+    publish(s);
+    s
 }
 
 /// Run `f` for a function that returns nothing; a panic is swallowed.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::boundary::{free_box, guard, input, input_mut, out_ptr, put};
+use super::boundary::{free_box, guard, input, input_mut, out_ptr, put, with_detail};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
     CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer,
@@ -89,7 +89,7 @@ pub struct kvrelay_cuda_engine_options {
 }
 
 fn status_of(e: CopyError) -> kvrelay_status {
-    match e {
+    let s = match e {
         CopyError::NoDriver => KVRELAY_ERR_NO_CUDA_DRIVER,
         CopyError::NoDevice => KVRELAY_ERR_NO_CUDA_DEVICE,
         CopyError::Cuda { .. } => KVRELAY_ERR_CUDA,
@@ -99,7 +99,8 @@ fn status_of(e: CopyError) -> kvrelay_status {
         CopyError::BlockOutOfRange { .. } | CopyError::OutOfBounds => KVRELAY_ERR_OUT_OF_RANGE,
         CopyError::DuplicateBlock { .. } => KVRELAY_ERR_DUPLICATE_BLOCK,
         CopyError::StagingTooSmall { .. } | CopyError::StagingOverlapsPool => KVRELAY_ERR_STAGING,
-    }
+    };
+    with_detail(s, e)
 }
 
 /// A typed array `(ptr, n)`; `(NULL, 0)` is empty.
@@ -122,7 +123,7 @@ fn emit_layout(
     r: Result<KvLayout, crate::copy::LayoutError>,
     out: *mut *mut kvrelay_kv_layout,
 ) -> Result<(), kvrelay_status> {
-    let inner = r.map_err(|_| KVRELAY_ERR_INVALID_LAYOUT)?;
+    let inner = r.map_err(|e| with_detail(KVRELAY_ERR_INVALID_LAYOUT, e))?;
     // SAFETY: `out` was checked non-NULL by the caller of this helper and is writable.
     unsafe { put(out, Box::into_raw(Box::new(kvrelay_kv_layout { inner }))) };
     Ok(())

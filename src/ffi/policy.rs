@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, text};
+use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
 use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
@@ -231,7 +231,7 @@ pub unsafe extern "C" fn kvrelay_capabilities_build(
         // SAFETY: non-NULL live box from `_builder_new`, consumed here.
         let b = unsafe { Box::from_raw(builder) };
         let out = out_ptr(out)?;
-        let caps = b.inner.build().map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+        let caps = b.inner.build().map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { put(out, Box::into_raw(Box::new(kvrelay_capabilities { inner: Arc::new(caps) }))) };
         Ok(())
@@ -416,7 +416,7 @@ pub unsafe extern "C" fn kvrelay_policy_config_add_endpoint(
         let c = unsafe { input_mut(config) }?;
         // SAFETY: forwarded contract.
         let e = unsafe { text(endpoint.cast(), len) }?;
-        crate::policy::normalize_endpoint(e).map_err(|_| KVRELAY_ERR_INVALID_ARGUMENT)?;
+        crate::policy::normalize_endpoint(e).map_err(|err| with_detail(KVRELAY_ERR_INVALID_ARGUMENT, err))?;
         c.inner.endpoints.push(e.into());
         Ok(())
     })
@@ -463,7 +463,7 @@ pub unsafe extern "C" fn kvrelay_orchestrator_new(
         // SAFETY: forwarded contract.
         let (c, cfg) = unsafe { (input(caps)?, input(config)?) };
         let o = Orchestrator::new(c.inner.clone(), cfg.inner.clone(), Box::new(p))
-            .map_err(|_| KVRELAY_ERR_INVALID_CONFIG)?;
+            .map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { put(out, Box::into_raw(Box::new(kvrelay_orchestrator { inner: o }))) };
         Ok(())
