@@ -68,6 +68,9 @@ fn main() {
             return;
         }
     };
+    // The bench plays the runtime: its thread keeps the device's context current (kvrelay then
+    // switches nothing), and its own driver calls below rely on that.
+    let _ctx = d.bind().unwrap();
     let s1 = CudaStream::new(&d).unwrap();
     let s2 = CudaStream::new(&d).unwrap();
     let total = 2 * GIB;

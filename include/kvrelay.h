@@ -11,7 +11,10 @@
  *  - owned handles: _new / _free; shared handles: _retain / _release; NULL is a no-op for both;
  *  - kvrelay_bytes / kvrelay_str / kvrelay_action views borrow from a snapshot and are valid
  *    while the caller holds a reference to it;
- *  - no function lets a panic escape (KVRELAY_ERR_PANIC) and every pointer is checked for NULL.
+ *  - no function lets a panic escape (KVRELAY_ERR_PANIC) and every pointer is checked for NULL;
+ *  - a failing call records why on the calling thread: kvrelay_last_error_message();
+ *  - CUDA: every entry point makes the device's primary context current for its own duration
+ *    only and restores the caller's (none included); it never changes a thread's context.
  */
 
 #ifndef KVRELAY_KVRELAY_H

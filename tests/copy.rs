@@ -300,7 +300,9 @@ fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
         let opts = EngineOptions { method, scratch_bytes: 16 << 20, ..Default::default() };
         // SAFETY: the layout lies inside `m.dev`.
         let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), opts) }.unwrap();
-        // a device-side write of the whole pool enqueued just before the gather
+        // a device-side write of the whole pool enqueued just before the gather (the caller's
+        // own driver call: it makes the context current itself, as a runtime does)
+        let _ctx = d.bind().unwrap();
         let v = 0x10 + round;
         // SAFETY: writes inside the pool allocation on the test's live stream.
         let r = unsafe { cudarc::driver::sys::cuMemsetD8Async(m.dev.ptr(), v, m.dev.len(), stream.raw()) };
@@ -379,4 +381,38 @@ fn gpu_id_ring_backpressure_keeps_every_call_correct() {
     }
     stagings.clear();
     println!("ok id ring under backpressure: 100 calls of 1,000 blocks, the last 10 byte-exact");
+}
+
+#[test]
+fn gpu_entry_points_leave_the_callers_context_as_it_was() {
+    use cudarc::driver::sys;
+    let Some(d) = gpu() else { return };
+    let current = || {
+        let mut c: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: plain query into a local.
+        assert_eq!(unsafe { sys::cuCtxGetCurrent(&mut c) }, sys::CUresult::CUDA_SUCCESS);
+        c
+    };
+    let mut rng = Rng(11);
+    for with_context in [false, true] {
+        // the runtime's thread has no context current, or has the device's context current
+        let held = if with_context { Some(d.bind().unwrap()) } else { None };
+        if !with_context {
+            // SAFETY: unbinds this thread's context (what a fresh runtime thread has).
+            assert_eq!(unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) }, sys::CUresult::CUDA_SUCCESS);
+        }
+        let before = current();
+        let stream = CudaStream::new(&d).unwrap();
+        let m = mirror(&d, Kind::AllLayers, 4, 64, 4096, &mut rng);
+        let ids: Vec<u32> = (0..64).collect();
+        let staging = PinnedBuffer::alloc(&d, m.dev_layout.staging_bytes(ids.len()) as usize).unwrap();
+        // SAFETY: the layout lies inside `m.dev`.
+        let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), EngineOptions::default()) }.unwrap();
+        e.gather(&ids, &staging, &stream, None).unwrap();
+        stream.synchronize().unwrap();
+        drop(e);
+        assert_eq!(current(), before, "with_context={with_context}: kvrelay changed the thread's current context");
+        drop(held);
+    }
+    println!("ok: the caller's current context is unchanged by kvrelay's entry points");
 }

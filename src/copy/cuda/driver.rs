@@ -56,20 +56,46 @@ impl CudaDevice {
             let mut ctx = std::ptr::null_mut();
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
             let d = CudaDevice { ctx, dev, ordinal };
-            d.bind()?;
+            let _ctx = d.bind()?;
             Ok(Arc::new(d))
         }
     }
 
-    /// Make the context current on the calling thread (cheap; every entry point does it).
-    pub fn bind(&self) -> Result<(), CopyError> {
+    /// Make the device's primary context current on the calling thread until the returned
+    /// guard drops, which puts back whatever context the caller had (none included): kvrelay
+    /// never leaves a multi-GPU runtime's thread on another context. When the context is already
+    /// current (the usual case) this costs one `cuCtxGetCurrent` and switches nothing.
+    pub fn bind(&self) -> Result<CtxGuard, CopyError> {
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: plain query into a local.
+        check(unsafe { sys::cuCtxGetCurrent(&mut prev) }, "cuCtxGetCurrent")?;
+        if prev == self.ctx {
+            return Ok(CtxGuard { restore: None });
+        }
         // SAFETY: `ctx` is a retained primary context.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+        Ok(CtxGuard { restore: Some(prev) })
     }
 
     /// The device ordinal.
     pub fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+}
+
+/// Restores the calling thread's previous CUDA context on drop (see [`CudaDevice::bind`]).
+#[must_use = "the context is restored when the guard drops"]
+pub struct CtxGuard {
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.restore {
+            // SAFETY: `prev` was current on this thread when the guard was made (or NULL: no
+            // context); setting it back is what the caller had.
+            unsafe { sys::cuCtxSetCurrent(prev) };
+        }
     }
 }
 
@@ -101,7 +127,7 @@ unsafe impl Sync for PinnedBuffer {}
 impl PinnedBuffer {
     /// Allocate `len` bytes.
     pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<PinnedBuffer, CopyError> {
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut p = std::ptr::null_mut();
         let mut dp = 0;
         // SAFETY: plain driver calls with valid out-pointers; the context is current.
@@ -123,7 +149,7 @@ impl PinnedBuffer {
     /// # Safety
     /// The memory must stay allocated, and not be registered elsewhere, until the buffer drops.
     pub unsafe fn register(dev: &Arc<CudaDevice>, ptr: *mut u8, len: usize) -> Result<PinnedBuffer, CopyError> {
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut dp = 0;
         // SAFETY: the caller vouches for the memory; plain driver calls.
         unsafe {
@@ -171,7 +197,7 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
+        let _ctx = self.dev.bind();
         // SAFETY: frees or unregisters exactly what `alloc` / `register` set up, once.
         unsafe {
             if self.registered {
@@ -194,7 +220,7 @@ pub struct DeviceBuffer {
 impl DeviceBuffer {
     /// Allocate `len` bytes with `cuMemAlloc`.
     pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<DeviceBuffer, CopyError> {
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut p = 0;
         // SAFETY: plain driver call with a valid out-pointer.
         check(unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) }, "cuMemAlloc")?;
@@ -217,7 +243,7 @@ impl DeviceBuffer {
         if at.checked_add(src.len()).is_none_or(|e| e > self.len) {
             return Err(CopyError::OutOfBounds);
         }
-        self.dev.bind()?;
+        let _ctx = self.dev.bind()?;
         // SAFETY: the range is inside the allocation (checked); `src` is readable.
         check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
     }
@@ -226,7 +252,7 @@ impl DeviceBuffer {
         if at.checked_add(dst.len()).is_none_or(|e| e > self.len) {
             return Err(CopyError::OutOfBounds);
         }
-        self.dev.bind()?;
+        let _ctx = self.dev.bind()?;
         // SAFETY: the range is inside the allocation (checked); `dst` is writable.
         check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + at as u64, dst.len()) }, "cuMemcpyDtoH")
     }
@@ -234,7 +260,7 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
+        let _ctx = self.dev.bind();
         // SAFETY: frees the allocation made in `alloc`, once.
         unsafe { sys::cuMemFree_v2(self.ptr) };
     }
@@ -255,7 +281,7 @@ unsafe impl Sync for CudaStream {}
 impl CudaStream {
     /// Create a stream.
     pub fn new(dev: &Arc<CudaDevice>) -> Result<CudaStream, CopyError> {
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: plain driver call with a valid out-pointer.
         let r = unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) };
@@ -268,7 +294,7 @@ impl CudaStream {
     }
     /// Wait for everything enqueued so far.
     pub fn synchronize(&self) -> Result<(), CopyError> {
-        self.dev.bind()?;
+        let _ctx = self.dev.bind()?;
         // SAFETY: a live stream.
         check(unsafe { sys::cuStreamSynchronize(self.raw) }, "cuStreamSynchronize")
     }
@@ -276,7 +302,7 @@ impl CudaStream {
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
+        let _ctx = self.dev.bind();
         // SAFETY: destroys the stream created in `new`, once.
         unsafe { sys::cuStreamDestroy_v2(self.raw) };
     }
@@ -297,7 +323,7 @@ unsafe impl Sync for CudaEvent {}
 impl CudaEvent {
     /// Create an event (timing enabled).
     pub fn new(dev: &Arc<CudaDevice>) -> Result<CudaEvent, CopyError> {
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: plain driver call with a valid out-pointer.
         check(unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) }, "cuEventCreate")?;
@@ -323,7 +349,7 @@ impl CudaEvent {
     }
     /// Wait for it.
     pub fn synchronize(&self) -> Result<(), CopyError> {
-        self.dev.bind()?;
+        let _ctx = self.dev.bind()?;
         // SAFETY: a live event.
         check(unsafe { sys::cuEventSynchronize(self.raw) }, "cuEventSynchronize")
     }
@@ -338,7 +364,7 @@ impl CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
+        let _ctx = self.dev.bind();
         // SAFETY: destroys the event created in `new`, once.
         unsafe { sys::cuEventDestroy_v2(self.raw) };
     }

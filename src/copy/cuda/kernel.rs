@@ -244,7 +244,7 @@ impl CudaEngine {
                 // Slow path: wait for the whole context. Either every launch completed (the
                 // flag is set now), or the context hit a sticky error (a faulting kernel), in
                 // which case nothing will ever read the slot again and waiting longer would hang.
-                let _ = self.dev.bind();
+                let _ctx = self.dev.bind();
                 // SAFETY: plain driver call on the current, retained context.
                 let r = unsafe { sys::cuCtxSynchronize() };
                 // SAFETY: as above.

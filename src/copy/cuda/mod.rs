@@ -212,7 +212,7 @@ impl CudaEngine {
         {
             return Err(CopyError::InvalidOptions);
         }
-        dev.bind()?;
+        let _ctx = dev.bind()?;
         let mut e = CudaEngine {
             dev: dev.clone(),
             checker: Checker::new(&layout),
@@ -431,7 +431,7 @@ impl CudaEngine {
         if ids.is_empty() {
             return Ok(());
         }
-        self.dev.bind()?;
+        let _ctx = self.dev.bind()?;
         match self.opts.method {
             CopyMethod::Kernel => {
                 // SAFETY: forwarded contract; the staging range was checked by the caller.
@@ -505,7 +505,7 @@ impl CudaEngine {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        let _ = self.dev.bind();
+        let _ctx = self.dev.bind();
         // The kernels still running may read the id ring and write the flags: wait for them.
         for slot in 0..self.ring_gen.len() {
             self.wait_slot(slot);
