@@ -26,6 +26,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
+// `KVRELAY_DISCARD_NONE`, stays 0).
+#define KVRELAY_DISCARD_SLOTS 16
+
 // Major version of the library the header belongs to (checked against the crate version).
 #define KVRELAY_VERSION_MAJOR 0
 
@@ -430,6 +434,19 @@ typedef struct kvrelay_decision {
   // For NAMED_FETCH: the action's position in the snapshot.
   size_t action_index;
 } kvrelay_decision;
+
+// A copy of an orchestrator's counters.
+typedef struct kvrelay_policy_counters {
+  // Optional named fetches validated and submitted.
+  uint64_t named_fetch;
+  // Requests that kept the paired path, by `kvrelay_discard` value.
+  uint64_t discarded[KVRELAY_DISCARD_SLOTS];
+  // Actions whose type no backend family lists, summed over the requests that reached
+  // candidate collection (each request's actions counted once).
+  uint64_t unknown_type;
+  // `kv.fetch` actions whose version no family supports, likewise.
+  uint64_t no_matching_version;
+} kvrelay_policy_counters;
 
 // One action of a snapshot, as borrowed views.
 typedef struct kvrelay_action {
@@ -910,6 +927,13 @@ kvrelay_status kvrelay_orchestrate(const struct kvrelay_orchestrator *orchestrat
 // The metric label of a discard code (`"request_paired"`, ...); `"unknown"` for other values.
 // Static, NUL-terminated, never NULL.
 const char *kvrelay_discard_name(int32_t discard);
+
+// Copy the orchestrator's counters.
+//
+// # Safety
+// `orchestrator` NULL or live; `out` NULL or writable.
+kvrelay_status kvrelay_orchestrator_counters(const struct kvrelay_orchestrator *orchestrator,
+                                             struct kvrelay_policy_counters *out);
 
 // The orchestrator's counters as Prometheus text, NUL-terminated, with the size-query
 // convention of `kvrelay_admission_prometheus`.

@@ -409,3 +409,20 @@ fn policy_config_is_checked() {
     }
     assert_eq!(b.build().unwrap_err(), CapabilitiesError::TooManyFamilies);
 }
+
+#[test]
+fn orchestration_accounts_unknown_type_and_no_matching_version_once_per_request() {
+    let mock = Arc::new(Mock::default());
+    let o = orch(vec![named("b1", "nixl")], &[EP], &mock);
+    // one unknown type, one kv.fetch of an unsupported version, then a usable candidate
+    let s = snap(&[("a1", "kv.other", "1.0", EP), ("a2", "kv.fetch", "9.9", EP), ("a3", "kv.fetch", "1.0", EP)]);
+    assert!(matches!(o.decide(&GEN, Some(&s)), Decision::NamedFetch { .. }));
+    assert!(matches!(o.decide(&GEN, Some(&s)), Decision::NamedFetch { .. }));
+    // ineligible requests never reach candidate collection: nothing counted
+    o.decide(&RequestInfo { generation_only: true, lora_adapter: true }, Some(&s));
+    let v = o.counters();
+    assert_eq!((v.unknown_type, v.no_matching_version), (2, 2));
+    let text = o.prometheus();
+    assert!(text.contains("kvrelay_kv_policy_unknown_type_total 2\n"), "{text}");
+    assert!(text.contains("kvrelay_kv_policy_no_matching_version_total 2\n"), "{text}");
+}

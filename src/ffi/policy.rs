@@ -603,6 +603,56 @@ pub extern "C" fn kvrelay_discard_name(discard: i32) -> *const c_char {
     s.as_ptr().cast()
 }
 
+/// Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
+/// `KVRELAY_DISCARD_NONE`, stays 0).
+pub const KVRELAY_DISCARD_SLOTS: usize = 16;
+
+const _: () = assert!(Discard::ALL.len() < KVRELAY_DISCARD_SLOTS);
+
+/// A copy of an orchestrator's counters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvrelay_policy_counters {
+    /// Optional named fetches validated and submitted.
+    pub named_fetch: u64,
+    /// Requests that kept the paired path, by `kvrelay_discard` value.
+    pub discarded: [u64; KVRELAY_DISCARD_SLOTS],
+    /// Actions whose type no backend family lists, summed over the requests that reached
+    /// candidate collection (each request's actions counted once).
+    pub unknown_type: u64,
+    /// `kv.fetch` actions whose version no family supports, likewise.
+    pub no_matching_version: u64,
+}
+
+/// Copy the orchestrator's counters.
+///
+/// # Safety
+/// `orchestrator` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrator_counters(
+    orchestrator: *const kvrelay_orchestrator,
+    out: *mut kvrelay_policy_counters,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let o = unsafe { input(orchestrator) }?;
+        let v = o.inner.counters();
+        let mut c = kvrelay_policy_counters {
+            named_fetch: v.named_fetch,
+            unknown_type: v.unknown_type,
+            no_matching_version: v.no_matching_version,
+            ..Default::default()
+        };
+        for d in Discard::ALL {
+            c.discarded[d as usize] = v.discarded(d);
+        }
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, c) };
+        Ok(())
+    })
+}
+
 /// The orchestrator's counters as Prometheus text, NUL-terminated, with the size-query
 /// convention of `kvrelay_admission_prometheus`.
 ///

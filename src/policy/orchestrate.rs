@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::candidates::{first_candidate, Candidate};
+use super::candidates::{for_each_candidate, Candidate};
 use super::caps::{Capabilities, FamilyId};
 use super::endpoint::{normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};
 use crate::hints::{Action, ActionEnvelope, Snapshot};
@@ -214,6 +214,8 @@ impl Default for PolicyConfig {
 struct PolicyCounters {
     named_fetch: AtomicU64,
     discarded: [AtomicU64; Discard::ALL.len() + 1],
+    unknown_type: AtomicU64,
+    no_matching_version: AtomicU64,
 }
 
 /// A point-in-time copy of the policy counters.
@@ -223,6 +225,11 @@ pub struct PolicyCounterValues {
     pub named_fetch: u64,
     /// Discards, indexed by `Discard as usize` (index 0 unused).
     pub discarded: [u64; Discard::ALL.len() + 1],
+    /// Actions whose type no family lists, summed over the requests that reached candidate
+    /// collection (each request's actions counted once).
+    pub unknown_type: u64,
+    /// `kv.fetch` actions whose version no family supports, likewise.
+    pub no_matching_version: u64,
 }
 
 impl PolicyCounterValues {
@@ -302,8 +309,9 @@ impl Orchestrator {
     /// submit the named fetch. `snapshot` is the request's admitted hint, if any. Counts the
     /// outcome once.
     ///
-    /// Cost without a provider contact: a scan of the actions' type and version strings up to
-    /// the first candidate, a pass over the bindings, and the payload's
+    /// Cost without a provider contact: a scan of every action's type and version strings (the
+    /// candidates and the request's unknown_type / no_matching_version counts), a pass over the
+    /// bindings, and the payload's
     /// `source_control_endpoint` value, which admission already located (O(1)), normalized
     /// into a fixed buffer. Allocates only to decode an endpoint string that contains escapes
     /// and, on the named-fetch path, for the provider.
@@ -326,8 +334,16 @@ impl Orchestrator {
             return Keep(Discard::LoraAdapter);
         }
         let Some(snap) = snapshot else { return Keep(Discard::NoHint) };
-        // The first candidate only; later candidates are never tried.
-        let Some(Candidate { action_index, families }) = first_candidate(snap, &self.caps) else {
+        // Candidate collection: one pass over the actions, which also accounts the request's
+        // unknown_type and no_matching_version counts once. The first candidate only is used;
+        // later candidates are never tried.
+        let mut first = None;
+        let counts = for_each_candidate(snap, &self.caps, |c| {
+            first.get_or_insert(c);
+        });
+        self.counters.unknown_type.fetch_add(u64::from(counts.unknown_type), Ordering::Relaxed);
+        self.counters.no_matching_version.fetch_add(u64::from(counts.no_matching_version), Ordering::Relaxed);
+        let Some(Candidate { action_index, families }) = first else {
             return Keep(Discard::NoCandidate);
         };
         let action = snap.action(action_index).expect("candidate index");
@@ -392,6 +408,8 @@ impl Orchestrator {
     pub fn counters(&self) -> PolicyCounterValues {
         let mut v = PolicyCounterValues {
             named_fetch: self.counters.named_fetch.load(Ordering::Relaxed),
+            unknown_type: self.counters.unknown_type.load(Ordering::Relaxed),
+            no_matching_version: self.counters.no_matching_version.load(Ordering::Relaxed),
             ..Default::default()
         };
         for d in Discard::ALL {
@@ -416,6 +434,16 @@ impl Orchestrator {
         for d in Discard::ALL {
             let _ = writeln!(out, "{p}_discarded_total{{reason=\"{}\"}} {}", d.as_str(), v.discarded(d));
         }
+        let _ = write!(
+            out,
+            "# HELP {p}_unknown_type_total Actions whose type no backend family lists (once per request).\n\
+             # TYPE {p}_unknown_type_total counter\n\
+             {p}_unknown_type_total {}\n\
+             # HELP {p}_no_matching_version_total kv.fetch actions whose version no family supports (once per request).\n\
+             # TYPE {p}_no_matching_version_total counter\n\
+             {p}_no_matching_version_total {}\n",
+            v.unknown_type, v.no_matching_version
+        );
     }
 
     /// The Prometheus text of the counters.

@@ -137,6 +137,15 @@ int main(void) {
   EXPECT(cand[0].action_index == 0 && cand[0].families == 1 && counts.unknown_type == 0);
   EXPECT(kvrelay_collect_candidates(unsupported, c, cand, 2, &n, &counts) == KVRELAY_OK && n == 0 && counts.unknown_type == 1);
 
+  /* counters, as a struct: the unsupported envelope's action counts once per request */
+  kvrelay_policy_counters pc;
+  EXPECT(kvrelay_orchestrator_counters(o, &pc) == KVRELAY_OK);
+  EXPECT(pc.named_fetch == 1 && pc.discarded[KVRELAY_DISCARD_LORA_ADAPTER] == 2 && pc.discarded[KVRELAY_DISCARD_NONE] == 0);
+  EXPECT(pc.discarded[KVRELAY_DISCARD_NO_CANDIDATE] == 1 && pc.discarded[KVRELAY_DISCARD_NO_HINT] == 1);
+  /* the kv.other action of the one eligible request that reached collection; LoRA ones did not */
+  EXPECT(pc.unknown_type == 1 && pc.no_matching_version == 0);
+  EXPECT(kvrelay_orchestrator_counters(o, NULL) == KVRELAY_ERR_NULL);
+
   /* metrics */
   size_t need = 0;
   char text[4096];
