@@ -179,13 +179,22 @@ fn no_driver_is_a_clean_error() {
 
 // ---------------------------------------------------------------- GPU
 
+/// `KVRELAY_REQUIRE_GPU=1` (the GPU machine's runs) turns every skip into a failure.
+fn require_gpu() -> bool {
+    std::env::var("KVRELAY_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The device, or `None` (a clean skip, saying why) when this machine has no CUDA driver or no
+/// device; any other failure to open it is a test failure.
 fn gpu() -> Option<std::sync::Arc<CudaDevice>> {
     match CudaDevice::open(0) {
         Ok(d) => Some(d),
-        Err(e) => {
+        Err(e @ (CopyError::NoDriver | CopyError::NoDevice)) => {
+            assert!(!require_gpu(), "KVRELAY_REQUIRE_GPU=1 but {e}");
             println!("SKIP GPU test: {e} (the CPU reference engine tests cover the copy plan)");
             None
         }
+        Err(e) => panic!("the CUDA device is present but could not be opened: {e}"),
     }
 }
 
@@ -232,6 +241,7 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
             } {
                 Ok(e) => e,
                 Err(CopyError::Unsupported(what)) => {
+                    assert!(!require_gpu(), "KVRELAY_REQUIRE_GPU=1 but {kind:?}/{method:?} is unsupported: {what}");
                     println!("SKIP {kind:?}/{method:?}: {what}");
                     continue;
                 }

@@ -1,5 +1,9 @@
 /* KV copy through the C ABI: the CPU reference engine on the three layout kinds, refusals,
- * and a clean status where there is no CUDA driver. Prints "N passed, M failed". */
+ * a clean status where there is no CUDA driver, and, where there is one, the CUDA engine from
+ * C: kvrelay_cuda_engine_new, gather and scatter with a done_event, kvrelay_pinned_alloc and
+ * kvrelay_pinned_register, byte-exact, with the caller's context left as it was.
+ * KVRELAY_REQUIRE_GPU=1 turns the GPU skip into a failure. Prints "N passed, M failed". */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +50,118 @@ static void check_gather(kvrelay_kv_layout *layout, const kvrelay_kv_segment *se
   free(back);
   free(staging);
   kvrelay_cpu_engine_free(e);
+}
+
+
+/* The few driver calls the test makes itself, as a runtime would, loaded with dlopen (no CUDA
+ * headers needed). */
+typedef int cu_result;
+typedef struct cu_ctx_st *cu_context;
+typedef struct cu_event_st *cu_event;
+typedef unsigned long long cu_deviceptr;
+typedef struct {
+  cu_result (*init)(unsigned);
+  cu_result (*device_get)(int *, int);
+  cu_result (*primary_retain)(cu_context *, int);
+  cu_result (*primary_release)(int);
+  cu_result (*ctx_set)(cu_context);
+  cu_result (*ctx_get)(cu_context *);
+  cu_result (*mem_alloc)(cu_deviceptr *, size_t);
+  cu_result (*mem_free)(cu_deviceptr);
+  cu_result (*htod)(cu_deviceptr, const void *, size_t);
+  cu_result (*dtoh)(void *, cu_deviceptr, size_t);
+  cu_result (*event_create)(cu_event *, unsigned);
+  cu_result (*event_sync)(cu_event);
+  cu_result (*event_destroy)(cu_event);
+} driver;
+
+static int load_driver(driver *d) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) return 0;
+#define SYM(field, name) *(void **)(&d->field) = dlsym(h, name)
+  SYM(init, "cuInit");
+  SYM(device_get, "cuDeviceGet");
+  SYM(primary_retain, "cuDevicePrimaryCtxRetain");
+  SYM(primary_release, "cuDevicePrimaryCtxRelease_v2");
+  SYM(ctx_set, "cuCtxSetCurrent");
+  SYM(ctx_get, "cuCtxGetCurrent");
+  SYM(mem_alloc, "cuMemAlloc_v2");
+  SYM(mem_free, "cuMemFree_v2");
+  SYM(htod, "cuMemcpyHtoD_v2");
+  SYM(dtoh, "cuMemcpyDtoH_v2");
+  SYM(event_create, "cuEventCreate");
+  SYM(event_sync, "cuEventSynchronize");
+  SYM(event_destroy, "cuEventDestroy_v2");
+#undef SYM
+  return d->init && d->device_get && d->primary_retain && d->primary_release && d->ctx_set && d->ctx_get &&
+         d->mem_alloc && d->mem_free && d->htod && d->dtoh && d->event_create && d->event_sync && d->event_destroy;
+}
+
+static void check_cuda(const uint8_t *host, size_t pool_bytes) {
+  driver d;
+  memset(&d, 0, sizeof d);
+  EXPECT(load_driver(&d));
+  int dev = 0;
+  cu_context ctx = NULL, seen = NULL;
+  EXPECT(d.init(0) == 0 && d.device_get(&dev, 0) == 0 && d.primary_retain(&ctx, dev) == 0);
+  EXPECT(d.ctx_set(ctx) == 0); /* the runtime's thread holds its device's context */
+  cu_deviceptr pool = 0;
+  EXPECT(d.mem_alloc(&pool, pool_bytes) == 0);
+  EXPECT(d.htod(pool, host, pool_bytes) == 0);
+
+  kvrelay_kv_layout *layout = NULL;
+  EXPECT(kvrelay_kv_layout_all_layers_per_block(pool, LAYERS, BLOCKS, KV, &layout) == KVRELAY_OK);
+  kvrelay_cuda_engine *e = NULL;
+  EXPECT(kvrelay_cuda_engine_new(0, layout, NULL, &e) == KVRELAY_OK);
+  uint64_t bb = kvrelay_kv_layout_stage_block_bytes(layout);
+  uint32_t ids[5] = {7, 0, 23, 7, 12};
+  kvrelay_pinned *staging = NULL;
+  EXPECT(kvrelay_pinned_alloc(0, 5 * bb, &staging) == KVRELAY_OK);
+  cu_event done = NULL;
+  EXPECT(d.event_create(&done, 0) == 0);
+  /* gather on the legacy default stream, done_event recorded after it */
+  EXPECT(kvrelay_cuda_gather(e, ids, 5, staging, NULL, (void *)done) == KVRELAY_OK);
+  EXPECT(d.event_sync(done) == 0);
+  const uint8_t *got = kvrelay_pinned_host(staging);
+  int same = 1;
+  for (size_t i = 0; i < 5; i++) /* all-layers-per-block: a block is contiguous in the pool */
+    if (memcmp(got + i * bb, host + ids[i] * bb, bb) != 0) same = 0;
+  EXPECT(same);
+  /* the caller's own memory, registered, as staging for a scatter into other blocks */
+  size_t reg_len = 4 * bb;
+  uint8_t *mine = (uint8_t *)aligned_alloc(4096, (reg_len + 4095) / 4096 * 4096);
+  memcpy(mine, got, reg_len);
+  kvrelay_pinned *reg = NULL;
+  EXPECT(kvrelay_pinned_register(0, mine, (reg_len + 4095) / 4096 * 4096, &reg) == KVRELAY_OK);
+  uint32_t others[4] = {1, 2, 3, 4};
+  EXPECT(kvrelay_cuda_scatter(e, reg, others, 4, NULL, (void *)done) == KVRELAY_OK);
+  EXPECT(d.event_sync(done) == 0);
+  uint8_t *back = (uint8_t *)malloc(pool_bytes);
+  EXPECT(d.dtoh(back, pool, pool_bytes) == 0);
+  EXPECT(memcmp(back + 1 * bb, mine, 4 * bb) == 0);
+  /* refusals carry a detail */
+  kvrelay_pinned *tiny = NULL;
+  EXPECT(kvrelay_pinned_alloc(0, 16, &tiny) == KVRELAY_OK);
+  EXPECT(kvrelay_cuda_gather(e, ids, 5, tiny, NULL, NULL) == KVRELAY_ERR_STAGING);
+  char msg[256];
+  size_t need = 0;
+  EXPECT(kvrelay_last_error_message(msg, sizeof msg, &need) == KVRELAY_OK && need > 1);
+  printf("a refused gather says: %s\n", msg);
+  /* the thread's context is the one it had */
+  EXPECT(d.ctx_get(&seen) == 0 && seen == ctx);
+  kvrelay_pinned_free(tiny);
+  kvrelay_pinned_free(reg);
+  kvrelay_pinned_free(staging);
+  kvrelay_cuda_engine_free(e);
+  kvrelay_kv_layout_free(layout);
+  d.event_destroy(done);
+  d.mem_free(pool);
+  EXPECT(d.ctx_get(&seen) == 0 && seen == ctx);
+  d.ctx_set(NULL);
+  d.primary_release(dev);
+  free(back);
+  free(mine);
+  printf("CUDA engine from C: ok\n");
 }
 
 int main(void) {
@@ -98,6 +214,14 @@ int main(void) {
     kvrelay_pinned *p = NULL;
     EXPECT(kvrelay_pinned_alloc(0, 4096, &p) == st && p == NULL);
     EXPECT(kvrelay_cuda_available(-1) != KVRELAY_OK);
+  }
+  const char *require = getenv("KVRELAY_REQUIRE_GPU");
+  if (st == KVRELAY_OK) {
+    check_cuda(mem, BLOCKS * 2 * LAYERS * KV);
+  } else if (require && strcmp(require, "1") == 0) {
+    EXPECT(!"KVRELAY_REQUIRE_GPU=1 but no CUDA driver or device");
+  } else {
+    printf("SKIP CUDA engine from C: %s\n", kvrelay_status_message(st));
   }
   EXPECT(kvrelay_pinned_host(NULL) == NULL && kvrelay_pinned_len(NULL) == 0);
   kvrelay_pinned_free(NULL);
