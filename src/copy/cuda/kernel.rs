@@ -221,9 +221,13 @@ impl CudaEngine {
     }
 
     /// Wait until the last launch that used `slot` has finished (its generation is in the
-    /// slot's flag). Spins with yields for up to a millisecond (with 32 slots a wait only
-    /// happens when the caller enqueues faster than the GPU drains for a long time), then waits
-    /// for the context, which also ends the wait if the context has failed.
+    /// slot's flag): kvrelay waits only on its own launch, never on the context or on other
+    /// work. Spins with yields for a millisecond (with 32 slots a wait only happens when the
+    /// caller enqueues faster than the GPU drains for a long time), then polls the flag every
+    /// 50 us and asks an idle stream of kvrelay's own whether the context has failed (a sticky
+    /// error: then nothing will ever publish the flag, and the wait ends). Worst case: as long
+    /// as the GPU takes to reach and run that launch, i.e. what the caller enqueued before it
+    /// on that stream.
     pub(super) fn wait_slot(&self, slot: usize) {
         let want = self.ring_gen[slot];
         if want == 0 {
@@ -241,18 +245,20 @@ impl CudaEngine {
                 return;
             }
             if started.elapsed() > std::time::Duration::from_millis(1) {
-                // Slow path: wait for the whole context. Either every launch completed (the
-                // flag is set now), or the context hit a sticky error (a faulting kernel), in
-                // which case nothing will ever read the slot again and waiting longer would hang.
-                let _ctx = self.dev.bind();
-                // SAFETY: plain driver call on the current, retained context.
-                let r = unsafe { sys::cuCtxSynchronize() };
-                // SAFETY: as above.
-                let seen = unsafe { std::ptr::read_volatile(p) };
-                if r != sys::CUresult::CUDA_SUCCESS || seen >= want {
-                    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                let probe = self.ring_probe.as_ref().expect("created with the ring");
+                let failed = match self.dev.bind() {
+                    Ok(_ctx) => {
+                        // SAFETY: a live stream of this engine's context, current on this thread.
+                        let r = unsafe { sys::cuStreamQuery(probe.raw()) };
+                        r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_NOT_READY
+                    }
+                    Err(_) => true,
+                };
+                if failed {
                     return;
                 }
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                continue;
             }
             std::thread::yield_now();
         }

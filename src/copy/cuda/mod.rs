@@ -157,6 +157,9 @@ pub struct CudaEngine {
     ring_counters: Option<DeviceBuffer>,
     /// Generation of the last launch that used each slot (0: never used).
     ring_gen: Vec<u64>,
+    /// An idle stream of kvrelay's own: querying it tells a slot wait that the context has
+    /// failed (a sticky error), without waiting on anyone's work.
+    ring_probe: Option<CudaStream>,
     next_gen: u64,
     ring_next: usize,
     scratch: Option<DeviceBuffer>,
@@ -239,6 +242,7 @@ impl CudaEngine {
             ring_done: None,
             ring_counters: None,
             ring_gen: Vec::new(),
+            ring_probe: None,
             next_gen: 0,
             ring_next: 0,
             scratch: None,
@@ -315,6 +319,7 @@ impl CudaEngine {
             counters.write(0, &[0u8; RING_SLOTS * 4])?;
             self.ring_counters = Some(counters);
             self.ring_gen = vec![0; RING_SLOTS];
+            self.ring_probe = Some(CudaStream::new(&self.dev)?);
         }
         let rows: Vec<SegRow> = self
             .layout
