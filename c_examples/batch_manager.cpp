@@ -234,6 +234,25 @@ int main() {
     if (c.admitted != 4 || c.malformed != 2 || c.oversized != 1 || c.unknown_version != 1) fail("trusted counters");
     if (untrusted_edge.counters().untrusted != 1) fail("untrusted counter");
     std::printf("\n%s", trusted_edge.prometheus().c_str());
+    // Handles move (construction and assignment: the old one is freed, the moved-from one is
+    // empty) and free once; a refused call's exception carries the library's detail.
+    {
+      std::vector<uint8_t> pool(4 * 2 * 2 * 64);
+      kvrelay::KvLayout layout = kvrelay::KvLayout::all_layers_per_block(reinterpret_cast<uint64_t>(pool.data()), 2, 4, 64);
+      kvrelay::CpuEngine engine(layout);
+      kvrelay::CpuEngine other(layout);
+      other = std::move(engine);
+      std::vector<uint8_t> staging(layout.stage_block_bytes());
+      const uint32_t id = 3;
+      other.gather(&id, 1, staging.data(), staging.size());
+      try {
+        other.gather(&id, 1, staging.data(), 1);
+        fail("a too-small staging buffer was accepted");
+      } catch (const kvrelay::Error &e) {
+        if (std::string(e.what()).find("needs") == std::string::npos) fail(std::string("an error without its detail: ") + e.what());
+        std::printf("a refused copy says: %s\n", e.what());
+      }
+    }
     kids.clear();
     live.clear();  // every snapshot released here, by RAII
   } catch (const kvrelay::Error &e) {

@@ -6,13 +6,24 @@
 //
 // kvrelay::Snapshot: copy = kvrelay_snapshot_retain, move = transfer, destructor = release.
 // Views (std::string_view) borrow from the snapshot and are valid while some Snapshot holding
-// it lives.
+// it lives. Every other handle (Admission, Capabilities, Orchestrator, KvLayout, CpuEngine,
+// Pinned, CudaEngine) is one detail::Handle: movable (construction and assignment; a moved-from
+// object is empty), not copyable, freed once.
+//
+// Threads: Snapshot, Admission (admit, counters, prometheus), Capabilities and Orchestrator
+// (decide, prometheus) may be used from any number of threads at once. CpuEngine, CudaEngine
+// and Pinned belong to one thread (or stream) at a time. Provider::validate and fetch run on
+// the thread that calls Orchestrator::decide, inside it, possibly on many threads at once: make
+// them thread-safe; an exception they throw is caught and counts as a refusal (-1); a provider
+// slot left NULL at the C level refuses as well. kvrelay::Error::what() carries the detail of
+// kvrelay_last_error_message when thrown right after the failing call (same thread).
 #ifndef KVRELAY_KVRELAY_HPP
 #define KVRELAY_KVRELAY_HPP
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -20,6 +31,12 @@
 #include <vector>
 
 #include "kvrelay.h"
+
+// CUDA driver handle types, declared exactly as cuda.h declares them, so that kvrelay.hpp needs
+// no CUDA headers and a runtime's CUstream / CUevent pass straight through (redeclaring the same
+// typedef is allowed when cuda.h is included too).
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 namespace kvrelay {
 
@@ -67,6 +84,38 @@ struct Action {
 };
 
 namespace detail {
+/// One owning handle for every kvrelay handle freed by one function: movable (a moved-from
+/// handle is empty and frees nothing), not copyable, frees exactly once.
+template <typename T, void (*Free)(T *)>
+class Handle {
+ public:
+  Handle() noexcept = default;
+  Handle(Handle &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  Handle &operator=(Handle &&o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+    }
+    return *this;
+  }
+  Handle(const Handle &) = delete;
+  Handle &operator=(const Handle &) = delete;
+  ~Handle() { reset(); }
+  T *get() const noexcept { return p_; }
+  /// For a `_new(..., &out)` call: frees what it held, then hands out its slot.
+  T **out() noexcept {
+    reset();
+    return &p_;
+  }
+  void reset() noexcept {
+    if (p_) Free(p_);
+    p_ = nullptr;
+  }
+
+ private:
+  T *p_ = nullptr;
+};
+
 /// Call a kvrelay "fill the caller's buffer" function: size query, then fill. Text that grows
 /// between the two (Prometheus text while other threads admit) is asked for again with the
 /// size the failed fill reported, a bounded number of times.
@@ -173,13 +222,15 @@ struct Outcome {
   }
 };
 
-/// Admission settings (the defaults of kvrelay_admission_config_new).
+/// Admission settings. A limit or prefix left empty keeps the library's own default
+/// (kvrelay_admission_config_new: 65,536 canonical bytes, depth 128, 1 MiB raw,
+/// `kvrelay_kv_hints`); nothing is copied here by hand.
 struct AdmissionConfig {
   bool trusted = false;
-  std::size_t max_bytes = 65536;
-  std::size_t max_depth = 128;
-  std::size_t max_raw_bytes = 1u << 20;
-  std::string metric_prefix = "kvrelay_kv_hints";
+  std::optional<std::size_t> max_bytes;
+  std::optional<std::size_t> max_depth;
+  std::optional<std::size_t> max_raw_bytes;
+  std::optional<std::string> metric_prefix;
   /// When not empty, trust is read from this environment variable (after `trusted`):
   /// "KVRELAY_TRUST_KV_HINTS" is the conventional name.
   std::string trust_env;
@@ -193,30 +244,23 @@ class Admission {
     check(kvrelay_admission_config_new(&cfg));
     int32_t s = kvrelay_admission_config_set_trusted(cfg, c.trusted);
     if (s == KVRELAY_OK && !c.trust_env.empty()) s = kvrelay_admission_config_trust_from_env(cfg, c.trust_env.data(), c.trust_env.size());
-    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_bytes(cfg, c.max_bytes);
-    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_depth(cfg, c.max_depth);
-    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_max_raw_bytes(cfg, c.max_raw_bytes);
-    if (s == KVRELAY_OK) s = kvrelay_admission_config_set_metric_prefix(cfg, c.metric_prefix.data(), c.metric_prefix.size());
-    if (s == KVRELAY_OK) s = kvrelay_admission_new(cfg, &p_);
+    if (s == KVRELAY_OK && c.max_bytes) s = kvrelay_admission_config_set_max_bytes(cfg, *c.max_bytes);
+    if (s == KVRELAY_OK && c.max_depth) s = kvrelay_admission_config_set_max_depth(cfg, *c.max_depth);
+    if (s == KVRELAY_OK && c.max_raw_bytes) s = kvrelay_admission_config_set_max_raw_bytes(cfg, *c.max_raw_bytes);
+    if (s == KVRELAY_OK && c.metric_prefix)
+      s = kvrelay_admission_config_set_metric_prefix(cfg, c.metric_prefix->data(), c.metric_prefix->size());
+    if (s == KVRELAY_OK) s = kvrelay_admission_new(cfg, h_.out());
     kvrelay_admission_config_free(cfg);
     check(s);
   }
-  Admission(const Admission &) = delete;
-  Admission &operator=(const Admission &) = delete;
-  Admission(Admission &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  Admission &operator=(Admission &&o) noexcept {
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~Admission() { kvrelay_admission_free(p_); }
 
-  kvrelay_admission *get() const noexcept { return p_; }
+  kvrelay_admission *get() const noexcept { return h_.get(); }
 
   /// Admit the raw text found under `kv_hints` (empty: the request has none).
   Outcome admit(std::string_view json) const {
     kvrelay_outcome o;
     kvrelay_snapshot *s = nullptr;
-    check(kvrelay_admit(p_, reinterpret_cast<const uint8_t *>(json.data()), json.size(), &o, &s));
+    check(kvrelay_admit(h_.get(), reinterpret_cast<const uint8_t *>(json.data()), json.size(), &o, &s));
     return Outcome::from(o, s);
   }
 
@@ -225,7 +269,7 @@ class Admission {
   std::vector<Outcome> admit_batch(std::string_view json, std::size_t prompts, bool *shared = nullptr) const {
     std::vector<kvrelay_outcome> o(prompts);
     std::vector<kvrelay_snapshot *> s(prompts, nullptr);
-    check(kvrelay_admit_batch(p_, reinterpret_cast<const uint8_t *>(json.data()), json.size(), prompts, o.data(), s.data(), shared));
+    check(kvrelay_admit_batch(h_.get(), reinterpret_cast<const uint8_t *>(json.data()), json.size(), prompts, o.data(), s.data(), shared));
     std::vector<Outcome> r;
     r.reserve(prompts);
     for (std::size_t i = 0; i < prompts; ++i) r.push_back(Outcome::from(o[i], s[i]));
@@ -236,27 +280,27 @@ class Admission {
   Outcome decode_msgpack(const uint8_t *data, std::size_t len) const {
     kvrelay_outcome o;
     kvrelay_snapshot *s = nullptr;
-    check(kvrelay_admission_decode_msgpack(p_, data, len, &o, &s));
+    check(kvrelay_admission_decode_msgpack(h_.get(), data, len, &o, &s));
     return Outcome::from(o, s);
   }
   Outcome decode_msgpack(const std::vector<uint8_t> &m) const { return decode_msgpack(m.data(), m.size()); }
 
   kvrelay_counters counters() const {
     kvrelay_counters c;
-    check(kvrelay_admission_counters(p_, &c));
+    check(kvrelay_admission_counters(h_.get(), &c));
     return c;
   }
 
   /// Prometheus text (format 0.0.4) of the counters.
   std::string prometheus() const {
     std::string s = detail::fill<std::string>(
-        [&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_admission_prometheus(p_, reinterpret_cast<char *>(b), c, n); });
+        [&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_admission_prometheus(h_.get(), reinterpret_cast<char *>(b), c, n); });
     if (!s.empty() && s.back() == '\0') s.pop_back();
     return s;
   }
 
  private:
-  kvrelay_admission *p_ = nullptr;
+  detail::Handle<kvrelay_admission, kvrelay_admission_free> h_;
 };
 
 /// One (family, action_type, action_version) a backend family supports.
@@ -278,30 +322,22 @@ class Capabilities {
         throw Error(st);
       }
     }
-    check(kvrelay_capabilities_build(b, &p_));  // consumes the builder
+    check(kvrelay_capabilities_build(b, h_.out()));  // consumes the builder
   }
-  Capabilities(const Capabilities &) = delete;
-  Capabilities &operator=(const Capabilities &) = delete;
-  Capabilities(Capabilities &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  Capabilities &operator=(Capabilities &&o) noexcept {
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~Capabilities() { kvrelay_capabilities_free(p_); }
-  kvrelay_capabilities *get() const noexcept { return p_; }
+  kvrelay_capabilities *get() const noexcept { return h_.get(); }
 
   /// The candidates of a snapshot, in producer order.
   std::vector<kvrelay_candidate> candidates(const Snapshot &s, kvrelay_candidate_counts *counts = nullptr) const {
     std::size_t n = 0;
-    int32_t st = kvrelay_collect_candidates(s.get(), p_, nullptr, 0, &n, counts);
+    int32_t st = kvrelay_collect_candidates(s.get(), h_.get(), nullptr, 0, &n, counts);
     if (st != KVRELAY_OK && st != KVRELAY_ERR_BUFFER_TOO_SMALL) throw Error(st);
     std::vector<kvrelay_candidate> v(n);
-    check(kvrelay_collect_candidates(s.get(), p_, v.data(), v.size(), &n, counts));
+    check(kvrelay_collect_candidates(s.get(), h_.get(), v.data(), v.size(), &n, counts));
     return v;
   }
 
  private:
-  kvrelay_capabilities *p_ = nullptr;
+  detail::Handle<kvrelay_capabilities, kvrelay_capabilities_free> h_;
 };
 
 /// A configured binding.
@@ -316,7 +352,7 @@ struct Binding {
 struct PolicyConfig {
   std::vector<Binding> bindings;
   std::vector<std::string> endpoints;  ///< the trusted endpoint registry
-  std::string metric_prefix = "kvrelay_kv_policy";
+  std::optional<std::string> metric_prefix;  ///< empty: the library's default (`kvrelay_kv_policy`)
 };
 
 /// A consumer's provider: return 0 to accept, anything else to refuse. Called from any thread
@@ -346,7 +382,8 @@ class Orchestrator {
   Orchestrator(const Capabilities &caps, const PolicyConfig &config, std::shared_ptr<Provider> provider) {
     kvrelay_policy_config *c = nullptr;
     check(kvrelay_policy_config_new(&c));
-    int32_t st = kvrelay_policy_config_set_metric_prefix(c, config.metric_prefix.data(), config.metric_prefix.size());
+    int32_t st = KVRELAY_OK;
+    if (config.metric_prefix) st = kvrelay_policy_config_set_metric_prefix(c, config.metric_prefix->data(), config.metric_prefix->size());
     for (const Binding &b : config.bindings) {
       if (st == KVRELAY_OK)
         st = kvrelay_policy_config_add_binding(c, b.id.data(), b.id.size(), b.family.data(), b.family.size(),
@@ -361,30 +398,22 @@ class Orchestrator {
       if (st == KVRELAY_OK) st = kvrelay_policy_config_add_endpoint(c, e.data(), e.size());
     if (st == KVRELAY_OK) {
       kvrelay_provider p{new std::shared_ptr<Provider>(std::move(provider)), &call_validate, &call_fetch, &destroy};
-      st = kvrelay_orchestrator_new(caps.get(), c, &p, &p_);  // owns p.user_data from here on
+      st = kvrelay_orchestrator_new(caps.get(), c, &p, h_.out());  // owns p.user_data from here on
     }
     kvrelay_policy_config_free(c);
     check(st);
   }
-  Orchestrator(const Orchestrator &) = delete;
-  Orchestrator &operator=(const Orchestrator &) = delete;
-  Orchestrator(Orchestrator &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  Orchestrator &operator=(Orchestrator &&o) noexcept {
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~Orchestrator() { kvrelay_orchestrator_free(p_); }
 
   /// Decide for a request; `snapshot` may be empty (no admitted hint).
   Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot) const {
     kvrelay_decision d;
-    check(kvrelay_orchestrate(p_, &request, snapshot.get(), &d));
+    check(kvrelay_orchestrate(h_.get(), &request, snapshot.get(), &d));
     return Decision{d.kind, d.discard, std::string(view(d.binding_id)), d.action_index};
   }
 
   std::string prometheus() const {
     std::string s = detail::fill<std::string>(
-        [&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_orchestrator_prometheus(p_, reinterpret_cast<char *>(b), c, n); });
+        [&](uint8_t *b, std::size_t c, std::size_t *n) { return kvrelay_orchestrator_prometheus(h_.get(), reinterpret_cast<char *>(b), c, n); });
     if (!s.empty() && s.back() == '\0') s.pop_back();
     return s;
   }
@@ -406,7 +435,7 @@ class Orchestrator {
   }
   static void destroy(void *u) noexcept { delete static_cast<std::shared_ptr<Provider> *>(u); }
 
-  kvrelay_orchestrator *p_ = nullptr;
+  detail::Handle<kvrelay_orchestrator, kvrelay_orchestrator_free> h_;
 };
 
 /// A validated KV pool layout (see kvrelay_kv_layout_*). Movable, not copyable.
@@ -415,100 +444,102 @@ class KvLayout {
   /// TensorRT-LLM-style `[num_blocks, layers, 2, kv_block_bytes]` pool at `pool`.
   static KvLayout all_layers_per_block(uint64_t pool, uint32_t layers, uint32_t num_blocks, uint64_t kv_block_bytes) {
     KvLayout l;
-    check(kvrelay_kv_layout_all_layers_per_block(pool, layers, num_blocks, kv_block_bytes, &l.p_));
+    check(kvrelay_kv_layout_all_layers_per_block(pool, layers, num_blocks, kv_block_bytes, l.h_.out()));
     return l;
   }
   /// vLLM-style: one `[2, num_blocks, kv_block_bytes]` pool per layer.
   static KvLayout per_layer_kv_first(const std::vector<uint64_t> &layer_pools, uint32_t num_blocks, uint64_t kv_block_bytes) {
     KvLayout l;
-    check(kvrelay_kv_layout_per_layer_kv_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, &l.p_));
+    check(kvrelay_kv_layout_per_layer_kv_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, l.h_.out()));
     return l;
   }
   /// FlashInfer-style: one `[num_blocks, 2, kv_block_bytes]` pool per layer.
   static KvLayout per_layer_block_first(const std::vector<uint64_t> &layer_pools, uint32_t num_blocks, uint64_t kv_block_bytes) {
     KvLayout l;
-    check(kvrelay_kv_layout_per_layer_block_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, &l.p_));
+    check(kvrelay_kv_layout_per_layer_block_first(layer_pools.data(), layer_pools.size(), num_blocks, kv_block_bytes, l.h_.out()));
     return l;
   }
   /// Any segment table; `pools` are the extents the segments must stay inside (may be empty).
   static KvLayout from_segments(uint32_t num_blocks, const std::vector<kvrelay_kv_segment> &segments,
                                 const std::vector<kvrelay_kv_extent> &pools = {}) {
     KvLayout l;
-    check(kvrelay_kv_layout_new(num_blocks, segments.data(), segments.size(), pools.data(), pools.size(), &l.p_));
+    check(kvrelay_kv_layout_new(num_blocks, segments.data(), segments.size(), pools.data(), pools.size(), l.h_.out()));
     return l;
   }
-  KvLayout(const KvLayout &) = delete;
-  KvLayout &operator=(const KvLayout &) = delete;
-  KvLayout(KvLayout &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  KvLayout &operator=(KvLayout &&o) noexcept {
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  ~KvLayout() { kvrelay_kv_layout_free(p_); }
-  const kvrelay_kv_layout *get() const noexcept { return p_; }
+  const kvrelay_kv_layout *get() const noexcept { return h_.get(); }
   /// Bytes of one staged block (every segment, block-major).
-  uint64_t stage_block_bytes() const noexcept { return kvrelay_kv_layout_stage_block_bytes(p_); }
+  uint64_t stage_block_bytes() const noexcept { return kvrelay_kv_layout_stage_block_bytes(h_.get()); }
 
  private:
   KvLayout() = default;
-  kvrelay_kv_layout *p_ = nullptr;
+  detail::Handle<kvrelay_kv_layout, kvrelay_kv_layout_free> h_;
 };
 
 /// The CPU reference engine over a host-memory pool (the caller keeps the pool alive).
 class CpuEngine {
  public:
-  explicit CpuEngine(const KvLayout &layout) { check(kvrelay_cpu_engine_new(layout.get(), &p_)); }
-  CpuEngine(const CpuEngine &) = delete;
-  CpuEngine &operator=(const CpuEngine &) = delete;
-  CpuEngine(CpuEngine &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  ~CpuEngine() { kvrelay_cpu_engine_free(p_); }
-  void gather(const std::vector<uint32_t> &ids, uint8_t *staging, std::size_t len) {
-    check(kvrelay_cpu_gather(p_, ids.data(), ids.size(), staging, len));
+  explicit CpuEngine(const KvLayout &layout) { check(kvrelay_cpu_engine_new(layout.get(), h_.out())); }
+  /// Copy blocks `ids[0..n]` into `staging[0..len]`, block-major.
+  void gather(const uint32_t *ids, std::size_t n, uint8_t *staging, std::size_t len) {
+    check(kvrelay_cpu_gather(h_.get(), ids, n, staging, len));
+  }
+  void gather(const std::vector<uint32_t> &ids, uint8_t *staging, std::size_t len) { gather(ids.data(), ids.size(), staging, len); }
+  /// Copy `staging[0..len]` back into blocks `ids[0..n]` (no repeats).
+  void scatter(const uint8_t *staging, std::size_t len, const uint32_t *ids, std::size_t n) {
+    check(kvrelay_cpu_scatter(h_.get(), staging, len, ids, n));
   }
   void scatter(const uint8_t *staging, std::size_t len, const std::vector<uint32_t> &ids) {
-    check(kvrelay_cpu_scatter(p_, staging, len, ids.data(), ids.size()));
+    scatter(staging, len, ids.data(), ids.size());
   }
 
  private:
-  kvrelay_cpu_engine *p_ = nullptr;
+  detail::Handle<kvrelay_cpu_engine, kvrelay_cpu_engine_free> h_;
 };
 
-/// Pinned, device-mapped host memory.
+/// Pinned, device-mapped host memory: allocated here, or the caller's own memory registered.
 class Pinned {
  public:
-  Pinned(int device, std::size_t len) { check(kvrelay_pinned_alloc(device, len, &p_)); }
-  Pinned(const Pinned &) = delete;
-  Pinned &operator=(const Pinned &) = delete;
-  Pinned(Pinned &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  ~Pinned() { kvrelay_pinned_free(p_); }
-  uint8_t *data() noexcept { return kvrelay_pinned_host(p_); }
-  std::size_t size() const noexcept { return kvrelay_pinned_len(p_); }
-  const kvrelay_pinned *get() const noexcept { return p_; }
+  Pinned(int device, std::size_t len) { check(kvrelay_pinned_alloc(device, len, h_.out())); }
+  /// Pin and map the caller's memory `[ptr, ptr + len)` (unregistered when this is destroyed;
+  /// the memory must outlive it and not be registered elsewhere).
+  static Pinned register_memory(int device, void *ptr, std::size_t len) {
+    Pinned p;
+    check(kvrelay_pinned_register(device, ptr, len, p.h_.out()));
+    return p;
+  }
+  uint8_t *data() noexcept { return kvrelay_pinned_host(h_.get()); }
+  std::size_t size() const noexcept { return kvrelay_pinned_len(h_.get()); }
+  const kvrelay_pinned *get() const noexcept { return h_.get(); }
 
  private:
-  kvrelay_pinned *p_ = nullptr;
+  Pinned() = default;
+  detail::Handle<kvrelay_pinned, kvrelay_pinned_free> h_;
 };
 
-/// The CUDA engine over a device pool; copies are enqueued on the caller's CUstream (passed as
-/// void*), after the work already enqueued there.
+/// The CUDA engine over a device pool; copies are enqueued on the caller's CUstream, after the
+/// work already enqueued there, and `done` (may be null) is recorded after them. Not
+/// thread-safe: one engine per thread or stream that copies concurrently. Every call leaves the
+/// calling thread's current CUDA context as it was.
 class CudaEngine {
  public:
   CudaEngine(int device, const KvLayout &layout, const kvrelay_cuda_engine_options *options = nullptr) {
-    check(kvrelay_cuda_engine_new(device, layout.get(), options, &p_));
+    check(kvrelay_cuda_engine_new(device, layout.get(), options, h_.out()));
   }
-  CudaEngine(const CudaEngine &) = delete;
-  CudaEngine &operator=(const CudaEngine &) = delete;
-  CudaEngine(CudaEngine &&o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  ~CudaEngine() { kvrelay_cuda_engine_free(p_); }
-  void gather(const std::vector<uint32_t> &ids, const Pinned &staging, void *stream, void *done_event = nullptr) {
-    check(kvrelay_cuda_gather(p_, ids.data(), ids.size(), staging.get(), stream, done_event));
+  void gather(const uint32_t *ids, std::size_t n, const Pinned &staging, CUstream stream, CUevent done = nullptr) {
+    check(kvrelay_cuda_gather(h_.get(), ids, n, staging.get(), static_cast<void *>(stream), static_cast<void *>(done)));
   }
-  void scatter(const Pinned &staging, const std::vector<uint32_t> &ids, void *stream, void *done_event = nullptr) {
-    check(kvrelay_cuda_scatter(p_, staging.get(), ids.data(), ids.size(), stream, done_event));
+  void gather(const std::vector<uint32_t> &ids, const Pinned &staging, CUstream stream, CUevent done = nullptr) {
+    gather(ids.data(), ids.size(), staging, stream, done);
+  }
+  void scatter(const Pinned &staging, const uint32_t *ids, std::size_t n, CUstream stream, CUevent done = nullptr) {
+    check(kvrelay_cuda_scatter(h_.get(), staging.get(), ids, n, static_cast<void *>(stream), static_cast<void *>(done)));
+  }
+  void scatter(const Pinned &staging, const std::vector<uint32_t> &ids, CUstream stream, CUevent done = nullptr) {
+    scatter(staging, ids.data(), ids.size(), stream, done);
   }
 
  private:
-  kvrelay_cuda_engine *p_ = nullptr;
+  detail::Handle<kvrelay_cuda_engine, kvrelay_cuda_engine_free> h_;
 };
 
 }  // namespace kvrelay

@@ -97,8 +97,11 @@ pub struct kvrelay_fetch_request {
 }
 
 /// A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse
-/// (the value is the provider's own code). They may be called from any thread that calls
-/// `kvrelay_orchestrate`, so they must be thread-safe. `destroy` (may be NULL) is called once
+/// (the value is the provider's own code); a NULL `validate` or `fetch` refuses (code -1), so a
+/// provider without `validate` is never asked to fetch. They run on the thread that calls
+/// `kvrelay_orchestrate`, inside that call, possibly on many threads at once, so they must be
+/// thread-safe; they must not unwind or `longjmp` out (a C++ exception must be caught inside),
+/// and must not keep the request's views after returning. `destroy` (may be NULL) is called once
 /// with `user_data` when the orchestrator is freed (or when `kvrelay_orchestrator_new` fails).
 #[repr(C)]
 #[derive(Clone, Copy)]
