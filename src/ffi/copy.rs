@@ -463,7 +463,10 @@ unsafe fn record(event: *mut c_void, stream: *mut c_void) -> Result<(), kvrelay_
 /// Enqueue a copy of blocks `ids[0..n]` into `staging` on `stream` (a `CUstream`, or NULL for
 /// the legacy default stream): it runs after the work enqueued on that stream before it.
 /// `done_event` (a `CUevent`, may be NULL) is recorded after it. Host cost: a few microseconds,
-/// no allocation, no lock.
+/// no allocation, no lock. The calling thread's current context is left as it was. A call of
+/// more than 960 blocks uses an id-ring slot; if that slot's previous launch (32 such calls
+/// earlier) has not finished, the call waits for that launch only, never for other work: at
+/// worst as long as the GPU takes to reach and run it.
 ///
 /// # Safety
 /// `engine`, `staging` NULL or live; `ids` readable for `n`; `stream` NULL or a live stream and
