@@ -436,6 +436,9 @@ typedef struct kvrelay_decision {
   struct kvrelay_str binding_id;
   // For NAMED_FETCH: the action's position in the snapshot.
   size_t action_index;
+  // For `KVRELAY_DISCARD_PROVIDER_REJECTED` and `KVRELAY_DISCARD_FETCH_FAILED`: what the
+  // provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
+  int32_t provider_code;
 } kvrelay_decision;
 
 // A copy of an orchestrator's counters.

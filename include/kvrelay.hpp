@@ -371,6 +371,7 @@ struct Decision {
   int32_t discard = 0;  ///< reason code; see discard_name()
   std::string binding_id;
   std::size_t action_index = 0;
+  int32_t provider_code = 0;  ///< the provider's answer when it refused (provider_rejected, fetch_failed)
   bool named_fetch() const noexcept { return kind == KVRELAY_DECISION_NAMED_FETCH; }
   const char *discard_name() const noexcept { return kvrelay_discard_name(discard); }
 };
@@ -408,7 +409,7 @@ class Orchestrator {
   Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot) const {
     kvrelay_decision d;
     check(kvrelay_orchestrate(h_.get(), &request, snapshot.get(), &d));
-    return Decision{d.kind, d.discard, std::string(view(d.binding_id)), d.action_index};
+    return Decision{d.kind, d.discard, std::string(view(d.binding_id)), d.action_index, d.provider_code};
   }
 
   std::string prometheus() const {

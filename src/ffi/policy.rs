@@ -543,6 +543,9 @@ pub struct kvrelay_decision {
     pub binding_id: kvrelay_str,
     /// For NAMED_FETCH: the action's position in the snapshot.
     pub action_index: usize,
+    /// For `KVRELAY_DISCARD_PROVIDER_REJECTED` and `KVRELAY_DISCARD_FETCH_FAILED`: what the
+    /// provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
+    pub provider_code: i32,
 }
 
 /// Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
@@ -569,7 +572,8 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
             Some(unsafe { borrow(snapshot) }?)
         };
         let req = RequestInfo { generation_only: r.generation_only, lora_adapter: r.lora_adapter };
-        let d = o.inner.decide(&req, snap.as_deref());
+        let (d, answer) = o.inner.decide_with_answer(&req, snap.as_deref());
+        let provider_code = answer.map_or(0, |e| e.code);
         let c = match d {
             Decision::NamedFetch { binding, envelope } => {
                 // point at the orchestrator's own copy of the id so the view outlives `d`
@@ -579,6 +583,7 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
                     discard: 0,
                     binding_id: kvrelay_str::of(id),
                     action_index: envelope.action().index(),
+                    provider_code,
                 }
             }
             Decision::KeepPairedPath(r) => kvrelay_decision {
@@ -586,6 +591,7 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
                 discard: r as i32,
                 binding_id: kvrelay_str::of(""),
                 action_index: 0,
+                provider_code,
             },
         };
         // SAFETY: checked non-NULL; writable per the contract.

@@ -316,15 +316,31 @@ impl Orchestrator {
     /// into a fixed buffer. Allocates only to decode an endpoint string that contains escapes
     /// and, on the named-fetch path, for the provider.
     pub fn decide(&self, req: &RequestInfo, snapshot: Option<&Snapshot>) -> Decision {
-        let d = self.decide_inner(req, snapshot);
+        self.decide_with_answer(req, snapshot).0
+    }
+
+    /// [`decide`](Self::decide), also returning what the provider answered when it refused
+    /// (`ProviderRejected` or `FetchFailed`): its own code.
+    pub fn decide_with_answer(
+        &self,
+        req: &RequestInfo,
+        snapshot: Option<&Snapshot>,
+    ) -> (Decision, Option<ProviderError>) {
+        let mut answer = None;
+        let d = self.decide_inner(req, snapshot, &mut answer);
         match &d {
             Decision::NamedFetch { .. } => self.counters.named_fetch.fetch_add(1, Ordering::Relaxed),
             Decision::KeepPairedPath(r) => self.counters.discarded[*r as usize].fetch_add(1, Ordering::Relaxed),
         };
-        d
+        (d, answer)
     }
 
-    fn decide_inner(&self, req: &RequestInfo, snapshot: Option<&Snapshot>) -> Decision {
+    fn decide_inner(
+        &self,
+        req: &RequestInfo,
+        snapshot: Option<&Snapshot>,
+        answer: &mut Option<ProviderError>,
+    ) -> Decision {
         use Decision::KeepPairedPath as Keep;
         // Eligibility first: ineligible requests never reach candidate collection.
         if !req.generation_only {
@@ -395,10 +411,12 @@ impl Orchestrator {
             endpoint,
             envelope: &envelope,
         };
-        if self.provider.validate(&fr).is_err() {
+        if let Err(e) = self.provider.validate(&fr) {
+            *answer = Some(e);
             return Keep(Discard::ProviderRejected);
         }
-        if self.provider.fetch(&fr).is_err() {
+        if let Err(e) = self.provider.fetch(&fr) {
+            *answer = Some(e);
             return Keep(Discard::FetchFailed);
         }
         Decision::NamedFetch { binding: binding.id.clone(), envelope }

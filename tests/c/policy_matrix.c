@@ -99,6 +99,12 @@ int main(void) {
   o = orchestrator(c, KVRELAY_ADDRESSING_NAMED, evil, &m2);
   EXPECT(strcmp(kvrelay_discard_name(decide(o, GEN, s)), "provider_rejected") == 0);
   EXPECT(m2.validations == 1 && m2.submissions == 0);
+  {
+    /* the decision carries what the provider answered */
+    kvrelay_decision d;
+    EXPECT(kvrelay_orchestrate(o, &GEN, s, &d) == KVRELAY_OK);
+    EXPECT(d.discard == KVRELAY_DISCARD_PROVIDER_REJECTED && d.provider_code == 13);
+  }
   kvrelay_orchestrator_free(o);
 
   /* request-paired binding: rejected before any lookup, connection or submission */

@@ -571,7 +571,7 @@ impl Orchestrator {
         let info = kvrelay_request_info { generation_only: true, lora_adapter };
         let snap = snapshot.map_or(ptr::null(), |s| s.0.as_ptr().cast_const());
         let e = kvrelay_str { ptr: ptr::null(), len: 0 };
-        let mut d = kvrelay_decision { kind: 0, discard: 0, binding_id: e, action_index: 0 };
+        let mut d = kvrelay_decision { kind: 0, discard: 0, binding_id: e, action_index: 0, provider_code: 0 };
         // SAFETY: the orchestrator is live; `info` readable; `snap` NULL or live (held by the
         // caller for the call); `d` writable.
         let st = unsafe { kvrelay_orchestrate(self.orch.as_ptr(), &info, snap, &mut d) };
