@@ -3,6 +3,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::sync::Arc;
 
 use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig, Outcome, Reason};
@@ -97,4 +98,88 @@ fn validation_allocates_nothing_and_a_snapshot_once() {
         (a.id().len(), a.payload().len(), c.message_id().len(), c.action_envelope(0).unwrap().canonical_len())
     });
     assert_eq!(n, 0);
+}
+
+/// The other hot paths the design card names: copy submission (the CPU engine, which runs the
+/// CUDA engine's plan), snapshot retain/release and views, MessagePack encoding into a reserved
+/// buffer, candidate collection into a caller buffer, and orchestration up to the provider.
+#[test]
+fn copy_snapshot_views_msgpack_candidates_and_orchestration_allocate_nothing() {
+    use kvrelay::copy::{CpuEngine, KvLayout};
+    use kvrelay::policy::*;
+
+    // copy submission
+    let (layers, blocks, kv) = (4u32, 64u32, 256u64);
+    let mut pool = vec![7u8; (u64::from(layers) * 2 * kv * u64::from(blocks)) as usize];
+    let layout = KvLayout::all_layers_per_block(pool.as_mut_ptr() as u64, layers, blocks, kv).unwrap();
+    let bb = layout.stage_block_bytes() as usize;
+    // SAFETY: the layout covers exactly `pool`, which outlives the engine and is touched by
+    // nothing else during its calls.
+    let mut e = unsafe { CpuEngine::new(layout) };
+    let ids: Vec<u32> = (0..32).rev().collect();
+    let others: Vec<u32> = (32..64).collect();
+    let mut staging = vec![0u8; ids.len() * bb];
+    let (n, r) = allocs(|| e.gather(&ids, &mut staging));
+    assert_eq!((n, r), (0, Ok(())), "gather");
+    let (n, r) = allocs(|| e.scatter(&staging, &others));
+    assert_eq!((n, r), (0, Ok(())), "scatter");
+
+    // snapshot retain/release and views
+    let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
+    let Outcome::Admitted(snap) = edge.admit(Some(hashes(16, false).as_bytes())) else { panic!("admitted") };
+    let (n, total) = allocs(|| {
+        let child = snap.clone();
+        let a = child.action(0).unwrap();
+        let t = child.message_id().len() + a.action_type().len() + a.version().len() + a.payload().len();
+        let t = t + child.canonical().len() + child.action_count() + a.endpoint_value().map_or(0, <[u8]>::len);
+        drop(child);
+        t
+    });
+    assert!(total > 0);
+    assert_eq!(n, 0, "retain, views, release");
+
+    // MessagePack into a reserved buffer: documented to allocate only a small scratch (container
+    // sizes, one string buffer), not in proportion to the envelope (a transport path)
+    let mut mp = Vec::with_capacity(1 << 16);
+    let (n, ()) = allocs(|| snap.write_msgpack(&mut mp));
+    assert!(!mp.is_empty());
+    let Outcome::Admitted(big) = edge.admit(Some(hashes(3000, false).as_bytes())) else { panic!("admitted") };
+    let mut mp_big = Vec::with_capacity(1 << 17);
+    let (n_big, ()) = allocs(|| big.write_msgpack(&mut mp_big));
+    assert!(n <= 8 && n_big == n, "MessagePack scratch: {n} allocations for 16 hashes, {n_big} for 3,000");
+
+    // candidates into a caller buffer
+    let caps = Arc::new(Capabilities::builder().support("nixl", "kv.fetch", "1.0").build().unwrap());
+    let mut list = Vec::with_capacity(8);
+    let (n, counts) = allocs(|| collect_candidates_into(&snap, &caps, &mut list));
+    assert_eq!((n, list.len(), counts.unknown_type), (0, 1, 0), "candidate collection");
+
+    // orchestration up to the provider: the discards allocate nothing
+    struct Refuse;
+    impl Provider for Refuse {
+        fn validate(&self, _: &FetchRequest<'_>) -> Result<(), ProviderError> {
+            Err(ProviderError { code: 1 })
+        }
+        fn fetch(&self, _: &FetchRequest<'_>) -> Result<(), ProviderError> {
+            Err(ProviderError { code: 2 })
+        }
+    }
+    let config = PolicyConfig {
+        bindings: vec![BindingSpec {
+            id: "b".into(),
+            family: "nixl".into(),
+            addressing: Addressing::Named,
+            supports: vec![("kv.fetch".into(), "1.0".into())],
+            authorized: true,
+        }],
+        endpoints: vec!["tcp://10.9.9.9:1".into()],
+        ..Default::default()
+    };
+    let o = Orchestrator::new(caps.clone(), config, Box::new(Refuse)).unwrap();
+    let req = RequestInfo { generation_only: true, lora_adapter: false };
+    let (n, d) = allocs(|| o.decide(&req, Some(&snap)));
+    assert_eq!(d.discard(), Some(Discard::EndpointNotTrusted));
+    assert_eq!(n, 0, "orchestration to a discard");
+    let (n, d) = allocs(|| o.decide(&RequestInfo { generation_only: true, lora_adapter: true }, Some(&snap)));
+    assert_eq!((n, d.discard()), (0, Some(Discard::LoraAdapter)));
 }
