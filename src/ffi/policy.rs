@@ -397,7 +397,9 @@ pub unsafe extern "C" fn kvrelay_policy_config_binding_support(
                 text(action_version.cast(), action_version_len)?,
             )
         };
-        let b = c.inner.bindings.iter_mut().find(|b| b.id == id).ok_or(KVRELAY_ERR_INVALID_ARGUMENT)?;
+        let b = c.inner.bindings.iter_mut().find(|b| b.id == id).ok_or_else(|| {
+            with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format_args!("no binding has the id {id:?} (add it first)"))
+        })?;
         b.supports.push((t.into(), v.into()));
         Ok(())
     })

@@ -143,6 +143,23 @@ int main(void) {
   EXPECT(cand[0].action_index == 0 && cand[0].families == 1 && counts.unknown_type == 0);
   EXPECT(kvrelay_collect_candidates(unsupported, c, cand, 2, &n, &counts) == KVRELAY_OK && n == 0 && counts.unknown_type == 1);
 
+  /* refused bindings say why (kvrelay_last_error_message) */
+  {
+    char why[256];
+    size_t need = 0;
+    kvrelay_policy_config *pc_bad = NULL;
+    EXPECT(kvrelay_policy_config_new(&pc_bad) == KVRELAY_OK);
+    EXPECT(kvrelay_policy_config_binding_support(pc_bad, S("ghost"), S("kv.fetch"), S("1.0")) == KVRELAY_ERR_INVALID_ARGUMENT);
+    EXPECT(kvrelay_last_error_message(why, sizeof why, &need) == KVRELAY_OK && strstr(why, "ghost") != NULL);
+    EXPECT(kvrelay_policy_config_add_binding(pc_bad, S("b-unknown"), S("no-such-family"), KVRELAY_ADDRESSING_NAMED, true) == KVRELAY_OK);
+    kvrelay_provider none = {NULL, NULL, NULL, NULL};
+    kvrelay_orchestrator *bad_o = NULL;
+    EXPECT(kvrelay_orchestrator_new(c, pc_bad, &none, &bad_o) == KVRELAY_ERR_INVALID_CONFIG && bad_o == NULL);
+    EXPECT(kvrelay_last_error_message(why, sizeof why, &need) == KVRELAY_OK && strstr(why, "b-unknown") != NULL);
+    printf("a refused binding says: %s\n", why);
+    kvrelay_policy_config_free(pc_bad);
+  }
+
   /* counters, as a struct: the unsupported envelope's action counts once per request */
   kvrelay_policy_counters pc;
   EXPECT(kvrelay_orchestrator_counters(o, &pc) == KVRELAY_OK);
