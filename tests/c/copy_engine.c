@@ -73,6 +73,8 @@ typedef struct {
   cu_result (*event_create)(cu_event *, unsigned);
   cu_result (*event_sync)(cu_event);
   cu_result (*event_destroy)(cu_event);
+  cu_result (*ctx_create)(cu_context *, unsigned, int);
+  cu_result (*ctx_destroy)(cu_context);
 } driver;
 
 static int load_driver(driver *d) {
@@ -92,9 +94,12 @@ static int load_driver(driver *d) {
   SYM(event_create, "cuEventCreate");
   SYM(event_sync, "cuEventSynchronize");
   SYM(event_destroy, "cuEventDestroy_v2");
+  SYM(ctx_create, "cuCtxCreate_v2");
+  SYM(ctx_destroy, "cuCtxDestroy_v2");
 #undef SYM
   return d->init && d->device_get && d->primary_retain && d->primary_release && d->ctx_set && d->ctx_get &&
-         d->mem_alloc && d->mem_free && d->htod && d->dtoh && d->event_create && d->event_sync && d->event_destroy;
+         d->mem_alloc && d->mem_free && d->htod && d->dtoh && d->event_create && d->event_sync && d->event_destroy &&
+         d->ctx_create && d->ctx_destroy;
 }
 
 static void check_cuda(const uint8_t *host, size_t pool_bytes) {
@@ -149,6 +154,19 @@ static void check_cuda(const uint8_t *host, size_t pool_bytes) {
   printf("a refused gather says: %s\n", msg);
   /* the thread's context is the one it had */
   EXPECT(d.ctx_get(&seen) == 0 && seen == ctx);
+  /* a thread that owns a second context of its own (current) keeps it across kvrelay's calls */
+  cu_context own = NULL;
+  EXPECT(d.ctx_create(&own, 0, dev) == 0 && own != NULL && own != ctx);
+  EXPECT(d.ctx_get(&seen) == 0 && seen == own);
+  EXPECT(kvrelay_cuda_gather(e, ids, 5, staging, NULL, NULL) == KVRELAY_OK);
+  EXPECT(kvrelay_cuda_scatter(e, reg, others, 4, NULL, NULL) == KVRELAY_OK);
+  kvrelay_pinned *more = NULL;
+  EXPECT(kvrelay_pinned_alloc(0, 4096, &more) == KVRELAY_OK);
+  kvrelay_pinned_free(more);
+  EXPECT(d.ctx_get(&seen) == 0 && seen == own);
+  EXPECT(d.ctx_destroy(own) == 0);
+  EXPECT(d.ctx_set(ctx) == 0);
+  EXPECT(d.dtoh(back, pool, pool_bytes) == 0); /* waits for the copies above (legacy stream) */
   kvrelay_pinned_free(tiny);
   kvrelay_pinned_free(reg);
   kvrelay_pinned_free(staging);
