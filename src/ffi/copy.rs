@@ -4,8 +4,6 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use super::boundary::{free_box, guard, input, input_mut, out_ptr, put, with_detail};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
@@ -443,23 +441,6 @@ pub unsafe extern "C" fn kvrelay_cuda_engine_new(
     })
 }
 
-/// Record the caller's event after a copy.
-///
-/// # Safety
-/// `event` a live `CUevent` of the engine's context; `stream` as in `kvrelay_cuda_gather`.
-unsafe fn record(event: *mut c_void, stream: *mut c_void) -> Result<(), kvrelay_status> {
-    if event.is_null() {
-        return Ok(());
-    }
-    // SAFETY: forwarded contract.
-    let r = unsafe { sys::cuEventRecord(event.cast(), stream.cast()) };
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(KVRELAY_ERR_CUDA)
-    }
-}
-
 /// Enqueue a copy of blocks `ids[0..n]` into `staging` on `stream` (a `CUstream`, or NULL for
 /// the legacy default stream): it runs after the work enqueued on that stream before it.
 /// `done_event` (a `CUevent`, may be NULL) is recorded after it. Host cost: a few microseconds,
@@ -483,10 +464,8 @@ pub unsafe extern "C" fn kvrelay_cuda_gather(
     guard(|| {
         // SAFETY: forwarded contract.
         let (e, ids, st) = unsafe { (input_mut(engine)?, array(ids, n)?, input(staging)?) };
-        // SAFETY: forwarded contract (stream).
-        unsafe { e.inner.gather_raw(ids, &st.inner, stream.cast(), None) }.map_err(status_of)?;
-        // SAFETY: forwarded contract (event, stream).
-        unsafe { record(done_event, stream) }
+        // SAFETY: forwarded contract (stream, event).
+        unsafe { e.inner.gather_raw(ids, &st.inner, stream.cast(), done_event.cast()) }.map_err(status_of)
     })
 }
 
@@ -507,10 +486,8 @@ pub unsafe extern "C" fn kvrelay_cuda_scatter(
     guard(|| {
         // SAFETY: forwarded contract.
         let (e, ids, st) = unsafe { (input_mut(engine)?, array(ids, n)?, input(staging)?) };
-        // SAFETY: forwarded contract (stream).
-        unsafe { e.inner.scatter_raw(&st.inner, ids, stream.cast(), None) }.map_err(status_of)?;
-        // SAFETY: forwarded contract (event, stream).
-        unsafe { record(done_event, stream) }
+        // SAFETY: forwarded contract (stream, event).
+        unsafe { e.inner.scatter_raw(&st.inner, ids, stream.cast(), done_event.cast()) }.map_err(status_of)
     })
 }
 

@@ -158,15 +158,19 @@ static void check_cuda(const uint8_t *host, size_t pool_bytes) {
   cu_context own = NULL;
   EXPECT(d.ctx_create(&own, 0, dev) == 0 && own != NULL && own != ctx);
   EXPECT(d.ctx_get(&seen) == 0 && seen == own);
-  EXPECT(kvrelay_cuda_gather(e, ids, 5, staging, NULL, NULL) == KVRELAY_OK);
-  EXPECT(kvrelay_cuda_scatter(e, reg, others, 4, NULL, NULL) == KVRELAY_OK);
+  /* the done_event belongs to the device's context, not the current one: kvrelay records it in
+   * its own context */
+  EXPECT(kvrelay_cuda_gather(e, ids, 5, staging, NULL, (void *)done) == KVRELAY_OK);
+  EXPECT(kvrelay_cuda_scatter(e, reg, others, 4, NULL, (void *)done) == KVRELAY_OK);
   kvrelay_pinned *more = NULL;
   EXPECT(kvrelay_pinned_alloc(0, 4096, &more) == KVRELAY_OK);
   kvrelay_pinned_free(more);
   EXPECT(d.ctx_get(&seen) == 0 && seen == own);
   EXPECT(d.ctx_destroy(own) == 0);
   EXPECT(d.ctx_set(ctx) == 0);
-  EXPECT(d.dtoh(back, pool, pool_bytes) == 0); /* waits for the copies above (legacy stream) */
+  EXPECT(d.event_sync(done) == 0);
+  EXPECT(d.dtoh(back, pool, pool_bytes) == 0);
+  EXPECT(memcmp(back + 1 * bb, mine, 4 * bb) == 0);
   kvrelay_pinned_free(tiny);
   kvrelay_pinned_free(reg);
   kvrelay_pinned_free(staging);

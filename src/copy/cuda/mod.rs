@@ -365,7 +365,7 @@ impl CudaEngine {
         done: Option<&CudaEvent>,
     ) -> Result<(), CopyError> {
         // SAFETY: a live stream of this library.
-        unsafe { self.gather_raw(ids, staging, stream.raw(), done) }
+        unsafe { self.gather_raw(ids, staging, stream.raw(), done.map_or(std::ptr::null_mut(), CudaEvent::raw)) }
     }
 
     /// [`CudaEngine::gather`] on a raw `CUstream` (what a C++ executor passes).
@@ -378,16 +378,13 @@ impl CudaEngine {
         ids: &[u32],
         staging: &PinnedBuffer,
         stream: sys::CUstream,
-        done: Option<&CudaEvent>,
+        done: sys::CUevent,
     ) -> Result<(), CopyError> {
         self.checker.check(&self.layout, ids, staging.len() as u64, false)?;
         // SAFETY: forwarded contract.
         unsafe { self.enqueue(ids, staging, stream, true)? };
-        if let Some(e) = done {
-            // SAFETY: forwarded contract.
-            unsafe { e.record_raw(stream)? };
-        }
-        Ok(())
+        // SAFETY: forwarded contract.
+        unsafe { self.record_done(done, stream) }
     }
 
     /// Enqueue a copy of `staging` back into blocks `ids` on `stream`. Repeated ids are refused
@@ -400,7 +397,7 @@ impl CudaEngine {
         done: Option<&CudaEvent>,
     ) -> Result<(), CopyError> {
         // SAFETY: a live stream of this library.
-        unsafe { self.scatter_raw(staging, ids, stream.raw(), done) }
+        unsafe { self.scatter_raw(staging, ids, stream.raw(), done.map_or(std::ptr::null_mut(), CudaEvent::raw)) }
     }
 
     /// [`CudaEngine::scatter`] on a raw `CUstream`.
@@ -412,16 +409,27 @@ impl CudaEngine {
         staging: &PinnedBuffer,
         ids: &[u32],
         stream: sys::CUstream,
-        done: Option<&CudaEvent>,
+        done: sys::CUevent,
     ) -> Result<(), CopyError> {
         self.checker.check(&self.layout, ids, staging.len() as u64, true)?;
         // SAFETY: forwarded contract.
         unsafe { self.enqueue(ids, staging, stream, false)? };
-        if let Some(e) = done {
-            // SAFETY: forwarded contract.
-            unsafe { e.record_raw(stream)? };
+        // SAFETY: forwarded contract.
+        unsafe { self.record_done(done, stream) }
+    }
+
+    /// Record the caller's `done` event (null: none) on `stream`, in the engine's context.
+    ///
+    /// # Safety
+    /// `done` null or a live event of the engine's context; `stream` as in
+    /// [`CudaEngine::gather_raw`].
+    unsafe fn record_done(&self, done: sys::CUevent, stream: sys::CUstream) -> Result<(), CopyError> {
+        if done.is_null() {
+            return Ok(());
         }
-        Ok(())
+        let _ctx = self.dev.bind()?;
+        // SAFETY: per the contract, with the engine's context current.
+        check(unsafe { sys::cuEventRecord(done, stream) }, "cuEventRecord")
     }
 
     /// # Safety
