@@ -38,4 +38,4 @@ pub use hints::{
     Action, ActionEnvelope, Admission, AdmissionConfig, BatchLengthMismatch, BatchOutcome, Detail, Ignored, Outcome,
     Reason, Snapshot, Where,
 };
-pub use metrics::{CounterValues, Counters};
+pub use hints::{CounterValues, Counters};

@@ -3,8 +3,8 @@
 use std::ffi::c_char;
 use std::fmt::Write as _;
 
+use crate::hints::CounterValues;
 use crate::hints::{Ignored, Outcome, Reason};
-use crate::metrics::CounterValues;
 
 /// A borrowed byte view. Valid while the snapshot it came from is held.
 #[repr(C)]

@@ -4,11 +4,12 @@ use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;
 
+use super::counters::{Counters, DEFAULT_METRIC_PREFIX};
 use super::detail::{Detail, Where};
 use super::msgpack;
 use super::scan::{scan, Kind, Mode, Scratch};
 use super::snapshot::{Parts, Snapshot};
-use crate::metrics::{valid_metric_prefix, Counters, DEFAULT_METRIC_PREFIX};
+use crate::metrics::valid_metric_prefix;
 
 /// Default name of the environment variable read by [`AdmissionConfig::trust_from_env`].
 pub const DEFAULT_TRUST_ENV: &str = "KVRELAY_TRUST_KV_HINTS";

@@ -5,6 +5,7 @@
 //! [`Snapshot`] of an admitted hint with the request.
 
 mod admission;
+mod counters;
 mod detail;
 mod lex;
 mod msgpack;
@@ -17,6 +18,7 @@ pub use admission::{
     Reason, DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, DEFAULT_MAX_RAW_BYTES, DEFAULT_TRUST_ENV, LIMIT_BYTES_CEILING,
     LIMIT_DEPTH_CEILING,
 };
+pub use counters::{CounterValues, Counters, DEFAULT_METRIC_PREFIX};
 pub use detail::{Detail, Where};
 #[doc(hidden)]
 pub use lex::SCANNER;
