@@ -923,7 +923,9 @@ kvrelay_status kvrelay_orchestrator_new(const struct kvrelay_capabilities *caps,
 void kvrelay_orchestrator_free(struct kvrelay_orchestrator *orchestrator);
 
 // Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
-// passes, call the provider's `validate` then `fetch`. Counts the outcome once.
+// passes, call the provider's `validate` then `fetch`. Counts the outcome once. When the
+// provider refuses, `provider_code` holds its answer and the thread's last error says so
+// (`kvrelay_last_error_message`), although the call itself succeeds.
 //
 // # Safety
 // `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
@@ -1050,14 +1052,17 @@ const char *kvrelay_version(void);
 
 // What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
 // message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
-// configuration refused, ...). It never contains bytes of a hint. Calls that succeed leave it
-// as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
+// configuration refused, ...). It never contains bytes of a hint. A provider's refusal inside
+// `kvrelay_orchestrate` is recorded too (that call succeeds: the request keeps its paired
+// path). Other calls that succeed leave it as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
 // the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
 // size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
 //
 // # Safety
 // `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
-kvrelay_status kvrelay_last_error_message(char *buf, size_t cap, size_t *len_out);
+kvrelay_status kvrelay_last_error_message(char *buf,
+                                          size_t cap,
+                                          size_t *len_out);
 
 // A static NUL-terminated English message for any status value, including values kvrelay
 // never returns (those get "unknown kvrelay status"). Never NULL; never free it.

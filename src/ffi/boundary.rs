@@ -42,6 +42,12 @@ fn publish(s: kvrelay_status) {
     LAST_ERROR.with(|e| *e.borrow_mut() = text);
 }
 
+/// Record `text` as the thread's last error although the call succeeds (a provider's refusal
+/// inside `kvrelay_orchestrate`, which is a decision, not a failure of the call).
+pub(crate) fn note_last_error(text: String) {
+    LAST_ERROR.with(|e| *e.borrow_mut() = text.replace('\0', " "));
+}
+
 /// The thread's last error text, for `kvrelay_last_error_message`.
 pub(crate) fn last_error<R>(f: impl FnOnce(&str) -> R) -> R {
     LAST_ERROR.with(|e| f(&e.borrow()))

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
+use super::boundary::{fill, free_box, guard, input, input_mut, note_last_error, out_ptr, put, text, with_detail};
 use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
@@ -551,7 +551,9 @@ pub struct kvrelay_decision {
 }
 
 /// Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
-/// passes, call the provider's `validate` then `fetch`. Counts the outcome once.
+/// passes, call the provider's `validate` then `fetch`. Counts the outcome once. When the
+/// provider refuses, `provider_code` holds its answer and the thread's last error says so
+/// (`kvrelay_last_error_message`), although the call itself succeeds.
 ///
 /// # Safety
 /// `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
@@ -576,6 +578,9 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
         let req = RequestInfo { generation_only: r.generation_only, lora_adapter: r.lora_adapter };
         let (d, answer) = o.inner.decide_with_answer(&req, snap.as_deref());
         let provider_code = answer.map_or(0, |e| e.code);
+        if let (Some(e), Decision::KeepPairedPath(r)) = (answer, &d) {
+            note_last_error(format!("{r}: the provider answered {} (the request keeps the paired path)", e.code));
+        }
         let c = match d {
             Decision::NamedFetch { binding, envelope } => {
                 // point at the orchestrator's own copy of the id so the view outlives `d`

@@ -65,8 +65,9 @@ pub extern "C" fn kvrelay_version() -> *const c_char {
 
 /// What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
 /// message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
-/// configuration refused, ...). It never contains bytes of a hint. Calls that succeed leave it
-/// as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
+/// configuration refused, ...). It never contains bytes of a hint. A provider's refusal inside
+/// `kvrelay_orchestrate` is recorded too (that call succeeds: the request keeps its paired
+/// path). Other calls that succeed leave it as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
 /// the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
 /// size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
 ///

@@ -104,6 +104,11 @@ int main(void) {
     kvrelay_decision d;
     EXPECT(kvrelay_orchestrate(o, &GEN, s, &d) == KVRELAY_OK);
     EXPECT(d.discard == KVRELAY_DISCARD_PROVIDER_REJECTED && d.provider_code == 13);
+    char why[256];
+    size_t need = 0;
+    EXPECT(kvrelay_last_error_message(why, sizeof why, &need) == KVRELAY_OK && strstr(why, "provider_rejected") != NULL &&
+           strstr(why, "13") != NULL);
+    printf("a provider refusal says: %s\n", why);
   }
   kvrelay_orchestrator_free(o);
 
