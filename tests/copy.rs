@@ -3,6 +3,35 @@
 
 use kvrelay::copy::*;
 
+/// Counts this thread's allocations (the GPU allocation test below).
+struct Counting;
+
+thread_local! {
+    static ALLOCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; the thread-local counter is
+// const-initialized and needs no allocation.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as ours.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as ours.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -425,4 +454,49 @@ fn gpu_entry_points_leave_the_callers_context_as_it_was() {
         drop(held);
     }
     println!("ok: the caller's current context is unchanged by kvrelay's entry points");
+}
+
+#[test]
+fn gpu_copy_submission_allocates_nothing_with_any_method() {
+    let Some(d) = gpu() else { return };
+    let mut rng = Rng(21);
+    let stream = CudaStream::new(&d).unwrap();
+    let done = CudaEvent::new(&d).unwrap();
+    let m = mirror(&d, Kind::AllLayers, 4, 2000, 4096, &mut rng);
+    let ids: Vec<u32> = (0..1000).map(|i| (i * 7) % 2000).collect();
+    let others: Vec<u32> = (1000..2000).collect();
+    let staging = PinnedBuffer::alloc(&d, m.dev_layout.staging_bytes(ids.len()) as usize).unwrap();
+    for (method, ids_via) in [
+        (CopyMethod::Kernel, IdTransport::Params),
+        (CopyMethod::Kernel, IdTransport::Ring),
+        (CopyMethod::Batch, IdTransport::Auto),
+        (CopyMethod::PerChunk, IdTransport::Auto),
+        (CopyMethod::Staged, IdTransport::Auto),
+    ] {
+        let opts = EngineOptions { method, ids: ids_via, scratch_bytes: 16 << 20, ..Default::default() };
+        // SAFETY: the layout lies inside `m.dev`, alive for the test.
+        let mut e = match unsafe { CudaEngine::new(&d, m.dev_layout.clone(), opts) } {
+            Ok(e) => e,
+            Err(CopyError::Unsupported(what)) => {
+                assert!(!require_gpu(), "KVRELAY_REQUIRE_GPU=1 but {method:?} is unsupported: {what}");
+                println!("SKIP {method:?}: {what}");
+                continue;
+            }
+            Err(e) => panic!("{method:?}: {e}"),
+        };
+        // warm-up calls in both directions (the first use of a driver function resolves its
+        // symbol, which allocates once), then count
+        e.gather(&ids, &staging, &stream, Some(&done)).unwrap();
+        e.scatter(&staging, &others, &stream, Some(&done)).unwrap();
+        done.synchronize().unwrap();
+        let before = ALLOCS.with(std::cell::Cell::get);
+        for _ in 0..10 {
+            e.gather(&ids, &staging, &stream, Some(&done)).unwrap();
+            e.scatter(&staging, &others, &stream, Some(&done)).unwrap();
+        }
+        let n = ALLOCS.with(std::cell::Cell::get) - before;
+        done.synchronize().unwrap();
+        assert_eq!(n, 0, "{method:?}/{ids_via:?}: {n} allocations in 20 calls");
+        println!("ok {method:?}/{ids_via:?}: 20 calls of 1,000 blocks, no allocation");
+    }
 }
