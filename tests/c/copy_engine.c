@@ -4,6 +4,7 @@
  * kvrelay_pinned_register, byte-exact, with the caller's context left as it was.
  * KVRELAY_REQUIRE_GPU=1 turns the GPU skip into a failure. Prints "N passed, M failed". */
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,9 @@ static void check_gather(kvrelay_kv_layout *layout, const kvrelay_kv_segment *se
   EXPECT(kvrelay_cpu_gather(e, NULL, 0, NULL, 0) == KVRELAY_OK);
   EXPECT(kvrelay_cpu_gather(e, NULL, 3, staging, len) == KVRELAY_ERR_INVALID_ARGUMENT);
   EXPECT(kvrelay_cpu_gather(NULL, ids, 5, staging, len) == KVRELAY_ERR_NULL);
+  /* a count whose byte size passes isize::MAX is refused, never turned into a slice */
+  EXPECT(kvrelay_cpu_gather(e, ids, SIZE_MAX / 2, staging, len) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_cpu_scatter(e, staging, len, ids, SIZE_MAX / 4 + 1) == KVRELAY_ERR_INVALID_ARGUMENT);
   printf("%s: ok\n", name);
   free(back);
   free(staging);
@@ -152,6 +156,11 @@ static void check_cuda(const uint8_t *host, size_t pool_bytes) {
   size_t need = 0;
   EXPECT(kvrelay_last_error_message(msg, sizeof msg, &need) == KVRELAY_OK && need > 1);
   printf("a refused gather says: %s\n", msg);
+  /* a failing driver call says which one and with which CUresult */
+  kvrelay_pinned *huge = NULL;
+  EXPECT(kvrelay_pinned_alloc(0, (size_t)1 << 52, &huge) == KVRELAY_ERR_CUDA && huge == NULL);
+  EXPECT(kvrelay_last_error_message(msg, sizeof msg, &need) == KVRELAY_OK && strstr(msg, "cuMemHostAlloc") != NULL);
+  printf("a failing driver call says: %s\n", msg);
   /* the thread's context is the one it had */
   EXPECT(d.ctx_get(&seen) == 0 && seen == ctx);
   /* a thread that owns a second context of its own (current) keeps it across kvrelay's calls */
