@@ -49,31 +49,9 @@ fn static_text(p: *const c_char) -> &'static str {
     unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("unknown")
 }
 
-/// Fill a `String` through one of the size-query functions (`(NULL, 0)` asks for the size,
-/// NUL included), retrying when the text grew between the query and the fill.
-fn fill_text(
-    call: &'static str,
-    f: impl Fn(*mut c_char, usize, *mut usize) -> kvrelay_status,
-) -> Result<String, AbiError> {
-    let mut need = 0usize;
-    let st = f(ptr::null_mut(), 0, &mut need);
-    if st != kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL && st != kvrelay_status::KVRELAY_OK {
-        check(call, st)?;
-    }
-    for _ in 0..8 {
-        let mut buf = vec![0u8; need.max(1)];
-        let st = f(buf.as_mut_ptr().cast(), buf.len(), &mut need);
-        if st == kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL {
-            continue; // grew meanwhile (a concurrent admit); `need` holds the new size
-        }
-        check(call, st)?;
-        buf.truncate(need.saturating_sub(1)); // drop the NUL
-        return Ok(String::from_utf8_lossy(&buf).into_owned());
-    }
-    Err(AbiError { call, status: kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL as i32 })
-}
-
-/// The same for byte outputs without a NUL (`kvrelay_snapshot_action_envelope`, ...).
+/// Fill a buffer through one of the size-query functions (`(NULL, 0)` asks for the size),
+/// asking again when the output grew between the query and the fill (Prometheus text while
+/// other threads admit), a bounded number of times.
 fn fill_bytes(
     call: &'static str,
     f: impl Fn(*mut u8, usize, *mut usize) -> kvrelay_status,
@@ -83,10 +61,29 @@ fn fill_bytes(
     if st != kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL && st != kvrelay_status::KVRELAY_OK {
         check(call, st)?;
     }
-    let mut buf = vec![0u8; need];
-    check(call, f(buf.as_mut_ptr(), buf.len(), &mut need))?;
-    buf.truncate(need);
-    Ok(buf)
+    for _ in 0..8 {
+        let mut buf = vec![0u8; need];
+        let st = f(buf.as_mut_ptr(), buf.len(), &mut need);
+        if st == kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL {
+            continue; // grew meanwhile; `need` holds the new size
+        }
+        check(call, st)?;
+        buf.truncate(need);
+        return Ok(buf);
+    }
+    Err(AbiError { call, status: kvrelay_status::KVRELAY_ERR_BUFFER_TOO_SMALL as i32 })
+}
+
+/// [`fill_bytes`] for NUL-terminated text (the NUL is dropped).
+fn fill_text(
+    call: &'static str,
+    f: impl Fn(*mut c_char, usize, *mut usize) -> kvrelay_status,
+) -> Result<String, AbiError> {
+    let mut buf = fill_bytes(call, |b, c, l| f(b.cast(), c, l))?;
+    if buf.last() == Some(&0) {
+        buf.pop();
+    }
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
 // ---------------------------------------------------------------------------------------------

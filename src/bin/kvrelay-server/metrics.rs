@@ -7,7 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::cache::CacheStats;
 
@@ -87,6 +87,15 @@ pub struct Metrics {
     pub fetched_tokens: Counter,
     /// Seconds spent in hint admission and orchestration (compare with the request duration sum).
     pub hint_seconds: Counter<f64, AtomicU64>,
+    /// The external totals already added to `transfer_blocks{sent}` and `evicted`.
+    published_sent: AtomicU64,
+    published_evicted: AtomicU64,
+}
+
+/// The part of a monotonic external total `now` not yet published, claimed once even when
+/// scrapes run concurrently (`fetch_max` hands each increase to exactly one caller).
+fn advance(published: &AtomicU64, now: u64) -> u64 {
+    now.saturating_sub(published.fetch_max(now, Ordering::Relaxed))
 }
 
 impl Metrics {
@@ -109,6 +118,8 @@ impl Metrics {
             transfer_seconds: latency(),
             fetched_tokens: Counter::default(),
             hint_seconds: Counter::default(),
+            published_sent: AtomicU64::new(0),
+            published_evicted: AtomicU64::new(0),
             registry: Registry::default(),
         };
         registry.register("requests", "HTTP requests by endpoint and status", m.requests.clone());
@@ -140,19 +151,17 @@ impl Metrics {
     /// Record the pool's state and the KV service's sent blocks (called at scrape time).
     pub fn set_blocks(&self, s: CacheStats, sent_blocks: u64, block_bytes: u64) {
         let sent = DirectionLabel { direction: "sent".into() };
-        let c = self.transfer_blocks.get_or_create(&sent);
-        let seen = c.get();
-        if sent_blocks > seen {
-            c.inc_by(sent_blocks - seen);
-            self.transfer_bytes.get_or_create(&sent).inc_by((sent_blocks - seen) * block_bytes);
+        let d = advance(&self.published_sent, sent_blocks);
+        if d > 0 {
+            self.transfer_blocks.get_or_create(&sent).inc_by(d);
+            self.transfer_bytes.get_or_create(&sent).inc_by(d * block_bytes);
         }
-        drop(c);
         for (state, v) in [("held", s.held), ("cached", s.cached), ("free", s.free)] {
             self.blocks.get_or_create(&StateLabel { state: state.into() }).set(v as i64);
         }
-        let seen = self.evicted.get();
-        if s.evicted > seen {
-            self.evicted.inc_by(s.evicted - seen);
+        let d = advance(&self.published_evicted, s.evicted);
+        if d > 0 {
+            self.evicted.inc_by(d);
         }
     }
 

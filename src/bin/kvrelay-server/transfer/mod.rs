@@ -154,9 +154,12 @@ pub struct FetchPlan {
     pub hashes: Vec<u64>,
 }
 
+/// The `kv.fetch` payload the provider accepts. The endpoint must be a string, but the provider
+/// connects to the orchestrator's normalized, registry-checked form of it, never to this text.
 #[derive(Deserialize)]
 struct Payload {
-    source_control_endpoint: String,
+    #[serde(rename = "source_control_endpoint")]
+    _source_control_endpoint: String,
     block_hashes: Vec<u64>,
 }
 
@@ -197,7 +200,6 @@ fn plan_of(call: &FetchCall<'_>) -> Result<FetchPlan, i32> {
     if !call.endpoint.starts_with("tcp://") || tcp::socket_addr(call.endpoint).is_none() {
         return Err(code::BAD_ENDPOINT);
     }
-    let _ = p.source_control_endpoint;
     Ok(FetchPlan { endpoint: call.endpoint.to_string(), hashes: p.block_hashes })
 }
 
@@ -219,12 +221,11 @@ pub fn with_plan_slot<R>(f: impl FnOnce() -> R) -> (R, Option<FetchPlan>) {
     (r, PLAN.with(|s| s.borrow_mut().take()))
 }
 
-/// The run to fetch: from the first block not held here, the consecutive names that appear
-/// among `hashes`. Returns `(first block index, names)`.
-pub fn run_to_fetch(names: &[u64], held: usize, hashes: &[u64]) -> (usize, Vec<u64>) {
+/// The run to fetch: from the first block not held here (`held` leading blocks are), the
+/// consecutive names that appear among `hashes`.
+pub fn run_to_fetch(names: &[u64], held: usize, hashes: &[u64]) -> Vec<u64> {
     let set: HashSet<u64> = hashes.iter().copied().collect();
-    let run = names[held..].iter().take_while(|n| set.contains(n)).copied().collect();
-    (held, run)
+    names[held..].iter().take_while(|n| set.contains(n)).copied().collect()
 }
 
 /// Per-source transfer speed: setup latency and throughput, moving averages.
@@ -296,7 +297,7 @@ pub async fn fetch_into_cache(
     force: bool,
 ) -> FetchOutcome {
     let held = engine.cache.held_prefix(names);
-    let (_, run) = run_to_fetch(names, held, hashes);
+    let run = run_to_fetch(names, held, hashes);
     let mut out = FetchOutcome::default();
     if run.is_empty() {
         out.nothing = true;
