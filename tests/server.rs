@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{blocks, cached, client, cold, prompt, start, text, wait_until, Server};
+use common::{blocks, cached, client, cold, prompt, start, start_env, text, wait_until, Server};
 use serde_json::{json, Value};
 
 const MARK: &str = "SECRET-HINT-MARKER-7f3a";
@@ -285,4 +285,23 @@ fn client_disconnect_frees_blocks_and_a_full_queue_answers_429() {
     let big = s.post("/v1/completions", &json!({"prompt": "v".repeat(5000)}));
     assert_eq!((big.status, big.json()["error"]["code"].as_str()), (413, Some("body_too_large")));
     assert_eq!(s.metric("kvrelay_server_requests_total{endpoint=\"/v1/completions\",status=\"429\"}"), 1.0);
+}
+
+#[test]
+fn deeply_nested_values_anywhere_in_a_body_never_crash_the_server() {
+    let s = start_env(true, &[], &[("KV_TRANSFER_SOURCE_ALLOW", "http://127.0.0.1:9")]);
+    let deep = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
+    for (path, body) in [
+        ("/v1/kv_transfer", format!(r#"{{"source":{deep},"prompt":"x"}}"#)),
+        ("/v1/kv_transfer", format!(r#"{{"source":"http://127.0.0.1:9","messages":{deep}}}"#)),
+        ("/v1/kv/lookup", format!(r#"{{"messages":{deep}}}"#)),
+        ("/v1/kv/prefill", format!(r#"{{"messages":{deep}}}"#)),
+        ("/v1/chat/completions", format!(r#"{{"messages":[{{"role":"user","content":{deep}}}]}}"#)),
+        ("/v1/completions", format!(r#"{{"prompt":{deep}}}"#)),
+        ("/v1/completions", format!(r#"{{"prompt":"x","stream_options":{deep},"max_tokens":{deep}}}"#)),
+    ] {
+        let r = client::request(s.addr, "POST", path, Some(body.as_bytes())).unwrap();
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+    }
+    assert_eq!(client::get(s.addr, "/health").unwrap().status, 200, "the server is still up");
 }

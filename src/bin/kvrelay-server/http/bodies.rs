@@ -174,8 +174,8 @@ pub(super) struct ResponsesBody<'a> {
 pub(super) struct LookupBody<'a> {
     #[serde(borrow, default)]
     pub(super) prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    pub(super) messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    pub(super) messages: Option<&'a RawValue>,
     #[serde(default)]
     pub(super) model: Option<String>,
     #[serde(default)]
@@ -300,13 +300,12 @@ pub(super) fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiE
 pub fn prompt_tokens(
     st: &AppState,
     prompt: Option<&RawValue>,
-    messages: Option<&Value>,
+    messages: Option<&RawValue>,
     model: Option<&str>,
 ) -> Result<Vec<u32>, ApiError> {
     check_model(st, model)?;
     if let Some(m) = messages {
-        let text = m.to_string();
-        let msgs: Vec<Message<'_>> = serde_json::from_str(&text)
+        let msgs: Vec<Message<'_>> = serde_json::from_str(m.get())
             .map_err(|_| ApiError::bad_request("messages must be a list of {role, content}"))?;
         return Ok(tokenize(&chat_text(Some(&msgs), None)?));
     }

@@ -417,16 +417,7 @@ async fn kv_lookup(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
     let r = async {
         let bytes = read_body(&st, &headers, body).await?;
         let b: LookupBody<'_> = parse(&bytes)?;
-        check_model(&st, b.model.as_deref())?;
-        let tokens = if b.messages.is_some() {
-            tokenize(&chat_text(b.messages.as_deref(), None)?)
-        } else {
-            let (p, batched) = completion_prompts(b.prompt)?;
-            if batched {
-                return Err(ApiError::bad_request("lookup takes one prompt"));
-            }
-            p[0].tokens()
-        };
+        let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
         let bt = st.engine.config.shape.block_tokens;
         let names = block_names(&tokens, bt, 0, b.cache_salt.as_deref());
         let held = st.engine.cache.held_prefix(&names);

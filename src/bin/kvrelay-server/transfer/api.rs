@@ -23,6 +23,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -83,18 +84,20 @@ pub async fn kv_info(State(st): State<Shared>) -> Json<Value> {
     }))
 }
 
+/// Values are kept raw (the body parser lifts the recursion limit, which is only safe for
+/// values it skips or keeps raw) and read later with serde_json's default limits.
 #[derive(Deserialize)]
 struct PromptBody<'a> {
     #[serde(borrow, default)]
-    prompt: Option<&'a serde_json::value::RawValue>,
-    #[serde(default)]
-    messages: Option<Value>,
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
     #[serde(default)]
     model: Option<String>,
     #[serde(default)]
     cache_salt: Option<String>,
-    #[serde(default)]
-    source: Option<Value>,
+    #[serde(borrow, default)]
+    source: Option<&'a RawValue>,
 }
 
 /// `POST /v1/kv/prefill {prompt | messages, cache_salt?}`: prefill (or reuse) the prompt's
@@ -103,7 +106,7 @@ pub async fn kv_prefill(State(st): State<Shared>, headers: HeaderMap, body: Body
     let r = async {
         let bytes = read_body(&st, &headers, body).await?;
         let b: PromptBody<'_> = parse(&bytes)?;
-        let tokens = prompt_tokens(&st, b.prompt, b.messages.as_ref(), b.model.as_deref())?;
+        let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
         let bt = st.engine.config.shape.block_tokens;
         let names = block_names(&tokens, bt, 0, b.cache_salt.as_deref());
         st.engine.generate(&tokens, &names, 1).await.map_err(crate::http::engine_error)?;
@@ -146,12 +149,12 @@ pub async fn kv_transfer(State(st): State<Shared>, headers: HeaderMap, body: Bod
         let bytes = read_body(&st, &headers, body).await?;
         let b: PromptBody<'_> = parse(&bytes)?;
         st.transfer_jobs.seen.fetch_add(1, Ordering::Relaxed);
-        let source = match &b.source {
-            Some(Value::String(s)) => normalize_source(s)
+        let source = match b.source.map(|r| serde_json::from_str::<String>(r.get())) {
+            Some(Ok(s)) => normalize_source(&s)
                 .ok_or_else(|| ApiError::bad_request("source must be a base URL like http://HOST:PORT").with_code("invalid_source"))?,
             _ => return Err(ApiError::bad_request("the request has no source").with_code("missing_source")),
         };
-        let tokens = prompt_tokens(&st, b.prompt, b.messages.as_ref(), b.model.as_deref())?;
+        let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
         let cfg = &st.transfer_config;
         if cfg.source_allow.is_empty() {
             return Err(ApiError::forbidden("no source allowlist is configured (KV_TRANSFER_SOURCE_ALLOW); transfers are refused"));
@@ -183,9 +186,10 @@ pub async fn kv_transfer(State(st): State<Shared>, headers: HeaderMap, body: Bod
             j.inflight.fetch_add(1, Ordering::Relaxed);
             j.fired.fetch_add(1, Ordering::Relaxed);
         }
-        let prompt_json: Value = match (b.prompt, &b.messages) {
+        // forwarded to the source as received (already validated by `prompt_tokens`)
+        let prompt_json: Value = match (b.prompt, b.messages) {
             (Some(p), _) => json!({"prompt": serde_json::from_str::<Value>(p.get()).unwrap_or(Value::Null)}),
-            (None, Some(m)) => json!({"messages": m}),
+            (None, Some(m)) => json!({"messages": serde_json::from_str::<Value>(m.get()).unwrap_or(Value::Null)}),
             _ => Value::Null,
         };
         let salt = b.cache_salt.clone();
