@@ -4,7 +4,9 @@
 # Rust (unit, integration, conformance, property, header freshness, the test server over HTTP),
 # the portable scanner's run, a fuzz smoke, the official openai client against the test server, the C/C++ programs built with -Wall -Wextra -Werror as C and as
 # C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build
-# of the library, and a consumer project that finds the installed package.
+# of the library, and a consumer project that finds the installed package. The server is built
+# with its NIXL transport (feature `nixl`; .ci/ensure-nixl.sh installs the NIXL libraries and
+# libclang), and the cross-instance transfer tests run a second time over NIXL/UCX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -19,12 +21,19 @@ fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
-echo "== clippy and docs (warnings are errors)"
+echo "== NIXL libraries and libclang (the nixl feature)"
+source .ci/ensure-nixl.sh
+
+echo "== clippy and docs (warnings are errors), with and without the NIXL transport"
+cargo clippy --locked --all-targets --features server,nixl -- -D warnings
 cargo clippy --locked --all-targets --features server -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server,nixl
 
 echo "== Rust tests (the library, and the test server over real HTTP on loopback)"
-cargo test --locked --features server
+cargo test --locked --features server,nixl
+
+echo "== the cross-instance transfer tests again over NIXL (UCX over TCP on loopback)"
+KVRELAY_TEST_KV_TRANSPORT=nixl UCX_TLS=tcp UCX_NET_DEVICES=lo cargo test --locked --features server,nixl --test transfer
 
 echo "== the portable scanner (what non-x86-64 hosts run): admission, property and conformance tests"
 RUSTFLAGS="--cfg kvrelay_portable" CARGO_TARGET_DIR="$root/target/portable" \
@@ -34,7 +43,7 @@ echo "== fuzz smoke (each target a few seconds; long runs: README \"Fuzzing\")"
 bash .ci/fuzz-smoke.sh
 
 echo "== the official openai Python client against kvrelay-server"
-cargo build --locked --release --features server --bin kvrelay-server
+cargo build --locked --release --features server,nixl --bin kvrelay-server
 oa="$root/target/ci-tools/openai"
 if ! PYTHONPATH="$oa" python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --target "$oa" openai
@@ -42,7 +51,7 @@ fi
 PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server
 
 echo "== benches compile"
-cargo build --locked --release --benches --features server
+cargo build --locked --release --benches --features server,nixl
 
 echo "== CMake"
 source .ci/ensure-cmake.sh

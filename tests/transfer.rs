@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{blocks, cached, client, cold, start, start_env, text, wait_until, Server};
+use common::{blocks, cached, client, cold, server_bin, start, start_env, test_transport, text, wait_until, Server};
 use serde_json::{json, Value};
 
 /// 32-token blocks of 128 bytes of text: `n` blocks named by `tag`.
@@ -54,6 +54,10 @@ fn hinted_fetch_takes_only_the_missing_run_root_aligned_or_suffix_only() {
     let src = start(true, &[]);
     let dst = destination(&src, &[]);
     let ep = kv_endpoint(&src);
+    let transport = test_transport().unwrap_or_else(|| "tcp".into());
+    for s in [&src, &dst] {
+        assert_eq!(client::get(s.addr, "/v1/kv/info").unwrap().json()["transport"], transport.as_str());
+    }
     // 10 full blocks + a tail; the destination already holds the first 3.
     let p = blocks_text("alpha", 10) + "tail";
     let want = cold(&dst, &p);
@@ -229,6 +233,56 @@ fn fingerprint_mismatch_peers_and_endpoints_off_their_lists() {
     stop.store(1, Ordering::Relaxed);
     t.join().unwrap();
     assert_eq!(accepts.load(Ordering::Relaxed), 0, "a connection was opened to an address off the lists");
+}
+
+#[test]
+fn nixl_transport_fails_at_startup_without_its_libraries() {
+    // an empty folder for the library: the server must not start (never a failure at the first
+    // transfer), and say why
+    let empty = std::env::temp_dir().join(format!("kvrelay-no-nixl-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = std::process::Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "nixl", "--nixl-lib-dir"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without the NIXL libraries: {err}");
+    assert!(out.stdout.is_empty(), "it said it was listening");
+    let why = if cfg!(feature = "nixl") { "cannot load" } else { "no NIXL support" };
+    assert!(err.contains("--kv-transport nixl") && err.contains(why), "{err}");
+    let bad = std::process::Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "carrier-pigeon"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("expected tcp or nixl"));
+}
+
+/// A NIXL reader against a TCP-only source is refused (a cold run); a NIXL source still serves
+/// TCP readers.
+#[test]
+fn nixl_and_tcp_instances_meet() {
+    if test_transport().as_deref() != Some("nixl") {
+        eprintln!("skipped: the suite runs over tcp (KVRELAY_TEST_KV_TRANSPORT=nixl runs it)");
+        return;
+    }
+    let tcp_src = start(true, &["--kv-transport", "tcp"]);
+    let dst = destination(&tcp_src, &[]); // nixl
+    let p = blocks_text("india", 4);
+    let want = cold(&dst, &p);
+    tcp_src.complete(json!({"prompt": p}));
+    let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&tcp_src), &hashes(&tcp_src, &p))}));
+    assert_eq!((cached(&v), text(&v)), (0, want.clone()));
+    assert_eq!(failed(&dst, "refused"), 1.0);
+    assert_eq!(blocks(&dst, "held"), 0.0);
+
+    let nixl_src = start(true, &[]);
+    let tcp_dst = destination(&nixl_src, &["--kv-transport", "tcp"]);
+    nixl_src.complete(json!({"prompt": p}));
+    let v =
+        tcp_dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&nixl_src), &hashes(&nixl_src, &p))}));
+    assert_eq!((cached(&v), text(&v)), (128, want));
+    assert_eq!(sent(&nixl_src), 4.0);
 }
 
 #[test]

@@ -38,8 +38,13 @@ pub fn start_env(trusted: bool, args: &[&str], env: &[(&str, &str)]) -> Server {
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let log = std::env::temp_dir().join(format!("kvrelay-server-test-{}-{n}.log", std::process::id()));
     let mut cmd = Command::new(server_bin());
-    cmd.args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
+    cmd.args(["serve", "--listen", "127.0.0.1:0"]);
+    // The whole suite again over another transport (the test command runs it with `nixl`),
+    // unless the test picks one itself.
+    if let (Some(t), false) = (test_transport(), args.contains(&"--kv-transport")) {
+        cmd.args(["--kv-transport", &t]);
+    }
+    cmd.args(args)
         .env("KVRELAY_PREFILL_TOKENS_PER_S", "0") // a flag overrides it
         .env("KVRELAY_TRUST_KV_HINTS", if trusted { "1" } else { "0" })
         .env("KVRELAY_LOG", "info")
@@ -117,6 +122,12 @@ pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 /// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
 /// another machine, e.g. the GPU machine).
-fn server_bin() -> std::path::PathBuf {
+pub fn server_bin() -> std::path::PathBuf {
     std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
+}
+
+/// The transport the suite runs over (`KVRELAY_TEST_KV_TRANSPORT`; unset: each server's default,
+/// tcp).
+pub fn test_transport() -> Option<String> {
+    std::env::var("KVRELAY_TEST_KV_TRANSPORT").ok().filter(|t| !t.is_empty())
 }

@@ -145,6 +145,23 @@ const STAGE_BLOCKS: usize = 16;
 pub struct KvStore {
     store: Mutex<Store>,
     block_bytes: usize,
+    region: Region,
+    /// XXH3-64 of every block's bytes as last written, per block id, once
+    /// [`KvStore::track_checksums`] was called (a transport whose peer reads the pool in place
+    /// offers these instead of reading the blocks).
+    sums: std::sync::OnceLock<Box<[std::sync::atomic::AtomicU64]>>,
+}
+
+/// Where a pool lives: its base address and length, and the CUDA device (`None`: host memory).
+/// Block `id` is at `base + id * block_bytes`.
+#[derive(Clone, Copy, Debug)]
+pub struct Region {
+    /// Base address (host virtual, or CUDA device pointer).
+    pub base: u64,
+    /// Bytes.
+    pub len: usize,
+    /// CUDA device ordinal of device memory.
+    pub device: Option<i32>,
 }
 
 impl KvStore {
@@ -157,7 +174,13 @@ impl KvStore {
         // engine lives (field order) and which nothing else touches: all access is through the
         // engine under the store's lock.
         let engine = unsafe { CpuEngine::new(&layout)? };
-        Ok(KvStore { store: Mutex::new(Store::Host { engine, _mem: mem }), block_bytes })
+        let region = Region { base: mem.addr(), len: blocks * block_bytes, device: None };
+        Ok(KvStore {
+            store: Mutex::new(Store::Host { engine, _mem: mem }),
+            block_bytes,
+            region,
+            sums: std::sync::OnceLock::new(),
+        })
     }
 
     /// A pool of `blocks` blocks in the memory of CUDA device `device`, allocated here (the
@@ -179,12 +202,84 @@ impl KvStore {
         // for as long as the engine lives (field order).
         let engine = unsafe { CudaEngine::new(device, &layout) }.map_err(|e| e.to_string())?;
         let staging = Pinned::alloc(device, STAGE_BLOCKS * block_bytes).map_err(|e| e.to_string())?;
-        Ok(KvStore { store: Mutex::new(Store::Cuda { engine, staging, ctx, _mem: mem }), block_bytes })
+        let region = Region { base, len: blocks * block_bytes, device: Some(device) };
+        Ok(KvStore {
+            store: Mutex::new(Store::Cuda { engine, staging, ctx, _mem: mem }),
+            block_bytes,
+            region,
+            sums: std::sync::OnceLock::new(),
+        })
     }
 
     /// Bytes per block.
     pub fn block_bytes(&self) -> usize {
         self.block_bytes
+    }
+
+    /// Where the pool lives (for a transport that registers it once, at startup).
+    pub fn region(&self) -> Region {
+        self.region
+    }
+
+    /// From now on, keep the XXH3-64 of every block written (one hash pass over the bytes
+    /// [`KvStore::write`] already has in host memory). Call before serving.
+    pub fn track_checksums(&self) {
+        let n = self.region.len / self.block_bytes.max(1);
+        let _ = self.sums.set((0..n).map(|_| std::sync::atomic::AtomicU64::new(0)).collect());
+    }
+
+    /// The recorded checksums of blocks `ids` (`None` unless [`KvStore::track_checksums`] was
+    /// called). A block's entry is final once the block is committed: it is written before.
+    pub fn recorded_checksums(&self, ids: &[u32]) -> Option<Vec<u64>> {
+        let t = self.sums.get()?;
+        Some(ids.iter().map(|&b| t[b as usize].load(std::sync::atomic::Ordering::Acquire)).collect())
+    }
+
+    /// XXH3-64 of the bytes blocks `ids` hold now, for blocks that a transport wrote in place.
+    /// A host pool is hashed where it lies (no copy); a GPU pool is read back through the copy
+    /// engine ([`KvStore::checksums`]). The caller must hold `ids` exclusively (fresh blocks of
+    /// its own lease, not yet committed) with every write into them finished.
+    pub fn checksums_in_place(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, AbiError> {
+        if self.region.device.is_some() {
+            return self.checksums(ids, threads);
+        }
+        let bb = self.block_bytes;
+        let n = self.region.len / bb.max(1);
+        let blocks: Vec<&[u8]> = ids
+            .iter()
+            .map(|&b| {
+                assert!((b as usize) < n, "block id inside the pool");
+                // SAFETY: block `b` lies inside the host pool this store owns (checked above)
+                // and lives as long as `self`; the caller holds it exclusively with every
+                // write finished, so nothing writes it while this shared view exists.
+                unsafe { std::slice::from_raw_parts((self.region.base as usize + b as usize * bb) as *const u8, bb) }
+            })
+            .collect();
+        let threads = threads.clamp(1, blocks.len().max(1));
+        let per = blocks.len().div_ceil(threads).max(1);
+        Ok(std::thread::scope(|s| {
+            let parts: Vec<_> = blocks
+                .chunks(per)
+                .map(|p| s.spawn(move || p.iter().map(|b| xxhash_rust::xxh3::xxh3_64(b)).collect::<Vec<_>>()))
+                .collect();
+            parts.into_iter().flat_map(|h| h.join().expect("hashing does not panic")).collect()
+        }))
+    }
+
+    /// XXH3-64 of the bytes blocks `ids` hold now, read through the copy engine in pieces of
+    /// [`chunk_blocks`] (a transport that wrote them in place verifies with this). Hashes on up
+    /// to `threads` threads.
+    pub fn checksums(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, AbiError> {
+        let bb = self.block_bytes;
+        let chunk = chunk_blocks(bb) * threads.max(1);
+        let mut buf = vec![0u8; chunk.min(ids.len()) * bb];
+        let mut out = Vec::with_capacity(ids.len());
+        for ids in ids.chunks(chunk) {
+            let part = &mut buf[..ids.len() * bb];
+            self.read(ids, part)?;
+            out.extend(hash_blocks(part, bb, threads));
+        }
+        Ok(out)
     }
 
     /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
@@ -204,8 +299,20 @@ impl KvStore {
         }
     }
 
-    /// Copy `data` into blocks `ids`.
+    /// Copy `data` into blocks `ids` (and record their checksums when tracked).
     pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
+        self.write_keeping_checksums(ids, data)?;
+        if let Some(t) = self.sums.get() {
+            for (&b, block) in ids.iter().zip(data.chunks(self.block_bytes)) {
+                t[b as usize].store(xxhash_rust::xxh3::xxh3_64(block), std::sync::atomic::Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy `data` into blocks `ids`, leaving recorded checksums as they are (what memory going
+    /// bad under a block looks like; for fault injection).
+    pub fn write_keeping_checksums(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
         let bb = self.block_bytes;
         let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
         match &mut *s {
@@ -231,6 +338,23 @@ fn cuda_sync_error(_: cudarc::driver::DriverError) -> AbiError {
 /// big pieces.
 pub fn chunk_blocks(block_bytes: usize) -> usize {
     ((8 << 20) / block_bytes.max(1)).clamp(1, STAGE_BLOCKS)
+}
+
+/// XXH3-64 of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
+pub fn hash_blocks(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
+    let n = bytes.len() / block_bytes.max(1);
+    let threads = threads.clamp(1, n.max(1));
+    if threads == 1 {
+        return bytes.chunks(block_bytes).map(xxhash_rust::xxh3::xxh3_64).collect();
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = bytes
+            .chunks(per * block_bytes)
+            .map(|p| s.spawn(move || p.chunks(block_bytes).map(xxhash_rust::xxh3::xxh3_64).collect::<Vec<_>>()))
+            .collect();
+        parts.into_iter().flat_map(|h| h.join().expect("hashing does not panic")).collect()
+    })
 }
 
 /// Engine settings.
@@ -423,7 +547,8 @@ impl Engine {
         let mut buf = vec![0u8; self.store.block_bytes()];
         self.store.read(&[b], &mut buf)?;
         buf[0] ^= 0x5a;
-        self.store.write(&[b], &buf)?;
+        // the recorded checksum stays: this models memory going bad under a committed block
+        self.store.write_keeping_checksums(&[b], &buf)?;
         Ok(true)
     }
 }

@@ -124,6 +124,14 @@ pub struct ServeArgs {
     /// `/v1/kv_transfer` jobs running at once (`skipped_busy` beyond).
     #[arg(long, env = "KV_TRANSFER_MAX_INFLIGHT", default_value_t = 4)]
     pub kv_transfer_max_inflight: usize,
+    /// How this instance fetches KV blocks: `tcp` (the embedded transport) or `nixl` (NIXL over
+    /// UCX; builds with the `nixl` feature; the pool is registered with NIXL at startup and
+    /// this instance also serves NIXL readers). Control always runs on the KV service.
+    #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
+    pub kv_transport: String,
+    /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
+    #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
+    pub nixl_lib_dir: Option<std::path::PathBuf>,
 }
 
 /// The environment variable that turns hint trust on (off by default).
@@ -150,6 +158,34 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.task.abort();
         self.kv_task.abort();
+    }
+}
+
+/// What `--kv-transport` selects: the fetching side, and the in-place source service.
+type Transports = (Arc<dyn transfer::Transport>, Option<Arc<dyn transfer::tcp::InPlaceSource>>);
+
+fn transports(
+    args: &ServeArgs,
+    engine: &Arc<Engine>,
+    fingerprint: &transfer::Fingerprint,
+    block_bytes: usize,
+) -> Result<Transports, String> {
+    match args.kv_transport.as_str() {
+        "tcp" => Ok((Arc::new(transfer::tcp::TcpTransport::new(fingerprint.clone(), block_bytes)), None)),
+        #[cfg(feature = "nixl")]
+        "nixl" => {
+            transfer::nixl::load_library(args.nixl_lib_dir.as_deref())?;
+            let mem = transfer::nixl::NixlMem::new(engine)?;
+            let source = transfer::nixl::NixlSource::new(mem.clone(), engine.clone());
+            let t = transfer::nixl::NixlTransport::new(fingerprint.clone(), mem, engine.clone());
+            Ok((Arc::new(t), Some(Arc::new(source))))
+        }
+        #[cfg(not(feature = "nixl"))]
+        "nixl" => {
+            let _ = (engine, &args.nixl_lib_dir);
+            Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into())
+        }
+        t => Err(format!("--kv-transport {t}: expected tcp or nixl")),
     }
 }
 
@@ -221,6 +257,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         .map_err(|e| format!("--kv-listen {}: {e}", args.kv_listen))?;
     let kv_addr = kv_listener.local_addr().map_err(|e| e.to_string())?;
     let fingerprint = transfer::Fingerprint::of(shape);
+    let (transport, in_place) = transports(args, &engine, &fingerprint, block_bytes)?;
     let kv_stats = Arc::new(transfer::tcp::ServiceStats::default());
     let kv_task = tokio::spawn(transfer::tcp::serve(
         kv_listener,
@@ -229,9 +266,10 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         allow,
         fault,
         kv_stats.clone(),
+        in_place,
     ));
     let transfer_state = transfer::TransferState {
-        transport: Arc::new(transfer::tcp::TcpTransport::new(fingerprint.clone(), block_bytes)),
+        transport,
         estimator: transfer::Estimator::default(),
         fingerprint,
         endpoint: format!("tcp://{kv_addr}"),

@@ -10,6 +10,8 @@
 //! released. On any failure the request prefills what it lacks and answers as a cold run.
 
 pub mod api;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod tcp;
 
 use std::collections::{HashMap, HashSet};
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{FetchCall, FetchProvider};
+use crate::cache::Lease;
 use crate::engine::{Engine, Shape, MODEL_SEED, NAME_SEED};
 
 /// What both sides compare before any data moves.
@@ -127,6 +130,26 @@ impl FetchError {
 /// once, always in order.
 pub type BlockSink = Arc<dyn Fn(usize, &[u8]) -> Result<(), FetchError> + Send + Sync>;
 
+/// Publishes block `i` of the run, which a transport wrote in place into `lease.ids[i]` and
+/// verified. Never two calls at once, always in order.
+pub type CommitFn = Arc<dyn Fn(usize) + Send + Sync>;
+
+/// Where a fetched run goes: fresh blocks of the destination's pool, one per name, and the two
+/// ways in. A transport that carries bytes hands each verified block to `sink` (which writes
+/// it through the copy engine, then commits); one that writes into the pool in place (NIXL)
+/// verifies `lease.ids[i]` where it lies, then calls `commit`. Either way, a block is
+/// published only when complete and checked, in prefix order.
+#[derive(Clone)]
+pub struct Destination {
+    /// The fresh blocks. A transport that cannot prove a write into them has stopped keeps a
+    /// clone alive forever (the blocks leave the pool rather than risk reuse).
+    pub lease: Arc<Lease>,
+    /// Verified bytes of block `i`.
+    pub sink: BlockSink,
+    /// Block `i` is complete and verified in place.
+    pub commit: CommitFn,
+}
+
 /// A boxed future (the seam is object-safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -134,14 +157,14 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait Transport: Send + Sync {
     /// Name for logs and `/v1/kv/info`.
     fn name(&self) -> &'static str;
-    /// Ask `endpoint` for the blocks `names` (a consecutive run) and hand every verified block
-    /// to `sink`, in order. Returns how many blocks were delivered; fewer than asked when the
-    /// source holds only a leading part.
+    /// Ask `endpoint` for the blocks `names` (a consecutive run) and deliver every verified
+    /// block into `dest`, in order. Returns how many blocks were delivered; fewer than asked
+    /// when the source holds only a leading part.
     fn fetch<'a>(
         &'a self,
         endpoint: &'a str,
         names: &'a [u64],
-        sink: BlockSink,
+        dest: Destination,
     ) -> BoxFuture<'a, Result<usize, FetchError>>;
 }
 
@@ -332,20 +355,26 @@ pub async fn fetch_into_cache(
     let committed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let lease = Arc::new(lease);
     let run = Arc::new(run);
-    let sink: BlockSink = {
-        let (engine, lease, run, committed, first_byte) =
-            (engine.clone(), lease.clone(), run.clone(), committed.clone(), first_byte.clone());
-        Arc::new(move |i: usize, bytes: &[u8]| -> Result<(), FetchError> {
+    let commit: CommitFn = {
+        let (lease, run, committed, first_byte) = (lease.clone(), run.clone(), committed.clone(), first_byte.clone());
+        Arc::new(move |i: usize| {
             first_byte.get_or_init(|| started.elapsed());
+            lease.commit(i, run[i]);
+            committed.store(i + 1, std::sync::atomic::Ordering::Release);
+        })
+    };
+    let sink: BlockSink = {
+        let (engine, lease, commit) = (engine.clone(), lease.clone(), commit.clone());
+        Arc::new(move |i: usize, bytes: &[u8]| -> Result<(), FetchError> {
             if let Err(e) = engine.store.write(&lease.ids[i..i + 1], bytes) {
                 return Err(FetchError::new(FailReason::Corrupt, format!("writing a received block: {e}")));
             }
-            lease.commit(i, run[i]);
-            committed.store(i + 1, std::sync::atomic::Ordering::Release);
+            commit(i);
             Ok(())
         })
     };
-    let result = transport.fetch(endpoint, &run, sink).await;
+    let dest = Destination { lease: lease.clone(), sink, commit };
+    let result = transport.fetch(endpoint, &run, dest).await;
     let committed = committed.load(std::sync::atomic::Ordering::Acquire);
     out.blocks = committed;
     out.bytes = committed * bb;

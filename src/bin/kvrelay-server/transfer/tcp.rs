@@ -8,7 +8,16 @@
 //!   evicted) until it has sent them;
 //! - `BLOCK` (source -> destination, raw): name (u64 LE), XXH3-64 of the bytes (u64 LE), then
 //!   exactly `block_bytes` bytes; one per offered block, in order;
-//! - `REFUSE` (either way, MessagePack): `{reason, message}`.
+//! - `REFUSE` (either way, MessagePack): `{reason, message}`;
+//! - `DONE` (destination -> source, MessagePack): `{committed}`: a reader that pulled the
+//!   blocks itself (NIXL) is finished with them; the source unpins them.
+//!
+//! A destination that reads the blocks out of the source's registered memory itself (the NIXL
+//! transport) says so in its hello (`nixl: true`); the source then answers with an offer that
+//! also carries where each block lies and its recorded checksum (`nixl`, see
+//! [`InPlaceOffer`]), sends no `BLOCK` frames, and keeps the blocks pinned until `DONE`, the end
+//! of the connection or [`total_deadline`]. A source without an in-place service refuses it
+//! (`transport_unavailable`).
 //!
 //! Limits on every read: control frames at most [`MAX_CONTROL`] bytes, block frames exactly
 //! 16 + `block_bytes`, at most [`MAX_BLOCKS`] names per request, a deadline per read
@@ -26,15 +35,16 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{BlockSink, BoxFuture, FailReason, FetchError, Fingerprint, Transport};
+use super::{BlockSink, BoxFuture, Destination, FailReason, FetchError, Fingerprint, Transport};
 use crate::engine::Engine;
 
 const MAGIC: &[u8; 4] = b"KVRX";
 const VERSION: u8 = 1;
-const HELLO: u8 = 1;
-const OFFER: u8 = 2;
+pub(super) const HELLO: u8 = 1;
+pub(super) const OFFER: u8 = 2;
 const BLOCK: u8 = 3;
-const REFUSE: u8 = 4;
+pub(super) const REFUSE: u8 = 4;
+pub(super) const DONE: u8 = 5;
 
 /// Largest control frame.
 pub const MAX_CONTROL: usize = 16 << 20;
@@ -53,22 +63,58 @@ pub fn total_deadline(bytes: usize) -> Duration {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Hello {
-    fingerprint: Fingerprint,
-    names: Vec<u64>,
+pub(super) struct Hello {
+    pub fingerprint: Fingerprint,
+    pub names: Vec<u64>,
+    /// The reader pulls the blocks itself (in place); absent in a plain hello.
+    #[serde(default)]
+    pub nixl: bool,
 }
 
 #[derive(Serialize, Deserialize)]
-struct Offer {
-    fingerprint: Fingerprint,
-    count: u64,
-    block_bytes: u64,
+pub(super) struct Offer {
+    pub fingerprint: Fingerprint,
+    pub count: u64,
+    pub block_bytes: u64,
+    /// Where the offered blocks lie, for a reader that pulls them itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<InPlaceOffer>,
+}
+
+/// What a source tells a reader that pulls blocks out of its registered memory.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct InPlaceOffer {
+    /// The source's NIXL agent name.
+    pub agent: String,
+    /// The source agent's metadata (connection info and registered memory), loaded by the
+    /// reader once per agent.
+    pub metadata: Vec<u8>,
+    /// CUDA device of the registered memory (`None`: host memory).
+    pub device: Option<u64>,
+    /// `(address, length)` of each offered block, in order.
+    pub regions: Vec<(u64, u64)>,
+    /// XXH3-64 of each offered block's bytes, recorded when it was written.
+    pub sums: Vec<u64>,
+}
+
+/// `DONE`.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Done {
+    pub committed: u64,
 }
 
 #[derive(Serialize, Deserialize)]
-struct Refuse {
-    reason: String,
-    message: String,
+pub(super) struct Refuse {
+    pub reason: String,
+    pub message: String,
+}
+
+/// A service that lets readers pull pinned blocks out of this instance's memory themselves
+/// (the NIXL transport's source side).
+pub trait InPlaceSource: Send + Sync {
+    /// Build the offer of the pinned blocks `ids` (whose names were asked for); `Err` is a
+    /// refusal.
+    fn offer(&self, ids: &[u32], fault: Fault) -> Result<InPlaceOffer, String>;
 }
 
 /// `tcp://host:port` -> a socket address (resolving names).
@@ -76,7 +122,7 @@ pub fn socket_addr(endpoint: &str) -> Option<SocketAddr> {
     endpoint.strip_prefix("tcp://")?.to_socket_addrs().ok()?.next()
 }
 
-fn header(kind: u8, len: usize) -> [u8; 12] {
+pub(super) fn header(kind: u8, len: usize) -> [u8; 12] {
     let mut h = [0u8; 12];
     h[..4].copy_from_slice(MAGIC);
     h[4] = VERSION;
@@ -95,7 +141,7 @@ fn io_err(e: std::io::Error) -> FetchError {
     }
 }
 
-async fn timed<T>(f: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, FetchError> {
+pub(super) async fn timed<T>(f: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, FetchError> {
     match tokio::time::timeout(READ_TIMEOUT, f).await {
         Ok(r) => r.map_err(io_err),
         Err(_) => Err(FetchError::new(FailReason::Timeout, "a read or write ran past its deadline")),
@@ -103,7 +149,7 @@ async fn timed<T>(f: impl std::future::Future<Output = std::io::Result<T>>) -> R
 }
 
 /// Read one frame header: `(kind, len)`, checked against `max`.
-async fn read_header(s: &mut TcpStream, max: usize) -> Result<(u8, usize), FetchError> {
+pub(super) async fn read_header(s: &mut TcpStream, max: usize) -> Result<(u8, usize), FetchError> {
     let mut h = [0u8; 12];
     timed(s.read_exact(&mut h)).await?;
     if &h[..4] != MAGIC || h[4] != VERSION {
@@ -116,7 +162,7 @@ async fn read_header(s: &mut TcpStream, max: usize) -> Result<(u8, usize), Fetch
     Ok((h[5], len))
 }
 
-async fn read_control<T: for<'de> Deserialize<'de>>(
+pub(super) async fn read_control<T: for<'de> Deserialize<'de>>(
     s: &mut TcpStream,
     buf: &mut Vec<u8>,
     len: usize,
@@ -126,14 +172,14 @@ async fn read_control<T: for<'de> Deserialize<'de>>(
     rmp_serde::from_slice(buf).map_err(|_| FetchError::new(FailReason::Corrupt, "a control frame does not decode"))
 }
 
-async fn write_control<T: Serialize>(s: &mut TcpStream, kind: u8, v: &T) -> Result<(), FetchError> {
+pub(super) async fn write_control<T: Serialize>(s: &mut TcpStream, kind: u8, v: &T) -> Result<(), FetchError> {
     let body = rmp_serde::to_vec_named(v).map_err(|e| FetchError::new(FailReason::Corrupt, e.to_string()))?;
     let mut frame = header(kind, body.len()).to_vec();
     frame.extend_from_slice(&body);
     timed(s.write_all(&frame)).await
 }
 
-fn refused(r: Refuse) -> FetchError {
+pub(super) fn refused(r: Refuse) -> FetchError {
     let reason = if r.reason == "fingerprint_mismatch" { FailReason::FingerprintMismatch } else { FailReason::Refused };
     FetchError::new(reason, format!("the source refused: {} ({})", r.reason, r.message))
 }
@@ -163,7 +209,8 @@ impl TcpTransport {
             Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
         };
         let _ = s.set_nodelay(true);
-        write_control(&mut s, HELLO, &Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec() }).await?;
+        let hello = Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec(), nixl: false };
+        write_control(&mut s, HELLO, &hello).await?;
         let mut buf = Vec::new();
         let (kind, len) = read_header(&mut s, MAX_CONTROL).await?;
         match kind {
@@ -253,11 +300,11 @@ impl Transport for TcpTransport {
         &'a self,
         endpoint: &'a str,
         names: &'a [u64],
-        sink: BlockSink,
+        dest: Destination,
     ) -> BoxFuture<'a, Result<usize, FetchError>> {
         Box::pin(async move {
             let deadline = total_deadline(names.len() * self.block_bytes);
-            match tokio::time::timeout(deadline, self.pull(endpoint, names, sink)).await {
+            match tokio::time::timeout(deadline, self.pull(endpoint, names, dest.sink)).await {
                 Ok(r) => r,
                 Err(_) => Err(FetchError::new(FailReason::Timeout, "the transfer ran past its total deadline")),
             }
@@ -353,7 +400,8 @@ pub struct ServiceStats {
     pub refused: std::sync::atomic::AtomicU64,
 }
 
-/// Serve the reuse cache of `engine` on `listener` until the task is dropped.
+/// Serve the reuse cache of `engine` on `listener` until the task is dropped; `in_place`
+/// also serves readers that pull blocks themselves.
 pub async fn serve(
     listener: TcpListener,
     engine: Arc<Engine>,
@@ -361,11 +409,13 @@ pub async fn serve(
     allow: PeerAllow,
     fault: Fault,
     stats: Arc<ServiceStats>,
+    in_place: Option<Arc<dyn InPlaceSource>>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok((mut s, peer)) = listener.accept().await else { continue };
         let (engine, fp, stats, allow) = (engine.clone(), fingerprint.clone(), stats.clone(), allow.clone());
+        let in_place = in_place.clone();
         let permit = slots.clone().try_acquire_owned();
         tokio::spawn(async move {
             let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
@@ -374,7 +424,7 @@ pub async fn serve(
             } else if permit.is_err() {
                 Err(refuse("busy", format!("the KV service serves {MAX_CONNECTIONS} connections at most")))
             } else {
-                serve_one(&mut s, &engine, &fp, fault, &stats).await
+                serve_one(&mut s, &engine, &fp, fault, &stats, in_place.as_deref()).await
             };
             if let Err(r) = r {
                 stats.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -392,6 +442,7 @@ async fn serve_one(
     fp: &Fingerprint,
     fault: Fault,
     stats: &ServiceStats,
+    in_place: Option<&dyn InPlaceSource>,
 ) -> Result<(), Refuse> {
     let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
     let _ = s.set_nodelay(true);
@@ -407,10 +458,16 @@ async fn serve_one(
     if hello.names.len() > MAX_BLOCKS {
         return Err(refuse("too_many_blocks", format!("at most {MAX_BLOCKS} names")));
     }
+    if hello.nixl && in_place.is_none() {
+        return Err(refuse("transport_unavailable", "this source serves no in-place (NIXL) readers".into()));
+    }
     // Pin the leading run held here: those blocks cannot be evicted until they are sent.
     let lease = engine.cache.pin_prefix(&hello.names);
     let bb = engine.store.block_bytes();
-    let offer = Offer { fingerprint: fp.clone(), count: lease.ids.len() as u64, block_bytes: bb as u64 };
+    if let (true, Some(src)) = (hello.nixl, in_place) {
+        return serve_in_place(s, engine, fp, fault, stats, src, lease).await;
+    }
+    let offer = Offer { fingerprint: fp.clone(), count: lease.ids.len() as u64, block_bytes: bb as u64, nixl: None };
     if write_control(s, OFFER, &offer).await.is_err() {
         return Ok(());
     }
@@ -474,6 +531,57 @@ async fn serve_one(
     }
     let _ = producer.await;
     let _ = s.flush().await;
+    drop(lease);
+    Ok(())
+}
+
+/// The source side for a reader that pulls the blocks itself: offer where they lie, then keep
+/// them pinned until the reader says `DONE`, closes, or the transfer's deadline passes.
+async fn serve_in_place(
+    s: &mut TcpStream,
+    engine: &Arc<Engine>,
+    fp: &Fingerprint,
+    fault: Fault,
+    stats: &ServiceStats,
+    src: &dyn InPlaceSource,
+    lease: crate::cache::Lease,
+) -> Result<(), Refuse> {
+    let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
+    let bb = engine.store.block_bytes();
+    if fault == Fault::Stall {
+        // a stalled peer: the reader's deadline must fire
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    let nixl = src.offer(&lease.ids, fault).map_err(|m| refuse("in_place_unavailable", m))?;
+    let count = lease.ids.len();
+    let offer = Offer { fingerprint: fp.clone(), count: count as u64, block_bytes: bb as u64, nixl: Some(nixl) };
+    if write_control(s, OFFER, &offer).await.is_err() {
+        return Ok(());
+    }
+    if fault == Fault::Die {
+        let _ = s.flush().await;
+        eprintln!("kvrelay-server: --kv-fault die: exiting mid-transfer");
+        std::process::exit(3);
+    }
+    // Wait for the reader; the connection's end or the deadline also unpin.
+    let done = tokio::time::timeout(total_deadline(count * bb), async {
+        // the first byte without the per-read deadline: the reader may take longer than that
+        match s.peek(&mut [0u8; 1]).await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+        let (kind, len) = read_header(s, MAX_CONTROL).await.ok()?;
+        if kind != DONE {
+            return None;
+        }
+        read_control::<Done>(s, &mut Vec::new(), len).await.ok()
+    })
+    .await
+    .ok()
+    .flatten();
+    if let Some(d) = done {
+        stats.blocks_sent.fetch_add(d.committed.min(count as u64), std::sync::atomic::Ordering::Relaxed);
+    }
     drop(lease);
     Ok(())
 }
