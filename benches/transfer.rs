@@ -2,17 +2,26 @@
 //! (`cargo bench --features server --bench transfer`), with an 8B-model KV shape (32 layers,
 //! 8 KV heads, head size 128, BF16: 128 KiB per token, 4 MiB per 32-token block).
 //!
-//! 1. Throughput: a 1 GiB prefix (8,192 tokens) fetched by a `kv.fetch` hint, against a plain
-//!    loopback TCP copy of the same number of bytes measured in the same run.
+//! One source instance serves a destination per transport (`KVRELAY_BENCH_TRANSPORTS`, default
+//! `tcp,nixl` when built with the `nixl` feature, else `tcp`; a NIXL source also serves TCP
+//! readers).
+//!
+//! 1. Throughput: a 1 GiB prefix (8,192 tokens) fetched by a `kv.fetch` hint over each
+//!    transport, against anchors measured in the same run and repetition: a plain loopback TCP
+//!    copy of the same bytes; with NIXL, a bare NIXL READ of the same bytes between two
+//!    processes (this bench, twice: 256 descriptors of 4 MiB in one request, memory of the
+//!    pools' kind registered once); with GPU pools, the contiguous device-to-device copy and
+//!    the pinned host-to-device copy (the PCIe ceiling) of 1 GiB.
 //! 2. Time to first token with fetch against local prefill, 1k to 32k-token prompts: the
 //!    modeled prefill time (25,000 tokens/s, `--prefill-tokens-per-s`), the measured local
 //!    prefill of an instance with that rate (never faster than the reference engine writing
-//!    the KV bytes), and the measured fetch path (an instance without a modeled rate, so its
-//!    fetch-or-prefill estimate always fetches).
+//!    the KV bytes), and the measured fetch path per transport (instances without a modeled
+//!    rate, so their fetch-or-prefill estimate always fetches).
 //!
-//! `KVRELAY_BENCH_DEVICE=cuda:0` puts both pools in GPU memory (two instances on one GPU);
-//! `KVRELAY_BENCH_MAX_TOKENS` caps the prompt sizes (default 32768). Bounded: fixed sizes and
-//! repetitions; every request has the client's 60 s deadline.
+//! `KVRELAY_BENCH_DEVICE=cuda:0` puts every pool in GPU memory (instances on one GPU);
+//! `KVRELAY_BENCH_MAX_TOKENS` caps the prompt sizes (default 32768). NIXL instances find the
+//! library through `KVRELAY_NIXL_LIB_DIR` (or the loader path), like the servers. Bounded: fixed
+//! sizes and repetitions; every request has the client's 60 s deadline, every NIXL wait 60 s.
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
@@ -40,6 +49,7 @@ impl Drop for Server {
 }
 
 fn start(extra: &[&str], rate: &str) -> Server {
+    let lib_dir = std::env::var("KVRELAY_NIXL_LIB_DIR").unwrap_or_default();
     let device = std::env::var("KVRELAY_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
     let mut child = Command::new(server_bin())
         .args([
@@ -47,7 +57,7 @@ fn start(extra: &[&str], rate: &str) -> Server {
             "--listen",
             "127.0.0.1:0",
             "--kv-blocks",
-            "1100",
+            &kv_blocks().to_string(),
             "--device",
             &device,
             "--prefill-tokens-per-s",
@@ -58,6 +68,7 @@ fn start(extra: &[&str], rate: &str) -> Server {
         .args(extra)
         .env("KVRELAY_TRUST_KV_HINTS", "1")
         .env("KVRELAY_LOG", "warn")
+        .env("KVRELAY_NIXL_LIB_DIR", lib_dir)
         .stdout(Stdio::piped())
         .spawn()
         .expect("start kvrelay-server");
@@ -66,6 +77,15 @@ fn start(extra: &[&str], rate: &str) -> Server {
     let addr: SocketAddr = line.trim().strip_prefix("listening on ").expect("listening line").parse().unwrap();
     let kv = client::get(addr, "/v1/kv/info").unwrap().json()["kv_endpoint"].as_str().unwrap().to_string();
     Server { child, addr, kv }
+}
+
+fn max_tokens() -> usize {
+    std::env::var("KVRELAY_BENCH_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(32768)
+}
+
+/// Blocks per pool: the largest prompt (the throughput prefix is at most that) plus room.
+fn kv_blocks() -> usize {
+    max_tokens() / 32 + 76
 }
 
 fn tokens(tag: u32, n: usize) -> Vec<u32> {
@@ -123,48 +143,84 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let max_tokens: usize =
-        std::env::var("KVRELAY_BENCH_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(32768);
+    #[cfg(feature = "nixl")]
+    if let Ok(spec) = std::env::var(bare::PEER_ENV) {
+        bare::peer(&spec);
+        return;
+    }
+    let max_tokens = max_tokens();
     let device = std::env::var("KVRELAY_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
-    let src = start(&[], "0");
-    // The fetching destination has no modeled rate, so it always fetches (its estimate never
+    let default_transports = if cfg!(feature = "nixl") { "tcp,nixl" } else { "tcp" };
+    let transports: Vec<String> = std::env::var("KVRELAY_BENCH_TRANSPORTS")
+        .unwrap_or_else(|_| default_transports.into())
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .collect();
+    let nixl = transports.iter().any(|t| t == "nixl");
+    let src = start(&["--kv-transport", if nixl { "nixl" } else { "tcp" }], "0");
+    // The fetching destinations have no modeled rate, so they always fetch (their estimate never
     // prefers local prefill); the local one prefills at the modeled 25,000 tokens/s.
-    let dst = start(&["--trusted-endpoint", &src.kv.clone()], "0");
+    let dsts: Vec<(String, Server)> = transports
+        .iter()
+        .map(|t| (t.clone(), start(&["--trusted-endpoint", &src.kv.clone(), "--kv-transport", t], "0")))
+        .collect();
     let local = start(&[], "25000");
-    println!("transfer bench: pools on {device}, {} KiB per token, 4 MiB blocks", TOKEN_BYTES / 1024);
-
-    // 1. Throughput of a 1 GiB prefix: one warm-up transfer (first-use costs: the KV service's
-    // blocking threads and buffers, the destination's receive path), then five measured, each
-    // against a loopback copy of the same bytes in the same run.
+    println!("transfer bench: pools on {device}, {} KiB per token, 4 MiB blocks, transports {transports:?}", TOKEN_BYTES / 1024);
     let n = 8192.min(max_tokens);
+    let gpu = device.strip_prefix("cuda:").and_then(|d| d.parse::<i32>().ok());
+    if let Some(d) = gpu {
+        ceilings(d, n * TOKEN_BYTES);
+    }
+    #[cfg(feature = "nixl")]
+    let bare = if nixl { Some(bare::Bare::new(n * TOKEN_BYTES, gpu)) } else { None };
+
+    // 1. Throughput of a 1 GiB prefix: one warm-up transfer per transport (first-use costs:
+    // threads, buffers, NIXL connections), then five measured, each against the anchors
+    // measured in the same repetition.
     for rep in 0..6 {
         let p = tokens(100 + rep, n);
         complete(&src, json!({"prompt": p, "max_tokens": 1}));
         let look = client::post(src.addr, "/v1/kv/lookup", &json!({"prompt": p})).unwrap().json();
-        let before = metric(&dst, "kvrelay_server_kv_transfer_seconds_sum");
-        let (v, total) =
-            complete(&dst, json!({"prompt": p, "max_tokens": 1, "kv_hints": hint(&src.kv, &look["block_hashes"])}));
-        let fetch_s = metric(&dst, "kvrelay_server_kv_transfer_seconds_sum") - before;
-        let bytes = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize * TOKEN_BYTES;
+        let mut line = Vec::new();
+        let mut rates = Vec::new();
+        let mut bytes = 0;
+        for (t, dst) in &dsts {
+            let before = metric(dst, "kvrelay_server_kv_transfer_seconds_sum");
+            let (v, total) =
+                complete(dst, json!({"prompt": p, "max_tokens": 1, "kv_hints": hint(&src.kv, &look["block_hashes"])}));
+            let fetch_s = metric(dst, "kvrelay_server_kv_transfer_seconds_sum") - before;
+            bytes = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() as usize * TOKEN_BYTES;
+            rates.push((t.clone(), bytes as f64 / fetch_s));
+            line.push(format!("{t} {fetch_s:.3} s = {:.2} GB/s (request {total:.3} s)", bytes as f64 / fetch_s / 1e9));
+        }
         if rep == 0 {
-            println!("  warm-up transfer: {:.3} s (not counted)", fetch_s);
+            println!("  warm-up: {} (not counted)", line.join("; "));
+            #[cfg(feature = "nixl")]
+            if let Some(b) = &bare {
+                b.read(); // its first READ connects
+            }
             continue;
         }
         let anchor = loopback_copy(bytes);
-        println!(
-            "  {:.2} GiB prefix: fetch {:.3} s = {:.2} GB/s = {:.1}% of a plain loopback TCP copy ({:.2} GB/s, same run); request total {:.3} s",
-            bytes as f64 / (1u64 << 30) as f64,
-            fetch_s,
-            bytes as f64 / fetch_s / 1e9,
-            bytes as f64 / fetch_s / anchor * 100.0,
-            anchor / 1e9,
-            total
-        );
+        let mut out = format!("  {:.2} GiB: {}", bytes as f64 / (1u64 << 30) as f64, line.join("; "));
+        out += &format!("; loopback TCP copy {:.2} GB/s", anchor / 1e9);
+        for (t, r) in &rates {
+            out += &format!("; {t} = {:.1}% of loopback", r / anchor * 100.0);
+        }
+        #[cfg(feature = "nixl")]
+        if let Some(b) = &bare {
+            let bare_rate = b.read();
+            out += &format!("; bare NIXL READ {:.2} GB/s", bare_rate / 1e9);
+            for (t, r) in &rates {
+                out += &format!("; {t} = {:.1}% of bare NIXL", r / bare_rate * 100.0);
+            }
+        }
+        println!("{out}");
     }
 
     // 2. Time to first token: local prefill (modeled 25,000 tokens/s) against fetch.
-    println!("  tokens | modeled prefill | local prefill TTFT (measured) | fetch TTFT | fetch / modeled | fetch / measured local");
-    let mut crossover = None;
+    println!("  tokens | modeled prefill | local prefill TTFT (measured) | per transport: fetch TTFT, / modeled, / measured local");
+    let mut crossover: Vec<Option<usize>> = vec![None; dsts.len()];
     let mut size = 1024;
     while size <= max_tokens {
         let p = tokens(size as u32, size);
@@ -172,25 +228,228 @@ fn main() {
         let look = client::post(src.addr, "/v1/kv/lookup", &json!({"prompt": p})).unwrap().json();
         let (_, measured) = complete(&local, json!({"prompt": p, "max_tokens": 1}));
         let modeled = size as f64 / 25_000.0;
-        let (v, fetch) =
-            complete(&dst, json!({"prompt": p, "max_tokens": 1, "kv_hints": hint(&src.kv, &look["block_hashes"])}));
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-        println!(
-            "  {size:>6} | {:>8.1} ms | {:>8.1} ms | {:>8.1} ms | {:.3} | {:.3} ({cached} tokens fetched)",
-            modeled * 1e3,
-            measured * 1e3,
-            fetch * 1e3,
-            fetch / modeled,
-            fetch / measured
-        );
-        if fetch < modeled && crossover.is_none() {
-            crossover = Some(size);
+        let mut out = format!("  {size:>6} | {:>8.1} ms | {:>8.1} ms", modeled * 1e3, measured * 1e3);
+        for (k, (t, dst)) in dsts.iter().enumerate() {
+            let (v, fetch) =
+                complete(dst, json!({"prompt": p, "max_tokens": 1, "kv_hints": hint(&src.kv, &look["block_hashes"])}));
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            out += &format!(
+                " | {t} {:>7.1} ms, {:.3}, {:.3} ({cached} fetched)",
+                fetch * 1e3,
+                fetch / modeled,
+                fetch / measured
+            );
+            if fetch < modeled && crossover[k].is_none() {
+                crossover[k] = Some(size);
+            }
         }
+        println!("{out}");
         size *= 2;
     }
-    match crossover {
-        Some(c) => println!("  fetch beats the modeled prefill from {c} tokens on"),
-        None => println!("  fetch never beat the modeled prefill (25,000 tokens/s) at these sizes"),
+    for (k, (t, _)) in dsts.iter().enumerate() {
+        match crossover[k] {
+            Some(c) => println!("  {t}: fetch beats the modeled prefill from {c} tokens on"),
+            None => println!("  {t}: fetch never beat the modeled prefill (25,000 tokens/s) at these sizes"),
+        }
+    }
+}
+
+/// The GPU ceilings of moving `bytes`, measured in this run: contiguous device-to-device and
+/// pinned host-to-device copies (best of 3 after a warm-up).
+fn ceilings(device: i32, bytes: usize) {
+    use kvrelay::copy::{CudaDevice, CudaEvent, CudaStream, DeviceBuffer, PinnedBuffer};
+    let d = CudaDevice::open(device).expect("the bench device");
+    let _ctx = d.bind().unwrap();
+    let s = CudaStream::new(&d).unwrap();
+    let (a, b) = (DeviceBuffer::alloc(&d, bytes).unwrap(), DeviceBuffer::alloc(&d, bytes).unwrap());
+    let h = PinnedBuffer::alloc(&d, bytes).unwrap();
+    let time = |f: &dyn Fn()| -> f64 {
+        let (e0, e1) = (CudaEvent::new(&d).unwrap(), CudaEvent::new(&d).unwrap());
+        f();
+        s.synchronize().unwrap();
+        let mut best = f32::MAX;
+        for _ in 0..3 {
+            e0.record(&s).unwrap();
+            f();
+            e1.record(&s).unwrap();
+            e1.synchronize().unwrap();
+            best = best.min(e1.elapsed_ms(&e0).unwrap());
+        }
+        bytes as f64 / (best as f64 * 1e-3)
+    };
+    use cudarc::driver::sys;
+    // SAFETY: copies of `bytes` between live allocations of that size, on this bench's stream,
+    // with the device's context current (`_ctx`).
+    let d2d = time(&|| unsafe {
+        sys::cuMemcpyDtoDAsync_v2(b.ptr(), a.ptr(), bytes, s.raw());
+    });
+    // SAFETY: as above.
+    let h2d = time(&|| unsafe {
+        sys::cuMemcpyHtoDAsync_v2(a.ptr(), h.as_slice().as_ptr() as *const _, bytes, s.raw());
+    });
+    println!(
+        "  ceilings ({:.2} GiB, contiguous, this run): device-to-device {:.1} GB/s, pinned host-to-device {:.1} GB/s",
+        bytes as f64 / (1u64 << 30) as f64,
+        d2d / 1e9,
+        h2d / 1e9
+    );
+}
+
+/// A bare NIXL READ between two processes: the anchor of the NIXL transport.
+#[cfg(feature = "nixl")]
+mod bare {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, XferDescList, XferOp, XferStatus};
+
+    /// Set in the peer process: `BYTES` or `BYTES:DEVICE`.
+    pub const PEER_ENV: &str = "KVRELAY_BENCH_NIXL_PEER";
+    const DESC: usize = 4 << 20;
+
+    /// Memory of the pools' kind: host (touched) or device.
+    enum Mem {
+        Host(Vec<u8>),
+        Device(#[allow(dead_code)] std::sync::Arc<kvrelay::copy::CudaDevice>, kvrelay::copy::DeviceBuffer, i32),
+    }
+
+    impl Mem {
+        fn new(bytes: usize, gpu: Option<i32>) -> Mem {
+            match gpu {
+                None => Mem::Host(vec![0x5a; bytes]),
+                Some(d) => {
+                    let dev = kvrelay::copy::CudaDevice::open(d).expect("device");
+                    let buf = kvrelay::copy::DeviceBuffer::alloc(&dev, bytes).expect("device memory");
+                    Mem::Device(dev, buf, d)
+                }
+            }
+        }
+        fn addr(&self) -> usize {
+            match self {
+                Mem::Host(v) => v.as_ptr() as usize,
+                Mem::Device(_, b, _) => b.ptr() as usize,
+            }
+        }
+        fn kind(&self) -> (MemType, u64) {
+            match self {
+                Mem::Host(_) => (MemType::Dram, 0),
+                Mem::Device(_, _, d) => (MemType::Vram, *d as u64),
+            }
+        }
+    }
+
+    #[derive(Debug)]
+    struct Region(usize, usize, MemType, u64);
+    impl MemoryRegion for Region {
+        unsafe fn as_ptr(&self) -> *const u8 {
+            self.0 as *const u8
+        }
+        fn size(&self) -> usize {
+            self.1
+        }
+    }
+    impl NixlDescriptor for Region {
+        fn mem_type(&self) -> MemType {
+            self.2
+        }
+        fn device_id(&self) -> u64 {
+            self.3
+        }
+    }
+
+    fn agent(name: &str, mem: &Mem, bytes: usize) -> (Agent, RegistrationHandle) {
+        let lib = std::env::var("KVRELAY_NIXL_LIB_DIR").unwrap_or_default();
+        let path = std::path::Path::new(&lib).join("libnixl_capi.so");
+        let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path; loading the library nixl-sys then finds by its soname.
+        assert!(!unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null(), "{path:?}");
+        let a = Agent::new(&format!("{name}-{}", std::process::id())).unwrap();
+        let (_, params) = a.get_plugin_params("UCX").unwrap();
+        a.create_backend("UCX", &params).unwrap();
+        let (t, d) = mem.kind();
+        let reg = a.register_memory(&Region(mem.addr(), bytes, t, d), None).unwrap();
+        (a, reg)
+    }
+
+    /// The peer: register `BYTES` (on `DEVICE`), print the metadata and address, wait for EOF.
+    pub fn peer(spec: &str) {
+        let (bytes, gpu) = match spec.split_once(':') {
+            Some((b, d)) => (b.parse().unwrap(), Some(d.parse().unwrap())),
+            None => (spec.parse().unwrap(), None),
+        };
+        let mem = Mem::new(bytes, gpu);
+        let (a, _reg) = agent("bare-src", &mem, bytes);
+        let md = a.get_local_md().unwrap();
+        let hex: String = md.iter().map(|b| format!("{b:02x}")).collect();
+        println!("{} {} {hex}", a.name(), mem.addr());
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+    }
+
+    /// The reading side, with its peer process.
+    pub struct Bare {
+        agent: Agent,
+        _reg: RegistrationHandle,
+        mem: Mem,
+        remote: String,
+        remote_addr: usize,
+        remote_kind: (MemType, u64),
+        bytes: usize,
+        peer: Child,
+    }
+
+    impl Drop for Bare {
+        fn drop(&mut self) {
+            let _ = self.peer.kill();
+            let _ = self.peer.wait();
+        }
+    }
+
+    impl Bare {
+        pub fn new(bytes: usize, gpu: Option<i32>) -> Bare {
+            let spec = match gpu {
+                Some(d) => format!("{bytes}:{d}"),
+                None => bytes.to_string(),
+            };
+            let mut peer = Command::new(std::env::current_exe().unwrap())
+                .env(PEER_ENV, spec)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            BufReader::new(peer.stdout.take().unwrap()).read_line(&mut line).unwrap();
+            let mut it = line.split_whitespace();
+            let (name, addr, hex) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+            let md: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+            let mem = Mem::new(bytes, gpu);
+            let (agent, reg) = agent("bare-dst", &mem, bytes);
+            let remote = agent.load_remote_md(&md).unwrap();
+            assert_eq!(remote, name);
+            let remote_kind = mem.kind();
+            Bare { agent, _reg: reg, mem, remote, remote_addr: addr.parse().unwrap(), remote_kind, bytes, peer }
+        }
+
+        /// One READ of all the bytes in 4 MiB descriptors: bytes per second.
+        pub fn read(&self) -> f64 {
+            let (lt, ld) = self.mem.kind();
+            let (rt, rd) = self.remote_kind;
+            let t = Instant::now();
+            let mut l = XferDescList::new(lt).unwrap();
+            let mut r = XferDescList::new(rt).unwrap();
+            for off in (0..self.bytes).step_by(DESC) {
+                l.add_desc(self.mem.addr() + off, DESC.min(self.bytes - off), ld);
+                r.add_desc(self.remote_addr + off, DESC.min(self.bytes - off), rd);
+            }
+            let req = self.agent.create_xfer_req(XferOp::Read, &l, &r, &self.remote, None).unwrap();
+            let mut busy = self.agent.post_xfer_req(&req, None).unwrap();
+            while busy {
+                assert!(t.elapsed() < Duration::from_secs(60), "a bare NIXL READ ran past 60 s");
+                busy = self.agent.get_xfer_status(&req).unwrap() == XferStatus::InProgress;
+            }
+            self.bytes as f64 / t.elapsed().as_secs_f64()
+        }
     }
 }
 
