@@ -165,7 +165,10 @@ fn main() {
         .map(|t| (t.clone(), start(&["--trusted-endpoint", &src.kv.clone(), "--kv-transport", t], "0")))
         .collect();
     let local = start(&[], "25000");
-    println!("transfer bench: pools on {device}, {} KiB per token, 4 MiB blocks, transports {transports:?}", TOKEN_BYTES / 1024);
+    println!(
+        "transfer bench: pools on {device}, {} KiB per token, 4 MiB blocks, transports {transports:?}",
+        TOKEN_BYTES / 1024
+    );
     let n = 8192.min(max_tokens);
     let gpu = device.strip_prefix("cuda:").and_then(|d| d.parse::<i32>().ok());
     if let Some(d) = gpu {
@@ -302,7 +305,9 @@ mod bare {
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, XferDescList, XferOp, XferStatus};
+    use nixl_sys::{
+        Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, XferDescList, XferOp, XferStatus,
+    };
 
     /// Set in the peer process: `BYTES` or `BYTES:DEVICE`.
     pub const PEER_ENV: &str = "KVRELAY_BENCH_NIXL_PEER";
@@ -422,7 +427,8 @@ mod bare {
             BufReader::new(peer.stdout.take().unwrap()).read_line(&mut line).unwrap();
             let mut it = line.split_whitespace();
             let (name, addr, hex) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
-            let md: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+            let md: Vec<u8> =
+                (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
             let mem = Mem::new(bytes, gpu);
             let (agent, reg) = agent("bare-dst", &mem, bytes);
             let remote = agent.load_remote_md(&md).unwrap();

@@ -698,6 +698,26 @@ impl Pinned {
         Ok(Pinned(NonNull::new(out).expect("OK with NULL")))
     }
 
+    /// Host address of the bytes (for registering them with a transport).
+    pub fn host_addr(&self) -> u64 {
+        // SAFETY: live handle.
+        unsafe { kvrelay_pinned_host(self.0.as_ptr()) as u64 }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        // SAFETY: live handle.
+        unsafe { kvrelay_pinned_len(self.0.as_ptr()) }
+    }
+
+    /// The bytes, read-only. The caller must know that no copy or transfer into them is in
+    /// flight (the server synchronizes every copy before it returns, and waits for every
+    /// transfer before it reads).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: live handle; host address and length from kvrelay; no write in flight (above).
+        unsafe { std::slice::from_raw_parts(kvrelay_pinned_host(self.0.as_ptr()), kvrelay_pinned_len(self.0.as_ptr())) }
+    }
+
     /// The bytes (no copy is in flight when the caller holds `&mut self`: every copy of the
     /// server's store is synchronized before it returns).
     pub fn bytes_mut(&mut self) -> &mut [u8] {

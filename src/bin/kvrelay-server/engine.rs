@@ -235,6 +235,16 @@ impl KvStore {
         Some(ids.iter().map(|&b| t[b as usize].load(std::sync::atomic::Ordering::Acquire)).collect())
     }
 
+    /// Record checksums of blocks `ids` that a transport wrote and verified against them (so
+    /// that this instance can offer the blocks in turn). No-op unless tracked.
+    pub fn record_checksums(&self, ids: &[u32], sums: &[u64]) {
+        if let Some(t) = self.sums.get() {
+            for (&b, &h) in ids.iter().zip(sums) {
+                t[b as usize].store(h, std::sync::atomic::Ordering::Release);
+            }
+        }
+    }
+
     /// XXH3-64 of the bytes blocks `ids` hold now, for blocks that a transport wrote in place.
     /// A host pool is hashed where it lies (no copy); a GPU pool is read back through the copy
     /// engine ([`KvStore::checksums`]). The caller must hold `ids` exclusively (fresh blocks of
@@ -297,6 +307,38 @@ impl KvStore {
                 Ok(())
             }
         }
+    }
+
+    /// Gather blocks `ids` of a GPU pool into `slot` (pinned, from [`KvStore::pinned`]) through
+    /// the copy engine and wait for the copy.
+    pub fn gather_into(&self, ids: &[u32], slot: &Pinned) -> Result<(), String> {
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Store::Host { .. } => Err("staging slots serve GPU pools only".into()),
+            Store::Cuda { engine, ctx, .. } => {
+                engine.gather(ids, slot).map_err(|e| e.to_string())?;
+                ctx.synchronize().map_err(|e| format!("cuCtxSynchronize: {e:?}"))
+            }
+        }
+    }
+
+    /// Scatter `slot` into blocks `ids` of a GPU pool through the copy engine and wait for the
+    /// copy (recorded checksums are left as they are: the caller verified the bytes against
+    /// the source's).
+    pub fn scatter_from(&self, slot: &Pinned, ids: &[u32]) -> Result<(), String> {
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Store::Host { .. } => Err("staging slots serve GPU pools only".into()),
+            Store::Cuda { engine, ctx, .. } => {
+                engine.scatter(slot, ids).map_err(|e| e.to_string())?;
+                ctx.synchronize().map_err(|e| format!("cuCtxSynchronize: {e:?}"))
+            }
+        }
+    }
+
+    /// Pinned host memory of `len` bytes for the pool's device (`None` for a host pool).
+    pub fn pinned(&self, len: usize) -> Option<Result<Pinned, String>> {
+        self.region.device.map(|d| Pinned::alloc(d, len).map_err(|e| e.to_string()))
     }
 
     /// Copy `data` into blocks `ids` (and record their checksums when tracked).

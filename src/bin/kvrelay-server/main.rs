@@ -129,6 +129,11 @@ pub struct ServeArgs {
     /// this instance also serves NIXL readers). Control always runs on the KV service.
     #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
     pub kv_transport: String,
+    /// What NIXL registers and reads: `pool` (the KV pool itself: VRAM with --device cuda:N) or
+    /// `staging` (pinned host slots filled and drained by the copy engines; GPU pools only).
+    /// Both instances of a transfer must agree.
+    #[arg(long, env = "KVRELAY_KV_NIXL_MEMORY", default_value = "pool")]
+    pub kv_nixl_memory: String,
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
     #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
     pub nixl_lib_dir: Option<std::path::PathBuf>,
@@ -174,15 +179,16 @@ fn transports(
         "tcp" => Ok((Arc::new(transfer::tcp::TcpTransport::new(fingerprint.clone(), block_bytes)), None)),
         #[cfg(feature = "nixl")]
         "nixl" => {
+            let memory = transfer::nixl::Memory::parse(&args.kv_nixl_memory)?;
             transfer::nixl::load_library(args.nixl_lib_dir.as_deref())?;
-            let mem = transfer::nixl::NixlMem::new(engine)?;
+            let mem = transfer::nixl::NixlMem::new(engine, memory)?;
             let source = transfer::nixl::NixlSource::new(mem.clone(), engine.clone());
             let t = transfer::nixl::NixlTransport::new(fingerprint.clone(), mem, engine.clone());
             Ok((Arc::new(t), Some(Arc::new(source))))
         }
         #[cfg(not(feature = "nixl"))]
         "nixl" => {
-            let _ = (engine, &args.nixl_lib_dir);
+            let _ = (engine, &args.nixl_lib_dir, &args.kv_nixl_memory);
             Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into())
         }
         t => Err(format!("--kv-transport {t}: expected tcp or nixl")),

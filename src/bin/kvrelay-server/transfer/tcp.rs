@@ -10,7 +10,9 @@
 //!   exactly `block_bytes` bytes; one per offered block, in order;
 //! - `REFUSE` (either way, MessagePack): `{reason, message}`;
 //! - `DONE` (destination -> source, MessagePack): `{committed}`: a reader that pulled the
-//!   blocks itself (NIXL) is finished with them; the source unpins them.
+//!   blocks itself (NIXL) is finished with them; the source unpins them;
+//! - `READY` / `ACK` (MessagePack, staged in-place reads): `{chunk, count}` the source filled a
+//!   staging slot; `{chunk}` the reader has read it, the slot is free.
 //!
 //! A destination that reads the blocks out of the source's registered memory itself (the NIXL
 //! transport) says so in its hello (`nixl: true`); the source then answers with an offer that
@@ -45,6 +47,8 @@ pub(super) const OFFER: u8 = 2;
 const BLOCK: u8 = 3;
 pub(super) const REFUSE: u8 = 4;
 pub(super) const DONE: u8 = 5;
+pub(super) const READY: u8 = 6;
+pub(super) const ACK: u8 = 7;
 
 /// Largest control frame.
 pub const MAX_CONTROL: usize = 16 << 20;
@@ -63,16 +67,20 @@ pub fn total_deadline(bytes: usize) -> Duration {
 }
 
 #[derive(Serialize, Deserialize)]
-pub(super) struct Hello {
+pub struct Hello {
     pub fingerprint: Fingerprint,
     pub names: Vec<u64>,
     /// The reader pulls the blocks itself (in place); absent in a plain hello.
     #[serde(default)]
     pub nixl: bool,
+    /// ... out of pinned staging slots the source fills through its copy engine, rather than
+    /// out of the pool.
+    #[serde(default)]
+    pub staged: bool,
 }
 
 #[derive(Serialize, Deserialize)]
-pub(super) struct Offer {
+pub struct Offer {
     pub fingerprint: Fingerprint,
     pub count: u64,
     pub block_bytes: u64,
@@ -91,20 +99,41 @@ pub struct InPlaceOffer {
     pub metadata: Vec<u8>,
     /// CUDA device of the registered memory (`None`: host memory).
     pub device: Option<u64>,
-    /// `(address, length)` of each offered block, in order.
+    /// `(address, length)` of each offered block, in order (empty when staged).
     pub regions: Vec<(u64, u64)>,
+    /// Staged: `(address, length)` of the source's staging slots; chunk `c` of the run (
+    /// `chunk_blocks` blocks) is announced in slot `c % slots.len()` by a `READY` frame.
+    #[serde(default)]
+    pub slots: Vec<(u64, u64)>,
+    /// Staged: blocks per chunk.
+    #[serde(default)]
+    pub chunk_blocks: u64,
     /// XXH3-64 of each offered block's bytes, recorded when it was written.
     pub sums: Vec<u64>,
 }
 
+/// `READY` (source -> destination, staged in-place reads): chunk `chunk` (`count` blocks) lies
+/// in its slot.
+#[derive(Serialize, Deserialize)]
+pub struct Ready {
+    pub chunk: u64,
+    pub count: u64,
+}
+
+/// `ACK` (destination -> source): the reader has read chunk `chunk` out of its slot.
+#[derive(Serialize, Deserialize)]
+pub struct Ack {
+    pub chunk: u64,
+}
+
 /// `DONE`.
 #[derive(Serialize, Deserialize)]
-pub(super) struct Done {
+pub struct Done {
     pub committed: u64,
 }
 
 #[derive(Serialize, Deserialize)]
-pub(super) struct Refuse {
+pub struct Refuse {
     pub reason: String,
     pub message: String,
 }
@@ -112,9 +141,17 @@ pub(super) struct Refuse {
 /// A service that lets readers pull pinned blocks out of this instance's memory themselves
 /// (the NIXL transport's source side).
 pub trait InPlaceSource: Send + Sync {
-    /// Build the offer of the pinned blocks `ids` (whose names were asked for); `Err` is a
-    /// refusal.
-    fn offer(&self, ids: &[u32], fault: Fault) -> Result<InPlaceOffer, String>;
+    /// Serve one reader whose hello (`hello`, fingerprint checked) asked for in-place reads:
+    /// offer the blocks of `lease` (pinned, the leading run held here), serve them, and keep
+    /// them pinned until the reader is done. `Err` is a refusal sent before any offer.
+    fn serve<'a>(
+        &'a self,
+        s: &'a mut TcpStream,
+        hello: &'a Hello,
+        lease: crate::cache::Lease,
+        fault: Fault,
+        stats: &'a ServiceStats,
+    ) -> BoxFuture<'a, Result<(), Refuse>>;
 }
 
 /// `tcp://host:port` -> a socket address (resolving names).
@@ -209,7 +246,7 @@ impl TcpTransport {
             Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
         };
         let _ = s.set_nodelay(true);
-        let hello = Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec(), nixl: false };
+        let hello = Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec(), nixl: false, staged: false };
         write_control(&mut s, HELLO, &hello).await?;
         let mut buf = Vec::new();
         let (kind, len) = read_header(&mut s, MAX_CONTROL).await?;
@@ -465,7 +502,7 @@ async fn serve_one(
     let lease = engine.cache.pin_prefix(&hello.names);
     let bb = engine.store.block_bytes();
     if let (true, Some(src)) = (hello.nixl, in_place) {
-        return serve_in_place(s, engine, fp, fault, stats, src, lease).await;
+        return src.serve(s, &hello, lease, fault, stats).await;
     }
     let offer = Offer { fingerprint: fp.clone(), count: lease.ids.len() as u64, block_bytes: bb as u64, nixl: None };
     if write_control(s, OFFER, &offer).await.is_err() {
@@ -531,57 +568,6 @@ async fn serve_one(
     }
     let _ = producer.await;
     let _ = s.flush().await;
-    drop(lease);
-    Ok(())
-}
-
-/// The source side for a reader that pulls the blocks itself: offer where they lie, then keep
-/// them pinned until the reader says `DONE`, closes, or the transfer's deadline passes.
-async fn serve_in_place(
-    s: &mut TcpStream,
-    engine: &Arc<Engine>,
-    fp: &Fingerprint,
-    fault: Fault,
-    stats: &ServiceStats,
-    src: &dyn InPlaceSource,
-    lease: crate::cache::Lease,
-) -> Result<(), Refuse> {
-    let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
-    let bb = engine.store.block_bytes();
-    if fault == Fault::Stall {
-        // a stalled peer: the reader's deadline must fire
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-    }
-    let nixl = src.offer(&lease.ids, fault).map_err(|m| refuse("in_place_unavailable", m))?;
-    let count = lease.ids.len();
-    let offer = Offer { fingerprint: fp.clone(), count: count as u64, block_bytes: bb as u64, nixl: Some(nixl) };
-    if write_control(s, OFFER, &offer).await.is_err() {
-        return Ok(());
-    }
-    if fault == Fault::Die {
-        let _ = s.flush().await;
-        eprintln!("kvrelay-server: --kv-fault die: exiting mid-transfer");
-        std::process::exit(3);
-    }
-    // Wait for the reader; the connection's end or the deadline also unpin.
-    let done = tokio::time::timeout(total_deadline(count * bb), async {
-        // the first byte without the per-read deadline: the reader may take longer than that
-        match s.peek(&mut [0u8; 1]).await {
-            Ok(0) | Err(_) => return None,
-            Ok(_) => {}
-        }
-        let (kind, len) = read_header(s, MAX_CONTROL).await.ok()?;
-        if kind != DONE {
-            return None;
-        }
-        read_control::<Done>(s, &mut Vec::new(), len).await.ok()
-    })
-    .await
-    .ok()
-    .flatten();
-    if let Some(d) = done {
-        stats.blocks_sent.fetch_add(d.committed.min(count as u64), std::sync::atomic::Ordering::Relaxed);
-    }
     drop(lease);
     Ok(())
 }
