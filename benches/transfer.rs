@@ -19,6 +19,8 @@
 //!    rate, so their fetch-or-prefill estimate always fetches).
 //!
 //! `KVRELAY_BENCH_DEVICE=cuda:0` puts every pool in GPU memory (instances on one GPU);
+//! `KVRELAY_BENCH_DST_DEVICE=cuda:1` then moves the destinations (and the local instance) to a
+//! second GPU, and the ceilings add the peer-to-peer copy between the two;
 //! `KVRELAY_BENCH_MAX_TOKENS` caps the prompt sizes (default 32768). NIXL instances find the
 //! library through `KVRELAY_NIXL_LIB_DIR` (or the loader path), like the servers. Bounded: fixed
 //! sizes and repetitions; every request has the client's 60 s deadline, every NIXL wait 60 s.
@@ -48,9 +50,16 @@ impl Drop for Server {
     }
 }
 
-fn start(extra: &[&str], rate: &str) -> Server {
+fn src_device() -> String {
+    std::env::var("KVRELAY_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
+fn dst_device() -> String {
+    std::env::var("KVRELAY_BENCH_DST_DEVICE").unwrap_or_else(|_| src_device())
+}
+
+fn start(device: &str, extra: &[&str], rate: &str) -> Server {
     let lib_dir = std::env::var("KVRELAY_NIXL_LIB_DIR").unwrap_or_default();
-    let device = std::env::var("KVRELAY_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
     let mut child = Command::new(server_bin())
         .args([
             "serve",
@@ -59,7 +68,7 @@ fn start(extra: &[&str], rate: &str) -> Server {
             "--kv-blocks",
             &kv_blocks().to_string(),
             "--device",
-            &device,
+            device,
             "--prefill-tokens-per-s",
             rate,
         ])
@@ -67,7 +76,7 @@ fn start(extra: &[&str], rate: &str) -> Server {
         .args(["--max-body-bytes", "16777216"])
         .args(extra)
         .env("KVRELAY_TRUST_KV_HINTS", "1")
-        .env("KVRELAY_LOG", "warn")
+        .env("KVRELAY_LOG", std::env::var("KVRELAY_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
         .env("KVRELAY_NIXL_LIB_DIR", lib_dir)
         .stdout(Stdio::piped())
         .spawn()
@@ -149,7 +158,7 @@ fn main() {
         return;
     }
     let max_tokens = max_tokens();
-    let device = std::env::var("KVRELAY_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into());
+    let (device, dst_dev) = (src_device(), dst_device());
     let default_transports = if cfg!(feature = "nixl") { "tcp,nixl" } else { "tcp" };
     let transports: Vec<String> = std::env::var("KVRELAY_BENCH_TRANSPORTS")
         .unwrap_or_else(|_| default_transports.into())
@@ -157,25 +166,26 @@ fn main() {
         .map(|t| t.trim().to_string())
         .collect();
     let nixl = transports.iter().any(|t| t == "nixl");
-    let src = start(&["--kv-transport", if nixl { "nixl" } else { "tcp" }], "0");
+    let src = start(&device, &["--kv-transport", if nixl { "nixl" } else { "tcp" }], "0");
     // The fetching destinations have no modeled rate, so they always fetch (their estimate never
     // prefers local prefill); the local one prefills at the modeled 25,000 tokens/s.
     let dsts: Vec<(String, Server)> = transports
         .iter()
-        .map(|t| (t.clone(), start(&["--trusted-endpoint", &src.kv.clone(), "--kv-transport", t], "0")))
+        .map(|t| (t.clone(), start(&dst_dev, &["--trusted-endpoint", &src.kv.clone(), "--kv-transport", t], "0")))
         .collect();
-    let local = start(&[], "25000");
+    let local = start(&dst_dev, &[], "25000");
     println!(
         "transfer bench: pools on {device}, {} KiB per token, 4 MiB blocks, transports {transports:?}",
         TOKEN_BYTES / 1024
     );
     let n = 8192.min(max_tokens);
-    let gpu = device.strip_prefix("cuda:").and_then(|d| d.parse::<i32>().ok());
-    if let Some(d) = gpu {
-        ceilings(d, n * TOKEN_BYTES);
+    let gpu = |d: &str| d.strip_prefix("cuda:").and_then(|d| d.parse::<i32>().ok());
+    let (src_gpu, dst_gpu) = (gpu(&device), gpu(&dst_dev));
+    if let (Some(a), Some(b)) = (src_gpu, dst_gpu) {
+        ceilings(a, b, n * TOKEN_BYTES);
     }
     #[cfg(feature = "nixl")]
-    let bare = if nixl { Some(bare::Bare::new(n * TOKEN_BYTES, gpu)) } else { None };
+    let bare = if nixl { Some(bare::Bare::new(n * TOKEN_BYTES, src_gpu, dst_gpu)) } else { None };
 
     // 1. Throughput of a 1 GiB prefix: one warm-up transfer per transport (first-use costs:
     // threads, buffers, NIXL connections), then five measured, each against the anchors
@@ -257,11 +267,20 @@ fn main() {
     }
 }
 
-/// The GPU ceilings of moving `bytes`, measured in this run: contiguous device-to-device and
-/// pinned host-to-device copies (best of 3 after a warm-up).
-fn ceilings(device: i32, bytes: usize) {
+/// The GPU ceilings of moving `bytes`, measured in this run: contiguous device-to-device (on
+/// `src`, and from `src` to `dst` when they differ) and pinned host-to-device copies (best of 3
+/// after a warm-up).
+fn ceilings(device: i32, other: i32, bytes: usize) {
     use kvrelay::copy::{CudaDevice, CudaEvent, CudaStream, DeviceBuffer, PinnedBuffer};
     let d = CudaDevice::open(device).expect("the bench device");
+    let peer = (other != device).then(|| {
+        let o = CudaDevice::open(other).expect("the second bench device");
+        let buf = {
+            let _g = o.bind().unwrap();
+            DeviceBuffer::alloc(&o, bytes).unwrap()
+        };
+        (o, buf)
+    });
     let _ctx = d.bind().unwrap();
     let s = CudaStream::new(&d).unwrap();
     let (a, b) = (DeviceBuffer::alloc(&d, bytes).unwrap(), DeviceBuffer::alloc(&d, bytes).unwrap());
@@ -290,10 +309,32 @@ fn ceilings(device: i32, bytes: usize) {
     let h2d = time(&|| unsafe {
         sys::cuMemcpyHtoDAsync_v2(a.ptr(), h.as_slice().as_ptr() as *const _, bytes, s.raw());
     });
+    let p2p = peer.as_ref().map(|(_, far)| {
+        // Peer access from this device's context to the other's primary context (NVLink where
+        // present); a refusal leaves the driver's staged path, which the figure then shows.
+        let (mut dev, mut pctx) = (0, std::ptr::null_mut());
+        // SAFETY: out-parameters are valid; the other device's primary context is retained for
+        // the rest of the process (the bench exits after).
+        let peer_ok = unsafe {
+            sys::cuDeviceGet(&mut dev, other) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuDevicePrimaryCtxRetain(&mut pctx, dev) == sys::CUresult::CUDA_SUCCESS
+                && matches!(
+                    sys::cuCtxEnablePeerAccess(pctx, 0),
+                    sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                )
+        };
+        println!("  peer access cuda:{device} -> cuda:{other}: {}", if peer_ok { "enabled" } else { "not available" });
+        // SAFETY: as above; `far` is a live allocation of `bytes` on the other device (unified
+        // addressing: the driver routes the copy between the devices).
+        time(&|| unsafe {
+            sys::cuMemcpyDtoDAsync_v2(far.ptr(), a.ptr(), bytes, s.raw());
+        })
+    });
     println!(
-        "  ceilings ({:.2} GiB, contiguous, this run): device-to-device {:.1} GB/s, pinned host-to-device {:.1} GB/s",
+        "  ceilings ({:.2} GiB, contiguous, this run): device-to-device {:.1} GB/s{}, pinned host-to-device {:.1} GB/s",
         bytes as f64 / (1u64 << 30) as f64,
         d2d / 1e9,
+        p2p.map_or(String::new(), |r| format!(", cuda:{device} to cuda:{other} {:.1} GB/s", r / 1e9)),
         h2d / 1e9
     );
 }
@@ -335,6 +376,9 @@ mod bare {
                 Mem::Host(v) => v.as_ptr() as usize,
                 Mem::Device(_, b, _) => b.ptr() as usize,
             }
+        }
+        fn kind_of(gpu: Option<i32>) -> (MemType, u64) {
+            gpu.map_or((MemType::Dram, 0), |d| (MemType::Vram, d as u64))
         }
         fn kind(&self) -> (MemType, u64) {
             match self {
@@ -412,7 +456,7 @@ mod bare {
     }
 
     impl Bare {
-        pub fn new(bytes: usize, gpu: Option<i32>) -> Bare {
+        pub fn new(bytes: usize, gpu: Option<i32>, dst_gpu: Option<i32>) -> Bare {
             let spec = match gpu {
                 Some(d) => format!("{bytes}:{d}"),
                 None => bytes.to_string(),
@@ -429,11 +473,11 @@ mod bare {
             let (name, addr, hex) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
             let md: Vec<u8> =
                 (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
-            let mem = Mem::new(bytes, gpu);
+            let remote_kind = Mem::kind_of(gpu);
+            let mem = Mem::new(bytes, dst_gpu);
             let (agent, reg) = agent("bare-dst", &mem, bytes);
             let remote = agent.load_remote_md(&md).unwrap();
             assert_eq!(remote, name);
-            let remote_kind = mem.kind();
             Bare { agent, _reg: reg, mem, remote, remote_addr: addr.parse().unwrap(), remote_kind, bytes, peer }
         }
 

@@ -133,9 +133,51 @@ enum Store {
         engine: CudaEngine,
         staging: Pinned,
         ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+        /// [`kvsum`] on the GPU (compiled on first use).
+        kvsum: Option<cudarc::driver::CudaFunction>,
         // Dropped after the engine (field order), which addresses it.
-        _mem: cudarc::driver::CudaSlice<u8>,
+        _mem: DevicePool,
     },
+}
+
+/// A GPU pool allocated with `cuMemAlloc` (not the stream-ordered allocator: memory from its
+/// pools cannot be shared with legacy CUDA IPC handles, which is how UCX moves GPU memory
+/// between processes).
+struct DevicePool {
+    ptr: u64,
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+impl DevicePool {
+    /// `len` zeroed bytes on `ctx`'s device.
+    fn alloc(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, len: usize) -> Result<DevicePool, String> {
+        use cudarc::driver::sys;
+        ctx.bind_to_thread().map_err(|e| format!("device pool: {e:?}"))?;
+        let mut ptr = 0;
+        // SAFETY: `ptr` is writable; the device's context is current on this thread (above).
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("device pool of {len} bytes: cuMemAlloc {r:?}"));
+        }
+        let pool = DevicePool { ptr, ctx: ctx.clone() };
+        // SAFETY: `ptr` holds `len` bytes of device memory (above); the context is current.
+        let r = unsafe { sys::cuMemsetD8_v2(ptr, 0, len) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("device pool: cuMemsetD8 {r:?}"));
+        }
+        Ok(pool)
+    }
+}
+
+impl Drop for DevicePool {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `cuMemAlloc` in `alloc`, freed once; the store drops the
+            // engine that addresses it first (field order) and synchronizes every copy.
+            unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
 }
 
 /// Blocks per staged GPU copy (the pinned staging holds this many).
@@ -146,7 +188,7 @@ pub struct KvStore {
     store: Mutex<Store>,
     block_bytes: usize,
     region: Region,
-    /// XXH3-64 of every block's bytes as last written, per block id, once
+    /// [`kvsum`] of every block's bytes as last written, per block id, once
     /// [`KvStore::track_checksums`] was called (a transport whose peer reads the pool in place
     /// offers these instead of reading the blocks).
     sums: std::sync::OnceLock<Box<[std::sync::atomic::AtomicU64]>>,
@@ -189,14 +231,8 @@ impl KvStore {
     pub fn cuda(device: i32, blocks: usize, block_bytes: usize) -> Result<KvStore, String> {
         cuda_available(device).map_err(|e| format!("--device cuda:{device}: {e}"))?;
         let ctx = cudarc::driver::CudaContext::new(device as usize).map_err(|e| format!("cuda:{device}: {e:?}"))?;
-        let stream = ctx.default_stream();
-        let mem = stream.alloc_zeros::<u8>(blocks * block_bytes).map_err(|e| format!("device pool: {e:?}"))?;
-        let base = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = mem.device_ptr(&stream);
-            p
-        };
-        stream.synchronize().map_err(|e| format!("{e:?}"))?;
+        let mem = DevicePool::alloc(&ctx, blocks * block_bytes)?;
+        let base = mem.ptr;
         let layout = KvLayout::contiguous(base, blocks as u32, block_bytes as u64).map_err(|e| e.to_string())?;
         // SAFETY: the layout covers exactly `mem`, device memory of `device` that the store owns
         // for as long as the engine lives (field order).
@@ -204,7 +240,7 @@ impl KvStore {
         let staging = Pinned::alloc(device, STAGE_BLOCKS * block_bytes).map_err(|e| e.to_string())?;
         let region = Region { base, len: blocks * block_bytes, device: Some(device) };
         Ok(KvStore {
-            store: Mutex::new(Store::Cuda { engine, staging, ctx, _mem: mem }),
+            store: Mutex::new(Store::Cuda { engine, staging, ctx, kvsum: None, _mem: mem }),
             block_bytes,
             region,
             sums: std::sync::OnceLock::new(),
@@ -221,7 +257,7 @@ impl KvStore {
         self.region
     }
 
-    /// From now on, keep the XXH3-64 of every block written (one hash pass over the bytes
+    /// From now on, keep the [`kvsum`] of every block written (one pass over the bytes
     /// [`KvStore::write`] already has in host memory). Call before serving.
     pub fn track_checksums(&self) {
         let n = self.region.len / self.block_bytes.max(1);
@@ -245,20 +281,23 @@ impl KvStore {
         }
     }
 
-    /// XXH3-64 of the bytes blocks `ids` hold now, for blocks that a transport wrote in place.
-    /// A host pool is hashed where it lies (no copy); a GPU pool is read back through the copy
-    /// engine ([`KvStore::checksums`]). The caller must hold `ids` exclusively (fresh blocks of
-    /// its own lease, not yet committed) with every write into them finished.
-    pub fn checksums_in_place(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, AbiError> {
-        if self.region.device.is_some() {
-            return self.checksums(ids, threads);
-        }
+    /// [`kvsum`] of the bytes blocks `ids` hold now, for blocks that a transport wrote in
+    /// place: a host pool is summed where it lies on up to `threads` threads; a GPU pool by a
+    /// kernel where it lies (one CTA per block; the bytes never cross PCIe). The caller must
+    /// hold `ids` exclusively (fresh blocks of its own lease, not yet committed) with every write
+    /// into them finished.
+    pub fn checksums_in_place(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, String> {
         let bb = self.block_bytes;
         let n = self.region.len / bb.max(1);
+        if let Some(&b) = ids.iter().find(|&&b| b as usize >= n) {
+            return Err(format!("block {b} is outside the pool"));
+        }
+        if self.region.device.is_some() {
+            return self.device_checksums(ids);
+        }
         let blocks: Vec<&[u8]> = ids
             .iter()
             .map(|&b| {
-                assert!((b as usize) < n, "block id inside the pool");
                 // SAFETY: block `b` lies inside the host pool this store owns (checked above)
                 // and lives as long as `self`; the caller holds it exclusively with every
                 // write finished, so nothing writes it while this shared view exists.
@@ -268,28 +307,38 @@ impl KvStore {
         let threads = threads.clamp(1, blocks.len().max(1));
         let per = blocks.len().div_ceil(threads).max(1);
         Ok(std::thread::scope(|s| {
-            let parts: Vec<_> = blocks
-                .chunks(per)
-                .map(|p| s.spawn(move || p.iter().map(|b| xxhash_rust::xxh3::xxh3_64(b)).collect::<Vec<_>>()))
-                .collect();
-            parts.into_iter().flat_map(|h| h.join().expect("hashing does not panic")).collect()
+            let parts: Vec<_> =
+                blocks.chunks(per).map(|p| s.spawn(move || p.iter().map(|b| kvsum(b)).collect::<Vec<_>>())).collect();
+            parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
         }))
     }
 
-    /// XXH3-64 of the bytes blocks `ids` hold now, read through the copy engine in pieces of
-    /// [`chunk_blocks`] (a transport that wrote them in place verifies with this). Hashes on up
-    /// to `threads` threads.
-    pub fn checksums(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, AbiError> {
-        let bb = self.block_bytes;
-        let chunk = chunk_blocks(bb) * threads.max(1);
-        let mut buf = vec![0u8; chunk.min(ids.len()) * bb];
-        let mut out = Vec::with_capacity(ids.len());
-        for ids in ids.chunks(chunk) {
-            let part = &mut buf[..ids.len() * bb];
-            self.read(ids, part)?;
-            out.extend(hash_blocks(part, bb, threads));
+    /// [`kvsum`] of GPU-pool blocks `ids`, computed by a kernel where they lie.
+    fn device_checksums(&self, ids: &[u32]) -> Result<Vec<u64>, String> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        let Store::Cuda { ctx, kvsum, .. } = &mut *s else { return Err("not a GPU pool".into()) };
+        if kvsum.is_none() {
+            let ptx =
+                cudarc::nvrtc::compile_ptx(KVSUM_KERNEL).map_err(|e| format!("NVRTC: the checksum kernel: {e:?}"))?;
+            let module = ctx.load_module(ptx).map_err(|e| format!("the checksum kernel: {e:?}"))?;
+            *kvsum = Some(module.load_function("kvsum").map_err(|e| format!("the checksum kernel: {e:?}"))?);
         }
-        Ok(out)
+        let f = kvsum.as_ref().expect("loaded above");
+        let stream = ctx.default_stream();
+        let e = |e: cudarc::driver::DriverError| format!("the checksum kernel: {e:?}");
+        let dev_ids = stream.clone_htod(ids).map_err(e)?;
+        let mut out = stream.alloc_zeros::<u64>(ids.len()).map_err(e)?;
+        let (base, words) = (self.region.base, (self.block_bytes / 8) as u64);
+        let mut launch = stream.launch_builder(f);
+        launch.arg(&base).arg(&words).arg(&dev_ids).arg(&mut out);
+        let cfg = LaunchConfig { grid_dim: (ids.len() as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the kernel reads `words` 8-byte words of each block `ids[i]` of the pool at
+        // `base` (every id checked inside the pool by the caller; block bytes are a multiple of
+        // 16) and writes `out[i]` for `i < grid`, both `ids.len()` long; the store's lock keeps
+        // the copy engine off the pool's context meanwhile.
+        unsafe { launch.launch(cfg) }.map_err(e)?;
+        stream.clone_dtoh(&out).map_err(e)
     }
 
     /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
@@ -346,7 +395,7 @@ impl KvStore {
         self.write_keeping_checksums(ids, data)?;
         if let Some(t) = self.sums.get() {
             for (&b, block) in ids.iter().zip(data.chunks(self.block_bytes)) {
-                t[b as usize].store(xxhash_rust::xxh3::xxh3_64(block), std::sync::atomic::Ordering::Release);
+                t[b as usize].store(kvsum(block), std::sync::atomic::Ordering::Release);
             }
         }
         Ok(())
@@ -382,20 +431,49 @@ pub fn chunk_blocks(block_bytes: usize) -> usize {
     ((8 << 20) / block_bytes.max(1)).clamp(1, STAGE_BLOCKS)
 }
 
-/// XXH3-64 of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
-pub fn hash_blocks(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
+/// The checksum a transport that reads blocks in place verifies: over the block's 8-byte
+/// little-endian words `w[i]`, `sum of (w[i] ^ (i * K1)) * K2` modulo 2^64 (`K2` odd). Each
+/// term is a bijection of its word, so any change confined to one word changes the sum, and a
+/// word's position keys its term (moved or swapped words change it too); wider corruption goes
+/// unseen with probability about 2^-64. Unlike XXH3 its terms are independent, so a GPU sums a
+/// block in parallel where it lies ([`KVSUM_KERNEL`]), and the CPU at memory speed. The length
+/// must be a multiple of 8 (blocks are multiples of 16).
+pub fn kvsum(block: &[u8]) -> u64 {
+    block.chunks_exact(8).enumerate().fold(0u64, |acc, (i, w)| {
+        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        acc.wrapping_add((w ^ (i as u64).wrapping_mul(KVSUM_K1)).wrapping_mul(KVSUM_K2))
+    })
+}
+
+const KVSUM_K1: u64 = 0x9e37_79b9_7f4a_7c15;
+const KVSUM_K2: u64 = 0xbf58_476d_1ce4_e5b9;
+
+/// [`kvsum`] as a CUDA kernel: one CTA per block, each thread a strided share of the words,
+/// warp sums added atomically (addition modulo 2^64 does not depend on order).
+const KVSUM_KERNEL: &str = r#"
+extern "C" __global__ void kvsum(const unsigned long long* base, unsigned long long words,
+                                 const unsigned int* ids, unsigned long long* out) {
+  const unsigned long long* p = base + (unsigned long long)ids[blockIdx.x] * words;
+  unsigned long long acc = 0;
+  for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) {
+    acc += (p[i] ^ (i * 0x9e3779b97f4a7c15ULL)) * 0xbf58476d1ce4e5b9ULL;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31u) == 0) atomicAdd(out + blockIdx.x, acc);
+}
+"#;
+
+/// [`kvsum`] of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
+pub fn kvsums(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
     let n = bytes.len() / block_bytes.max(1);
     let threads = threads.clamp(1, n.max(1));
-    if threads == 1 {
-        return bytes.chunks(block_bytes).map(xxhash_rust::xxh3::xxh3_64).collect();
-    }
-    let per = n.div_ceil(threads);
+    let per = n.div_ceil(threads).max(1);
     std::thread::scope(|s| {
         let parts: Vec<_> = bytes
             .chunks(per * block_bytes)
-            .map(|p| s.spawn(move || p.chunks(block_bytes).map(xxhash_rust::xxh3::xxh3_64).collect::<Vec<_>>()))
+            .map(|p| s.spawn(move || p.chunks(block_bytes).map(kvsum).collect::<Vec<_>>()))
             .collect();
-        parts.into_iter().flat_map(|h| h.join().expect("hashing does not panic")).collect()
+        parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
     })
 }
 
@@ -610,6 +688,37 @@ mod tests {
         let names = block_names(&t, e.config.shape.block_tokens, 0, salt);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         rt.block_on(e.generate(&t, &names, 8)).unwrap()
+    }
+
+    #[test]
+    fn kvsum_sees_every_one_word_change_and_moved_words() {
+        let mut b: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let h = kvsum(&b);
+        // an independent evaluation of the definition
+        let mut want = 0u64;
+        for (i, w) in b.chunks(8).enumerate() {
+            let w = u64::from_le_bytes(w.try_into().unwrap());
+            want = want
+                .wrapping_add((w ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+        }
+        assert_eq!(h, want);
+        for pos in [0, 7, 8, 1000, 4095] {
+            for bit in [0x01, 0x80] {
+                b[pos] ^= bit;
+                assert_ne!(kvsum(&b), h, "byte {pos} bit {bit:#x}");
+                b[pos] ^= bit;
+            }
+        }
+        let mut swapped = b.clone();
+        swapped[..8].copy_from_slice(&b[8..16]);
+        swapped[8..16].copy_from_slice(&b[..8]);
+        assert_ne!(kvsum(&swapped), h, "two words swapped");
+        let tracked = KvStore::host(4, 4096).unwrap();
+        tracked.track_checksums();
+        tracked.write(&[2], &b).unwrap();
+        assert_eq!(tracked.recorded_checksums(&[2]), Some(vec![h]));
+        assert_eq!(tracked.checksums_in_place(&[2], 2).unwrap(), vec![h]);
+        assert!(tracked.checksums_in_place(&[4], 1).is_err(), "a block outside the pool");
     }
 
     #[test]

@@ -666,7 +666,7 @@ impl NixlTransport {
             tcp::write_control(s, tcp::ACK, &Ack { chunk: c as u64 }).await?;
             let (guard, r) = tokio::task::spawn_blocking(move || {
                 let bytes = &guard[c % 2].bytes()[..k * bb];
-                let got = crate::engine::hash_blocks(bytes, bb, threads);
+                let got = crate::engine::kvsums(bytes, bb, threads);
                 let ids = &dest2.lease.ids[start..start + k];
                 let r = match got.iter().zip(&sums).position(|(a, b)| a != b) {
                     Some(j) => {
@@ -744,14 +744,18 @@ fn read_into(
         p.range = start..end;
         reqs.push(p);
     }
+    let (t0, mut waited, mut verified) = (Instant::now(), Duration::ZERO, Duration::ZERO);
     let mut committed = 0;
     for p in reqs.iter_mut() {
+        let t = Instant::now();
         wait(mem, p, deadline)?;
+        waited += t.elapsed();
+        let t = Instant::now();
         let ids = &dest.lease.ids[p.range.clone()];
         let sums = engine
             .store
             .checksums_in_place(ids, threads)
-            .map_err(|e| FetchError::new(FailReason::Corrupt, format!("reading back: {e}")))?;
+            .map_err(|e| FetchError::new(FailReason::Corrupt, format!("verifying in place: {e}")))?;
         for (j, i) in p.range.clone().enumerate() {
             if sums[j] != place.sums[i] {
                 return Err(FetchError::new(FailReason::Corrupt, format!("block {i}: checksum mismatch")));
@@ -760,7 +764,15 @@ fn read_into(
             (dest.commit)(i);
             committed = i + 1;
         }
+        verified += t.elapsed();
     }
+    tracing::debug!(
+        blocks = committed,
+        total_ms = t0.elapsed().as_secs_f64() * 1e3,
+        waiting_for_reads_ms = waited.as_secs_f64() * 1e3,
+        verifying_ms = verified.as_secs_f64() * 1e3,
+        "NIXL fetch"
+    );
     Ok(committed)
 }
 
