@@ -283,7 +283,7 @@ impl KvStore {
 
     /// [`kvsum`] of the bytes blocks `ids` hold now, for blocks that a transport wrote in
     /// place: a host pool is summed where it lies on up to `threads` threads; a GPU pool by a
-    /// kernel where it lies (one CTA per block; the bytes never cross PCIe). The caller must
+    /// kernel where it lies (the bytes never cross PCIe; about 1,024 CTAs per call). The caller must
     /// hold `ids` exclusively (fresh blocks of its own lease, not yet committed) with every write
     /// into them finished.
     pub fn checksums_in_place(&self, ids: &[u32], threads: usize) -> Result<Vec<u64>, String> {
@@ -332,10 +332,12 @@ impl KvStore {
         let (base, words) = (self.region.base, (self.block_bytes / 8) as u64);
         let mut launch = stream.launch_builder(f);
         launch.arg(&base).arg(&words).arg(&dev_ids).arg(&mut out);
-        let cfg = LaunchConfig { grid_dim: (ids.len() as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // about 1,024 CTAs in all, at least 4,096 words (32 KiB) each
+        let splits = (1024 / ids.len().max(1)).clamp(1, (words as usize / 4096).max(1)) as u32;
+        let cfg = LaunchConfig { grid_dim: (ids.len() as u32, splits, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the kernel reads `words` 8-byte words of each block `ids[i]` of the pool at
         // `base` (every id checked inside the pool by the caller; block bytes are a multiple of
-        // 16) and writes `out[i]` for `i < grid`, both `ids.len()` long; the store's lock keeps
+        // 16) and adds into `out[i]` for `i < grid.x`, both `ids.len()` long; the store's lock keeps
         // the copy engine off the pool's context meanwhile.
         unsafe { launch.launch(cfg) }.map_err(e)?;
         stream.clone_dtoh(&out).map_err(e)
@@ -448,14 +450,17 @@ pub fn kvsum(block: &[u8]) -> u64 {
 const KVSUM_K1: u64 = 0x9e37_79b9_7f4a_7c15;
 const KVSUM_K2: u64 = 0xbf58_476d_1ce4_e5b9;
 
-/// [`kvsum`] as a CUDA kernel: one CTA per block, each thread a strided share of the words,
-/// warp sums added atomically (addition modulo 2^64 does not depend on order).
+/// [`kvsum`] as a CUDA kernel: `gridDim.y` CTAs per block (enough CTAs in all to fill the GPU
+/// however few blocks a call sums), each thread a strided share of its CTA's words, warp sums
+/// added atomically (addition modulo 2^64 does not depend on order).
 const KVSUM_KERNEL: &str = r#"
 extern "C" __global__ void kvsum(const unsigned long long* base, unsigned long long words,
                                  const unsigned int* ids, unsigned long long* out) {
   const unsigned long long* p = base + (unsigned long long)ids[blockIdx.x] * words;
+  unsigned long long per = (words + gridDim.y - 1) / gridDim.y;
+  unsigned long long end = min(words, per * (blockIdx.y + 1));
   unsigned long long acc = 0;
-  for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) {
+  for (unsigned long long i = per * blockIdx.y + threadIdx.x; i < end; i += blockDim.x) {
     acc += (p[i] ^ (i * 0x9e3779b97f4a7c15ULL)) * 0xbf58476d1ce4e5b9ULL;
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
