@@ -468,20 +468,6 @@ extern "C" __global__ void kvsum(const unsigned long long* base, unsigned long l
 }
 "#;
 
-/// [`kvsum`] of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
-pub fn kvsums(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
-    let n = bytes.len() / block_bytes.max(1);
-    let threads = threads.clamp(1, n.max(1));
-    let per = n.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = bytes
-            .chunks(per * block_bytes)
-            .map(|p| s.spawn(move || p.chunks(block_bytes).map(kvsum).collect::<Vec<_>>()))
-            .collect();
-        parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
-    })
-}
-
 /// Engine settings.
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {

@@ -14,7 +14,8 @@
 //!   its agent's metadata (loaded once per source agent), each block's address and the XXH3-64
 //!   it recorded when the block was written. The destination checks the offer (fingerprint,
 //!   count, exactly one whole block per region), posts NIXL READs from the source's blocks
-//!   straight into the fresh blocks of its lease, in requests of [`REQUEST_BYTES`] all posted
+//!   straight into the fresh blocks of its lease, in requests of [`REQUEST_BYTES`]
+//!   ([`REQUEST_BYTES_GPU`] into GPU memory) all posted
 //!   at once, then, request by request in order, hashes the blocks where they now lie (host
 //!   memory in place; GPU memory through the copy engine) and commits each block whose checksum
 //!   matches. The first mismatch stops the fetch (`corrupt`); blocks after it are released.
@@ -43,14 +44,50 @@ use nixl_sys::{XferDescList, XferOp, XferRequest, XferStatus};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::tcp::{self, Ack, Done, Fault, Hello, InPlaceOffer, InPlaceSource, Offer, Ready, Refuse, ServiceStats};
+use serde::{Deserialize, Serialize};
+
+use super::tcp::{self, Fault, Hello, InPlaceOffer, InPlaceSource, Offer, Refuse, ServiceStats};
 use super::{BoxFuture, Destination, FailReason, FetchError, Fingerprint, Transport};
 use crate::cache::Lease;
-use crate::engine::{Engine, Region};
+use crate::engine::{kvsum, Engine, Region};
 
-/// Bytes per NIXL transfer request: READs of a run are cut into requests of about this size,
-/// all posted at once, verified and committed in order while the later ones are in flight.
+/// Frame kinds of in-place reads, on the KV service's channel after the offer (MessagePack):
+/// `DONE` (destination -> source, `{committed}`): the reader is finished with the offered
+/// blocks, the source unpins them; `READY` (source -> destination, staged, `{chunk, count}`):
+/// a staging slot holds chunk `chunk`; `ACK` (destination -> source, staged, `{chunk}`): the
+/// reader has read it, the slot is free.
+const DONE: u8 = 5;
+const READY: u8 = 6;
+const ACK: u8 = 7;
+
+/// `READY` (source -> destination, staged in-place reads): chunk `chunk` (`count` blocks) lies
+/// in its slot.
+#[derive(Serialize, Deserialize)]
+struct Ready {
+    chunk: u64,
+    count: u64,
+}
+
+/// `ACK` (destination -> source): the reader has read chunk `chunk` out of its slot.
+#[derive(Serialize, Deserialize)]
+struct Ack {
+    chunk: u64,
+}
+
+/// `DONE`.
+#[derive(Serialize, Deserialize)]
+struct Done {
+    committed: u64,
+}
+
+/// Bytes per NIXL transfer request into host memory: READs of a run are cut into requests of
+/// about this size, all posted at once, verified and committed in order while the later ones
+/// are in flight (at a few GB/s, a small first request starts verification early).
 pub const REQUEST_BYTES: usize = 64 << 20;
+
+/// Bytes per NIXL transfer request into GPU memory: READs there run at 100+ GB/s and each
+/// request costs a request setup and a checksum kernel call, so fewer, larger ones.
+pub const REQUEST_BYTES_GPU: usize = 256 << 20;
 
 /// Every C entry point of `libnixl_capi.so` that `nixl-sys` 1.5.1 may call, one per line (its
 /// stubs resolve each on first use and abort the process when one is missing, so all are
@@ -460,7 +497,7 @@ impl NixlSource {
             if c >= 2 {
                 // slot c % 2 is free once chunk c - 2 is acknowledged
                 let (kind, len) = tcp::read_header(s, tcp::MAX_CONTROL).await.ok()?;
-                if kind != tcp::ACK {
+                if kind != ACK {
                     return None;
                 }
                 let ack: Ack = tcp::read_control(s, &mut Vec::new(), len).await.ok()?;
@@ -478,16 +515,16 @@ impl NixlSource {
             slots = Some(guard);
             r.ok()?;
             let ready = Ready { chunk: c as u64, count: chunk.len() as u64 };
-            tcp::write_control(s, tcp::READY, &ready).await.ok()?;
+            tcp::write_control(s, READY, &ready).await.ok()?;
         }
         // the remaining ACKs, then DONE
         loop {
             let (kind, len) = first_then_header(s).await?;
             match kind {
-                tcp::ACK => {
+                ACK => {
                     let _: Ack = tcp::read_control(s, &mut Vec::new(), len).await.ok()?;
                 }
-                tcp::DONE => return tcp::read_control(s, &mut Vec::new(), len).await.ok(),
+                DONE => return tcp::read_control(s, &mut Vec::new(), len).await.ok(),
                 _ => return None,
             }
         }
@@ -507,7 +544,7 @@ async fn first_then_header(s: &mut TcpStream) -> Option<(u8, usize)> {
 /// Wait for the reader's `DONE`.
 async fn wait_done(s: &mut TcpStream) -> Option<Done> {
     let (kind, len) = first_then_header(s).await?;
-    if kind != tcp::DONE {
+    if kind != DONE {
         return None;
     }
     tcp::read_control(s, &mut Vec::new(), len).await.ok()
@@ -596,7 +633,7 @@ impl NixlTransport {
             }
         }
         if count == 0 {
-            let _ = tcp::write_control(&mut s, tcp::DONE, &Done { committed: 0 }).await;
+            let _ = tcp::write_control(&mut s, DONE, &Done { committed: 0 }).await;
             return Ok(0);
         }
         self.mem.ensure_remote(&place)?;
@@ -618,7 +655,7 @@ impl NixlTransport {
                 0
             }
         };
-        let _ = tcp::write_control(&mut s, tcp::DONE, &Done { committed: committed as u64 }).await;
+        let _ = tcp::write_control(&mut s, DONE, &Done { committed: committed as u64 }).await;
         r
     }
 
@@ -641,7 +678,7 @@ impl NixlTransport {
         for (c, start) in (0..count).step_by(per).enumerate() {
             let k = per.min(count - start);
             let (kind, len) = tcp::read_header(s, tcp::MAX_CONTROL).await?;
-            if kind != tcp::READY {
+            if kind != READY {
                 return Err(FetchError::new(FailReason::Corrupt, "expected a READY frame"));
             }
             let ready: Ready = tcp::read_control(s, &mut Vec::new(), len).await?;
@@ -663,10 +700,10 @@ impl NixlTransport {
             .await
             .map_err(|e| FetchError::new(FailReason::Corrupt, format!("the reader stopped: {e}")))?;
             r?;
-            tcp::write_control(s, tcp::ACK, &Ack { chunk: c as u64 }).await?;
+            tcp::write_control(s, ACK, &Ack { chunk: c as u64 }).await?;
             let (guard, r) = tokio::task::spawn_blocking(move || {
                 let bytes = &guard[c % 2].bytes()[..k * bb];
-                let got = crate::engine::kvsums(bytes, bb, threads);
+                let got = kvsums(bytes, bb, threads);
                 let ids = &dest2.lease.ids[start..start + k];
                 let r = match got.iter().zip(&sums).position(|(a, b)| a != b) {
                     Some(j) => {
@@ -733,7 +770,7 @@ fn read_into(
 ) -> Result<usize, FetchError> {
     let bb = mem.block_bytes;
     let count = place.regions.len();
-    let per = (REQUEST_BYTES / bb).max(1);
+    let per = (if mem.region.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
     let kinds = Kinds { local: kind_of(mem.region.device.map(|d| d as u64)), remote: kind_of(place.device) };
     // Post every request first: UCX moves them while the earlier ones are verified.
     for start in (0..count).step_by(per) {
@@ -846,4 +883,18 @@ impl Transport for NixlTransport {
             }
         })
     }
+}
+
+/// [`kvsum`] of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
+fn kvsums(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
+    let n = bytes.len() / block_bytes.max(1);
+    let threads = threads.clamp(1, n.max(1));
+    let per = n.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = bytes
+            .chunks(per * block_bytes)
+            .map(|p| s.spawn(move || p.chunks(block_bytes).map(kvsum).collect::<Vec<_>>()))
+            .collect();
+        parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
+    })
 }

@@ -9,10 +9,8 @@
 //! - `BLOCK` (source -> destination, raw): name (u64 LE), XXH3-64 of the bytes (u64 LE), then
 //!   exactly `block_bytes` bytes; one per offered block, in order;
 //! - `REFUSE` (either way, MessagePack): `{reason, message}`;
-//! - `DONE` (destination -> source, MessagePack): `{committed}`: a reader that pulled the
-//!   blocks itself (NIXL) is finished with them; the source unpins them;
-//! - `READY` / `ACK` (MessagePack, staged in-place reads): `{chunk, count}` the source filled a
-//!   staging slot; `{chunk}` the reader has read it, the slot is free.
+//! - `DONE`, `READY`, `ACK` (kinds 5-7): the in-place reads of the NIXL transport (its module
+//!   documents them).
 //!
 //! A destination that reads the blocks out of the source's registered memory itself (the NIXL
 //! transport) says so in its hello (`nixl: true`); the source then answers with an offer that
@@ -46,9 +44,6 @@ pub(super) const HELLO: u8 = 1;
 pub(super) const OFFER: u8 = 2;
 const BLOCK: u8 = 3;
 pub(super) const REFUSE: u8 = 4;
-pub(super) const DONE: u8 = 5;
-pub(super) const READY: u8 = 6;
-pub(super) const ACK: u8 = 7;
 
 /// Largest control frame.
 pub const MAX_CONTROL: usize = 16 << 20;
@@ -110,26 +105,6 @@ pub struct InPlaceOffer {
     pub chunk_blocks: u64,
     /// XXH3-64 of each offered block's bytes, recorded when it was written.
     pub sums: Vec<u64>,
-}
-
-/// `READY` (source -> destination, staged in-place reads): chunk `chunk` (`count` blocks) lies
-/// in its slot.
-#[derive(Serialize, Deserialize)]
-pub struct Ready {
-    pub chunk: u64,
-    pub count: u64,
-}
-
-/// `ACK` (destination -> source): the reader has read chunk `chunk` out of its slot.
-#[derive(Serialize, Deserialize)]
-pub struct Ack {
-    pub chunk: u64,
-}
-
-/// `DONE`.
-#[derive(Serialize, Deserialize)]
-pub struct Done {
-    pub committed: u64,
 }
 
 #[derive(Serialize, Deserialize)]
