@@ -582,32 +582,13 @@ impl NixlTransport {
     async fn pull(&self, endpoint: &str, names: &[u64], dest: &Destination) -> Result<usize, FetchError> {
         let bb = self.mem.block_bytes;
         let staged = self.mem.memory == Memory::Staging;
-        let addr = tcp::socket_addr(endpoint)
-            .ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
-        let mut s = match tokio::time::timeout(tcp::CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(FetchError::new(FailReason::Connect, format!("connect: {e}"))),
-            Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
-        };
-        let _ = s.set_nodelay(true);
         let hello = Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec(), nixl: true, staged };
-        tcp::write_control(&mut s, tcp::HELLO, &hello).await?;
-        let mut buf = Vec::new();
-        let (kind, len) = tcp::read_header(&mut s, tcp::MAX_CONTROL).await?;
-        match kind {
-            tcp::REFUSE => return Err(tcp::refused(tcp::read_control(&mut s, &mut buf, len).await?)),
-            tcp::OFFER => {}
-            _ => return Err(FetchError::new(FailReason::Corrupt, "expected an offer")),
-        }
-        let offer: Offer = tcp::read_control(&mut s, &mut buf, len).await?;
-        if offer.fingerprint != self.fingerprint {
-            return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
-        }
+        let (mut s, offer) = tcp::ask(endpoint, &hello, bb).await?;
         let count = offer.count as usize;
         let Some(place) = offer.nixl else {
             return Err(FetchError::new(FailReason::Corrupt, "the offer says nothing about where the blocks lie"));
         };
-        if count > names.len() || offer.block_bytes as usize != bb || place.sums.len() != count {
+        if place.sums.len() != count {
             return Err(FetchError::new(FailReason::Corrupt, "the offer does not match the request"));
         }
         if staged {

@@ -40,10 +40,10 @@ use crate::engine::Engine;
 
 const MAGIC: &[u8; 4] = b"KVRX";
 const VERSION: u8 = 1;
-pub(super) const HELLO: u8 = 1;
+const HELLO: u8 = 1;
 pub(super) const OFFER: u8 = 2;
 const BLOCK: u8 = 3;
-pub(super) const REFUSE: u8 = 4;
+const REFUSE: u8 = 4;
 
 /// Largest control frame.
 pub const MAX_CONTROL: usize = 16 << 20;
@@ -191,9 +191,38 @@ pub(super) async fn write_control<T: Serialize>(s: &mut TcpStream, kind: u8, v: 
     timed(s.write_all(&frame)).await
 }
 
-pub(super) fn refused(r: Refuse) -> FetchError {
+fn refused(r: Refuse) -> FetchError {
     let reason = if r.reason == "fingerprint_mismatch" { FailReason::FingerprintMismatch } else { FailReason::Refused };
     FetchError::new(reason, format!("the source refused: {} ({})", r.reason, r.message))
+}
+
+/// Connect to `endpoint`, send `hello` and read the source's offer (or refusal); the offer is
+/// checked against the hello (fingerprint, at most as many blocks as asked, `block_bytes`).
+pub(super) async fn ask(endpoint: &str, hello: &Hello, block_bytes: usize) -> Result<(TcpStream, Offer), FetchError> {
+    let addr =
+        socket_addr(endpoint).ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
+    let mut s = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(FetchError::new(FailReason::Connect, format!("connect: {e}"))),
+        Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
+    };
+    let _ = s.set_nodelay(true);
+    write_control(&mut s, HELLO, hello).await?;
+    let mut buf = Vec::new();
+    let (kind, len) = read_header(&mut s, MAX_CONTROL).await?;
+    match kind {
+        REFUSE => return Err(refused(read_control(&mut s, &mut buf, len).await?)),
+        OFFER => {}
+        _ => return Err(FetchError::new(FailReason::Corrupt, "expected an offer")),
+    }
+    let offer: Offer = read_control(&mut s, &mut buf, len).await?;
+    if offer.fingerprint != hello.fingerprint {
+        return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
+    }
+    if offer.count as usize > hello.names.len() || offer.block_bytes as usize != block_bytes {
+        return Err(FetchError::new(FailReason::Corrupt, "the offer does not match the request"));
+    }
+    Ok((s, offer))
 }
 
 /// A received block being checksummed and committed on a blocking thread: its buffer comes
@@ -213,31 +242,9 @@ impl TcpTransport {
     }
 
     async fn pull(&self, endpoint: &str, names: &[u64], sink: BlockSink) -> Result<usize, FetchError> {
-        let addr = socket_addr(endpoint)
-            .ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
-        let mut s = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(FetchError::new(FailReason::Connect, format!("connect: {e}"))),
-            Err(_) => return Err(FetchError::new(FailReason::Timeout, "connect ran past its deadline")),
-        };
-        let _ = s.set_nodelay(true);
         let hello = Hello { fingerprint: self.fingerprint.clone(), names: names.to_vec(), nixl: false, staged: false };
-        write_control(&mut s, HELLO, &hello).await?;
-        let mut buf = Vec::new();
-        let (kind, len) = read_header(&mut s, MAX_CONTROL).await?;
-        match kind {
-            REFUSE => return Err(refused(read_control(&mut s, &mut buf, len).await?)),
-            OFFER => {}
-            _ => return Err(FetchError::new(FailReason::Corrupt, "expected an offer")),
-        }
-        let offer: Offer = read_control(&mut s, &mut buf, len).await?;
-        if offer.fingerprint != self.fingerprint {
-            return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
-        }
+        let (mut s, offer) = ask(endpoint, &hello, self.block_bytes).await?;
         let count = offer.count as usize;
-        if count > names.len() || offer.block_bytes as usize != self.block_bytes {
-            return Err(FetchError::new(FailReason::Corrupt, "the offer does not match the request"));
-        }
         // Pipelined: block i is read from the socket while block i-1 is checksummed and
         // handed to the sink on a blocking thread; blocks still reach the sink in order.
         let frame = 16 + self.block_bytes;
