@@ -366,9 +366,35 @@ fn mixed_action(r: &mut Rng, i: usize, small: bool) -> J {
 }
 
 const ASCII_WORDS: &[&str] = &[
-    "the", "cache", "of", "prefill", "tokens", "model", "request", "is", "a", "block", "router", "and", "to",
-    "decode", "latency", "with", "batch", "for", "in", "attention", "layer", "quickly", "summarize", "document",
-    "please", "answer", "question", "context", "window",
+    "the",
+    "cache",
+    "of",
+    "prefill",
+    "tokens",
+    "model",
+    "request",
+    "is",
+    "a",
+    "block",
+    "router",
+    "and",
+    "to",
+    "decode",
+    "latency",
+    "with",
+    "batch",
+    "for",
+    "in",
+    "attention",
+    "layer",
+    "quickly",
+    "summarize",
+    "document",
+    "please",
+    "answer",
+    "question",
+    "context",
+    "window",
 ];
 const NON_ASCII_WORDS: &[&str] =
     &["naïve", "Größe", "café", "данные", "ключ", "模型", "缓存", "トークン", "🚀", "señal", "Zürich", "€", "😀"];

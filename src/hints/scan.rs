@@ -14,15 +14,17 @@
 //! - records the index of the protocol 0.1 fields (root members and each action's members) as
 //!   spans of the canonical bytes.
 //!
-//! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection
-//! (objects of 8 members or fewer are compared pairwise). No heap allocation: everything goes to
+//! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection:
+//! each name gets a cheap hash (length, first and last eight bytes) when it is read; objects of
+//! 16 members or fewer compare hashes pairwise, larger ones sort by hash then bytes; bytes are
+//! compared only where hashes are equal. No heap allocation: everything goes to
 //! the caller's [`Scratch`], whose buffers keep their capacity between calls.
 //!
 //! The scanner is iterative (an explicit stack in the scratch), so a large `max_depth` cannot
 //! overflow the thread's stack.
 
 use super::detail::Detail;
-use super::lex::{count_digits, digits_le, skip_digits, skip_plain, BSLASH, CTRL, QUOTE, STR_CLASS};
+use super::lex::{count_digits, digits_le, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS};
 use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
 
 /// The JSON kind of a recorded value; `Missing` when the member was not present.
@@ -71,6 +73,29 @@ struct KeyRef {
     in_buf: bool,
     start: u32,
     len: u32,
+    /// [`key_hash`] of the decoded name: equal names have equal hashes, so the duplicate check
+    /// compares bytes only where hashes are equal.
+    hash: u64,
+}
+
+/// A cheap hash of a member name: its length, first and last eight bytes (fewer when shorter).
+/// Names that differ only in the middle collide; the duplicate check then compares bytes, so a
+/// collision costs time, never a wrong answer.
+#[inline(always)]
+fn key_hash(b: &[u8]) -> u64 {
+    let n = b.len();
+    let (head, tail) = if n >= 8 {
+        let w = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        (w(0), w(n - 8))
+    } else if n >= 4 {
+        let w = |i: usize| u64::from(u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes")));
+        (w(0), w(n - 4))
+    } else if n > 0 {
+        (u64::from(b[0]) | u64::from(b[n / 2]) << 8 | u64::from(b[n - 1]) << 16, 0)
+    } else {
+        (0, 0)
+    };
+    (head.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ tail.rotate_left(29) ^ n as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -265,14 +290,42 @@ impl Scanner<'_, '_> {
         self.canon(pos) as u32
     }
 
-    /// Copy the verbatim run `[run, upto)` to the output.
-    #[inline]
+    /// Copy the verbatim run `[run, upto)` to the output. Runs of up to 32 bytes (most runs
+    /// between whitespace in spaced or indented input) are copied inline as two 16-byte moves
+    /// into the output's spare capacity, without a call to `memcpy`; longer runs, runs within 32
+    /// bytes of the input's end and an output without 32 spare bytes take `extend_from_slice`.
+    #[inline(always)]
     fn flush(&mut self, upto: usize) {
         let n = upto - self.run;
         if self.total <= self.cap {
-            self.sc.out.extend_from_slice(&self.inp[self.run..upto]);
+            let out = &mut self.sc.out;
+            if n <= 32 && self.run + 32 <= self.inp.len() && out.capacity() - out.len() >= 32 {
+                // SAFETY: the 32 bytes read start at `self.run` and end at or before
+                // `inp.len()`; the 32 bytes written lie in `out`'s allocation (at least 32
+                // bytes of spare capacity after `len`); the two buffers are distinct
+                // allocations (`inp` is borrowed shared while `out` is borrowed mutably), so
+                // they do not overlap. Only the first `n` written bytes become part of `out`
+                // (`set_len`), and they were just initialized from `inp`.
+                unsafe {
+                    let src = self.inp.as_ptr().add(self.run);
+                    let dst = out.as_mut_ptr().add(out.len());
+                    std::ptr::copy_nonoverlapping(src, dst, 16);
+                    std::ptr::copy_nonoverlapping(src.add(16), dst.add(16), 16);
+                    out.set_len(out.len() + n);
+                }
+            } else {
+                out.extend_from_slice(&self.inp[self.run..upto]);
+            }
         }
         self.total += n;
+    }
+
+    /// Drop input `[upto, resume)` (whitespace) from the canonical output.
+    #[inline(always)]
+    fn drop_ws(&mut self, upto: usize, resume: usize) {
+        self.flush(upto);
+        self.run = resume;
+        self.rewrote = true;
     }
 
     /// Replace input `[upto, resume)` by `repl` in the canonical output.
@@ -292,21 +345,28 @@ impl Scanner<'_, '_> {
         self.inp.get(self.pos).copied()
     }
 
-    /// Skip insignificant whitespace; canonical form drops it.
+    /// Skip insignificant whitespace; canonical form drops it. One space followed by a token
+    /// (the `": "` and `", "` of spaced encoders) is handled inline; longer runs (indentation)
+    /// are skipped 16 bytes at a time.
     #[inline(always)]
     fn ws(&mut self) {
-        if self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
-            self.ws_slow();
+        let inp = self.inp;
+        let p = self.pos;
+        if p < inp.len() && is_ws(inp[p]) {
+            if inp.get(p + 1).is_some_and(|&c| !is_ws(c)) {
+                self.pos = p + 1;
+                self.drop_ws(p, p + 1);
+            } else {
+                self.ws_slow();
+            }
         }
     }
 
     #[inline(never)]
     fn ws_slow(&mut self) {
         let start = self.pos;
-        while self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
-            self.pos += 1;
-        }
-        self.rewrite(start, self.pos, b"");
+        self.pos = skip_ws(self.inp, start);
+        self.drop_ws(start, self.pos);
     }
 
     fn value_loop(&mut self) -> Result<(), Detail> {
@@ -356,6 +416,15 @@ impl Scanner<'_, '_> {
                                         self.pos += 1;
                                         self.number()?;
                                     }
+                                    // spaced or indented lists: the scalar run drops the
+                                    // whitespace of each separator as it goes
+                                    Some(&[b',', c]) if is_ws(c) => match self.list_sep(self.pos) {
+                                        Some(q) => {
+                                            self.pos = q;
+                                            self.number_run()?;
+                                        }
+                                        None => break,
+                                    },
                                     _ => break,
                                 }
                             }
@@ -562,11 +631,13 @@ impl Scanner<'_, '_> {
             }
         };
         let ks_slice = &mut keys[ks..];
-        let dup = if ks_slice.len() <= 8 {
+        let dup = if ks_slice.len() <= 16 {
+            // pairwise on the hashes (at most 120 integer compares), bytes only on a match
             let mut dup = false;
             'outer: for i in 1..ks_slice.len() {
+                let h = ks_slice[i].hash;
                 for j in 0..i {
-                    if ks_slice[i].len == ks_slice[j].len && bytes(&ks_slice[i]) == bytes(&ks_slice[j]) {
+                    if ks_slice[j].hash == h && bytes(&ks_slice[i]) == bytes(&ks_slice[j]) {
                         dup = true;
                         break 'outer;
                     }
@@ -574,8 +645,10 @@ impl Scanner<'_, '_> {
             }
             dup
         } else {
-            ks_slice.sort_unstable_by(|a, b| bytes(a).cmp(bytes(b)));
-            ks_slice.windows(2).any(|w| bytes(&w[0]) == bytes(&w[1]))
+            // by hash, then bytes: equal names end up adjacent, and a flood of colliding hashes
+            // still costs O(k log k) comparisons
+            ks_slice.sort_unstable_by(|a, b| a.hash.cmp(&b.hash).then_with(|| bytes(a).cmp(bytes(b))));
+            ks_slice.windows(2).any(|w| w[0].hash == w[1].hash && bytes(&w[0]) == bytes(&w[1]))
         };
         if dup {
             return Err(Detail::at("duplicate member name in the object", open));
@@ -594,9 +667,15 @@ impl Scanner<'_, '_> {
         let key = if had_escape {
             let at = self.sc.keybuf.len();
             decode_string(&self.inp[start..end], &mut self.sc.keybuf);
-            KeyRef { in_buf: true, start: at as u32, len: (self.sc.keybuf.len() - at) as u32 }
+            let hash = key_hash(&self.sc.keybuf[at..]);
+            KeyRef { in_buf: true, start: at as u32, len: (self.sc.keybuf.len() - at) as u32, hash }
         } else {
-            KeyRef { in_buf: false, start: start as u32, len: (end - start) as u32 }
+            KeyRef {
+                in_buf: false,
+                start: start as u32,
+                len: (end - start) as u32,
+                hash: key_hash(&self.inp[start..end]),
+            }
         };
         let role = self.sc.stack.last().expect("a member needs an object").role;
         let slot = if matches!(role, Role::Root | Role::Action | Role::Payload) {
@@ -661,7 +740,14 @@ impl Scanner<'_, '_> {
                     p = self.escape(p)?;
                 }
                 CTRL => return Err(Detail::at("unescaped control character in a string", p)),
-                _ => p = utf8_seq(inp, p)?,
+                _ => {
+                    // a run of non-ASCII characters (a word of Cyrillic or CJK text) in one
+                    // tight loop before the next 16-byte skip
+                    p = utf8_seq(inp, p)?;
+                    while inp.get(p).is_some_and(|&c| STR_CLASS[c as usize] == HIGH) {
+                        p = utf8_seq(inp, p)?;
+                    }
+                }
             }
         }
     }
@@ -776,14 +862,16 @@ impl Scanner<'_, '_> {
         self.pos = done;
     }
 
-    /// A run of numbers separated by bare commas, starting at `self.pos`, (the portable path;
-    /// x86-64 uses `int_blocks`), inside an array whose
-    /// elements need no record (block hash lists). Integers are handled here with about 30
-    /// instructions each; anything else (floats, errors, whitespace) goes through [`number`]
-    /// or ends the run, leaving `self.pos` after the last number.
+    /// A run of numbers separated by commas, starting at `self.pos`, inside an array whose
+    /// elements need no record (block hash lists): the portable path for every list, and on
+    /// x86-64 the path for spaced or indented lists (compact ones go through `int_blocks`).
+    /// Integers are handled here with about 30 instructions each; whitespace after a comma is
+    /// dropped in place ([`list_sep`]); anything else (floats, `-0`, errors) goes through
+    /// [`number`], and a separator that is not `,` (whitespace) number ends the run, leaving
+    /// `self.pos` after the last number.
     ///
     /// [`number`]: Scanner::number
-    #[cfg_attr(all(target_arch = "x86_64", not(kvrelay_portable)), allow(dead_code))]
+    /// [`list_sep`]: Scanner::list_sep
     #[inline(always)]
     fn number_run(&mut self) -> Result<(), Detail> {
         let inp = self.inp;
@@ -823,11 +911,31 @@ impl Scanner<'_, '_> {
             }
             match inp.get(p..p + 2) {
                 Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => p += 1,
+                Some(&[b',', c]) if is_ws(c) => match self.list_sep(p) {
+                    Some(q) => p = q,
+                    None => break,
+                },
                 _ => break,
             }
         }
         self.pos = p;
         Ok(())
+    }
+
+    /// At a comma `p` of a number list followed by whitespace: when a number starts after the
+    /// whitespace, drop the whitespace from the canonical output (the comma stays) and return
+    /// where the number starts; otherwise change nothing and return `None` (the general path
+    /// then reads the separator).
+    #[inline(always)]
+    fn list_sep(&mut self, p: usize) -> Option<usize> {
+        let q = skip_ws(self.inp, p + 1);
+        match self.inp.get(q) {
+            Some(&c) if c == b'-' || c.is_ascii_digit() => {
+                self.drop_ws(p + 1, q);
+                Some(q)
+            }
+            _ => None,
+        }
     }
 
     /// A number starting at `self.pos` (a '-' or a digit).
@@ -863,12 +971,19 @@ impl Scanner<'_, '_> {
             }
             return Ok(());
         }
+        let int_end = p;
         if inp[p] == b'.' {
             let q = skip_digits(inp, p + 1);
             if q == p + 1 {
                 return Err(Detail::at("expected a digit after the decimal point", p + 1));
             }
             p = q;
+            if !matches!(inp.get(p), Some(b'e' | b'E')) && decimal_is_shortest(&inp[ds..int_end], &inp[int_end + 1..p])
+            {
+                // already what ryu prints: no parse, no formatting
+                self.pos = p;
+                return Ok(());
+            }
         }
         if matches!(inp.get(p), Some(b'e' | b'E')) {
             p += 1;
@@ -904,6 +1019,35 @@ impl Scanner<'_, '_> {
     }
 }
 
+/// Whether the decimal `int.frac` (no sign, no exponent, already well-formed) is exactly the
+/// text ryu prints for the f64 it denotes (SPEC.md section 3), decided from the digits alone:
+/// - at most 15 significant digits: every decimal of 15 or fewer significant digits maps to a
+///   distinct f64 (`f64::DIGITS`), so the shortest round-trip digits are the input's own once
+///   it has no trailing zero (a fraction of exactly `0` is ryu's `.0` of an integral value);
+/// - a decimal exponent where ryu prints plain decimal notation: from 1e-5 (at most four zeros
+///   after the point before the first significant digit) to below 1e16 (integer part of 15 digits
+///   or fewer here).
+///
+/// Anything else (an exponent, trailing zeros, more digits, tiny values) returns false and goes
+/// through the parse-and-format path, so this only skips work. Cost: a few instructions, no
+/// parsing; `float_fast_path_agrees_with_ryu` checks it against ryu.
+#[inline(always)]
+fn decimal_is_shortest(int: &[u8], frac: &[u8]) -> bool {
+    let last = frac[frac.len() - 1];
+    if frac == b"0" {
+        return int.len() <= 15;
+    }
+    if last == b'0' {
+        return false;
+    }
+    if int == b"0" {
+        let zeros = frac.iter().take_while(|&&c| c == b'0').count();
+        zeros <= 4 && frac.len() - zeros <= 15
+    } else {
+        int.len() + frac.len() <= 15
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -931,6 +1075,55 @@ mod tests {
                 assert_eq!(skip_digits(&v, 0), lane);
             }
         }
+    }
+
+    #[test]
+    fn float_fast_path_agrees_with_ryu() {
+        // Every decimal the fast path accepts must be ryu's own text; random digit strings of
+        // every shape near the limits (lengths, leading and trailing zeros).
+        let mut x = 0x1234_5678_9ABC_DEF1u64;
+        let mut next = move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        };
+        let mut accepted = 0;
+        for _ in 0..100_000 {
+            let digits = |n: u64, r: u64| -> String {
+                (0..n).map(|i| char::from(b'0' + ((r >> (i * 3 % 60)) % 10) as u8)).collect()
+            };
+            let r = next();
+            let int = if r % 3 == 0 {
+                "0".to_string()
+            } else {
+                {
+                    let s = digits(1 + (r >> 8) % 17, next());
+                    let s = s.trim_start_matches('0').to_string();
+                    if s.is_empty() {
+                        "0".to_string()
+                    } else {
+                        s
+                    }
+                }
+            };
+            let zeros = "0".repeat(((r >> 16) % 7) as usize);
+            let tail = if (r >> 24) % 5 == 0 { "0".to_string() } else { digits((r >> 32) % 17, next()) };
+            let frac = format!("{zeros}{tail}");
+            if frac.is_empty() {
+                continue;
+            }
+            let text = format!("{int}.{frac}");
+            let v: f64 = text.parse().unwrap();
+            let ryu_text = ryu::Buffer::new().format_finite(v).to_string();
+            if decimal_is_shortest(int.as_bytes(), frac.as_bytes()) {
+                accepted += 1;
+                assert_eq!(ryu_text, text, "fast path accepted {text}");
+            }
+            // and the scanner's output is ryu's text either way
+            assert_eq!(canon(&format!("[{text},-{text}]")).unwrap(), format!("[{ryu_text},-{ryu_text}]").into_bytes());
+        }
+        assert!(accepted > 5_000, "the fast path is exercised ({accepted})");
     }
 
     #[test]
