@@ -24,7 +24,9 @@
 //! overflow the thread's stack.
 
 use super::detail::Detail;
-use super::lex::{count_digits, digits_le, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS};
+use super::lex::{
+    count_digits, digits_le, first_special16, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS,
+};
 use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
 
 /// The JSON kind of a recorded value; `Missing` when the member was not present.
@@ -76,6 +78,22 @@ struct KeyRef {
     /// [`key_hash`] of the decoded name: equal names have equal hashes, so the duplicate check
     /// compares bytes only where hashes are equal.
     hash: u64,
+}
+
+/// The 0.1 field a member name fills in an object of `role` (root, action, payload).
+#[inline(always)]
+fn slot_of(role: Role, name: &[u8]) -> Slot {
+    match (role, name.len()) {
+        (Role::Root, 16) if name == b"protocol_version" => Slot::Pv,
+        (Role::Root, 10) if name == b"message_id" => Slot::MsgId,
+        (Role::Root, 7) if name == b"actions" => Slot::Actions,
+        (Role::Action, 9) if name == b"action_id" => Slot::Id,
+        (Role::Action, 11) if name == b"action_type" => Slot::Type,
+        (Role::Action, 14) if name == b"action_version" => Slot::Ver,
+        (Role::Action, 7) if name == b"payload" => Slot::Payload,
+        (Role::Payload, 23) if name == b"source_control_endpoint" => Slot::Endpoint,
+        _ => Slot::None,
+    }
 }
 
 /// A cheap hash of a member name: its length, first and last eight bytes (fewer when shorter).
@@ -141,6 +159,11 @@ struct Frame {
     open: u32,
     /// number of elements begun so far (arrays)
     n: u32,
+    /// Objects: one bit per member-name hash seen (its top seven bits). A name whose bit is
+    /// already set makes the object `suspect`; only suspect objects run the duplicate check
+    /// when they close (an object without a repeated bit has no repeated name).
+    bloom: u128,
+    suspect: bool,
 }
 
 /// Reusable working memory for the scanner (see [`crate::hints::Admission::admit_with`]). Buffers keep their capacity between calls, so after
@@ -204,9 +227,11 @@ pub(crate) struct Scan {
     pub action_not_object: Option<u32>,
 }
 
+/// Space, tab, LF or CR: one compare and one bit test.
 #[inline(always)]
 fn is_ws(b: u8) -> bool {
-    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+    const WS: u64 = 1 << b' ' | 1 << b'\t' | 1 << b'\n' | 1 << b'\r';
+    b <= b' ' && WS >> b & 1 != 0
 }
 
 /// Largest magnitudes, as decimal digit strings of maximal length, that are still in range.
@@ -600,6 +625,8 @@ impl Scanner<'_, '_> {
             vraw: 0,
             open: self.pos as u32,
             n: 0,
+            bloom: 0,
+            suspect: false,
         });
         self.pos += 1;
         Ok(())
@@ -610,7 +637,7 @@ impl Scanner<'_, '_> {
         let f = self.sc.stack.pop().expect("close needs an open container");
         if f.is_obj {
             let ks = f.keys_start as usize;
-            if self.sc.keys.len() - ks > 1 && self.mode == Mode::Envelope {
+            if f.suspect && self.mode == Mode::Envelope {
                 self.check_duplicates(ks, f.open as usize)?;
             }
             self.sc.keys.truncate(ks);
@@ -682,29 +709,20 @@ impl Scanner<'_, '_> {
                 hash: key_hash(&self.inp[start..end]),
             }
         };
-        let role = self.sc.stack.last().expect("a member needs an object").role;
-        let slot = if matches!(role, Role::Root | Role::Action | Role::Payload) {
-            let name: &[u8] = if key.in_buf {
-                &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
-            } else {
-                &self.inp[start..end]
-            };
-            match (role, name) {
-                (Role::Root, b"protocol_version") => Slot::Pv,
-                (Role::Root, b"message_id") => Slot::MsgId,
-                (Role::Root, b"actions") => Slot::Actions,
-                (Role::Action, b"action_id") => Slot::Id,
-                (Role::Action, b"action_type") => Slot::Type,
-                (Role::Action, b"action_version") => Slot::Ver,
-                (Role::Action, b"payload") => Slot::Payload,
-                (Role::Payload, b"source_control_endpoint") => Slot::Endpoint,
-                _ => Slot::None,
-            }
+        let name: &[u8] = if key.in_buf {
+            &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
         } else {
-            Slot::None
+            &self.inp[start..end]
+        };
+        let top = self.sc.stack.last_mut().expect("a member needs an object");
+        let bit = 1u128 << (key.hash >> 57);
+        top.suspect |= top.bloom & bit != 0;
+        top.bloom |= bit;
+        top.slot = match top.role {
+            Role::Other => Slot::None,
+            role => slot_of(role, name),
         };
         self.sc.keys.push(key);
-        self.sc.stack.last_mut().expect("open object").slot = slot;
         self.ws();
         if self.peek() != Some(b':') {
             return Err(Detail::at("expected ':' after a member name", self.pos));
@@ -724,8 +742,26 @@ impl Scanner<'_, '_> {
     }
 
     /// A string starting at the opening quote; returns whether it contained an escape.
-    #[inline]
+    ///
+    /// Inline fast path: a string whose closing quote is the first byte that is not plain
+    /// ASCII content among the 16 after the opening quote (most member names and short values)
+    /// costs one 16-byte classification; anything else goes to [`Scanner::string_long`].
+    #[inline(always)]
     fn string(&mut self) -> Result<bool, Detail> {
+        let p = self.pos + 1;
+        if let Some(i) = first_special16(self.inp, p) {
+            if self.inp[p + i] == b'"' {
+                self.pos = p + i + 1;
+                return Ok(false);
+            }
+        }
+        self.string_long()
+    }
+
+    /// [`Scanner::string`] beyond its fast path: plain runs 16 bytes at a time, escapes,
+    /// non-ASCII characters.
+    #[inline(never)]
+    fn string_long(&mut self) -> Result<bool, Detail> {
         let open = self.pos;
         let inp = self.inp;
         let mut p = self.pos + 1;
@@ -1129,6 +1165,28 @@ mod tests {
             assert_eq!(canon(&format!("[{text},-{text}]")).unwrap(), format!("[{ryu_text},-{ryu_text}]").into_bytes());
         }
         assert!(accepted > 5_000, "the fast path is exercised ({accepted})");
+    }
+
+    #[test]
+    fn duplicates_among_colliding_hashes() {
+        // names of equal length and equal first and last eight bytes: equal hashes (and
+        // bloom bits), different names; pairwise (up to 16 members) and sorted (more)
+        let obj = |names: &[String]| {
+            format!("{{{}}}", names.iter().map(|k| format!("\"{k}\":1")).collect::<Vec<_>>().join(","))
+        };
+        for n in [2usize, 15, 16, 17, 40] {
+            let names: Vec<String> = (0..n).map(|i| format!("prefix00{i:04}suffix00")).collect();
+            assert!(canon(&obj(&names)).is_ok(), "{n} distinct names");
+            for at in [0, n / 2, n - 1] {
+                let mut dup = names.clone();
+                dup.insert(at, names[n - 1 - at].clone());
+                assert!(canon(&obj(&dup)).is_err(), "{n} names, a repeat at {at}");
+                // the same name spelled with an escape
+                let mut esc = names.clone();
+                esc.insert(at, names[n - 1 - at].replacen('p', "\\u0070", 1));
+                assert!(canon(&obj(&esc)).is_err(), "{n} names, an escaped repeat at {at}");
+            }
+        }
     }
 
     #[test]
