@@ -23,7 +23,8 @@
 //!
 //! Environment: `KVRELAY_BENCH_QUICK=1` takes fewer samples (for a smoke run);
 //! `KVRELAY_BENCH_ONLY=TEXT` measures only the cases whose name contains TEXT;
-//! `KVRELAY_BENCH_LIST=1` lists the cases with their index; `KVRELAY_BENCH_PROFILE=N` only
+//! `KVRELAY_BENCH_LIST=1` lists the cases with their index, `KVRELAY_BENCH_DUMP=I` prints case
+//! I's input; `KVRELAY_BENCH_PROFILE=N` only
 //! admits one envelope N times (`KVRELAY_BENCH_CASE`: its index, default 2, the max hash list),
 //! for callgrind/cachegrind.
 
@@ -61,6 +62,10 @@ fn main() {
         for _ in 0..n {
             black_box(edge.admit_with(&mut sc, Some(black_box(raw))));
         }
+        return;
+    }
+    if let Some(i) = std::env::var("KVRELAY_BENCH_DUMP").ok().and_then(|v| v.parse::<usize>().ok()) {
+        print!("{}", cases[i].1);
         return;
     }
     if std::env::var_os("KVRELAY_BENCH_LIST").is_some() {

@@ -363,7 +363,14 @@ impl Scanner<'_, '_> {
     fn rewrite(&mut self, upto: usize, resume: usize, repl: &[u8]) {
         self.flush(upto);
         if self.total <= self.cap {
-            self.sc.out.extend_from_slice(repl);
+            if repl.len() <= 4 {
+                // a decoded character: no memcpy call for one to four bytes
+                for &b in repl {
+                    self.sc.out.push(b);
+                }
+            } else {
+                self.sc.out.extend_from_slice(repl);
+            }
         }
         self.total += repl.len();
         self.run = resume;
@@ -440,14 +447,20 @@ impl Scanner<'_, '_> {
                             // the general number path wherever the block scanner stopped
                             self.number()?;
                             loop {
-                                self.int_blocks();
+                                match self.inp.get(self.pos..self.pos + 2) {
+                                    Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
+                                        self.int_blocks::<false>();
+                                    }
+                                    Some(b", ") => self.int_blocks::<true>(),
+                                    _ => {}
+                                }
                                 match self.inp.get(self.pos..self.pos + 2) {
                                     Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
                                         self.pos += 1;
                                         self.number()?;
                                     }
-                                    // spaced or indented lists: the scalar run drops the
-                                    // whitespace of each separator as it goes
+                                    // other whitespace after the comma (indented lists): the
+                                    // scalar run drops each separator's whitespace as it goes
                                     Some(&[b',', c]) if is_ws(c) => match self.list_sep(self.pos) {
                                         Some(q) => {
                                             self.pos = q;
@@ -836,22 +849,28 @@ impl Scanner<'_, '_> {
     }
 
     /// After a complete number in a plain array (`self.pos` at the byte after it): consume the
-    /// longest following run of `,integer` pairs whose integers are certainly plain and in
-    /// range, 16 bytes at a time. Each block is classified into digit and comma masks with SSE2
-    /// and the commas are walked with `trailing_zeros`, so the cost per hash is a few
-    /// instructions. Anything else (a float, a sign, an empty element, a leading zero, an
-    /// integer that may be out of range, the last 16 bytes of the input) ends the run just
-    /// before that element, and the general path handles it exactly as before: this can only
-    /// skip work, never change an outcome.
+    /// longest following run of `,integer` pairs (`, integer` when `SPACED`, the separator of
+    /// `json.dumps` and other spaced encoders) whose integers are certainly plain and in
+    /// range, 16 bytes at a time. Each block is classified into digit and comma masks (and a
+    /// space mask, which must be exactly the commas shifted by one lane) with SSE2 and the
+    /// commas are walked with `trailing_zeros`, so the cost per hash is a few instructions; a
+    /// spaced separator's space is dropped from the canonical output (an inline copy of the
+    /// run before it) once the element after it is consumed. Anything else (a float, a sign,
+    /// an empty element, a leading zero, an integer that may be out of range, other
+    /// whitespace, the last 16 bytes of the input) ends the run just before that element, and
+    /// the general path handles it exactly as before: this can only skip work, never change an
+    /// outcome.
     #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
     #[inline(always)]
-    fn int_blocks(&mut self) {
+    fn int_blocks<const SPACED: bool>(&mut self) {
         use std::arch::x86_64::{
             __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_set1_epi8, _mm_sub_epi8,
         };
         let inp = self.inp;
         let start = self.pos;
-        if inp.get(start) != Some(&b',') {
+        // the separator: `,` or, spaced, `, `
+        let sep = 1 + SPACED as usize;
+        if inp.get(start) != Some(&b',') || (SPACED && inp.get(start + 1) != Some(&b' ')) {
             return;
         }
         // Plain iff 1..=19 digits without a leading zero, or 20 digits whose first eight sort
@@ -865,19 +884,30 @@ impl Scanner<'_, '_> {
             nd < 20 || u64::from_be_bytes(inp[s..s + 8].try_into().expect("8 digits")) < lim
         };
         let mut done = start; // just after the last consumed integer
-        let mut seg = start + 1; // start of the element being read
-        let mut q = start + 1;
+        let mut seg = start + sep; // start of the element being read
+        let mut q = start + sep;
+        // spaced: a comma in the last lane of the previous block expects a space in lane 0
+        let mut carry = 0u32;
         while q + 16 <= inp.len() {
             // SAFETY: SSE2 is part of the x86-64 baseline; `q + 16 <= inp.len()`, so the 16
             // bytes loaded are inside `inp`, and `_mm_loadu_si128` needs no alignment.
-            let (digits, commas) = unsafe {
+            let (digits, commas, spaces) = unsafe {
                 let v = _mm_loadu_si128(inp.as_ptr().add(q).cast::<__m128i>());
                 let t = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
                 let d = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t)) as u32;
                 let c = _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b',' as i8))) as u32;
-                (d, c)
+                let s = if SPACED { _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b' ' as i8))) as u32 } else { 0 };
+                (d, c, s)
             };
-            let other = !(digits | commas) & 0xFFFF;
+            // spaced: exactly one space right after every comma; a missing or an extra space
+            // ends the block like any other byte
+            let other = if SPACED {
+                let expected = (commas << 1 | carry) & 0xFFFF;
+                carry = commas >> 15 & 1;
+                (!(digits | commas | spaces) | (spaces ^ expected)) & 0xFFFF
+            } else {
+                !(digits | commas) & 0xFFFF
+            };
             let stop = if other != 0 { other.trailing_zeros() } else { 16 };
             let mut cm = commas & ((1u32 << stop) - 1);
             while cm != 0 {
@@ -886,13 +916,20 @@ impl Scanner<'_, '_> {
                     self.pos = done;
                     return;
                 }
+                if SPACED {
+                    // the element is consumed: drop the space of the separator before it
+                    self.drop_ws(seg - 1, seg);
+                }
                 done = c;
-                seg = c + 1;
+                seg = c + sep;
                 cm &= cm - 1;
             }
             if other != 0 {
                 let e = q + stop as usize;
-                if !matches!(inp[e], b'.' | b'e' | b'E' | b'+' | b'-') && plain(seg, e) {
+                if e >= seg && !matches!(inp[e], b'.' | b'e' | b'E' | b'+' | b'-') && plain(seg, e) {
+                    if SPACED {
+                        self.drop_ws(seg - 1, seg);
+                    }
                     done = e;
                 }
                 self.pos = done;

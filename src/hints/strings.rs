@@ -4,18 +4,40 @@
 
 use super::detail::Detail;
 
+/// The value of each hexadecimal digit (either case); 0xFF for every other byte.
+static HEX_VAL: [u8; 256] = {
+    let mut t = [0xFFu8; 256];
+    let mut i = 0;
+    while i < 10 {
+        t[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        t[b'a' as usize + i] = 10 + i as u8;
+        t[b'A' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    t
+};
+
+/// The four hexadecimal digits at `p` (of a `\uXXXX` escape), by table: four loads, one test.
+#[inline(always)]
 pub(super) fn hex4(inp: &[u8], p: usize) -> Option<u32> {
     let h = inp.get(p..p + 4)?;
-    let mut v = 0u32;
-    for &c in h {
-        v = v * 16 + (c as char).to_digit(16)?;
+    let d = |i: usize| u32::from(HEX_VAL[h[i] as usize]);
+    let (a, b, c, e) = (d(0), d(1), d(2), d(3));
+    // an invalid digit is 0xFF, whose high bits survive the OR
+    if (a | b | c | e) > 15 {
+        return None;
     }
-    Some(v)
+    Some(a << 12 | b << 8 | c << 4 | e)
 }
 
 pub(super) const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// The canonical spelling of one code point inside a string.
+#[inline]
 pub(super) fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
     match cp {
         0x08 => b"\\b",
@@ -158,6 +180,19 @@ pub(crate) fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex4_reads_every_digit_and_refuses_the_rest() {
+        for b in 0u8..=255 {
+            let want = (b as char).to_digit(16);
+            let text = [b'0', b, b'0', b'0'];
+            assert_eq!(hex4(&text, 0), want.map(|d| d << 8), "{b:#x}");
+            let text = [b, b'f', b'F', b'9'];
+            assert_eq!(hex4(&text, 0), want.map(|d| d << 12 | 0xFF9), "{b:#x}");
+        }
+        assert_eq!(hex4(b"12", 0), None);
+        assert_eq!(hex4(b"\\u00e9", 2), Some(0xE9));
+    }
 
     #[test]
     fn utf8_fast_path_agrees() {
