@@ -573,14 +573,15 @@ impl Scanner<'_, '_> {
     #[inline(never)]
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
-        let top = *self.sc.stack.last().expect("record needs a parent");
-        let f = Field { kind, start: top.vstart, end, escaped: kind == Kind::String && self.last_escaped };
-        match top.slot {
+        let top = self.sc.stack.last().expect("record needs a parent");
+        let (slot, vstart, vraw) = (top.slot, top.vstart, top.vraw);
+        let f = Field { kind, start: vstart, end, escaped: kind == Kind::String && self.last_escaped };
+        match slot {
             Slot::None | Slot::ActionElem => {}
             Slot::Pv => {
                 self.res.pv = f;
                 if kind == Kind::String {
-                    let raw = &self.inp[top.vraw as usize..self.pos];
+                    let raw = &self.inp[vraw as usize..self.pos];
                     self.res.pv_is_01 = raw == b"\"0.1\""
                         || (raw.contains(&b'\\') && {
                             let at = self.sc.keybuf.len();
@@ -595,7 +596,7 @@ impl Scanner<'_, '_> {
             Slot::Actions => self.res.actions = f,
             Slot::Id | Slot::Type | Slot::Ver | Slot::Payload | Slot::Endpoint => {
                 let a = self.sc.actions.last_mut().expect("an open action");
-                match top.slot {
+                match slot {
                     Slot::Id => a.id = f,
                     Slot::Type => a.ty = f,
                     Slot::Ver => a.ver = f,
@@ -603,7 +604,7 @@ impl Scanner<'_, '_> {
                     _ => a.endpoint = f,
                 }
             }
-            Slot::BatchElem => self.sc.elems.push((top.vraw as usize, self.pos)),
+            Slot::BatchElem => self.sc.elems.push((vraw as usize, self.pos)),
         }
     }
 
@@ -702,6 +703,7 @@ impl Scanner<'_, '_> {
     }
 
     /// A member name, the colon and the whitespace before the value.
+    #[inline(always)]
     fn member_key(&mut self) -> Result<(), Detail> {
         if self.peek() != Some(b'"') {
             return Err(Detail::at("expected a member name string", self.pos));
@@ -736,11 +738,16 @@ impl Scanner<'_, '_> {
             role => slot_of(role, name),
         };
         self.sc.keys.push(key);
-        self.ws();
-        if self.peek() != Some(b':') {
-            return Err(Detail::at("expected ':' after a member name", self.pos));
+        // compact input: the colon right after the name
+        if self.peek() == Some(b':') {
+            self.pos += 1;
+        } else {
+            self.ws();
+            if self.peek() != Some(b':') {
+                return Err(Detail::at("expected ':' after a member name", self.pos));
+            }
+            self.pos += 1;
         }
-        self.pos += 1;
         self.ws();
         Ok(())
     }
@@ -791,7 +798,11 @@ impl Scanner<'_, '_> {
                 }
                 BSLASH => {
                     had_escape = true;
-                    p = self.escape(p)?;
+                    // the escapes canonical form keeps as they are, inline
+                    p = match inp.get(p + 1) {
+                        Some(b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't') => p + 2,
+                        _ => self.escape(p)?,
+                    };
                 }
                 CTRL => return Err(Detail::at("unescaped control character in a string", p)),
                 _ => {
