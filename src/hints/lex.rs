@@ -29,9 +29,9 @@ pub(super) static STR_CLASS: [u8; 256] = {
     t
 };
 
-/// Which scanner this build runs: `"sse2"` (x86-64: 16-byte blocks for hash lists, strings and
-/// digits) or `"portable"` (every other target, and x86-64 built with `--cfg kvrelay_portable`,
-/// which the test command uses to run the portable path in CI).
+/// Which scanner this build runs: `"sse2"` (x86-64: 16-byte blocks for hash lists, strings,
+/// whitespace runs and digits) or `"portable"` (every other target, and x86-64 built with
+/// `--cfg kvrelay_portable`, which the test command uses to run the portable path in CI).
 #[doc(hidden)]
 pub const SCANNER: &str = if cfg!(all(target_arch = "x86_64", not(kvrelay_portable))) { "sse2" } else { "portable" };
 

@@ -15,10 +15,26 @@
 //!   spans of the canonical bytes.
 //!
 //! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection:
-//! each name gets a cheap hash (length, first and last eight bytes) when it is read; objects of
-//! 16 members or fewer compare hashes pairwise, larger ones sort by hash then bytes; bytes are
-//! compared only where hashes are equal. No heap allocation: everything goes to
-//! the caller's [`Scratch`], whose buffers keep their capacity between calls.
+//! each name gets a cheap hash (length, first and last eight bytes) when it is read and sets one
+//! bit of a 128-bit filter in its object; only an object in which a bit repeats runs the check
+//! when it closes (16 members or fewer: hashes pairwise; more: sorted by hash then bytes; bytes
+//! compared only where hashes are equal). No heap allocation: everything goes to the caller's
+//! [`Scratch`], whose buffers keep their capacity between calls.
+//!
+//! Where the instructions go, per token (cachegrind counts in `benches/RESULTS.md`):
+//! - strings: one 16-byte classification when the closing quote comes first among the next 16
+//!   bytes (most names and short values), otherwise 16 bytes per step, with the escapes that
+//!   canonical form keeps (`\"`, `\\`, `\n`, ...) and runs of non-ASCII characters (one 32-bit
+//!   load per character) handled in the same loop; `\uXXXX` escapes are decoded by table;
+//! - numbers: integers and decimals already in ryu's shortest form are recognised from their
+//!   digits (no parse, no formatting); others are parsed and formatted with ryu; lists of plain
+//!   integers (block hashes) go 16 bytes at a time, compact or spaced (`, `);
+//! - whitespace: one space after `:` or `,` is dropped inline, longer runs are skipped 16 bytes
+//!   at a time, and the verbatim run before each is copied with two 16-byte moves when it is
+//!   32 bytes or shorter (one `memcpy` otherwise).
+//!
+//! The x86-64 paths use SSE2 only (the baseline); `--cfg kvrelay_portable` and other targets
+//! take byte-at-a-time or SWAR paths with the same results.
 //!
 //! The scanner is iterative (an explicit stack in the scratch), so a large `max_depth` cannot
 //! overflow the thread's stack.
