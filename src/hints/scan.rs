@@ -768,8 +768,17 @@ impl Scanner<'_, '_> {
         Ok(())
     }
 
+    /// `true`, `false` or `null` at `self.pos`: the bytes compared as one word.
+    #[inline(always)]
     fn literal(&mut self, lit: &'static [u8]) -> Result<(), Detail> {
-        if self.inp[self.pos..].starts_with(lit) {
+        let word = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        let n = lit.len();
+        let ok = match self.inp.get(self.pos + n - 4..self.pos + n) {
+            // the first byte was matched by the caller; compare the last four
+            Some(tail) => word(tail) == word(&lit[n - 4..]),
+            None => false,
+        };
+        if ok {
             self.pos += lit.len();
             Ok(())
         } else {
@@ -1061,14 +1070,11 @@ impl Scanner<'_, '_> {
         let is_float = matches!(inp.get(p), Some(b'.' | b'e' | b'E'));
         if !is_float {
             self.pos = p;
-            // Branch-free: about half of random u64 hashes have 20 digits, so a branch on the
-            // digit count would be mispredicted on every other number.
+            // A branch on the digit count: hash lists, where about half of the numbers have 20
+            // digits, go through `int_blocks` and `number_run` (branch-free) and reach this
+            // only for their first element; elsewhere integers are mostly short.
             let (limit, max_nd) = if neg { (I64_MIN_DIGITS, 19) } else { (U64_MAX_DIGITS, 20) };
-            let le = match inp.get(ds..ds + max_nd) {
-                Some(d) => digits_le(d, limit),
-                None => true,
-            };
-            let in_range = (nd < max_nd) | ((nd == max_nd) & le);
+            let in_range = nd < max_nd || (nd == max_nd && digits_le(&inp[ds..ds + max_nd], limit));
             if !in_range {
                 self.note_number("integer outside -2^63 ..= 2^64-1", start);
             } else if neg && nd == 1 && inp[ds] == b'0' {
