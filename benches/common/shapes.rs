@@ -346,7 +346,7 @@ fn mixed_action(r: &mut Rng, i: usize, small: bool) -> J {
         let weights = (0..1 + r.below(3)).map(|_| J::Float(float(r))).collect();
         obj(vec![
             ("source_control_endpoint", J::Str(endpoint)),
-            ("model", s(*r.pick::<&str>(&["llama-3.1-8b-instruct", "qwen2.5-72b", "mistral-7b-v0.3"]))),
+            ("model", s(r.pick::<&str>(&["llama-3.1-8b-instruct", "qwen2.5-72b", "mistral-7b-v0.3"]))),
             ("priority", J::Int(r.below(10) as i64 - 2)),
             ("score", J::Float(float(r))),
             ("stream", J::Bool(r.chance(50))),
@@ -356,7 +356,7 @@ fn mixed_action(r: &mut Rng, i: usize, small: bool) -> J {
                 obj(vec![
                     ("first", J::Int(0)),
                     ("last", J::Int(31 + r.below(50) as i64)),
-                    ("dtype", s(*r.pick::<&str>(&["bf16", "fp8", "fp16"]))),
+                    ("dtype", s(r.pick::<&str>(&["bf16", "fp8", "fp16"]))),
                     ("quant", J::Null),
                 ]),
             ),
@@ -418,11 +418,11 @@ fn text(r: &mut Rng, words: usize) -> String {
             t.push_str(sep);
         }
         match r.below(100) {
-            0..=77 => t.push_str(*r.pick::<&str>(ASCII_WORDS)),
-            78..=91 => t.push_str(*r.pick::<&str>(NON_ASCII_WORDS)),
+            0..=77 => t.push_str(r.pick::<&str>(ASCII_WORDS)),
+            78..=91 => t.push_str(r.pick::<&str>(NON_ASCII_WORDS)),
             92..=95 => {
                 t.push('"');
-                t.push_str(*r.pick::<&str>(ASCII_WORDS));
+                t.push_str(r.pick::<&str>(ASCII_WORDS));
                 t.push('"');
             }
             96..=97 => t.push_str("C:\\models\\kv"),
