@@ -36,8 +36,8 @@ pub(super) static STR_CLASS: [u8; 256] = {
 pub const SCANNER: &str = if cfg!(all(target_arch = "x86_64", not(kvrelay_portable))) { "sse2" } else { "portable" };
 
 /// One bit per byte of `inp[p..p + 16]` that is not plain string content (a quote, a
-/// backslash, a control character or a non-ASCII byte). The caller guarantees
-/// `p + 16 <= inp.len()`.
+/// backslash, a control character or a non-ASCII byte). Panics unless `p + 16 <= inp.len()`
+/// (every caller checks that first, so the assertion folds away).
 #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
 #[inline(always)]
 fn special_mask16(inp: &[u8], p: usize) -> u32 {
