@@ -1,8 +1,16 @@
 //! Admission benchmark (`cargo bench --bench admission`).
 //!
-//! Envelopes of one `kv.fetch` action with random u64 block hashes: small (2 hashes), medium
-//! (256), max (the most hashes whose canonical encoding fits 65,536 bytes). For each, in the
-//! same run and on the same input bytes:
+//! Envelopes, each admitted as given:
+//! - cases 0-3, the envelopes of the first runs: one `kv.fetch` action with random u64 block
+//!   hashes, small (2 hashes), medium (256), max (the most hashes whose canonical encoding fits
+//!   65,536 bytes), and max spaced (a space after every `:` and `,`);
+//! - the generated shapes of `common/shapes.rs` (seeded): `hashes` indented; `mixed` (many
+//!   actions whose payloads mix strings, floats, small integers, booleans, nested objects) and
+//!   `strings` (string-heavy, with escapes, surrogate pairs and non-ASCII text), each small
+//!   (about 250 bytes), medium and max, compact, spaced (`json.dumps` default separators) and
+//!   indented (`json.dumps(indent=2)`); `strings` also spaced with `ensure_ascii`.
+//!
+//! For each, in the same run and on the same input bytes:
 //! - kvrelay admission (validation, canonical bytes, index, the one snapshot allocation);
 //! - anchor A: serde_json parse to `Value` plus `to_vec` (the round trip a naive edge does);
 //! - anchor B: serde_json validate-only (deserialize into `IgnoredAny`).
@@ -10,15 +18,21 @@
 //! Timing: each figure is the fastest of 41 samples; each sample runs the operation enough
 //! times to take about 1 ms. The minimum is the estimate least disturbed by other load on a
 //! shared machine, and every operation, ours and the anchors, is measured the same way in the
-//! same run, so the ratios compare like with like. Single thread. Prints a Markdown table for `benches/RESULTS.md`.
-//! `KVRELAY_BENCH_QUICK=1` takes fewer samples (for a smoke run); `KVRELAY_BENCH_PROFILE=N`
-//! only admits one envelope N times (`KVRELAY_BENCH_CASE`: 0 small, 1 medium, 2 max, 3 pretty;
-//! default 2), for callgrind/cachegrind.
+//! same run, so the ratios compare like with like. Single thread. Prints a Markdown table for
+//! `benches/RESULTS.md`.
+//!
+//! Environment: `KVRELAY_BENCH_QUICK=1` takes fewer samples (for a smoke run);
+//! `KVRELAY_BENCH_ONLY=TEXT` measures only the cases whose name contains TEXT;
+//! `KVRELAY_BENCH_LIST=1` lists the cases with their index, `KVRELAY_BENCH_DUMP=I` prints case
+//! I's input; `KVRELAY_BENCH_PROFILE=N` only
+//! admits one envelope N times (`KVRELAY_BENCH_CASE`: its index, default 2, the max hash list),
+//! for callgrind/cachegrind.
 
 mod common;
 
 use std::hint::black_box;
 
+use common::shapes::{self, Shape, Style, Ws};
 use common::{envelope, measure, Rng};
 
 use kvrelay::hints::Scratch;
@@ -30,14 +44,15 @@ fn main() {
     let pool: Vec<u64> = (0..8192).map(|_| rng.next()).collect();
     // the largest hash count whose canonical encoding fits 65,536 bytes
     let max_n = common::max_hashes(&pool, 65_536);
-    let max_name = format!("max ({max_n} hashes)");
-    let pretty_name = format!("max, pretty-printed input ({max_n} hashes)");
-    let cases = [
-        ("small (2 hashes)", envelope(&pool[4000..4002], false)),
-        ("medium (256 hashes)", envelope(&pool[5000..5256], false)),
-        (max_name.as_str(), envelope(&pool[..max_n], false)),
-        (pretty_name.as_str(), envelope(&pool[..max_n], true)),
+    // Cases 0-3 are the envelopes of the first runs (kept for comparison with them); the
+    // generated shapes follow.
+    let mut cases: Vec<(String, String)> = vec![
+        ("hashes: small (2 hashes)".into(), envelope(&pool[4000..4002], false)),
+        ("hashes: medium (256 hashes)".into(), envelope(&pool[5000..5256], false)),
+        (format!("hashes: max ({max_n} hashes)"), envelope(&pool[..max_n], false)),
+        (format!("hashes: max, spaced ({max_n} hashes)"), envelope(&pool[..max_n], true)),
     ];
+    cases.extend(generated_cases());
     // Profiling mode: only kvrelay admission of one envelope, N times (for callgrind or
     // cachegrind --branch-sim=yes, whose counts do not depend on other load).
     if let Some(n) = std::env::var("KVRELAY_BENCH_PROFILE").ok().and_then(|v| v.parse::<usize>().ok()) {
@@ -49,10 +64,24 @@ fn main() {
         }
         return;
     }
+    if let Some(i) = std::env::var("KVRELAY_BENCH_DUMP").ok().and_then(|v| v.parse::<usize>().ok()) {
+        print!("{}", cases[i].1);
+        return;
+    }
+    if std::env::var_os("KVRELAY_BENCH_LIST").is_some() {
+        for (i, (name, raw)) in cases.iter().enumerate() {
+            println!("{i}: {name} ({} bytes)", raw.len());
+        }
+        return;
+    }
+    let only = std::env::var("KVRELAY_BENCH_ONLY").ok();
     println!("| envelope | bytes | kvrelay admit | GB/s | serde_json Value + to_vec | ratio | serde_json IgnoredAny | ratio |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut sc = Scratch::with_limits(65_536, 128);
     for (name, raw) in &cases {
+        if only.as_deref().is_some_and(|o| !name.contains(o)) {
+            continue;
+        }
         let raw = raw.as_bytes();
         assert!(matches!(edge.admit(Some(raw)), Outcome::Admitted(_)), "{name} must be admitted");
         let ours = measure(|| {
@@ -80,6 +109,9 @@ fn main() {
     }
     // Where the time goes for the max envelope: the per-thread scratch path and the rejected path
     // (validation without the snapshot allocation and copy).
+    if only.is_some() {
+        return;
+    }
     let max = cases[2].1.as_bytes();
     let rejected = String::from_utf8_lossy(max).replace("\"0.1\"", "\"0.x\"").into_bytes();
     let untrusted = Admission::new(AdmissionConfig::default()).unwrap();
@@ -98,4 +130,54 @@ fn main() {
     println!("| admit with the per-thread scratch | {:.1} us |", a / 1000.0);
     println!("| full scan, rejected at step 6 (no snapshot) | {:.1} us |", u / 1000.0);
     println!("| trust off (nothing parsed) | {t:.1} ns |");
+}
+
+/// The generated shapes (`benches/common/shapes.rs`), seeded: small (about 250 bytes), medium,
+/// and max (the most units whose canonical encoding fits 65,536 bytes), compact, plus the
+/// spellings other encoders produce: spaced (`json.dumps` default separators), indented
+/// (`json.dumps(indent=2)`), and `ensure_ascii` (every non-ASCII character as `\uXXXX`).
+fn generated_cases() -> Vec<(String, String)> {
+    const SEED: u64 = 0x5EED_0000_2026_1130;
+    let wide = Admission::new(AdmissionConfig {
+        trusted: true,
+        max_bytes: 1 << 24,
+        max_raw_bytes: 1 << 24,
+        ..Default::default()
+    })
+    .unwrap();
+    let canonical_len = |j: &shapes::J| match wide.admit(Some(shapes::write(j, Style::COMPACT).as_bytes())) {
+        Outcome::Admitted(s) => s.canonical().len(),
+        other => panic!("generated envelope not admitted: {other:?}"),
+    };
+    let ascii_spaced = Style { ws: Ws::Spaced, ensure_ascii: true };
+    let mut out = Vec::new();
+    for shape in Shape::ALL {
+        let name = shape.name();
+        let max = shapes::max_units(shape, SEED, 65_536, canonical_len);
+        let unit = match shape {
+            Shape::Hashes => "hashes",
+            Shape::Mixed => "actions",
+            Shape::Strings => "actions",
+        };
+        let medium = match shape {
+            Shape::Hashes => 256,
+            Shape::Mixed => 16,
+            Shape::Strings => 8,
+        };
+        let small = shapes::envelope(shape, 0, SEED);
+        let big = shapes::envelope(shape, max, SEED);
+        let mut add = |label: String, j: &shapes::J, style: Style| out.push((label, shapes::write(j, style)));
+        if shape != Shape::Hashes {
+            add(format!("{name}: small"), &small, Style::COMPACT);
+            add(format!("{name}: small, spaced"), &small, Style::SPACED);
+            add(format!("{name}: medium ({medium} {unit})"), &shapes::envelope(shape, medium, SEED), Style::COMPACT);
+            add(format!("{name}: max ({max} {unit})"), &big, Style::COMPACT);
+            add(format!("{name}: max, spaced ({max} {unit})"), &big, Style::SPACED);
+        }
+        add(format!("{name}: max, indented ({max} {unit})"), &big, Style::INDENTED);
+        if shape == Shape::Strings {
+            add(format!("{name}: max, spaced + ensure_ascii ({max} {unit})"), &big, ascii_spaced);
+        }
+    }
+    out
 }

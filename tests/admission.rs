@@ -562,7 +562,21 @@ fn number_lists_at_every_boundary() {
                 }
             })
             .collect();
-        let text = elems.iter().map(|e| e.0.as_str()).collect::<Vec<_>>().join(",");
+        // separators: compact, spaced (`, `, the spaced block scanner), or any whitespace
+        // around each comma (the general path), chosen per list
+        let seps = [",", ", ", ",  ", " ,", " , ", ",\t", ",\n  ", ", \r\n"];
+        let mode = next() % 3;
+        let mut text = String::new();
+        for (i, e) in elems.iter().enumerate() {
+            if i > 0 {
+                text.push_str(match mode {
+                    0 => ",",
+                    1 => ", ",
+                    _ => seps[(next() % seps.len() as u64) as usize],
+                });
+            }
+            text.push_str(&e.0);
+        }
         let raw = with_payload(&format!("[{text}]"));
         let all_ok = elems.iter().all(|e| e.1);
         match edge.admit(Some(raw.as_bytes())) {
@@ -580,13 +594,15 @@ fn number_lists_at_every_boundary() {
     }
     // malformed separators and leading zeros inside a long run are still caught
     let long: Vec<String> = (0..40u64).map(|i| (i * 1_000_000_007 + 10).to_string()).collect();
-    for (i, bad) in ["01", "", " ", "00", "1.", "--1", "+1", "0x10"].iter().enumerate() {
-        let mut v = long.clone();
-        v[5 + i * 3] = bad.to_string();
-        let raw = with_payload(&format!("[{}]", v.join(",")));
-        // (" " leaves ", ,": whitespace is insignificant, the element is still empty)
-        let o = edge.admit(Some(raw.as_bytes()));
-        assert!(matches!(o, Outcome::Ignored(ref i) if i.reason == Reason::Malformed), "{bad:?}: {o:?}");
+    for sep in [",", ", "] {
+        for (i, bad) in ["01", "", " ", "00", "1.", "--1", "+1", "0x10"].iter().enumerate() {
+            let mut v = long.clone();
+            v[5 + i * 3] = bad.to_string();
+            let raw = with_payload(&format!("[{}]", v.join(sep)));
+            // (" " leaves ", ,": whitespace is insignificant, the element is still empty)
+            let o = edge.admit(Some(raw.as_bytes()));
+            assert!(matches!(o, Outcome::Ignored(ref i) if i.reason == Reason::Malformed), "{sep:?} {bad:?}: {o:?}");
+        }
     }
 }
 

@@ -8,6 +8,9 @@ use std::sync::Arc;
 use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig, Outcome, Reason};
 
+#[path = "../benches/common/shapes.rs"]
+mod shapes;
+
 struct Counting;
 
 thread_local! {
@@ -98,6 +101,37 @@ fn validation_allocates_nothing_and_a_snapshot_once() {
         (a.id().len(), a.payload().len(), c.message_id().len(), c.action_envelope(0).unwrap().canonical_len())
     });
     assert_eq!(n, 0);
+}
+
+/// The generated shapes of the benchmark (many mixed actions; string-heavy payloads with
+/// escapes, surrogate pairs and non-ASCII text; hash lists) near the 65,536-byte limit, in every
+/// spelling (compact, spaced, indented, whitespace of every kind everywhere, `ensure_ascii`):
+/// admitted with exactly one allocation, and a rejected copy with none.
+#[test]
+fn generated_shapes_in_every_spelling_allocate_once() {
+    use shapes::{Shape, Style, Ws};
+    let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
+    let mut sc = Scratch::with_limits(65_536, 128);
+    let styles = [
+        Style::COMPACT,
+        Style::SPACED,
+        Style::INDENTED,
+        Style { ws: Ws::Random(7), ensure_ascii: false },
+        Style { ws: Ws::Spaced, ensure_ascii: true },
+    ];
+    for (shape, n) in [(Shape::Hashes, 3000), (Shape::Mixed, 150), (Shape::Strings, 50)] {
+        let tree = shapes::envelope(shape, n, 0xA110C);
+        for style in styles {
+            let raw = shapes::write(&tree, style);
+            let (n, o) = allocs(|| edge.admit_with(&mut sc, Some(raw.as_bytes())));
+            assert!(matches!(o, Outcome::Admitted(_)), "{shape:?} {style:?}: {o:?}");
+            assert_eq!(n, 1, "{shape:?} {style:?}: one allocation per admitted snapshot");
+            let rejected = raw.replacen("\"0.1\"", "\"0.2\"", 1);
+            let (n, o) = allocs(|| edge.admit_with(&mut sc, Some(rejected.as_bytes())));
+            assert!(matches!(o, Outcome::Ignored(i) if i.reason == Reason::UnknownVersion), "{o:?}");
+            assert_eq!(n, 0, "{shape:?} {style:?}: validation allocates nothing");
+        }
+    }
 }
 
 /// The other hot paths the design card names: copy submission (the CPU engine, which runs the

@@ -8,6 +8,10 @@ use kvrelay::{Admission, AdmissionConfig, Outcome, Snapshot};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
+#[path = "../benches/common/shapes.rs"]
+mod shapes;
+use shapes::{Shape, Style, Ws, J};
+
 fn edge() -> Admission {
     Admission::new(AdmissionConfig { trusted: true, max_bytes: 1 << 22, max_raw_bytes: 1 << 22, ..Default::default() })
         .unwrap()
@@ -102,6 +106,40 @@ fn ascii_escaped(s: &str) -> String {
     o
 }
 
+/// The same tree for the shapes writer (member order kept; integers stay integers).
+fn to_j(v: &Value) -> J {
+    match v {
+        Value::Null => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => J::UInt(u),
+            (None, Some(i)) => J::Int(i),
+            _ => J::Float(n.as_f64().unwrap()),
+        },
+        Value::String(s) => J::Str(s.clone()),
+        Value::Array(a) => J::Arr(a.iter().map(to_j).collect()),
+        Value::Object(m) => J::Obj(m.iter().map(|(k, v)| (k.clone(), to_j(v))).collect()),
+    }
+}
+
+/// Every spelling the scanner has a path for: compact, spaced, indented by 1 to 4, random
+/// whitespace (spaces, tabs, LF, CR) everywhere JSON allows it; with or without `ensure_ascii`.
+fn arb_style() -> impl Strategy<Value = Style> {
+    (0u8..4, 1usize..5, any::<u64>(), any::<bool>()).prop_map(|(k, n, seed, ensure_ascii)| Style {
+        ws: match k {
+            0 => Ws::Compact,
+            1 => Ws::Spaced,
+            2 => Ws::Indent(n),
+            _ => Ws::Random(seed),
+        },
+        ensure_ascii,
+    })
+}
+
+/// Decimal and exponent spellings, shortest or not, near the limits of the fast path (15
+/// significant digits, four zeros after the point, trailing zeros, `-0.0`).
+const DECIMAL: &str = "-?(0|[1-9][0-9]{0,17})(\\.(0{0,6}[0-9]{0,12}[1-9]|0{1,3}))?([eE][-+]?[0-9]{1,2})?";
+
 fn admitted(edge: &Admission, raw: &[u8]) -> Snapshot {
     match edge.admit(Some(raw)) {
         Outcome::Admitted(s) => s,
@@ -127,6 +165,46 @@ proptest! {
             // decode() equals serde_json's parse of the same input
             prop_assert_eq!(s.decode(), serde_json::from_slice::<Value>(&raw).unwrap());
         }
+    }
+
+    #[test]
+    fn generated_shapes_in_every_spelling_equal_the_reference(
+        shape in 0usize..3,
+        n in 0usize..24,
+        seed in any::<u64>(),
+        style in arb_style(),
+    ) {
+        let tree = shapes::envelope(Shape::ALL[shape], n, seed);
+        let raw = shapes::write(&tree, style);
+        let v: Value = serde_json::from_str(&raw).unwrap();
+        let edge = edge();
+        let s = admitted(&edge, raw.as_bytes());
+        prop_assert_eq!(s.canonical(), &reference(&v)[..]);
+        let again = admitted(&edge, s.canonical());
+        prop_assert_eq!(again.canonical(), s.canonical());
+    }
+
+    #[test]
+    fn whitespace_everywhere_escapes_and_number_spellings_equal_the_reference(
+        payload in arb_json(),
+        extra in arb_json(),
+        decimals in prop::collection::vec(
+            proptest::string::string_regex(DECIMAL).unwrap().prop_filter("SPEC writes the integer -0 as 0", |d| d != "-0"),
+            0..24,
+        ),
+        style in arb_style(),
+    ) {
+        let mut tree = to_j(&envelope(payload, extra));
+        // decimals in a plain list (the number-list path) and as member values
+        let J::Obj(root) = &mut tree else { unreachable!() };
+        root.push(("list".into(), J::Arr(decimals.iter().map(|d| J::Raw(d.clone())).collect())));
+        root.push(("members".into(), J::Obj(decimals.iter().enumerate().map(|(i, d)| (format!("d{i}"), J::Raw(d.clone()))).collect())));
+        let raw = shapes::write(&tree, style);
+        let v: Value = serde_json::from_str(&raw).unwrap();
+        let edge = edge();
+        let s = admitted(&edge, raw.as_bytes());
+        prop_assert_eq!(s.canonical(), &reference(&v)[..]);
+        prop_assert_eq!(s.decode(), v);
     }
 
     #[test]

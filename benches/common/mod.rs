@@ -1,6 +1,8 @@
 //! Shared by the benchmarks: a small PRNG, the benchmark envelopes and the timing harness.
 #![allow(dead_code)]
 
+pub mod shapes;
+
 use std::time::Instant;
 
 pub struct Rng(pub u64);

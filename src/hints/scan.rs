@@ -14,15 +14,35 @@
 //! - records the index of the protocol 0.1 fields (root members and each action's members) as
 //!   spans of the canonical bytes.
 //!
-//! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection
-//! (objects of 8 members or fewer are compared pairwise). No heap allocation: everything goes to
-//! the caller's [`Scratch`], whose buffers keep their capacity between calls.
+//! Cost: O(n) in the input plus O(k log k) per object of k members for duplicate detection:
+//! each name gets a cheap hash (length, first and last eight bytes) when it is read and sets one
+//! bit of a 128-bit filter in its object; only an object in which a bit repeats runs the check
+//! when it closes (16 members or fewer: hashes pairwise; more: sorted by hash then bytes; bytes
+//! compared only where hashes are equal). No heap allocation: everything goes to the caller's
+//! [`Scratch`], whose buffers keep their capacity between calls.
+//!
+//! Where the instructions go, per token (cachegrind counts in `benches/RESULTS.md`):
+//! - strings: one 16-byte classification when the closing quote comes first among the next 16
+//!   bytes (most names and short values), otherwise 16 bytes per step, with the escapes that
+//!   canonical form keeps (`\"`, `\\`, `\n`, ...) and runs of non-ASCII characters (one 32-bit
+//!   load per character) handled in the same loop; `\uXXXX` escapes are decoded by table;
+//! - numbers: integers and decimals already in ryu's shortest form are recognised from their
+//!   digits (no parse, no formatting); others are parsed and formatted with ryu; lists of plain
+//!   integers (block hashes) go 16 bytes at a time, compact or spaced (`, `);
+//! - whitespace: one space after `:` or `,` is dropped inline, longer runs are skipped 16 bytes
+//!   at a time, and the verbatim run before each is copied with two 16-byte moves when it is
+//!   32 bytes or shorter (one `memcpy` otherwise).
+//!
+//! The x86-64 paths use SSE2 only (the baseline); `--cfg kvrelay_portable` and other targets
+//! take byte-at-a-time or SWAR paths with the same results.
 //!
 //! The scanner is iterative (an explicit stack in the scratch), so a large `max_depth` cannot
 //! overflow the thread's stack.
 
 use super::detail::Detail;
-use super::lex::{count_digits, digits_le, skip_digits, skip_plain, BSLASH, CTRL, QUOTE, STR_CLASS};
+use super::lex::{
+    count_digits, digits_le, first_special16, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS,
+};
 use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
 
 /// The JSON kind of a recorded value; `Missing` when the member was not present.
@@ -71,6 +91,45 @@ struct KeyRef {
     in_buf: bool,
     start: u32,
     len: u32,
+    /// [`key_hash`] of the decoded name: equal names have equal hashes, so the duplicate check
+    /// compares bytes only where hashes are equal.
+    hash: u64,
+}
+
+/// The 0.1 field a member name fills in an object of `role` (root, action, payload).
+#[inline(always)]
+fn slot_of(role: Role, name: &[u8]) -> Slot {
+    match (role, name.len()) {
+        (Role::Root, 16) if name == b"protocol_version" => Slot::Pv,
+        (Role::Root, 10) if name == b"message_id" => Slot::MsgId,
+        (Role::Root, 7) if name == b"actions" => Slot::Actions,
+        (Role::Action, 9) if name == b"action_id" => Slot::Id,
+        (Role::Action, 11) if name == b"action_type" => Slot::Type,
+        (Role::Action, 14) if name == b"action_version" => Slot::Ver,
+        (Role::Action, 7) if name == b"payload" => Slot::Payload,
+        (Role::Payload, 23) if name == b"source_control_endpoint" => Slot::Endpoint,
+        _ => Slot::None,
+    }
+}
+
+/// A cheap hash of a member name: its length, first and last eight bytes (fewer when shorter).
+/// Names that differ only in the middle collide; the duplicate check then compares bytes, so a
+/// collision costs time, never a wrong answer.
+#[inline(always)]
+fn key_hash(b: &[u8]) -> u64 {
+    let n = b.len();
+    let (head, tail) = if n >= 8 {
+        let w = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        (w(0), w(n - 8))
+    } else if n >= 4 {
+        let w = |i: usize| u64::from(u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes")));
+        (w(0), w(n - 4))
+    } else if n > 0 {
+        (u64::from(b[0]) | u64::from(b[n / 2]) << 8 | u64::from(b[n - 1]) << 16, 0)
+    } else {
+        (0, 0)
+    };
+    (head.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ tail.rotate_left(29) ^ n as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -116,6 +175,11 @@ struct Frame {
     open: u32,
     /// number of elements begun so far (arrays)
     n: u32,
+    /// Objects: one bit per member-name hash seen (its top seven bits). A name whose bit is
+    /// already set makes the object `suspect`; only suspect objects run the duplicate check
+    /// when they close (an object without a repeated bit has no repeated name).
+    bloom: u128,
+    suspect: bool,
 }
 
 /// Reusable working memory for the scanner (see [`crate::hints::Admission::admit_with`]). Buffers keep their capacity between calls, so after
@@ -132,14 +196,19 @@ pub struct Scratch {
 
 impl Scratch {
     /// A scratch area pre-sized for envelopes up to `max_bytes` canonical bytes and `max_depth`
-    /// levels, so that validating such envelopes never allocates.
+    /// levels, so that validating such envelopes never allocates: the output, the nesting
+    /// stack, one record per action an admissible envelope can hold (an action takes at least
+    /// 68 canonical bytes), and 64 member names pending in the open objects at once (a
+    /// protocol 0.1 envelope has 4 in the root and each action, plus what payloads nest).
+    /// Beyond those, the first call grows the scratch once and later calls reuse it.
     pub fn with_limits(max_bytes: usize, max_depth: usize) -> Scratch {
+        let max_bytes = max_bytes.min(1 << 24);
         Scratch {
-            out: Vec::with_capacity(max_bytes.min(1 << 24) + 64),
+            out: Vec::with_capacity(max_bytes + 64),
             keybuf: Vec::with_capacity(256),
             keys: Vec::with_capacity(64),
             stack: Vec::with_capacity(max_depth.min(4096)),
-            actions: Vec::with_capacity(64),
+            actions: Vec::with_capacity(max_bytes / 68 + 1),
             elems: Vec::new(),
         }
     }
@@ -174,9 +243,11 @@ pub(crate) struct Scan {
     pub action_not_object: Option<u32>,
 }
 
+/// Space, tab, LF or CR: one compare and one bit test.
 #[inline(always)]
 fn is_ws(b: u8) -> bool {
-    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+    const WS: u64 = 1 << b' ' | 1 << b'\t' | 1 << b'\n' | 1 << b'\r';
+    b <= b' ' && WS >> b & 1 != 0
 }
 
 /// Largest magnitudes, as decimal digit strings of maximal length, that are still in range.
@@ -265,14 +336,42 @@ impl Scanner<'_, '_> {
         self.canon(pos) as u32
     }
 
-    /// Copy the verbatim run `[run, upto)` to the output.
-    #[inline]
+    /// Copy the verbatim run `[run, upto)` to the output. Runs of up to 32 bytes (most runs
+    /// between whitespace in spaced or indented input) are copied inline as two 16-byte moves
+    /// into the output's spare capacity, without a call to `memcpy`; longer runs, runs within 32
+    /// bytes of the input's end and an output without 32 spare bytes take `extend_from_slice`.
+    #[inline(always)]
     fn flush(&mut self, upto: usize) {
         let n = upto - self.run;
         if self.total <= self.cap {
-            self.sc.out.extend_from_slice(&self.inp[self.run..upto]);
+            let out = &mut self.sc.out;
+            if n <= 32 && self.run + 32 <= self.inp.len() && out.capacity() - out.len() >= 32 {
+                // SAFETY: the 32 bytes read start at `self.run` and end at or before
+                // `inp.len()`; the 32 bytes written lie in `out`'s allocation (at least 32
+                // bytes of spare capacity after `len`); the two buffers are distinct
+                // allocations (`inp` is borrowed shared while `out` is borrowed mutably), so
+                // they do not overlap. Only the first `n` written bytes become part of `out`
+                // (`set_len`), and they were just initialized from `inp`.
+                unsafe {
+                    let src = self.inp.as_ptr().add(self.run);
+                    let dst = out.as_mut_ptr().add(out.len());
+                    std::ptr::copy_nonoverlapping(src, dst, 16);
+                    std::ptr::copy_nonoverlapping(src.add(16), dst.add(16), 16);
+                    out.set_len(out.len() + n);
+                }
+            } else {
+                out.extend_from_slice(&self.inp[self.run..upto]);
+            }
         }
         self.total += n;
+    }
+
+    /// Drop input `[upto, resume)` (whitespace) from the canonical output.
+    #[inline(always)]
+    fn drop_ws(&mut self, upto: usize, resume: usize) {
+        self.flush(upto);
+        self.run = resume;
+        self.rewrote = true;
     }
 
     /// Replace input `[upto, resume)` by `repl` in the canonical output.
@@ -280,7 +379,14 @@ impl Scanner<'_, '_> {
     fn rewrite(&mut self, upto: usize, resume: usize, repl: &[u8]) {
         self.flush(upto);
         if self.total <= self.cap {
-            self.sc.out.extend_from_slice(repl);
+            if repl.len() <= 4 {
+                // a decoded character: no memcpy call for one to four bytes
+                for &b in repl {
+                    self.sc.out.push(b);
+                }
+            } else {
+                self.sc.out.extend_from_slice(repl);
+            }
         }
         self.total += repl.len();
         self.run = resume;
@@ -292,21 +398,28 @@ impl Scanner<'_, '_> {
         self.inp.get(self.pos).copied()
     }
 
-    /// Skip insignificant whitespace; canonical form drops it.
+    /// Skip insignificant whitespace; canonical form drops it. One space followed by a token
+    /// (the `": "` and `", "` of spaced encoders) is handled inline; longer runs (indentation)
+    /// are skipped 16 bytes at a time.
     #[inline(always)]
     fn ws(&mut self) {
-        if self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
-            self.ws_slow();
+        let inp = self.inp;
+        let p = self.pos;
+        if p < inp.len() && is_ws(inp[p]) {
+            if inp.get(p + 1).is_some_and(|&c| !is_ws(c)) {
+                self.pos = p + 1;
+                self.drop_ws(p, p + 1);
+            } else {
+                self.ws_slow();
+            }
         }
     }
 
     #[inline(never)]
     fn ws_slow(&mut self) {
         let start = self.pos;
-        while self.pos < self.inp.len() && is_ws(self.inp[self.pos]) {
-            self.pos += 1;
-        }
-        self.rewrite(start, self.pos, b"");
+        self.pos = skip_ws(self.inp, start);
+        self.drop_ws(start, self.pos);
     }
 
     fn value_loop(&mut self) -> Result<(), Detail> {
@@ -350,12 +463,27 @@ impl Scanner<'_, '_> {
                             // the general number path wherever the block scanner stopped
                             self.number()?;
                             loop {
-                                self.int_blocks();
+                                match self.inp.get(self.pos..self.pos + 2) {
+                                    Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
+                                        self.int_blocks::<false>();
+                                    }
+                                    Some(b", ") => self.int_blocks::<true>(),
+                                    _ => {}
+                                }
                                 match self.inp.get(self.pos..self.pos + 2) {
                                     Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
                                         self.pos += 1;
                                         self.number()?;
                                     }
+                                    // other whitespace after the comma (indented lists): the
+                                    // scalar run drops each separator's whitespace as it goes
+                                    Some(&[b',', c]) if is_ws(c) => match self.list_sep(self.pos) {
+                                        Some(q) => {
+                                            self.pos = q;
+                                            self.number_run()?;
+                                        }
+                                        None => break,
+                                    },
                                     _ => break,
                                 }
                             }
@@ -461,14 +589,15 @@ impl Scanner<'_, '_> {
     #[inline(never)]
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
-        let top = *self.sc.stack.last().expect("record needs a parent");
-        let f = Field { kind, start: top.vstart, end, escaped: kind == Kind::String && self.last_escaped };
-        match top.slot {
+        let top = self.sc.stack.last().expect("record needs a parent");
+        let (slot, vstart, vraw) = (top.slot, top.vstart, top.vraw);
+        let f = Field { kind, start: vstart, end, escaped: kind == Kind::String && self.last_escaped };
+        match slot {
             Slot::None | Slot::ActionElem => {}
             Slot::Pv => {
                 self.res.pv = f;
                 if kind == Kind::String {
-                    let raw = &self.inp[top.vraw as usize..self.pos];
+                    let raw = &self.inp[vraw as usize..self.pos];
                     self.res.pv_is_01 = raw == b"\"0.1\""
                         || (raw.contains(&b'\\') && {
                             let at = self.sc.keybuf.len();
@@ -483,7 +612,7 @@ impl Scanner<'_, '_> {
             Slot::Actions => self.res.actions = f,
             Slot::Id | Slot::Type | Slot::Ver | Slot::Payload | Slot::Endpoint => {
                 let a = self.sc.actions.last_mut().expect("an open action");
-                match top.slot {
+                match slot {
                     Slot::Id => a.id = f,
                     Slot::Type => a.ty = f,
                     Slot::Ver => a.ver = f,
@@ -491,7 +620,7 @@ impl Scanner<'_, '_> {
                     _ => a.endpoint = f,
                 }
             }
-            Slot::BatchElem => self.sc.elems.push((top.vraw as usize, self.pos)),
+            Slot::BatchElem => self.sc.elems.push((vraw as usize, self.pos)),
         }
     }
 
@@ -526,6 +655,8 @@ impl Scanner<'_, '_> {
             vraw: 0,
             open: self.pos as u32,
             n: 0,
+            bloom: 0,
+            suspect: false,
         });
         self.pos += 1;
         Ok(())
@@ -536,7 +667,7 @@ impl Scanner<'_, '_> {
         let f = self.sc.stack.pop().expect("close needs an open container");
         if f.is_obj {
             let ks = f.keys_start as usize;
-            if self.sc.keys.len() - ks > 1 && self.mode == Mode::Envelope {
+            if f.suspect && self.mode == Mode::Envelope {
                 self.check_duplicates(ks, f.open as usize)?;
             }
             self.sc.keys.truncate(ks);
@@ -562,11 +693,13 @@ impl Scanner<'_, '_> {
             }
         };
         let ks_slice = &mut keys[ks..];
-        let dup = if ks_slice.len() <= 8 {
+        let dup = if ks_slice.len() <= 16 {
+            // pairwise on the hashes (at most 120 integer compares), bytes only on a match
             let mut dup = false;
             'outer: for i in 1..ks_slice.len() {
+                let h = ks_slice[i].hash;
                 for j in 0..i {
-                    if ks_slice[i].len == ks_slice[j].len && bytes(&ks_slice[i]) == bytes(&ks_slice[j]) {
+                    if ks_slice[j].hash == h && bytes(&ks_slice[i]) == bytes(&ks_slice[j]) {
                         dup = true;
                         break 'outer;
                     }
@@ -574,8 +707,10 @@ impl Scanner<'_, '_> {
             }
             dup
         } else {
-            ks_slice.sort_unstable_by(|a, b| bytes(a).cmp(bytes(b)));
-            ks_slice.windows(2).any(|w| bytes(&w[0]) == bytes(&w[1]))
+            // by hash, then bytes: equal names end up adjacent, and a flood of colliding hashes
+            // still costs O(k log k) comparisons
+            ks_slice.sort_unstable_by(|a, b| a.hash.cmp(&b.hash).then_with(|| bytes(a).cmp(bytes(b))));
+            ks_slice.windows(2).any(|w| w[0].hash == w[1].hash && bytes(&w[0]) == bytes(&w[1]))
         };
         if dup {
             return Err(Detail::at("duplicate member name in the object", open));
@@ -584,6 +719,7 @@ impl Scanner<'_, '_> {
     }
 
     /// A member name, the colon and the whitespace before the value.
+    #[inline(always)]
     fn member_key(&mut self) -> Result<(), Detail> {
         if self.peek() != Some(b'"') {
             return Err(Detail::at("expected a member name string", self.pos));
@@ -594,44 +730,55 @@ impl Scanner<'_, '_> {
         let key = if had_escape {
             let at = self.sc.keybuf.len();
             decode_string(&self.inp[start..end], &mut self.sc.keybuf);
-            KeyRef { in_buf: true, start: at as u32, len: (self.sc.keybuf.len() - at) as u32 }
+            let hash = key_hash(&self.sc.keybuf[at..]);
+            KeyRef { in_buf: true, start: at as u32, len: (self.sc.keybuf.len() - at) as u32, hash }
         } else {
-            KeyRef { in_buf: false, start: start as u32, len: (end - start) as u32 }
-        };
-        let role = self.sc.stack.last().expect("a member needs an object").role;
-        let slot = if matches!(role, Role::Root | Role::Action | Role::Payload) {
-            let name: &[u8] = if key.in_buf {
-                &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
-            } else {
-                &self.inp[start..end]
-            };
-            match (role, name) {
-                (Role::Root, b"protocol_version") => Slot::Pv,
-                (Role::Root, b"message_id") => Slot::MsgId,
-                (Role::Root, b"actions") => Slot::Actions,
-                (Role::Action, b"action_id") => Slot::Id,
-                (Role::Action, b"action_type") => Slot::Type,
-                (Role::Action, b"action_version") => Slot::Ver,
-                (Role::Action, b"payload") => Slot::Payload,
-                (Role::Payload, b"source_control_endpoint") => Slot::Endpoint,
-                _ => Slot::None,
+            KeyRef {
+                in_buf: false,
+                start: start as u32,
+                len: (end - start) as u32,
+                hash: key_hash(&self.inp[start..end]),
             }
+        };
+        let name: &[u8] = if key.in_buf {
+            &self.sc.keybuf[key.start as usize..(key.start + key.len) as usize]
         } else {
-            Slot::None
+            &self.inp[start..end]
+        };
+        let top = self.sc.stack.last_mut().expect("a member needs an object");
+        let bit = 1u128 << (key.hash >> 57);
+        top.suspect |= top.bloom & bit != 0;
+        top.bloom |= bit;
+        top.slot = match top.role {
+            Role::Other => Slot::None,
+            role => slot_of(role, name),
         };
         self.sc.keys.push(key);
-        self.sc.stack.last_mut().expect("open object").slot = slot;
-        self.ws();
-        if self.peek() != Some(b':') {
-            return Err(Detail::at("expected ':' after a member name", self.pos));
+        // compact input: the colon right after the name
+        if self.peek() == Some(b':') {
+            self.pos += 1;
+        } else {
+            self.ws();
+            if self.peek() != Some(b':') {
+                return Err(Detail::at("expected ':' after a member name", self.pos));
+            }
+            self.pos += 1;
         }
-        self.pos += 1;
         self.ws();
         Ok(())
     }
 
+    /// `true`, `false` or `null` at `self.pos`: the bytes compared as one word.
+    #[inline(always)]
     fn literal(&mut self, lit: &'static [u8]) -> Result<(), Detail> {
-        if self.inp[self.pos..].starts_with(lit) {
+        let word = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        let n = lit.len();
+        let ok = match self.inp.get(self.pos + n - 4..self.pos + n) {
+            // the first byte was matched by the caller; compare the last four
+            Some(tail) => word(tail) == word(&lit[n - 4..]),
+            None => false,
+        };
+        if ok {
             self.pos += lit.len();
             Ok(())
         } else {
@@ -640,8 +787,26 @@ impl Scanner<'_, '_> {
     }
 
     /// A string starting at the opening quote; returns whether it contained an escape.
-    #[inline]
+    ///
+    /// Inline fast path: a string whose closing quote is the first byte that is not plain
+    /// ASCII content among the 16 after the opening quote (most member names and short values)
+    /// costs one 16-byte classification; anything else goes to [`Scanner::string_long`].
+    #[inline(always)]
     fn string(&mut self) -> Result<bool, Detail> {
+        let p = self.pos + 1;
+        if let Some(i) = first_special16(self.inp, p) {
+            if self.inp[p + i] == b'"' {
+                self.pos = p + i + 1;
+                return Ok(false);
+            }
+        }
+        self.string_long()
+    }
+
+    /// [`Scanner::string`] beyond its fast path: plain runs 16 bytes at a time, escapes,
+    /// non-ASCII characters.
+    #[inline(never)]
+    fn string_long(&mut self) -> Result<bool, Detail> {
         let open = self.pos;
         let inp = self.inp;
         let mut p = self.pos + 1;
@@ -658,10 +823,21 @@ impl Scanner<'_, '_> {
                 }
                 BSLASH => {
                     had_escape = true;
-                    p = self.escape(p)?;
+                    // the escapes canonical form keeps as they are, inline
+                    p = match inp.get(p + 1) {
+                        Some(b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't') => p + 2,
+                        _ => self.escape(p)?,
+                    };
                 }
                 CTRL => return Err(Detail::at("unescaped control character in a string", p)),
-                _ => p = utf8_seq(inp, p)?,
+                _ => {
+                    // a run of non-ASCII characters (a word of Cyrillic or CJK text) in one
+                    // tight loop before the next 16-byte skip
+                    p = utf8_seq(inp, p)?;
+                    while inp.get(p).is_some_and(|&c| STR_CLASS[c as usize] == HIGH) {
+                        p = utf8_seq(inp, p)?;
+                    }
+                }
             }
         }
     }
@@ -709,22 +885,28 @@ impl Scanner<'_, '_> {
     }
 
     /// After a complete number in a plain array (`self.pos` at the byte after it): consume the
-    /// longest following run of `,integer` pairs whose integers are certainly plain and in
-    /// range, 16 bytes at a time. Each block is classified into digit and comma masks with SSE2
-    /// and the commas are walked with `trailing_zeros`, so the cost per hash is a few
-    /// instructions. Anything else (a float, a sign, an empty element, a leading zero, an
-    /// integer that may be out of range, the last 16 bytes of the input) ends the run just
-    /// before that element, and the general path handles it exactly as before: this can only
-    /// skip work, never change an outcome.
+    /// longest following run of `,integer` pairs (`, integer` when `SPACED`, the separator of
+    /// `json.dumps` and other spaced encoders) whose integers are certainly plain and in
+    /// range, 16 bytes at a time. Each block is classified into digit and comma masks (and a
+    /// space mask, which must be exactly the commas shifted by one lane) with SSE2 and the
+    /// commas are walked with `trailing_zeros`, so the cost per hash is a few instructions; a
+    /// spaced separator's space is dropped from the canonical output (an inline copy of the
+    /// run before it) once the element after it is consumed. Anything else (a float, a sign,
+    /// an empty element, a leading zero, an integer that may be out of range, other
+    /// whitespace, the last 16 bytes of the input) ends the run just before that element, and
+    /// the general path handles it exactly as before: this can only skip work, never change an
+    /// outcome.
     #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
     #[inline(always)]
-    fn int_blocks(&mut self) {
+    fn int_blocks<const SPACED: bool>(&mut self) {
         use std::arch::x86_64::{
             __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_set1_epi8, _mm_sub_epi8,
         };
         let inp = self.inp;
         let start = self.pos;
-        if inp.get(start) != Some(&b',') {
+        // the separator: `,` or, spaced, `, `
+        let sep = 1 + SPACED as usize;
+        if inp.get(start) != Some(&b',') || (SPACED && inp.get(start + 1) != Some(&b' ')) {
             return;
         }
         // Plain iff 1..=19 digits without a leading zero, or 20 digits whose first eight sort
@@ -738,19 +920,30 @@ impl Scanner<'_, '_> {
             nd < 20 || u64::from_be_bytes(inp[s..s + 8].try_into().expect("8 digits")) < lim
         };
         let mut done = start; // just after the last consumed integer
-        let mut seg = start + 1; // start of the element being read
-        let mut q = start + 1;
+        let mut seg = start + sep; // start of the element being read
+        let mut q = start + sep;
+        // spaced: a comma in the last lane of the previous block expects a space in lane 0
+        let mut carry = 0u32;
         while q + 16 <= inp.len() {
             // SAFETY: SSE2 is part of the x86-64 baseline; `q + 16 <= inp.len()`, so the 16
             // bytes loaded are inside `inp`, and `_mm_loadu_si128` needs no alignment.
-            let (digits, commas) = unsafe {
+            let (digits, commas, spaces) = unsafe {
                 let v = _mm_loadu_si128(inp.as_ptr().add(q).cast::<__m128i>());
                 let t = _mm_sub_epi8(v, _mm_set1_epi8(b'0' as i8));
                 let d = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, _mm_set1_epi8(9)), t)) as u32;
                 let c = _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b',' as i8))) as u32;
-                (d, c)
+                let s = if SPACED { _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b' ' as i8))) as u32 } else { 0 };
+                (d, c, s)
             };
-            let other = !(digits | commas) & 0xFFFF;
+            // spaced: exactly one space right after every comma; a missing or an extra space
+            // ends the block like any other byte
+            let other = if SPACED {
+                let expected = (commas << 1 | carry) & 0xFFFF;
+                carry = commas >> 15 & 1;
+                (!(digits | commas | spaces) | (spaces ^ expected)) & 0xFFFF
+            } else {
+                !(digits | commas) & 0xFFFF
+            };
             let stop = if other != 0 { other.trailing_zeros() } else { 16 };
             let mut cm = commas & ((1u32 << stop) - 1);
             while cm != 0 {
@@ -759,13 +952,20 @@ impl Scanner<'_, '_> {
                     self.pos = done;
                     return;
                 }
+                if SPACED {
+                    // the element is consumed: drop the space of the separator before it
+                    self.drop_ws(seg - 1, seg);
+                }
                 done = c;
-                seg = c + 1;
+                seg = c + sep;
                 cm &= cm - 1;
             }
             if other != 0 {
                 let e = q + stop as usize;
-                if !matches!(inp[e], b'.' | b'e' | b'E' | b'+' | b'-') && plain(seg, e) {
+                if e >= seg && !matches!(inp[e], b'.' | b'e' | b'E' | b'+' | b'-') && plain(seg, e) {
+                    if SPACED {
+                        self.drop_ws(seg - 1, seg);
+                    }
                     done = e;
                 }
                 self.pos = done;
@@ -776,14 +976,16 @@ impl Scanner<'_, '_> {
         self.pos = done;
     }
 
-    /// A run of numbers separated by bare commas, starting at `self.pos`, (the portable path;
-    /// x86-64 uses `int_blocks`), inside an array whose
-    /// elements need no record (block hash lists). Integers are handled here with about 30
-    /// instructions each; anything else (floats, errors, whitespace) goes through [`number`]
-    /// or ends the run, leaving `self.pos` after the last number.
+    /// A run of numbers separated by commas, starting at `self.pos`, inside an array whose
+    /// elements need no record (block hash lists): the portable path for every list, and on
+    /// x86-64 the path for spaced or indented lists (compact ones go through `int_blocks`).
+    /// Integers are handled here with about 30 instructions each; whitespace after a comma is
+    /// dropped in place ([`list_sep`]); anything else (floats, `-0`, errors) goes through
+    /// [`number`], and a separator that is not `,` (whitespace) number ends the run, leaving
+    /// `self.pos` after the last number.
     ///
     /// [`number`]: Scanner::number
-    #[cfg_attr(all(target_arch = "x86_64", not(kvrelay_portable)), allow(dead_code))]
+    /// [`list_sep`]: Scanner::list_sep
     #[inline(always)]
     fn number_run(&mut self) -> Result<(), Detail> {
         let inp = self.inp;
@@ -823,11 +1025,31 @@ impl Scanner<'_, '_> {
             }
             match inp.get(p..p + 2) {
                 Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => p += 1,
+                Some(&[b',', c]) if is_ws(c) => match self.list_sep(p) {
+                    Some(q) => p = q,
+                    None => break,
+                },
                 _ => break,
             }
         }
         self.pos = p;
         Ok(())
+    }
+
+    /// At a comma `p` of a number list followed by whitespace: when a number starts after the
+    /// whitespace, drop the whitespace from the canonical output (the comma stays) and return
+    /// where the number starts; otherwise change nothing and return `None` (the general path
+    /// then reads the separator).
+    #[inline(always)]
+    fn list_sep(&mut self, p: usize) -> Option<usize> {
+        let q = skip_ws(self.inp, p + 1);
+        match self.inp.get(q) {
+            Some(&c) if c == b'-' || c.is_ascii_digit() => {
+                self.drop_ws(p + 1, q);
+                Some(q)
+            }
+            _ => None,
+        }
     }
 
     /// A number starting at `self.pos` (a '-' or a digit).
@@ -848,14 +1070,11 @@ impl Scanner<'_, '_> {
         let is_float = matches!(inp.get(p), Some(b'.' | b'e' | b'E'));
         if !is_float {
             self.pos = p;
-            // Branch-free: about half of random u64 hashes have 20 digits, so a branch on the
-            // digit count would be mispredicted on every other number.
+            // A branch on the digit count: hash lists, where about half of the numbers have 20
+            // digits, go through `int_blocks` and `number_run` (branch-free) and reach this
+            // only for their first element; elsewhere integers are mostly short.
             let (limit, max_nd) = if neg { (I64_MIN_DIGITS, 19) } else { (U64_MAX_DIGITS, 20) };
-            let le = match inp.get(ds..ds + max_nd) {
-                Some(d) => digits_le(d, limit),
-                None => true,
-            };
-            let in_range = (nd < max_nd) | ((nd == max_nd) & le);
+            let in_range = nd < max_nd || (nd == max_nd && digits_le(&inp[ds..ds + max_nd], limit));
             if !in_range {
                 self.note_number("integer outside -2^63 ..= 2^64-1", start);
             } else if neg && nd == 1 && inp[ds] == b'0' {
@@ -863,12 +1082,19 @@ impl Scanner<'_, '_> {
             }
             return Ok(());
         }
+        let int_end = p;
         if inp[p] == b'.' {
             let q = skip_digits(inp, p + 1);
             if q == p + 1 {
                 return Err(Detail::at("expected a digit after the decimal point", p + 1));
             }
             p = q;
+            if !matches!(inp.get(p), Some(b'e' | b'E')) && decimal_is_shortest(&inp[ds..int_end], &inp[int_end + 1..p])
+            {
+                // already what ryu prints: no parse, no formatting
+                self.pos = p;
+                return Ok(());
+            }
         }
         if matches!(inp.get(p), Some(b'e' | b'E')) {
             p += 1;
@@ -904,6 +1130,35 @@ impl Scanner<'_, '_> {
     }
 }
 
+/// Whether the decimal `int.frac` (no sign, no exponent, already well-formed) is exactly the
+/// text ryu prints for the f64 it denotes (SPEC.md section 3), decided from the digits alone:
+/// - at most 15 significant digits: every decimal of 15 or fewer significant digits maps to a
+///   distinct f64 (`f64::DIGITS`), so the shortest round-trip digits are the input's own once
+///   it has no trailing zero (a fraction of exactly `0` is ryu's `.0` of an integral value);
+/// - a decimal exponent where ryu prints plain decimal notation: from 1e-5 (at most four zeros
+///   after the point before the first significant digit) to below 1e16 (integer part of 15 digits
+///   or fewer here).
+///
+/// Anything else (an exponent, trailing zeros, more digits, tiny values) returns false and goes
+/// through the parse-and-format path, so this only skips work. Cost: a few instructions, no
+/// parsing; `float_fast_path_agrees_with_ryu` checks it against ryu.
+#[inline(always)]
+fn decimal_is_shortest(int: &[u8], frac: &[u8]) -> bool {
+    let last = frac[frac.len() - 1];
+    if frac == b"0" {
+        return int.len() <= 15;
+    }
+    if last == b'0' {
+        return false;
+    }
+    if int == b"0" {
+        let zeros = frac.iter().take_while(|&&c| c == b'0').count();
+        zeros <= 4 && frac.len() - zeros <= 15
+    } else {
+        int.len() + frac.len() <= 15
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -929,6 +1184,77 @@ mod tests {
                 let mut v = vec![b'5'; 12];
                 v[lane] = bad;
                 assert_eq!(skip_digits(&v, 0), lane);
+            }
+        }
+    }
+
+    #[test]
+    fn float_fast_path_agrees_with_ryu() {
+        // Every decimal the fast path accepts must be ryu's own text; random digit strings of
+        // every shape near the limits (lengths, leading and trailing zeros).
+        let mut x = 0x1234_5678_9ABC_DEF1u64;
+        let mut next = move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        };
+        let mut accepted = 0;
+        for _ in 0..100_000 {
+            let digits = |n: u64, r: u64| -> String {
+                (0..n).map(|i| char::from(b'0' + ((r >> (i * 3 % 60)) % 10) as u8)).collect()
+            };
+            let r = next();
+            let int = if r % 3 == 0 {
+                "0".to_string()
+            } else {
+                {
+                    let s = digits(1 + (r >> 8) % 17, next());
+                    let s = s.trim_start_matches('0').to_string();
+                    if s.is_empty() {
+                        "0".to_string()
+                    } else {
+                        s
+                    }
+                }
+            };
+            let zeros = "0".repeat(((r >> 16) % 7) as usize);
+            let tail = if (r >> 24) % 5 == 0 { "0".to_string() } else { digits((r >> 32) % 17, next()) };
+            let frac = format!("{zeros}{tail}");
+            if frac.is_empty() {
+                continue;
+            }
+            let text = format!("{int}.{frac}");
+            let v: f64 = text.parse().unwrap();
+            let ryu_text = ryu::Buffer::new().format_finite(v).to_string();
+            if decimal_is_shortest(int.as_bytes(), frac.as_bytes()) {
+                accepted += 1;
+                assert_eq!(ryu_text, text, "fast path accepted {text}");
+            }
+            // and the scanner's output is ryu's text either way
+            assert_eq!(canon(&format!("[{text},-{text}]")).unwrap(), format!("[{ryu_text},-{ryu_text}]").into_bytes());
+        }
+        assert!(accepted > 5_000, "the fast path is exercised ({accepted})");
+    }
+
+    #[test]
+    fn duplicates_among_colliding_hashes() {
+        // names of equal length and equal first and last eight bytes: equal hashes (and
+        // bloom bits), different names; pairwise (up to 16 members) and sorted (more)
+        let obj = |names: &[String]| {
+            format!("{{{}}}", names.iter().map(|k| format!("\"{k}\":1")).collect::<Vec<_>>().join(","))
+        };
+        for n in [2usize, 15, 16, 17, 40] {
+            let names: Vec<String> = (0..n).map(|i| format!("prefix00{i:04}suffix00")).collect();
+            assert!(canon(&obj(&names)).is_ok(), "{n} distinct names");
+            for at in [0, n / 2, n - 1] {
+                let mut dup = names.clone();
+                dup.insert(at, names[n - 1 - at].clone());
+                assert!(canon(&obj(&dup)).is_err(), "{n} names, a repeat at {at}");
+                // the same name spelled with an escape
+                let mut esc = names.clone();
+                esc.insert(at, names[n - 1 - at].replacen('p', "\\u0070", 1));
+                assert!(canon(&obj(&esc)).is_err(), "{n} names, an escaped repeat at {at}");
             }
         }
     }

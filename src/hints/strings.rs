@@ -4,18 +4,40 @@
 
 use super::detail::Detail;
 
+/// The value of each hexadecimal digit (either case); 0xFF for every other byte.
+static HEX_VAL: [u8; 256] = {
+    let mut t = [0xFFu8; 256];
+    let mut i = 0;
+    while i < 10 {
+        t[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        t[b'a' as usize + i] = 10 + i as u8;
+        t[b'A' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    t
+};
+
+/// The four hexadecimal digits at `p` (of a `\uXXXX` escape), by table: four loads, one test.
+#[inline(always)]
 pub(super) fn hex4(inp: &[u8], p: usize) -> Option<u32> {
     let h = inp.get(p..p + 4)?;
-    let mut v = 0u32;
-    for &c in h {
-        v = v * 16 + (c as char).to_digit(16)?;
+    let d = |i: usize| u32::from(HEX_VAL[h[i] as usize]);
+    let (a, b, c, e) = (d(0), d(1), d(2), d(3));
+    // an invalid digit is 0xFF, whose high bits survive the OR
+    if (a | b | c | e) > 15 {
+        return None;
     }
-    Some(v)
+    Some(a << 12 | b << 8 | c << 4 | e)
 }
 
 pub(super) const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// The canonical spelling of one code point inside a string.
+#[inline]
 pub(super) fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
     match cp {
         0x08 => b"\\b",
@@ -39,8 +61,43 @@ pub(super) fn canonical_char(cp: u32, buf: &mut [u8; 6]) -> &[u8] {
 
 /// Validate one multi-byte UTF-8 sequence starting at `p` (RFC 3629, Unicode table 3-7);
 /// returns the position after it.
-#[inline]
+///
+/// With four bytes readable at `p` (every character but the input's last few) the lead byte's
+/// pattern picks the length, the continuation bytes are checked with one mask on a 32-bit load,
+/// and overlongs, surrogates and values past U+10FFFF are refused from the decoded code point:
+/// about ten instructions per character, no table. Otherwise (or for a sequence this refuses,
+/// to report it) the table of [`utf8_seq_tail`] decides; both accept exactly the same
+/// sequences (`utf8_fast_path_agrees`).
+#[inline(always)]
 pub(super) fn utf8_seq(inp: &[u8], p: usize) -> Result<usize, Detail> {
+    if let Some(w) = inp.get(p..p + 4) {
+        let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        let b0 = w & 0xFF;
+        let c1 = (w >> 8) & 0x3F;
+        let c2 = (w >> 16) & 0x3F;
+        if b0 & 0xE0 == 0xC0 {
+            if b0 >= 0xC2 && w & 0xC000 == 0x8000 {
+                return Ok(p + 2);
+            }
+        } else if b0 & 0xF0 == 0xE0 {
+            let cp = (b0 & 0x0F) << 12 | c1 << 6 | c2;
+            if w & 0xC0_C000 == 0x80_8000 && cp >= 0x800 && !(0xD800..0xE000).contains(&cp) {
+                return Ok(p + 3);
+            }
+        } else if b0 & 0xF8 == 0xF0 {
+            let cp = (b0 & 0x07) << 18 | c1 << 12 | c2 << 6 | (w >> 24) & 0x3F;
+            if w & 0xC0C0_C000 == 0x8080_8000 && (0x1_0000..=0x10_FFFF).contains(&cp) {
+                return Ok(p + 4);
+            }
+        }
+        return Err(Detail::at("invalid UTF-8", p));
+    }
+    utf8_seq_tail(inp, p)
+}
+
+/// [`utf8_seq`] by the table of RFC 3629 (for the last bytes of the input).
+#[inline(never)]
+fn utf8_seq_tail(inp: &[u8], p: usize) -> Result<usize, Detail> {
     let b0 = inp[p];
     let (n, lo, hi) = match b0 {
         0xC2..=0xDF => (2, 0x80, 0xBF),
@@ -118,4 +175,58 @@ pub(crate) fn write_canonical_string(s: &str, out: &mut Vec<u8>) {
     }
     out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex4_reads_every_digit_and_refuses_the_rest() {
+        for b in 0u8..=255 {
+            let want = (b as char).to_digit(16);
+            let text = [b'0', b, b'0', b'0'];
+            assert_eq!(hex4(&text, 0), want.map(|d| d << 8), "{b:#x}");
+            let text = [b, b'f', b'F', b'9'];
+            assert_eq!(hex4(&text, 0), want.map(|d| d << 12 | 0xFF9), "{b:#x}");
+        }
+        assert_eq!(hex4(b"12", 0), None);
+        assert_eq!(hex4(b"\\u00e9", 2), Some(0xE9));
+    }
+
+    #[test]
+    fn utf8_fast_path_agrees() {
+        // Every lead byte with every second byte, and third and fourth bytes at the edges of the
+        // continuation range: the fast path (four bytes readable), the table (the sequence at
+        // the very end) and the standard library agree on acceptance and length.
+        let edges = [0x00u8, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xFF];
+        for b0 in 0x80u8..=0xFF {
+            for b1 in 0u8..=0xFF {
+                for &b2 in &edges {
+                    for &b3 in &edges {
+                        let seq = [b0, b1, b2, b3, b'"'];
+                        let want = match std::str::from_utf8(&seq[..4]) {
+                            Ok(s) => Some(s.chars().next().unwrap().len_utf8()),
+                            Err(e) if e.valid_up_to() > 0 => Some(
+                                e.valid_up_to().min(
+                                    std::str::from_utf8(&seq[..e.valid_up_to()])
+                                        .unwrap()
+                                        .chars()
+                                        .next()
+                                        .unwrap()
+                                        .len_utf8(),
+                                ),
+                            ),
+                            Err(_) => None,
+                        };
+                        let fast = utf8_seq(&seq, 0).ok();
+                        assert_eq!(fast, want, "{seq:02x?}");
+                        let n = fast.unwrap_or(4);
+                        let tail = utf8_seq_tail(&seq[..n], 0).ok();
+                        assert_eq!(tail, want, "{seq:02x?} at the end");
+                    }
+                }
+            }
+        }
+    }
 }
