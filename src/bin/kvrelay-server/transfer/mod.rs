@@ -4,10 +4,12 @@
 //!
 //! A destination fetches the consecutive run of blocks, starting at the first block it does
 //! not hold, whose own names appear among the hint's hashes (membership, not position: both
-//! root-aligned and suffix-only lists work; a different naming scheme fetches nothing). Each
-//! block arrives with its name and XXH3-64 checksum; a block is committed to the reuse cache
-//! only when its length, name and checksum check out, in prefix order. Whatever is partial is
-//! released. On any failure the request prefills what it lacks and answers as a cold run.
+//! root-aligned and suffix-only lists work; a different naming scheme fetches nothing). Over
+//! TCP ([`tcp`]) each block arrives with its name and XXH3-64 checksum; over NIXL (`nixl`,
+//! feature `nixl`) the destination reads blocks in place and checks the `kvsum` the source
+//! recorded. Either way a block is committed to the reuse cache only when its length, name and
+//! checksum check out, in prefix order. Whatever is partial is released. On any failure the
+//! request prefills what it lacks and answers as a cold run.
 
 pub mod api;
 #[cfg(feature = "nixl")]
