@@ -5,16 +5,8 @@ pub mod shapes;
 
 use std::time::Instant;
 
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
+/// The generators' PRNG (the shapes module owns it: the tests include that module alone).
+pub use shapes::Rng;
 
 pub fn envelope(hashes: &[u64], pretty: bool) -> String {
     let hashes: Vec<String> = hashes.iter().map(u64::to_string).collect();
