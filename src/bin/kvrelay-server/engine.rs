@@ -133,7 +133,7 @@ enum Store {
         engine: CudaEngine,
         staging: Pinned,
         ctx: std::sync::Arc<cudarc::driver::CudaContext>,
-        /// [`kvsum`] on the GPU (compiled on first use).
+        /// [`kvsum`] on the GPU ([`KvStore::prepare_checksums`], else on first use).
         kvsum: Option<cudarc::driver::CudaFunction>,
         // Dropped after the engine (field order), which addresses it.
         _mem: DevicePool,
@@ -304,27 +304,35 @@ impl KvStore {
                 unsafe { std::slice::from_raw_parts((self.region.base as usize + b as usize * bb) as *const u8, bb) }
             })
             .collect();
-        let threads = threads.clamp(1, blocks.len().max(1));
-        let per = blocks.len().div_ceil(threads).max(1);
-        Ok(std::thread::scope(|s| {
-            let parts: Vec<_> =
-                blocks.chunks(per).map(|p| s.spawn(move || p.iter().map(|b| kvsum(b)).collect::<Vec<_>>())).collect();
-            parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
-        }))
+        Ok(kvsum_each(&blocks, threads))
+    }
+
+    /// Load the GPU checksum kernel now (a GPU pool whose blocks a transport will verify in
+    /// place): NVRTC's compile then fails the start, not the first transfer, and does not
+    /// stretch it. No-op for a host pool or when loaded.
+    pub fn prepare_checksums(&self) -> Result<(), String> {
+        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Store::Host { .. } => Ok(()),
+            Store::Cuda { ctx, kvsum, .. } => {
+                if kvsum.is_none() {
+                    let ptx = cudarc::nvrtc::compile_ptx(KVSUM_KERNEL)
+                        .map_err(|e| format!("NVRTC: the checksum kernel: {e:?}"))?;
+                    let module = ctx.load_module(ptx).map_err(|e| format!("the checksum kernel: {e:?}"))?;
+                    *kvsum = Some(module.load_function("kvsum").map_err(|e| format!("the checksum kernel: {e:?}"))?);
+                }
+                Ok(())
+            }
+        }
     }
 
     /// [`kvsum`] of GPU-pool blocks `ids`, computed by a kernel where they lie.
     fn device_checksums(&self, ids: &[u32]) -> Result<Vec<u64>, String> {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
+        self.prepare_checksums()?;
         let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
         let Store::Cuda { ctx, kvsum, .. } = &mut *s else { return Err("not a GPU pool".into()) };
-        if kvsum.is_none() {
-            let ptx =
-                cudarc::nvrtc::compile_ptx(KVSUM_KERNEL).map_err(|e| format!("NVRTC: the checksum kernel: {e:?}"))?;
-            let module = ctx.load_module(ptx).map_err(|e| format!("the checksum kernel: {e:?}"))?;
-            *kvsum = Some(module.load_function("kvsum").map_err(|e| format!("the checksum kernel: {e:?}"))?);
-        }
-        let f = kvsum.as_ref().expect("loaded above");
+        let f = kvsum.as_ref().expect("loaded by prepare_checksums");
         let stream = ctx.default_stream();
         let e = |e: cudarc::driver::DriverError| format!("the checksum kernel: {e:?}");
         let dev_ids = stream.clone_htod(ids).map_err(e)?;
@@ -444,6 +452,17 @@ pub fn kvsum(block: &[u8]) -> u64 {
     block.chunks_exact(8).enumerate().fold(0u64, |acc, (i, w)| {
         let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
         acc.wrapping_add((w ^ (i as u64).wrapping_mul(KVSUM_K1)).wrapping_mul(KVSUM_K2))
+    })
+}
+
+/// [`kvsum`] of each of `blocks`, in order, on up to `threads` scoped threads.
+pub fn kvsum_each(blocks: &[&[u8]], threads: usize) -> Vec<u64> {
+    let threads = threads.clamp(1, blocks.len().max(1));
+    let per = blocks.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> =
+            blocks.chunks(per).map(|p| s.spawn(move || p.iter().map(|b| kvsum(b)).collect::<Vec<_>>())).collect();
+        parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
     })
 }
 

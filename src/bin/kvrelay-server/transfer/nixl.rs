@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use super::tcp::{self, Fault, Hello, InPlaceOffer, InPlaceSource, Offer, Refuse, ServiceStats};
 use super::{BoxFuture, Destination, FailReason, FetchError, Fingerprint, Transport};
 use crate::cache::Lease;
-use crate::engine::{kvsum, Engine, Region};
+use crate::engine::{kvsum_each, Engine, Region};
 
 /// Frame kinds of in-place reads, on the KV service's channel after the offer (MessagePack):
 /// `DONE` (destination -> source, `{committed}`): the reader is finished with the offered
@@ -232,6 +232,10 @@ impl NixlMem {
                 dst_slots = both.pop();
                 src_slots = both.pop();
             }
+        }
+        if memory == Memory::Pool {
+            // READs into a GPU pool are verified by a kernel: load it now
+            store.prepare_checksums()?;
         }
         let metadata = agent.get_local_md().map_err(|e| format!("NIXL: local metadata: {e:?}"))?;
         // readers verify against checksums recorded at write time
@@ -684,7 +688,7 @@ impl NixlTransport {
             tcp::write_control(s, ACK, &Ack { chunk: c as u64 }).await?;
             let (guard, r) = tokio::task::spawn_blocking(move || {
                 let bytes = &guard[c % 2].bytes()[..k * bb];
-                let got = kvsums(bytes, bb, threads);
+                let got = kvsum_each(&bytes.chunks(bb).collect::<Vec<_>>(), threads);
                 let ids = &dest2.lease.ids[start..start + k];
                 let r = match got.iter().zip(&sums).position(|(a, b)| a != b) {
                     Some(j) => {
@@ -864,18 +868,4 @@ impl Transport for NixlTransport {
             }
         })
     }
-}
-
-/// [`kvsum`] of each `block_bytes` piece of `bytes`, on up to `threads` scoped threads.
-fn kvsums(bytes: &[u8], block_bytes: usize, threads: usize) -> Vec<u64> {
-    let n = bytes.len() / block_bytes.max(1);
-    let threads = threads.clamp(1, n.max(1));
-    let per = n.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = bytes
-            .chunks(per * block_bytes)
-            .map(|p| s.spawn(move || p.chunks(block_bytes).map(kvsum).collect::<Vec<_>>()))
-            .collect();
-        parts.into_iter().flat_map(|h| h.join().expect("summing does not panic")).collect()
-    })
 }
