@@ -206,7 +206,7 @@ impl NixlMem {
                     format!(
                         "NIXL: registering the KV pool ({} bytes, {:?}): {e:?}",
                         region.len,
-                        mem_type(region.device)
+                        kind_of(region.device.map(|d| d as u64)).0
                     )
                 })?;
                 registrations.push(r);
@@ -357,21 +357,14 @@ impl MemoryRegion for Area {
 
 impl NixlDescriptor for Area {
     fn mem_type(&self) -> MemType {
-        mem_type(self.0.device)
+        kind_of(self.0.device.map(|d| d as u64)).0
     }
     fn device_id(&self) -> u64 {
-        self.0.device.map_or(0, |d| d as u64)
+        kind_of(self.0.device.map(|d| d as u64)).1
     }
 }
 
-fn mem_type(device: Option<i32>) -> MemType {
-    if device.is_some() {
-        MemType::Vram
-    } else {
-        MemType::Dram
-    }
-}
-
+/// NIXL's memory type and device id of memory on `device` (`None`: host memory).
 fn kind_of(device: Option<u64>) -> (MemType, u64) {
     match device {
         Some(d) => (MemType::Vram, d),
