@@ -855,10 +855,7 @@ impl Transport for NixlTransport {
         Box::pin(async move {
             // the READ's own deadline is inside; this one covers the control exchange too
             let deadline = tcp::total_deadline(names.len() * self.mem.block_bytes) + Duration::from_secs(5);
-            match tokio::time::timeout(deadline, self.pull(endpoint, names, &dest)).await {
-                Ok(r) => r,
-                Err(_) => Err(FetchError::new(FailReason::Timeout, "the transfer ran past its total deadline")),
-            }
+            tcp::within_deadline(deadline, self.pull(endpoint, names, &dest)).await
         })
     }
 }

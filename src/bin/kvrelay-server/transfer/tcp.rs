@@ -61,6 +61,18 @@ pub fn total_deadline(bytes: usize) -> Duration {
     Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
 }
 
+/// Run one transfer under its total deadline (both transports): running past it fails it as
+/// a `Timeout`.
+pub async fn within_deadline(
+    deadline: Duration,
+    transfer: impl std::future::Future<Output = Result<usize, FetchError>>,
+) -> Result<usize, FetchError> {
+    match tokio::time::timeout(deadline, transfer).await {
+        Ok(r) => r,
+        Err(_) => Err(FetchError::new(FailReason::Timeout, "the transfer ran past its total deadline")),
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 pub struct Hello {
     pub fingerprint: Fingerprint,
@@ -323,10 +335,7 @@ impl Transport for TcpTransport {
     ) -> BoxFuture<'a, Result<usize, FetchError>> {
         Box::pin(async move {
             let deadline = total_deadline(names.len() * self.block_bytes);
-            match tokio::time::timeout(deadline, self.pull(endpoint, names, dest.sink)).await {
-                Ok(r) => r,
-                Err(_) => Err(FetchError::new(FailReason::Timeout, "the transfer ran past its total deadline")),
-            }
+            within_deadline(deadline, self.pull(endpoint, names, dest.sink)).await
         })
     }
 }
