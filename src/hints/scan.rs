@@ -415,6 +415,19 @@ impl Scanner<'_, '_> {
         }
     }
 
+    /// Skip insignificant whitespace at `self.pos` and return the byte there (`None` at the end
+    /// of the input). Every token begins with a byte above space, so between tokens of compact
+    /// input this is one load and one compare; whitespace takes [`Scanner::ws`].
+    #[inline(always)]
+    fn sig(&mut self) -> Option<u8> {
+        let b = *self.inp.get(self.pos)?;
+        if b > b' ' {
+            return Some(b);
+        }
+        self.ws();
+        self.peek()
+    }
+
     #[inline(never)]
     fn ws_slow(&mut self) {
         let start = self.pos;
@@ -424,26 +437,27 @@ impl Scanner<'_, '_> {
 
     fn value_loop(&mut self) -> Result<(), Detail> {
         'value: loop {
-            let Some(b) = self.peek() else {
+            let Some(b) = self.sig() else {
                 return Err(Detail::at("unexpected end of input, expected a value", self.pos));
             };
             self.begin_value(b);
             match b {
                 b'{' => {
                     self.open(true)?;
-                    self.ws();
-                    if self.peek() == Some(b'}') {
-                        self.pos += 1;
-                        self.close()?;
-                    } else {
-                        self.member_key()?;
-                        continue 'value;
+                    match self.sig() {
+                        Some(b'}') => {
+                            self.pos += 1;
+                            self.close()?;
+                        }
+                        c => {
+                            self.member_key(c)?;
+                            continue 'value;
+                        }
                     }
                 }
                 b'[' => {
                     self.open(false)?;
-                    self.ws();
-                    if self.peek() == Some(b']') {
+                    if self.sig() == Some(b']') {
                         self.pos += 1;
                         self.close()?;
                     } else {
@@ -515,13 +529,12 @@ impl Scanner<'_, '_> {
                     return Ok(());
                 };
                 let is_obj = top.is_obj;
-                self.ws();
-                match self.peek() {
+                match self.sig() {
                     Some(b',') => {
                         self.pos += 1;
-                        self.ws();
                         if is_obj {
-                            self.member_key()?;
+                            let c = self.sig();
+                            self.member_key(c)?;
                         }
                         continue 'value;
                     }
@@ -718,10 +731,12 @@ impl Scanner<'_, '_> {
         Ok(())
     }
 
-    /// A member name, the colon and the whitespace before the value.
+    /// A member name and the colon after it; `c` is the byte at `self.pos` (whitespace before
+    /// it already skipped). The whitespace before the value is left to the value's own
+    /// [`Scanner::sig`].
     #[inline(always)]
-    fn member_key(&mut self) -> Result<(), Detail> {
-        if self.peek() != Some(b'"') {
+    fn member_key(&mut self, c: Option<u8>) -> Result<(), Detail> {
+        if c != Some(b'"') {
             return Err(Detail::at("expected a member name string", self.pos));
         }
         let start = self.pos + 1;
@@ -754,17 +769,10 @@ impl Scanner<'_, '_> {
             role => slot_of(role, name),
         };
         self.sc.keys.push(key);
-        // compact input: the colon right after the name
-        if self.peek() == Some(b':') {
-            self.pos += 1;
-        } else {
-            self.ws();
-            if self.peek() != Some(b':') {
-                return Err(Detail::at("expected ':' after a member name", self.pos));
-            }
-            self.pos += 1;
+        if self.sig() != Some(b':') {
+            return Err(Detail::at("expected ':' after a member name", self.pos));
         }
-        self.ws();
+        self.pos += 1;
         Ok(())
     }
 
@@ -842,45 +850,91 @@ impl Scanner<'_, '_> {
         }
     }
 
-    /// An escape starting at the backslash at `p`; returns the position after it.
+    /// An escape starting at the backslash at `p` that canonical form may spell differently
+    /// (`\/` or `\uXXXX`); returns the position after it.
     fn escape(&mut self, p: usize) -> Result<usize, Detail> {
-        let inp = self.inp;
-        let Some(&c) = inp.get(p + 1) else {
-            return Err(Detail::at("unterminated escape", p));
-        };
-        match c {
-            b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => Ok(p + 2),
-            b'/' => {
+        match self.inp.get(p + 1) {
+            None => Err(Detail::at("unterminated escape", p)),
+            Some(b'/') => {
                 self.rewrite(p, p + 2, b"/");
                 Ok(p + 2)
             }
-            b'u' => {
-                let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
-                let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
-                    let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') {
-                        hex4(inp, p + 8)
-                    } else {
-                        None
-                    };
-                    match lo {
-                        Some(lo) if (0xDC00..0xE000).contains(&lo) => {
-                            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
-                        }
-                        _ => return Err(Detail::at("lone surrogate escape", p)),
-                    }
-                } else if (0xDC00..0xE000).contains(&hi) {
-                    return Err(Detail::at("lone surrogate escape", p));
+            Some(b'u') => self.unicode_escapes(p),
+            Some(_) => Err(Detail::at("invalid escape", p)),
+        }
+    }
+
+    /// A run of `\uXXXX` escapes (surrogate pairs included) starting at the backslash at `p`;
+    /// returns the position after the last one.
+    ///
+    /// A non-ASCII character is never spelled as an escape in canonical form, so its UTF-8
+    /// bytes are appended straight to the output (one unaligned 32-bit store when four bytes of
+    /// spare capacity are there): the verbatim run before the first escape is copied once, and
+    /// every further escape of the run (a word of `ensure_ascii` text) costs the hex decoding
+    /// and the store. An ASCII character goes through [`canonical_char`] and is rewritten only
+    /// where canonical form spells it differently (`\u0041` is `A`; `\u0001` stays).
+    #[inline(never)]
+    fn unicode_escapes(&mut self, mut p: usize) -> Result<usize, Detail> {
+        let inp = self.inp;
+        loop {
+            let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
+            let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
+                let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') {
+                    hex4(inp, p + 8)
                 } else {
-                    (hi, p + 6)
+                    None
                 };
+                match lo {
+                    Some(lo) if (0xDC00..0xE000).contains(&lo) => {
+                        (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
+                    }
+                    _ => return Err(Detail::at("lone surrogate escape", p)),
+                }
+            } else if (0xDC00..0xE000).contains(&hi) {
+                return Err(Detail::at("lone surrogate escape", p));
+            } else {
+                (hi, p + 6)
+            };
+            if cp < 0x80 {
                 let mut buf = [0u8; 6];
                 let canon = canonical_char(cp, &mut buf);
                 if canon != &inp[p..end] {
                     self.rewrite(p, end, canon);
                 }
-                Ok(end)
+            } else {
+                self.flush(p);
+                // UTF-8 bytes in little-endian order, and their count
+                let (word, n) = if cp < 0x800 {
+                    (0xC0 | cp >> 6 | (0x80 | cp & 0x3F) << 8, 2)
+                } else if cp < 0x1_0000 {
+                    (0xE0 | cp >> 12 | (0x80 | cp >> 6 & 0x3F) << 8 | (0x80 | cp & 0x3F) << 16, 3)
+                } else {
+                    let b = [0xF0 | cp >> 18, 0x80 | cp >> 12 & 0x3F, 0x80 | cp >> 6 & 0x3F, 0x80 | cp & 0x3F];
+                    (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, 4)
+                };
+                if self.total <= self.cap {
+                    let out = &mut self.sc.out;
+                    if out.capacity() - out.len() >= 4 {
+                        // SAFETY: the four bytes written lie in `out`'s allocation (at least
+                        // four bytes of spare capacity after `len`, checked above);
+                        // `write_unaligned` needs no alignment. Only the first `n <= 4` of
+                        // them become part of `out` (`set_len`), and they were just written.
+                        unsafe {
+                            out.as_mut_ptr().add(out.len()).cast::<u32>().write_unaligned(word.to_le());
+                            out.set_len(out.len() + n);
+                        }
+                    } else {
+                        out.extend_from_slice(&word.to_le_bytes()[..n]);
+                    }
+                }
+                self.total += n;
+                self.run = end;
+                self.rewrote = true;
             }
-            _ => Err(Detail::at("invalid escape", p)),
+            p = end;
+            if !(inp.get(p) == Some(&b'\\') && inp.get(p + 1) == Some(&b'u')) {
+                return Ok(p);
+            }
         }
     }
 
