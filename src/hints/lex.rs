@@ -58,16 +58,24 @@ fn special_mask16(inp: &[u8], p: usize) -> u32 {
     }
 }
 
-/// Offset from `p` of the first byte among `inp[p..p + 16]` that is not plain string content,
-/// when 16 bytes are readable there and one of them is; `None` otherwise (the portable build
-/// always answers `None`, and its callers take their general path).
+/// Offset from `p` of the first byte among `inp[p..p + 32]` that is not plain string content,
+/// when one of them is and the block holding it is readable: the first 16 bytes are classified
+/// when 16 are readable, the next 16 only when the first hold none and 32 are readable. `None`
+/// otherwise (the portable build always answers `None`, and its callers take their general
+/// path).
 #[inline(always)]
-pub(super) fn first_special16(inp: &[u8], p: usize) -> Option<usize> {
+pub(super) fn first_special32(inp: &[u8], p: usize) -> Option<usize> {
     #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
     if p + 16 <= inp.len() {
         let mask = special_mask16(inp, p);
         if mask != 0 {
             return Some(mask.trailing_zeros() as usize);
+        }
+        if p + 32 <= inp.len() {
+            let mask = special_mask16(inp, p + 16);
+            if mask != 0 {
+                return Some(16 + mask.trailing_zeros() as usize);
+            }
         }
     }
     let _ = (inp, p);

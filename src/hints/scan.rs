@@ -41,7 +41,7 @@
 
 use super::detail::Detail;
 use super::lex::{
-    count_digits, digits_le, first_special16, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS,
+    count_digits, digits_le, first_special32, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS,
 };
 use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
 
@@ -599,7 +599,7 @@ impl Scanner<'_, '_> {
         self.record(kind);
     }
 
-    #[inline(never)]
+    #[inline(always)]
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
         let top = self.sc.stack.last().expect("record needs a parent");
@@ -797,12 +797,14 @@ impl Scanner<'_, '_> {
     /// A string starting at the opening quote; returns whether it contained an escape.
     ///
     /// Inline fast path: a string whose closing quote is the first byte that is not plain
-    /// ASCII content among the 16 after the opening quote (most member names and short values)
-    /// costs one 16-byte classification; anything else goes to [`Scanner::string_long`].
+    /// ASCII content among the 32 after the opening quote (member names and short values,
+    /// `source_control_endpoint` and the endpoint URL included) costs one 16-byte
+    /// classification, two when it is 16 bytes or longer; anything else goes to
+    /// [`Scanner::string_long`].
     #[inline(always)]
     fn string(&mut self) -> Result<bool, Detail> {
         let p = self.pos + 1;
-        if let Some(i) = first_special16(self.inp, p) {
+        if let Some(i) = first_special32(self.inp, p) {
             if self.inp[p + i] == b'"' {
                 self.pos = p + i + 1;
                 return Ok(false);
