@@ -637,6 +637,7 @@ impl Scanner<'_, '_> {
         }
     }
 
+    #[inline(always)]
     fn open(&mut self, is_obj: bool) -> Result<(), Detail> {
         if self.sc.stack.len() >= self.max_depth {
             return Err(Detail::at("nesting deeper than max_depth", self.pos));
@@ -676,6 +677,7 @@ impl Scanner<'_, '_> {
     }
 
     /// The closer has been consumed (`self.pos` is just past it).
+    #[inline(always)]
     fn close(&mut self) -> Result<(), Detail> {
         let f = self.sc.stack.pop().expect("close needs an open container");
         if f.is_obj {
