@@ -420,9 +420,21 @@ impl Scanner<'_, '_> {
     /// input this is one load and one compare; whitespace takes [`Scanner::ws`].
     #[inline(always)]
     fn sig(&mut self) -> Option<u8> {
-        let b = *self.inp.get(self.pos)?;
+        let inp = self.inp;
+        let p = self.pos;
+        let b = *inp.get(p)?;
         if b > b' ' {
             return Some(b);
+        }
+        // one space before a token (`": "`, `", "`): dropped here, and that token returned
+        if b == b' ' {
+            if let Some(&c) = inp.get(p + 1) {
+                if c > b' ' {
+                    self.pos = p + 1;
+                    self.drop_ws(p, p + 1);
+                    return Some(c);
+                }
+            }
         }
         self.ws();
         self.peek()
