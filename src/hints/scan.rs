@@ -1308,6 +1308,53 @@ mod tests {
     }
 
     #[test]
+    fn unicode_escape_runs_decode_like_serde_json() {
+        // Runs of `\uXXXX` escapes (ASCII letters, the characters canonical form escapes,
+        // controls, two- and three-byte characters, surrogate pairs; either hex case) between
+        // plain text, raw UTF-8 and other escapes: the canonical string is serde_json's decoded
+        // text written canonically, whatever the output limit (writing stops past it, the
+        // length is still counted), and the output's spare capacity before each character.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        };
+        let cps =
+            [0x41u32, 0x22, 0x5C, 0x2F, 0x01, 0x1F, 0x0A, 0x7F, 0xE9, 0x7FF, 0x800, 0x20AC, 0xFFFF, 0x1F600, 0x10FFFF];
+        for _ in 0..20_000 {
+            let mut raw = String::from("[\"");
+            for _ in 0..next() % 12 {
+                match next() % 5 {
+                    0 => raw.push_str(["ab", "é", "\\n", "\\/", "\\\\"][(next() % 5) as usize]),
+                    _ => {
+                        let cp = cps[(next() % cps.len() as u64) as usize];
+                        let mut units = [0u16; 2];
+                        for u in char::from_u32(cp).unwrap().encode_utf16(&mut units) {
+                            raw.push_str(&if next() % 2 == 0 { format!("\\u{u:04x}") } else { format!("\\u{u:04X}") });
+                        }
+                    }
+                }
+            }
+            raw.push_str("\",1]");
+            let text: Vec<serde_json::Value> = serde_json::from_str(&raw).unwrap();
+            let mut want = b"[".to_vec();
+            crate::hints::strings::write_canonical_string(text[0].as_str().unwrap(), &mut want);
+            want.extend_from_slice(b",1]");
+            assert_eq!(canon(&raw).unwrap(), want, "{raw}");
+            // a limit anywhere in the output, and a scratch without spare capacity
+            let cap = (next() % (want.len() as u64 + 1)) as usize;
+            let mut sc = Scratch::default();
+            let r = scan(&mut sc, raw.as_bytes(), cap, 128, Mode::Envelope).unwrap();
+            assert_eq!(r.canonical_len, want.len(), "{raw}");
+            if r.verbatim.is_none() {
+                assert!(want.starts_with(&sc.out), "{raw} limit {cap}");
+            }
+        }
+    }
+
+    #[test]
     fn duplicates_among_colliding_hashes() {
         // names of equal length and equal first and last eight bytes: equal hashes (and
         // bloom bits), different names; pairwise (up to 16 members) and sorted (more)
