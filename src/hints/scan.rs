@@ -22,14 +22,16 @@
 //! [`Scratch`], whose buffers keep their capacity between calls.
 //!
 //! Where the instructions go, per token (cachegrind counts in `benches/RESULTS.md`):
-//! - strings: one 16-byte classification when the closing quote comes first among the next 16
-//!   bytes (most names and short values), otherwise 16 bytes per step, with the escapes that
+//! - strings: one or two 16-byte classifications when the closing quote comes first among the
+//!   next 32 bytes (names and short values), otherwise 16 bytes per step, with the escapes that
 //!   canonical form keeps (`\"`, `\\`, `\n`, ...) and runs of non-ASCII characters (one 32-bit
-//!   load per character) handled in the same loop; `\uXXXX` escapes are decoded by table;
+//!   load per character) handled in the same loop; runs of `\uXXXX` escapes are decoded by table
+//!   straight into the output (one 32-bit store per character);
 //! - numbers: integers and decimals already in ryu's shortest form are recognised from their
 //!   digits (no parse, no formatting); others are parsed and formatted with ryu; lists of plain
 //!   integers (block hashes) go 16 bytes at a time, compact or spaced (`, `);
-//! - whitespace: one space after `:` or `,` is dropped inline, longer runs are skipped 16 bytes
+//! - between tokens: one load and one compare (every token starts above space); one space
+//!   before a token is dropped in the same test, longer runs are skipped 16 bytes
 //!   at a time, and the verbatim run before each is copied with two 16-byte moves when it is
 //!   32 bytes or shorter (one `memcpy` otherwise).
 //!
