@@ -304,6 +304,30 @@ fn details_never_carry_hint_contents() {
 }
 
 #[test]
+fn escaped_action_strings_are_decoded_in_every_slot() {
+    // Escaped and plain id, type and version strings in every combination over several actions:
+    // the snapshot's decoded texts land in its extra area in action order, each in its slot.
+    let edge = trusted();
+    let texts = ["p", "e\\u00e9\\\"", "t\\n\\u0000x", "\\ud83d\\ude00"];
+    let decoded = ["p", "e\u{e9}\"", "t\n\u{0}x", "\u{1F600}"];
+    let mut actions = Vec::new();
+    let mut want = Vec::new();
+    for i in 0..texts.len().pow(3) {
+        let (a, b, c) = (i % 4, i / 4 % 4, i / 16);
+        actions.push(format!(
+            r#"{{"action_id":"{}","action_type":"{}","action_version":"{}","payload":{{}}}}"#,
+            texts[a], texts[b], texts[c]
+        ));
+        want.push((decoded[a], decoded[b], decoded[c]));
+    }
+    let raw = format!(r#"{{"protocol_version":"0.1","message_id":"{}","actions":[{}]}}"#, texts[1], actions.join(","));
+    let s = assert_admitted(outcome(&edge, &raw));
+    assert_eq!(s.message_id(), decoded[1]);
+    let got: Vec<(&str, &str, &str)> = s.actions().map(|a| (a.id(), a.action_type(), a.version())).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
 fn step9_admitted_keeps_everything() {
     let edge = trusted();
     let raw = r#"{"protocol_version":"0.1","message_id":"m\"1","actions":[

@@ -83,8 +83,17 @@ impl Fill<'_> {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len()) };
         self.at = end;
     }
-    fn u32(&mut self, v: usize) {
-        self.put(&(v as u32).to_le_bytes());
+    /// Write `vals` as little-endian u32s, with one bounds check for the whole run (a header
+    /// or an action record), not one per word.
+    #[inline(always)]
+    fn u32s<const N: usize>(&mut self, vals: [usize; N]) {
+        let end = self.at + 4 * N;
+        for (d, v) in self.dst[self.at..end].chunks_exact_mut(4).zip(vals) {
+            for (x, b) in d.iter_mut().zip((v as u32).to_le_bytes()) {
+                x.write(b);
+            }
+        }
+        self.at = end;
     }
 }
 
@@ -139,47 +148,46 @@ impl Snapshot {
         let dst = Arc::get_mut(&mut arc).expect("a fresh Arc is unique");
         let mut w = Fill { dst, at: 0 };
         debug_assert_eq!(w.at, H_TOTAL);
-        w.u32(total);
-        w.u32(n);
-        w.u32(canon_off);
-        w.u32(p.canon.len());
-        for s in spans {
-            let (o, l) = abs(s);
-            w.u32(o);
-            w.u32(l);
-        }
-        w.u32(canon_off + p.actions.start as usize);
-        w.u32((p.actions.end - p.actions.start) as usize);
+        let ((pv_o, pv_l), (id_o, id_l)) = (abs(spans[0]), abs(spans[1]));
+        let actions = (canon_off + p.actions.start as usize, (p.actions.end - p.actions.start) as usize);
+        w.u32s([total, n, canon_off, p.canon.len(), pv_o, pv_l, id_o, id_l, actions.0, actions.1]);
         debug_assert_eq!(w.at, HEADER);
         // Walk the action strings in the same order as above to find their extra offsets.
         let mut x = before_actions;
         for r in p.recs {
-            w.u32(canon_off + r.start as usize);
-            w.u32((r.end - r.start) as usize);
-            for f in [r.id, r.ty, r.ver] {
+            let mut strs = [(0usize, 0usize); 3];
+            for (slot, f) in strs.iter_mut().zip([r.id, r.ty, r.ver]) {
                 let inner_start = f.start as usize + 1;
                 let inner = &p.canon[inner_start..f.end as usize - 1];
-                if f.escaped && inner.contains(&b'\\') {
+                *slot = if f.escaped && inner.contains(&b'\\') {
                     // The decoded text was appended above in this same order; its length
                     // follows from the canonical escapes without decoding again.
                     let len = decoded_len(inner);
-                    w.u32(extra_off + x);
-                    w.u32(len);
                     x += len;
+                    (extra_off + x - len, len)
                 } else {
-                    w.u32(canon_off + inner_start);
-                    w.u32(inner.len());
-                }
+                    (canon_off + inner_start, inner.len())
+                };
             }
-            w.u32(canon_off + r.payload.start as usize);
-            w.u32((r.payload.end - r.payload.start) as usize);
-            if r.endpoint.kind == Kind::Missing {
-                w.u32(canon_off);
-                w.u32(0);
+            let endpoint = if r.endpoint.kind == Kind::Missing {
+                (canon_off, 0)
             } else {
-                w.u32(canon_off + r.endpoint.start as usize);
-                w.u32((r.endpoint.end - r.endpoint.start) as usize);
-            }
+                (canon_off + r.endpoint.start as usize, (r.endpoint.end - r.endpoint.start) as usize)
+            };
+            w.u32s([
+                canon_off + r.start as usize,
+                (r.end - r.start) as usize,
+                strs[0].0,
+                strs[0].1,
+                strs[1].0,
+                strs[1].1,
+                strs[2].0,
+                strs[2].1,
+                canon_off + r.payload.start as usize,
+                (r.payload.end - r.payload.start) as usize,
+                endpoint.0,
+                endpoint.1,
+            ]);
         }
         debug_assert_eq!(x, extra.len());
         w.put(p.canon);
