@@ -163,6 +163,9 @@ enum Slot {
     BatchElem,
 }
 
+/// An open container. The innermost one lives in `Scanner::cur`, its parents in
+/// `Scratch::stack`, so that every token reaches its container's state at a fixed offset of the
+/// scanner instead of through the stack's length.
 #[derive(Clone, Copy)]
 struct Frame {
     is_obj: bool,
@@ -184,6 +187,22 @@ struct Frame {
     suspect: bool,
 }
 
+impl Frame {
+    /// The state of `Scanner::cur` while no container is open.
+    const NONE: Frame = Frame {
+        is_obj: false,
+        role: Role::Other,
+        slot: Slot::None,
+        keys_start: 0,
+        vstart: 0,
+        vraw: 0,
+        open: 0,
+        n: 0,
+        bloom: 0,
+        suspect: false,
+    };
+}
+
 /// Reusable working memory for the scanner (see [`crate::hints::Admission::admit_with`]). Buffers keep their capacity between calls, so after
 /// the first few calls a validation allocates nothing.
 #[derive(Default)]
@@ -199,9 +218,10 @@ pub struct Scratch {
 impl Scratch {
     /// A scratch area pre-sized for envelopes up to `max_bytes` canonical bytes and `max_depth`
     /// levels, so that validating such envelopes never allocates: the output, the nesting
-    /// stack, one record per action an admissible envelope can hold (an action takes at least
-    /// 68 canonical bytes), and 64 member names pending in the open objects at once (a
-    /// protocol 0.1 envelope has 4 in the root and each action, plus what payloads nest).
+    /// stack (the parents of the innermost container), one record per action an admissible
+    /// envelope can hold (an action takes at least 68 canonical bytes), and 64 member names
+    /// pending in the open objects at once (a protocol 0.1 envelope has 4 in the root and each
+    /// action, plus what payloads nest).
     /// Beyond those, the first call grows the scratch once and later calls reuse it.
     pub fn with_limits(max_bytes: usize, max_depth: usize) -> Scratch {
         let max_bytes = max_bytes.min(1 << 24);
@@ -271,6 +291,10 @@ struct Scanner<'a, 's> {
     root_end: usize,
     /// Whether the last string scanned had an escape (read by `record`).
     last_escaped: bool,
+    /// The innermost open container (meaningful while `depth > 0`).
+    cur: Frame,
+    /// Open containers: `cur` and the `depth - 1` parents in `Scratch::stack`.
+    depth: usize,
 }
 
 /// Scan one JSON value. `max_bytes` only bounds how much canonical output is written; the
@@ -302,6 +326,8 @@ pub(crate) fn scan(
         res: Scan::default(),
         root_end: 0,
         last_escaped: false,
+        cur: Frame::NONE,
+        depth: 0,
     };
     while s.pos < inp.len() && is_ws(inp[s.pos]) {
         s.pos += 1;
@@ -483,7 +509,7 @@ impl Scanner<'_, '_> {
                     self.finish_value(Kind::String);
                 }
                 b'-' | b'0'..=b'9' => {
-                    if self.sc.stack.last().is_some_and(|f| !f.is_obj && f.role == Role::Other) {
+                    if self.depth > 0 && !self.cur.is_obj && self.cur.role == Role::Other {
                         // an array that records nothing per element: the hash-list fast path
                         #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
                         {
@@ -539,10 +565,10 @@ impl Scanner<'_, '_> {
             }
             // After a complete value: separators and closers until a new value is due.
             loop {
-                let Some(top) = self.sc.stack.last() else {
+                if self.depth == 0 {
                     return Ok(());
-                };
-                let is_obj = top.is_obj;
+                }
+                let is_obj = self.cur.is_obj;
                 match self.sig() {
                     Some(b',') => {
                         self.pos += 1;
@@ -573,9 +599,10 @@ impl Scanner<'_, '_> {
     fn begin_value(&mut self, b: u8) {
         let pos = self.pos;
         let canon = self.canon32(pos);
-        let Some(top) = self.sc.stack.last_mut() else {
+        if self.depth == 0 {
             return;
-        };
+        }
+        let top = &mut self.cur;
         if top.is_obj {
             if top.slot != Slot::None {
                 top.vstart = canon;
@@ -603,11 +630,11 @@ impl Scanner<'_, '_> {
     /// Record a value that has just ended at `self.pos` into its parent's slot.
     #[inline(always)]
     fn finish_value(&mut self, kind: Kind) {
-        let Some(top) = self.sc.stack.last() else {
+        if self.depth == 0 {
             self.res.root = kind;
             return;
-        };
-        if top.slot == Slot::None {
+        }
+        if self.cur.slot == Slot::None {
             return;
         }
         self.record(kind);
@@ -616,8 +643,7 @@ impl Scanner<'_, '_> {
     #[inline(always)]
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
-        let top = self.sc.stack.last().expect("record needs a parent");
-        let (slot, vstart, vraw) = (top.slot, top.vstart, top.vraw);
+        let (slot, vstart, vraw) = (self.cur.slot, self.cur.vstart, self.cur.vraw);
         let f = Field { kind, start: vstart, end, escaped: kind == Kind::String && self.last_escaped };
         match slot {
             Slot::None | Slot::ActionElem => {}
@@ -653,28 +679,33 @@ impl Scanner<'_, '_> {
 
     #[inline(always)]
     fn open(&mut self, is_obj: bool) -> Result<(), Detail> {
-        if self.sc.stack.len() >= self.max_depth {
+        if self.depth >= self.max_depth {
             return Err(Detail::at("nesting deeper than max_depth", self.pos));
         }
-        let role = match self.sc.stack.last() {
-            None => match (self.mode, is_obj) {
+        let role = if self.depth == 0 {
+            match (self.mode, is_obj) {
                 (Mode::Envelope, true) => Role::Root,
                 (Mode::BatchList, false) => Role::BatchList,
                 _ => Role::Other,
-            },
-            Some(p) => match (p.slot, is_obj) {
+            }
+        } else {
+            match (self.cur.slot, is_obj) {
                 (Slot::Actions, false) => Role::ActionsArr,
                 (Slot::ActionElem, true) => Role::Action,
                 (Slot::Payload, true) => Role::Payload,
                 _ => Role::Other,
-            },
+            }
         };
         if role == Role::Action {
             let start = self.canon32(self.pos);
             self.sc.actions.push(ActionRec { start, ..ActionRec::default() });
         }
         let keys_start = self.sc.keys.len() as u32;
-        self.sc.stack.push(Frame {
+        if self.depth > 0 {
+            self.sc.stack.push(self.cur);
+        }
+        self.depth += 1;
+        self.cur = Frame {
             is_obj,
             role,
             slot: Slot::None,
@@ -685,7 +716,7 @@ impl Scanner<'_, '_> {
             n: 0,
             bloom: 0,
             suspect: false,
-        });
+        };
         self.pos += 1;
         Ok(())
     }
@@ -693,7 +724,11 @@ impl Scanner<'_, '_> {
     /// The closer has been consumed (`self.pos` is just past it).
     #[inline(always)]
     fn close(&mut self) -> Result<(), Detail> {
-        let f = self.sc.stack.pop().expect("close needs an open container");
+        let f = self.cur;
+        self.depth -= 1;
+        if self.depth > 0 {
+            self.cur = self.sc.stack.pop().expect("the parent of an inner container");
+        }
         if f.is_obj {
             let ks = f.keys_start as usize;
             if f.suspect && self.mode == Mode::Envelope {
@@ -776,7 +811,7 @@ impl Scanner<'_, '_> {
         } else {
             &self.inp[start..end]
         };
-        let top = self.sc.stack.last_mut().expect("a member needs an object");
+        let top = &mut self.cur;
         let bit = 1u128 << (key.hash >> 57);
         top.suspect |= top.bloom & bit != 0;
         top.bloom |= bit;
