@@ -178,7 +178,7 @@ struct Frame {
     vraw: u32,
     /// raw offset of the opening bracket, for error details
     open: u32,
-    /// number of elements begun so far (arrays)
+    /// number of elements begun so far (the root `actions` array only)
     n: u32,
     /// Objects: one bit per member-name hash seen (its top seven bits). A name whose bit is
     /// already set makes the object `suspect`; only suspect objects run the duplicate check
@@ -595,33 +595,33 @@ impl Scanner<'_, '_> {
     }
 
     /// Called at the first byte of every value: note where it starts for the parent's record.
+    /// A member that fills no slot and an element of a plain array (almost every value) cost
+    /// two tests; the canonical position is computed only where it is recorded.
     #[inline(always)]
     fn begin_value(&mut self, b: u8) {
-        let pos = self.pos;
-        let canon = self.canon32(pos);
         if self.depth == 0 {
             return;
         }
-        let top = &mut self.cur;
-        if top.is_obj {
-            if top.slot != Slot::None {
-                top.vstart = canon;
-                top.vraw = pos as u32;
+        let pos = self.pos;
+        if self.cur.is_obj {
+            if self.cur.slot != Slot::None {
+                self.cur.vstart = self.canon32(pos);
+                self.cur.vraw = pos as u32;
             }
             return;
         }
-        let idx = top.n;
-        top.n += 1;
-        match top.role {
+        match self.cur.role {
             Role::ActionsArr => {
-                top.slot = Slot::ActionElem;
+                let idx = self.cur.n;
+                self.cur.n += 1;
+                self.cur.slot = Slot::ActionElem;
                 if b != b'{' && self.res.action_not_object.is_none() {
                     self.res.action_not_object = Some(idx);
                 }
             }
             Role::BatchList => {
-                top.slot = Slot::BatchElem;
-                top.vraw = pos as u32;
+                self.cur.slot = Slot::BatchElem;
+                self.cur.vraw = pos as u32;
             }
             _ => {}
         }
