@@ -163,9 +163,10 @@ enum Slot {
     BatchElem,
 }
 
-/// An open container. The innermost one lives in `Scanner::cur`, its parents in
-/// `Scratch::stack`, so that every token reaches its container's state at a fixed offset of the
-/// scanner instead of through the stack's length.
+/// An open container, an element of `Scratch::stack`; `Scanner::top` points at the innermost
+/// one, so that every token reaches its container's state with one load instead of through
+/// the stack's length (and nothing copies a frame that was just written, which would stall on
+/// store forwarding).
 #[derive(Clone, Copy)]
 struct Frame {
     is_obj: bool,
@@ -187,22 +188,6 @@ struct Frame {
     suspect: bool,
 }
 
-impl Frame {
-    /// The state of `Scanner::cur` while no container is open.
-    const NONE: Frame = Frame {
-        is_obj: false,
-        role: Role::Other,
-        slot: Slot::None,
-        keys_start: 0,
-        vstart: 0,
-        vraw: 0,
-        open: 0,
-        n: 0,
-        bloom: 0,
-        suspect: false,
-    };
-}
-
 /// Reusable working memory for the scanner (see [`crate::hints::Admission::admit_with`]). Buffers keep their capacity between calls, so after
 /// the first few calls a validation allocates nothing.
 #[derive(Default)]
@@ -218,7 +203,7 @@ pub struct Scratch {
 impl Scratch {
     /// A scratch area pre-sized for envelopes up to `max_bytes` canonical bytes and `max_depth`
     /// levels, so that validating such envelopes never allocates: the output, the nesting
-    /// stack (the parents of the innermost container), one record per action an admissible
+    /// stack, one record per action an admissible
     /// envelope can hold (an action takes at least 68 canonical bytes), and 64 member names
     /// pending in the open objects at once (a protocol 0.1 envelope has 4 in the root and each
     /// action, plus what payloads nest).
@@ -291,10 +276,10 @@ struct Scanner<'a, 's> {
     root_end: usize,
     /// Whether the last string scanned had an escape (read by `record`).
     last_escaped: bool,
-    /// The innermost open container (meaningful while `depth > 0`).
-    cur: Frame,
-    /// Open containers: `cur` and the `depth - 1` parents in `Scratch::stack`.
-    depth: usize,
+    /// The last element of `Scratch::stack` (the innermost open container), null while none
+    /// is open. Set by [`Scanner::set_top`] after every push and pop, the only operations that
+    /// change the stack while scanning; read through [`Scanner::cur`] and [`Scanner::cur_mut`].
+    top: *mut Frame,
 }
 
 /// Scan one JSON value. `max_bytes` only bounds how much canonical output is written; the
@@ -326,8 +311,7 @@ pub(crate) fn scan(
         res: Scan::default(),
         root_end: 0,
         last_escaped: false,
-        cur: Frame::NONE,
-        depth: 0,
+        top: std::ptr::null_mut(),
     };
     while s.pos < inp.len() && is_ws(inp[s.pos]) {
         s.pos += 1;
@@ -354,6 +338,42 @@ pub(crate) fn scan(
 }
 
 impl Scanner<'_, '_> {
+    /// Whether a container is open.
+    #[inline(always)]
+    fn nested(&self) -> bool {
+        !self.top.is_null()
+    }
+
+    /// The innermost open container. Callers check [`Scanner::nested`] first.
+    #[inline(always)]
+    fn cur(&self) -> &Frame {
+        debug_assert!(self.nested() && self.sc.stack.last().is_some_and(|f| std::ptr::eq(f, self.top)));
+        // SAFETY: `top` is non-null only while the stack is not empty, and then points at its
+        // last element: `set_top` derives it from `as_mut_ptr` after every push and pop, and
+        // nothing else changes the stack (or moves its buffer) while scanning. The returned
+        // reference borrows `self`, so no `&mut` to the frame can be made while it lives.
+        unsafe { &*self.top }
+    }
+
+    /// The innermost open container, mutably. Callers check [`Scanner::nested`] first.
+    #[inline(always)]
+    fn cur_mut(&mut self) -> &mut Frame {
+        debug_assert!(self.nested() && self.sc.stack.last().is_some_and(|f| std::ptr::eq(f, self.top)));
+        // SAFETY: as in `cur`; the reference borrows `self` mutably, so it is the only one.
+        unsafe { &mut *self.top }
+    }
+
+    /// Point `top` at the stack's last element (null when it is empty).
+    #[inline(always)]
+    fn set_top(&mut self) {
+        let st = &mut self.sc.stack;
+        self.top = match st.len() {
+            0 => std::ptr::null_mut(),
+            // SAFETY: `n - 1 < len`, so the pointer stays inside the stack's allocation.
+            n => unsafe { st.as_mut_ptr().add(n - 1) },
+        };
+    }
+
     #[inline(always)]
     fn canon(&self, pos: usize) -> usize {
         self.total + (pos - self.run)
@@ -509,7 +529,7 @@ impl Scanner<'_, '_> {
                     self.finish_value(Kind::String);
                 }
                 b'-' | b'0'..=b'9' => {
-                    if self.depth > 0 && !self.cur.is_obj && self.cur.role == Role::Other {
+                    if self.nested() && !self.cur().is_obj && self.cur().role == Role::Other {
                         // an array that records nothing per element: the hash-list fast path
                         #[cfg(all(target_arch = "x86_64", not(kvrelay_portable)))]
                         {
@@ -565,10 +585,10 @@ impl Scanner<'_, '_> {
             }
             // After a complete value: separators and closers until a new value is due.
             loop {
-                if self.depth == 0 {
+                if !self.nested() {
                     return Ok(());
                 }
-                let is_obj = self.cur.is_obj;
+                let is_obj = self.cur().is_obj;
                 match self.sig() {
                     Some(b',') => {
                         self.pos += 1;
@@ -599,29 +619,31 @@ impl Scanner<'_, '_> {
     /// two tests; the canonical position is computed only where it is recorded.
     #[inline(always)]
     fn begin_value(&mut self, b: u8) {
-        if self.depth == 0 {
+        if !self.nested() {
             return;
         }
         let pos = self.pos;
-        if self.cur.is_obj {
-            if self.cur.slot != Slot::None {
-                self.cur.vstart = self.canon32(pos);
-                self.cur.vraw = pos as u32;
+        let canon = self.canon32(pos);
+        let top = self.cur_mut();
+        if top.is_obj {
+            if top.slot != Slot::None {
+                top.vstart = canon;
+                top.vraw = pos as u32;
             }
             return;
         }
-        match self.cur.role {
+        match top.role {
             Role::ActionsArr => {
-                let idx = self.cur.n;
-                self.cur.n += 1;
-                self.cur.slot = Slot::ActionElem;
+                let idx = top.n;
+                top.n += 1;
+                top.slot = Slot::ActionElem;
                 if b != b'{' && self.res.action_not_object.is_none() {
                     self.res.action_not_object = Some(idx);
                 }
             }
             Role::BatchList => {
-                self.cur.slot = Slot::BatchElem;
-                self.cur.vraw = pos as u32;
+                top.slot = Slot::BatchElem;
+                top.vraw = pos as u32;
             }
             _ => {}
         }
@@ -630,11 +652,11 @@ impl Scanner<'_, '_> {
     /// Record a value that has just ended at `self.pos` into its parent's slot.
     #[inline(always)]
     fn finish_value(&mut self, kind: Kind) {
-        if self.depth == 0 {
+        if !self.nested() {
             self.res.root = kind;
             return;
         }
-        if self.cur.slot == Slot::None {
+        if self.cur().slot == Slot::None {
             return;
         }
         self.record(kind);
@@ -643,7 +665,8 @@ impl Scanner<'_, '_> {
     #[inline(always)]
     fn record(&mut self, kind: Kind) {
         let end = self.canon32(self.pos);
-        let (slot, vstart, vraw) = (self.cur.slot, self.cur.vstart, self.cur.vraw);
+        let top = self.cur();
+        let (slot, vstart, vraw) = (top.slot, top.vstart, top.vraw);
         let f = Field { kind, start: vstart, end, escaped: kind == Kind::String && self.last_escaped };
         match slot {
             Slot::None | Slot::ActionElem => {}
@@ -679,17 +702,17 @@ impl Scanner<'_, '_> {
 
     #[inline(always)]
     fn open(&mut self, is_obj: bool) -> Result<(), Detail> {
-        if self.depth >= self.max_depth {
+        if self.sc.stack.len() >= self.max_depth {
             return Err(Detail::at("nesting deeper than max_depth", self.pos));
         }
-        let role = if self.depth == 0 {
+        let role = if !self.nested() {
             match (self.mode, is_obj) {
                 (Mode::Envelope, true) => Role::Root,
                 (Mode::BatchList, false) => Role::BatchList,
                 _ => Role::Other,
             }
         } else {
-            match (self.cur.slot, is_obj) {
+            match (self.cur().slot, is_obj) {
                 (Slot::Actions, false) => Role::ActionsArr,
                 (Slot::ActionElem, true) => Role::Action,
                 (Slot::Payload, true) => Role::Payload,
@@ -701,11 +724,7 @@ impl Scanner<'_, '_> {
             self.sc.actions.push(ActionRec { start, ..ActionRec::default() });
         }
         let keys_start = self.sc.keys.len() as u32;
-        if self.depth > 0 {
-            self.sc.stack.push(self.cur);
-        }
-        self.depth += 1;
-        self.cur = Frame {
+        self.sc.stack.push(Frame {
             is_obj,
             role,
             slot: Slot::None,
@@ -716,7 +735,8 @@ impl Scanner<'_, '_> {
             n: 0,
             bloom: 0,
             suspect: false,
-        };
+        });
+        self.set_top();
         self.pos += 1;
         Ok(())
     }
@@ -724,11 +744,8 @@ impl Scanner<'_, '_> {
     /// The closer has been consumed (`self.pos` is just past it).
     #[inline(always)]
     fn close(&mut self) -> Result<(), Detail> {
-        let f = self.cur;
-        self.depth -= 1;
-        if self.depth > 0 {
-            self.cur = self.sc.stack.pop().expect("the parent of an inner container");
-        }
+        let f = self.sc.stack.pop().expect("close needs an open container");
+        self.set_top();
         if f.is_obj {
             let ks = f.keys_start as usize;
             if f.suspect && self.mode == Mode::Envelope {
@@ -811,14 +828,15 @@ impl Scanner<'_, '_> {
         } else {
             &self.inp[start..end]
         };
-        let top = &mut self.cur;
-        let bit = 1u128 << (key.hash >> 57);
-        top.suspect |= top.bloom & bit != 0;
-        top.bloom |= bit;
-        top.slot = match top.role {
+        let slot = match self.cur().role {
             Role::Other => Slot::None,
             role => slot_of(role, name),
         };
+        let top = self.cur_mut();
+        let bit = 1u128 << (key.hash >> 57);
+        top.suspect |= top.bloom & bit != 0;
+        top.bloom |= bit;
+        top.slot = slot;
         self.sc.keys.push(key);
         if self.sig() != Some(b':') {
             return Err(Detail::at("expected ':' after a member name", self.pos));
