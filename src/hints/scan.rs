@@ -973,7 +973,11 @@ impl Scanner<'_, '_> {
                     self.rewrite(p, end, canon);
                 }
             } else {
-                self.flush(p);
+                // the verbatim run before the first escape of the run (the later ones follow
+                // each other: nothing to copy)
+                if self.run != p {
+                    self.flush(p);
+                }
                 // UTF-8 bytes in little-endian order, and their count
                 let (word, n) = if cp < 0x800 {
                     (0xC0 | cp >> 6 | (0x80 | cp & 0x3F) << 8, 2)
