@@ -535,9 +535,12 @@ impl Scanner<'_, '_> {
                         {
                             // whole 16-byte blocks of plain integers, then one element through
                             // the general number path wherever the block scanner stopped
-                            self.number()?;
+                            // (after a float, the next element goes straight to the general
+                            // path: a list of floats would stop every block at once)
+                            let mut float = self.number()?;
                             loop {
                                 match self.inp.get(self.pos..self.pos + 2) {
+                                    _ if float => {}
                                     Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
                                         self.int_blocks::<false>();
                                     }
@@ -547,7 +550,7 @@ impl Scanner<'_, '_> {
                                 match self.inp.get(self.pos..self.pos + 2) {
                                     Some(&[b',', c]) if c == b'-' || c.is_ascii_digit() => {
                                         self.pos += 1;
-                                        self.number()?;
+                                        float = self.number()?;
                                     }
                                     // other whitespace after the comma (indented lists): the
                                     // scalar run drops each separator's whitespace as it goes
@@ -1181,9 +1184,10 @@ impl Scanner<'_, '_> {
         }
     }
 
-    /// A number starting at `self.pos` (a '-' or a digit).
+    /// A number starting at `self.pos` (a '-' or a digit); returns whether it has a fraction or
+    /// an exponent.
     #[inline(always)]
-    fn number(&mut self) -> Result<(), Detail> {
+    fn number(&mut self) -> Result<bool, Detail> {
         let inp = self.inp;
         let start = self.pos;
         let neg = inp[start] == b'-';
@@ -1209,7 +1213,7 @@ impl Scanner<'_, '_> {
             } else if neg && nd == 1 && inp[ds] == b'0' {
                 self.rewrite(start, p, b"0");
             }
-            return Ok(());
+            return Ok(false);
         }
         let int_end = p;
         if inp[p] == b'.' {
@@ -1222,7 +1226,7 @@ impl Scanner<'_, '_> {
             {
                 // already what ryu prints: no parse, no formatting
                 self.pos = p;
-                return Ok(());
+                return Ok(true);
             }
         }
         if matches!(inp.get(p), Some(b'e' | b'E')) {
@@ -1248,7 +1252,7 @@ impl Scanner<'_, '_> {
             }
             _ => self.note_number("number is not finite as an f64", start),
         }
-        Ok(())
+        Ok(true)
     }
 
     #[cold]
