@@ -1308,6 +1308,16 @@ mod tests {
         })
     }
 
+    /// A seeded xorshift64* generator for the randomized tests.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+    }
+
     #[test]
     fn digits_swar() {
         for s in ["", "1", "12345678", "123456789", "1234567x9", "9/9:", "123456789012345678901234"] {
@@ -1328,13 +1338,7 @@ mod tests {
     fn float_fast_path_agrees_with_ryu() {
         // Every decimal the fast path accepts must be ryu's own text; random digit strings of
         // every shape near the limits (lengths, leading and trailing zeros).
-        let mut x = 0x1234_5678_9ABC_DEF1u64;
-        let mut next = move || {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        };
+        let mut next = xorshift(0x1234_5678_9ABC_DEF1);
         let mut accepted = 0;
         for _ in 0..100_000 {
             let digits = |n: u64, r: u64| -> String {
@@ -1380,13 +1384,7 @@ mod tests {
         // plain text, raw UTF-8 and other escapes: the canonical string is serde_json's decoded
         // text written canonically, whatever the output limit (writing stops past it, the
         // length is still counted), and the output's spare capacity before each character.
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         let cps =
             [0x41u32, 0x22, 0x5C, 0x2F, 0x01, 0x1F, 0x0A, 0x7F, 0xE9, 0x7FF, 0x800, 0x20AC, 0xFFFF, 0x1F600, 0x10FFFF];
         for _ in 0..20_000 {
