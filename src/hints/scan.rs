@@ -953,28 +953,37 @@ impl Scanner<'_, '_> {
     #[inline(never)]
     fn unicode_escapes(&mut self, mut p: usize) -> Result<usize, Detail> {
         let inp = self.inp;
-        let is_u = |p: usize| inp.get(p) == Some(&b'\\') && inp.get(p + 1) == Some(&b'u');
-        let (mut cp, mut end) = unicode_escape(inp, p)?;
         loop {
+            let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
+            let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
+                let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') {
+                    hex4(inp, p + 8)
+                } else {
+                    None
+                };
+                match lo {
+                    Some(lo) if (0xDC00..0xE000).contains(&lo) => {
+                        (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
+                    }
+                    _ => return Err(Detail::at("lone surrogate escape", p)),
+                }
+            } else if (0xDC00..0xE000).contains(&hi) {
+                return Err(Detail::at("lone surrogate escape", p));
+            } else {
+                (hi, p + 6)
+            };
             if cp < 0x80 {
                 let mut buf = [0u8; 6];
                 let canon = canonical_char(cp, &mut buf);
                 if canon != &inp[p..end] {
                     self.rewrite(p, end, canon);
                 }
-                p = end;
-                if !is_u(p) {
-                    return Ok(p);
+            } else {
+                // the verbatim run before the first escape of the run (the later ones follow
+                // each other: nothing to copy)
+                if self.run != p {
+                    self.flush(p);
                 }
-                (cp, end) = unicode_escape(inp, p)?;
-                continue;
-            }
-            // the verbatim run before the first escape of the run
-            self.flush(p);
-            // then the run's non-ASCII characters, with the output's state in locals
-            let (cap, mut total) = (self.cap, self.total);
-            let out = &mut self.sc.out;
-            let next = loop {
                 // UTF-8 bytes in little-endian order, and their count
                 let (word, n) = if cp < 0x800 {
                     (0xC0 | cp >> 6 | (0x80 | cp & 0x3F) << 8, 2)
@@ -984,7 +993,8 @@ impl Scanner<'_, '_> {
                     let b = [0xF0 | cp >> 18, 0x80 | cp >> 12 & 0x3F, 0x80 | cp >> 6 & 0x3F, 0x80 | cp & 0x3F];
                     (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, 4)
                 };
-                if total <= cap {
+                if self.total <= self.cap {
+                    let out = &mut self.sc.out;
                     if out.capacity() - out.len() >= 4 {
                         // SAFETY: the four bytes written lie in `out`'s allocation (at least
                         // four bytes of spare capacity after `len`, checked above);
@@ -998,22 +1008,13 @@ impl Scanner<'_, '_> {
                         out.extend_from_slice(&word.to_le_bytes()[..n]);
                     }
                 }
-                total += n;
-                p = end;
-                if !is_u(p) {
-                    break None;
-                }
-                match unicode_escape(inp, p) {
-                    Ok((c, e)) if c >= 0x80 => (cp, end) = (c, e),
-                    other => break Some(other),
-                }
-            };
-            self.total = total;
-            self.run = p;
-            self.rewrote = true;
-            match next {
-                None => return Ok(p),
-                Some(r) => (cp, end) = r?,
+                self.total += n;
+                self.run = end;
+                self.rewrote = true;
+            }
+            p = end;
+            if !(inp.get(p) == Some(&b'\\') && inp.get(p + 1) == Some(&b'u')) {
+                return Ok(p);
             }
         }
     }
@@ -1262,24 +1263,6 @@ impl Scanner<'_, '_> {
         if self.res.number_error.is_none() {
             self.res.number_error = Some(Detail::at(what, at));
         }
-    }
-}
-
-/// The code point of the `\\uXXXX` escape at `p` (a surrogate pair counts as one) and the
-/// position after it.
-#[inline(always)]
-fn unicode_escape(inp: &[u8], p: usize) -> Result<(u32, usize), Detail> {
-    let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
-    if (0xD800..0xDC00).contains(&hi) {
-        let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') { hex4(inp, p + 8) } else { None };
-        match lo {
-            Some(lo) if (0xDC00..0xE000).contains(&lo) => Ok((0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)),
-            _ => Err(Detail::at("lone surrogate escape", p)),
-        }
-    } else if (0xDC00..0xE000).contains(&hi) {
-        Err(Detail::at("lone surrogate escape", p))
-    } else {
-        Ok((hi, p + 6))
     }
 }
 
