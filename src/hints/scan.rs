@@ -206,10 +206,9 @@ pub struct Scratch {
 impl Scratch {
     /// A scratch area pre-sized for envelopes up to `max_bytes` canonical bytes and `max_depth`
     /// levels, so that validating such envelopes never allocates: the output, the nesting
-    /// stack, one record per action an admissible
-    /// envelope can hold (an action takes at least 68 canonical bytes), and 64 member names
-    /// pending in the open objects at once (a protocol 0.1 envelope has 4 in the root and each
-    /// action, plus what payloads nest).
+    /// stack, one record per action an admissible envelope can hold (an action takes at least
+    /// 68 canonical bytes), and 64 member names pending in the open objects at once (a
+    /// protocol 0.1 envelope has 4 in the root and each action, plus what payloads nest).
     /// Beyond those, the first call grows the scratch once and later calls reuse it.
     pub fn with_limits(max_bytes: usize, max_depth: usize) -> Scratch {
         let max_bytes = max_bytes.min(1 << 24);
