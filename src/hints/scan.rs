@@ -448,45 +448,28 @@ impl Scanner<'_, '_> {
         self.inp.get(self.pos).copied()
     }
 
-    /// Skip insignificant whitespace; canonical form drops it. One space followed by a token
-    /// (the `": "` and `", "` of spaced encoders) is handled inline; longer runs (indentation)
-    /// are skipped 16 bytes at a time.
-    #[inline(always)]
-    fn ws(&mut self) {
-        let inp = self.inp;
-        let p = self.pos;
-        if p < inp.len() && is_ws(inp[p]) {
-            if inp.get(p + 1).is_some_and(|&c| !is_ws(c)) {
-                self.pos = p + 1;
-                self.drop_ws(p, p + 1);
-            } else {
-                self.ws_slow();
-            }
-        }
-    }
-
-    /// Skip insignificant whitespace at `self.pos` and return the byte there (`None` at the end
-    /// of the input). Every token begins with a byte above space, so between tokens of compact
-    /// input this is one load and one compare; whitespace takes [`Scanner::ws`].
+    /// Skip insignificant whitespace at `self.pos` (canonical form drops it) and return the
+    /// byte there (`None` at the end of the input). Every token begins with a byte above space,
+    /// so between tokens of compact input this is one load and one compare; one whitespace byte
+    /// before a token (the `": "` and `", "` of spaced encoders) is dropped inline; longer runs
+    /// (indentation) are skipped 16 bytes at a time.
     #[inline(always)]
     fn sig(&mut self) -> Option<u8> {
         let inp = self.inp;
         let p = self.pos;
         let b = *inp.get(p)?;
-        if b > b' ' {
+        if b > b' ' || !is_ws(b) {
+            // a token, or a control character the caller reports
             return Some(b);
         }
-        // one space before a token (`": "`, `", "`): dropped here, and that token returned
-        if b == b' ' {
-            if let Some(&c) = inp.get(p + 1) {
-                if c > b' ' {
-                    self.pos = p + 1;
-                    self.drop_ws(p, p + 1);
-                    return Some(c);
-                }
+        if let Some(&c) = inp.get(p + 1) {
+            if !is_ws(c) {
+                self.pos = p + 1;
+                self.drop_ws(p, p + 1);
+                return Some(c);
             }
         }
-        self.ws();
+        self.ws_slow();
         self.peek()
     }
 
@@ -628,15 +611,17 @@ impl Scanner<'_, '_> {
             return;
         }
         let pos = self.pos;
-        let canon = self.canon32(pos);
-        let top = self.cur_mut();
-        if top.is_obj {
-            if top.slot != Slot::None {
+        let (is_obj, slot) = (self.cur().is_obj, self.cur().slot);
+        if is_obj {
+            if slot != Slot::None {
+                let canon = self.canon32(pos);
+                let top = self.cur_mut();
                 top.vstart = canon;
                 top.vraw = pos as u32;
             }
             return;
         }
+        let top = self.cur_mut();
         match top.role {
             Role::ActionsArr => {
                 let idx = top.n;
@@ -749,20 +734,24 @@ impl Scanner<'_, '_> {
     /// The closer has been consumed (`self.pos` is just past it).
     #[inline(always)]
     fn close(&mut self) -> Result<(), Detail> {
-        let f = self.sc.stack.pop().expect("close needs an open container");
+        // the fields it needs, read in place (no copy of the frame)
+        let (is_obj, role, ks, suspect, open) = {
+            let f = self.cur();
+            (f.is_obj, f.role, f.keys_start as usize, f.suspect, f.open as usize)
+        };
+        self.sc.stack.truncate(self.sc.stack.len() - 1);
         self.set_top();
-        if f.is_obj {
-            let ks = f.keys_start as usize;
-            if f.suspect && self.mode == Mode::Envelope {
-                self.check_duplicates(ks, f.open as usize)?;
+        if is_obj {
+            if suspect && self.mode == Mode::Envelope {
+                self.check_duplicates(ks, open)?;
             }
             self.sc.keys.truncate(ks);
         }
-        if f.role == Role::Action {
+        if role == Role::Action {
             let end = self.canon32(self.pos);
             self.sc.actions.last_mut().expect("an open action").end = end;
         }
-        self.finish_value(if f.is_obj { Kind::Object } else { Kind::Array });
+        self.finish_value(if is_obj { Kind::Object } else { Kind::Array });
         Ok(())
     }
 
@@ -955,11 +944,7 @@ impl Scanner<'_, '_> {
         loop {
             let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
             let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
-                let lo = if inp.get(p + 6) == Some(&b'\\') && inp.get(p + 7) == Some(&b'u') {
-                    hex4(inp, p + 8)
-                } else {
-                    None
-                };
+                let lo = if inp.get(p + 6..p + 8) == Some(b"\\u") { hex4(inp, p + 8) } else { None };
                 match lo {
                     Some(lo) if (0xDC00..0xE000).contains(&lo) => {
                         (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
@@ -1012,7 +997,7 @@ impl Scanner<'_, '_> {
                 self.rewrote = true;
             }
             p = end;
-            if !(inp.get(p) == Some(&b'\\') && inp.get(p + 1) == Some(&b'u')) {
+            if inp.get(p..p + 2) != Some(b"\\u") {
                 return Ok(p);
             }
         }
