@@ -162,9 +162,9 @@ impl Snapshot {
                 *slot = if f.escaped && inner.contains(&b'\\') {
                     // The decoded text was appended above in this same order; its length
                     // follows from the canonical escapes without decoding again.
-                    let len = decoded_len(inner);
+                    let (at, len) = (extra_off + x, decoded_len(inner));
                     x += len;
-                    (extra_off + x - len, len)
+                    (at, len)
                 } else {
                     (canon_off + inner_start, inner.len())
                 };
