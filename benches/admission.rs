@@ -32,27 +32,14 @@ mod common;
 
 use std::hint::black_box;
 
-use common::shapes::{self, Shape, Style, Ws};
-use common::{envelope, measure, Rng};
+use common::measure;
 
 use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig, Outcome};
 
 fn main() {
     let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
-    let mut rng = Rng(0x5EED_1234_ABCD_0001);
-    let pool: Vec<u64> = (0..8192).map(|_| rng.next()).collect();
-    // the largest hash count whose canonical encoding fits 65,536 bytes
-    let max_n = common::max_hashes(&pool, 65_536);
-    // Cases 0-3 are the envelopes of the first runs (kept for comparison with them); the
-    // generated shapes follow.
-    let mut cases: Vec<(String, String)> = vec![
-        ("hashes: small (2 hashes)".into(), envelope(&pool[4000..4002], false)),
-        ("hashes: medium (256 hashes)".into(), envelope(&pool[5000..5256], false)),
-        (format!("hashes: max ({max_n} hashes)"), envelope(&pool[..max_n], false)),
-        (format!("hashes: max, spaced ({max_n} hashes)"), envelope(&pool[..max_n], true)),
-    ];
-    cases.extend(generated_cases());
+    let cases = common::admission_cases();
     // Profiling mode: only kvrelay admission of one envelope, N times (for callgrind or
     // cachegrind --branch-sim=yes, whose counts do not depend on other load).
     if let Some(n) = std::env::var("KVRELAY_BENCH_PROFILE").ok().and_then(|v| v.parse::<usize>().ok()) {
@@ -130,54 +117,4 @@ fn main() {
     println!("| admit with the per-thread scratch | {:.1} us |", a / 1000.0);
     println!("| full scan, rejected at step 6 (no snapshot) | {:.1} us |", u / 1000.0);
     println!("| trust off (nothing parsed) | {t:.1} ns |");
-}
-
-/// The generated shapes (`benches/common/shapes.rs`), seeded: small (about 250 bytes), medium,
-/// and max (the most units whose canonical encoding fits 65,536 bytes), compact, plus the
-/// spellings other encoders produce: spaced (`json.dumps` default separators), indented
-/// (`json.dumps(indent=2)`), and `ensure_ascii` (every non-ASCII character as `\uXXXX`).
-fn generated_cases() -> Vec<(String, String)> {
-    const SEED: u64 = 0x5EED_0000_2026_1130;
-    let wide = Admission::new(AdmissionConfig {
-        trusted: true,
-        max_bytes: 1 << 24,
-        max_raw_bytes: 1 << 24,
-        ..Default::default()
-    })
-    .unwrap();
-    let canonical_len = |j: &shapes::J| match wide.admit(Some(shapes::write(j, Style::COMPACT).as_bytes())) {
-        Outcome::Admitted(s) => s.canonical().len(),
-        other => panic!("generated envelope not admitted: {other:?}"),
-    };
-    let ascii_spaced = Style { ws: Ws::Spaced, ensure_ascii: true };
-    let mut out = Vec::new();
-    for shape in Shape::ALL {
-        let name = shape.name();
-        let max = shapes::max_units(shape, SEED, 65_536, canonical_len);
-        let unit = match shape {
-            Shape::Hashes => "hashes",
-            Shape::Mixed => "actions",
-            Shape::Strings => "actions",
-        };
-        let medium = match shape {
-            Shape::Hashes => 256,
-            Shape::Mixed => 16,
-            Shape::Strings => 8,
-        };
-        let small = shapes::envelope(shape, 0, SEED);
-        let big = shapes::envelope(shape, max, SEED);
-        let mut add = |label: String, j: &shapes::J, style: Style| out.push((label, shapes::write(j, style)));
-        if shape != Shape::Hashes {
-            add(format!("{name}: small"), &small, Style::COMPACT);
-            add(format!("{name}: small, spaced"), &small, Style::SPACED);
-            add(format!("{name}: medium ({medium} {unit})"), &shapes::envelope(shape, medium, SEED), Style::COMPACT);
-            add(format!("{name}: max ({max} {unit})"), &big, Style::COMPACT);
-            add(format!("{name}: max, spaced ({max} {unit})"), &big, Style::SPACED);
-        }
-        add(format!("{name}: max, indented ({max} {unit})"), &big, Style::INDENTED);
-        if shape == Shape::Strings {
-            add(format!("{name}: max, spaced + ensure_ascii ({max} {unit})"), &big, ascii_spaced);
-        }
-    }
-    out
 }

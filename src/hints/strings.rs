@@ -183,15 +183,19 @@ mod tests {
 
     #[test]
     fn hex4_reads_every_digit_and_refuses_the_rest() {
-        for b in 0u8..=255 {
-            let want = (b as char).to_digit(16);
-            let text = [b'0', b, b'0', b'0'];
-            assert_eq!(hex4(&text, 0), want.map(|d| d << 8), "{b:#x}");
-            let text = [b, b'f', b'F', b'9'];
-            assert_eq!(hex4(&text, 0), want.map(|d| d << 12 | 0xFF9), "{b:#x}");
+        // every byte value in every position, the other positions digits of both cases
+        let fill = [b'f', b'0', b'A', b'9'];
+        for lane in 0..4 {
+            for b in 0u8..=255 {
+                let mut text = fill;
+                text[lane] = b;
+                let want = text.iter().try_fold(0u32, |acc, &c| (c as char).to_digit(16).map(|d| acc << 4 | d));
+                assert_eq!(hex4(&text, 0), want, "position {lane}, byte {b:#x}");
+            }
         }
         assert_eq!(hex4(b"12", 0), None);
         assert_eq!(hex4(b"\\u00e9", 2), Some(0xE9));
+        assert_eq!(hex4(b"FFFF", 0), Some(0xFFFF));
     }
 
     #[test]

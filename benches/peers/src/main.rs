@@ -1,0 +1,106 @@
+//! kvrelay admission beside the SIMD JSON parsers available to Rust, on the envelopes of the
+//! admission benchmark (`benches/common`: the same generator, seeds and order), with serde_json
+//! validate-only (`IgnoredAny`) as the anchor measured in the same run.
+//!
+//! ```text
+//! cargo run --release --manifest-path benches/peers/Cargo.toml
+//! RUSTFLAGS="-Ctarget-cpu=native" cargo run --release --manifest-path benches/peers/Cargo.toml
+//! ```
+//!
+//! The second line lets sonic-rs use the machine's AVX2/AVX-512 (it picks its kernels when it
+//! is compiled); simd-json picks them at run time either way (`runtime-detection`).
+//!
+//! What is measured, per envelope (fastest of 41 samples, as in the admission benchmark):
+//! - kvrelay admission: validation, canonical bytes, the 0.1 index, the snapshot;
+//! - anchor: serde_json `from_slice::<IgnoredAny>`;
+//! - simd-json: `to_tape_with_buffers` over a copy of the input (simd-json parses in place, so
+//!   the copy is part of its cost; its time alone is printed too), buffers reused;
+//! - sonic-rs: `from_slice::<IgnoredAny>` and `from_slice::<LazyValue>` (a skip over the
+//!   whole document).
+//!
+//! It also prints what each one accepts of four inputs SPEC.md section 2 refuses, to show that
+//! none of the others does the work admission does.
+
+#[path = "../../common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::hint::black_box;
+
+use common::measure;
+use kvrelay::hints::Scratch;
+use kvrelay::{Admission, AdmissionConfig, Outcome};
+
+fn main() {
+    let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
+    let mut sc = Scratch::with_limits(65_536, 128);
+    let only = std::env::var("KVRELAY_BENCH_ONLY").ok();
+    println!(
+        "| envelope | bytes | kvrelay admit | serde_json IgnoredAny | simd-json tape (copy) | sonic-rs IgnoredAny | sonic-rs LazyValue | kvrelay / anchor | fastest peer / anchor |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (name, raw) in common::admission_cases() {
+        if only.as_deref().is_some_and(|o| !name.contains(o)) {
+            continue;
+        }
+        let raw = raw.as_bytes();
+        assert!(matches!(edge.admit(Some(raw)), Outcome::Admitted(_)), "{name} must be admitted");
+        let ours = measure(|| {
+            black_box(edge.admit_with(&mut sc, Some(black_box(raw))));
+        });
+        let anchor = measure(|| {
+            let v: serde::de::IgnoredAny = serde_json::from_slice(black_box(raw)).unwrap();
+            black_box(v);
+        });
+        let mut buf = raw.to_vec();
+        let mut bufs = simd_json::Buffers::new(raw.len());
+        let simd = measure(|| {
+            buf.copy_from_slice(black_box(raw));
+            let tape = simd_json::to_tape_with_buffers(&mut buf, &mut bufs).unwrap();
+            black_box(tape.0.len());
+        });
+        let copy = measure(|| {
+            buf.copy_from_slice(black_box(raw));
+            black_box(&buf);
+        });
+        let sonic = measure(|| {
+            let v: serde::de::IgnoredAny = sonic_rs::from_slice(black_box(raw)).unwrap();
+            black_box(v);
+        });
+        let lazy = measure(|| {
+            let v: sonic_rs::LazyValue = sonic_rs::from_slice(black_box(raw)).unwrap();
+            black_box(v);
+        });
+        let fmt_ns = |ns: f64| if ns < 10_000.0 { format!("{ns:.0} ns") } else { format!("{:.1} us", ns / 1000.0) };
+        let best = simd.min(sonic).min(lazy);
+        println!(
+            "| {name} | {} | {} | {} | {} ({}) | {} | {} | {:.2}x | {:.2}x |",
+            raw.len(),
+            fmt_ns(ours),
+            fmt_ns(anchor),
+            fmt_ns(simd),
+            fmt_ns(copy),
+            fmt_ns(sonic),
+            fmt_ns(lazy),
+            anchor / ours,
+            anchor / best
+        );
+    }
+    println!();
+    println!("| input (refused by SPEC.md section 2) | kvrelay | serde_json IgnoredAny | simd-json tape | sonic-rs IgnoredAny |");
+    println!("|---|---|---|---|---|");
+    let probes: [(&str, &[u8]); 4] = [
+        ("invalid UTF-8 in a string", b"{\"protocol_version\":\"0.1\",\"x\":\"\xff\xfe\"}"),
+        ("duplicate member names", b"{\"protocol_version\":\"0.1\",\"x\":1,\"x\":2}"),
+        ("number not finite as an f64", b"{\"protocol_version\":\"0.1\",\"x\":1e999}"),
+        ("integer above 2^64-1", b"{\"protocol_version\":\"0.1\",\"x\":18446744073709551616}"),
+    ];
+    let word = |ok: bool| if ok { "accepted" } else { "refused" };
+    for (what, raw) in probes {
+        let ours = matches!(edge.admit(Some(raw)), Outcome::Admitted(_));
+        let serde = serde_json::from_slice::<serde::de::IgnoredAny>(raw).is_ok();
+        let simd = simd_json::to_tape(&mut raw.to_vec()).is_ok();
+        let sonic = sonic_rs::from_slice::<serde::de::IgnoredAny>(raw).is_ok();
+        println!("| {what} | {} | {} | {} | {} |", word(ours), word(serde), word(simd), word(sonic));
+    }
+}
