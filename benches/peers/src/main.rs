@@ -22,7 +22,6 @@
 //! none of the others does the work admission does.
 
 #[path = "../../common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::hint::black_box;
