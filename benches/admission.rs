@@ -39,7 +39,7 @@ use std::hint::black_box;
 use common::measure;
 
 use kvrelay::hints::Scratch;
-use kvrelay::{Admission, AdmissionConfig, Outcome};
+use kvrelay::{Admission, AdmissionConfig};
 
 fn main() {
     let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
@@ -65,19 +65,13 @@ fn main() {
         }
         return;
     }
-    let only = std::env::var("KVRELAY_BENCH_ONLY").ok();
+    let only = std::env::var_os("KVRELAY_BENCH_ONLY").is_some();
     println!("| envelope | bytes | kvrelay admit | GB/s | serde_json Value + to_vec | ratio | serde_json IgnoredAny | ratio |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut sc = Scratch::with_limits(65_536, 128);
-    for (name, raw) in &cases {
-        if only.as_deref().is_some_and(|o| !name.contains(o)) {
-            continue;
-        }
+    for (name, raw) in &common::selected_admission_cases(&edge) {
         let raw = raw.as_bytes();
-        assert!(matches!(edge.admit(Some(raw)), Outcome::Admitted(_)), "{name} must be admitted");
-        let ours = measure(|| {
-            black_box(edge.admit_with(&mut sc, Some(black_box(raw))));
-        });
+        let ours = common::time_admit(&edge, &mut sc, raw);
         let round_trip = measure(|| {
             let v: serde_json::Value = serde_json::from_slice(black_box(raw)).unwrap();
             black_box(serde_json::to_vec(&v).unwrap());
@@ -100,7 +94,7 @@ fn main() {
     }
     // Where the time goes for the max envelope: the per-thread scratch path and the rejected path
     // (validation without the snapshot allocation and copy).
-    if only.is_some() {
+    if only {
         return;
     }
     let max = cases[2].1.as_bytes();

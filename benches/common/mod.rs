@@ -5,6 +5,7 @@ pub mod shapes;
 
 use std::time::Instant;
 
+use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig, Outcome};
 use shapes::{Shape, Style, Ws};
 
@@ -61,6 +62,25 @@ pub fn max_hashes(pool: &[u64], limit: usize) -> usize {
         n += 1;
     }
     n
+}
+
+/// The envelopes of [`admission_cases`] that `KVRELAY_BENCH_ONLY=TEXT` selects (those whose
+/// name contains TEXT; all without it), each checked to be admitted by `edge`.
+pub fn selected_admission_cases(edge: &Admission) -> Vec<(String, String)> {
+    let only = std::env::var("KVRELAY_BENCH_ONLY").ok();
+    let mut cases = admission_cases();
+    cases.retain(|(name, _)| only.as_deref().is_none_or(|o| name.contains(o)));
+    for (name, raw) in &cases {
+        assert!(matches!(edge.admit(Some(raw.as_bytes())), Outcome::Admitted(_)), "{name} must be admitted");
+    }
+    cases
+}
+
+/// Fastest-sample nanoseconds of one admission of `raw` through the caller's scratch.
+pub fn time_admit(edge: &Admission, sc: &mut Scratch, raw: &[u8]) -> f64 {
+    measure(|| {
+        std::hint::black_box(edge.admit_with(sc, Some(std::hint::black_box(raw))));
+    })
 }
 
 /// The admission benchmark's envelopes, by name, in a fixed order (their index is

@@ -33,20 +33,13 @@ use kvrelay::{Admission, AdmissionConfig, Outcome};
 fn main() {
     let edge = Admission::new(AdmissionConfig { trusted: true, ..Default::default() }).unwrap();
     let mut sc = Scratch::with_limits(65_536, 128);
-    let only = std::env::var("KVRELAY_BENCH_ONLY").ok();
     println!(
         "| envelope | bytes | kvrelay admit | serde_json IgnoredAny | simd-json tape (copy) | sonic-rs IgnoredAny | sonic-rs LazyValue | kvrelay / anchor | fastest peer / anchor |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    for (name, raw) in common::admission_cases() {
-        if only.as_deref().is_some_and(|o| !name.contains(o)) {
-            continue;
-        }
+    for (name, raw) in common::selected_admission_cases(&edge) {
         let raw = raw.as_bytes();
-        assert!(matches!(edge.admit(Some(raw)), Outcome::Admitted(_)), "{name} must be admitted");
-        let ours = measure(|| {
-            black_box(edge.admit_with(&mut sc, Some(black_box(raw))));
-        });
+        let ours = common::time_admit(&edge, &mut sc, raw);
         let anchor = measure(|| {
             let v: serde::de::IgnoredAny = serde_json::from_slice(black_box(raw)).unwrap();
             black_box(v);
