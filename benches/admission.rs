@@ -36,7 +36,7 @@ mod common;
 
 use std::hint::black_box;
 
-use common::measure;
+use common::{fmt_ns, measure};
 
 use kvrelay::hints::Scratch;
 use kvrelay::{Admission, AdmissionConfig};
@@ -76,11 +76,7 @@ fn main() {
             let v: serde_json::Value = serde_json::from_slice(black_box(raw)).unwrap();
             black_box(serde_json::to_vec(&v).unwrap());
         });
-        let validate = measure(|| {
-            let v: serde::de::IgnoredAny = serde_json::from_slice(black_box(raw)).unwrap();
-            black_box(v);
-        });
-        let fmt_ns = |ns: f64| if ns < 10_000.0 { format!("{ns:.0} ns") } else { format!("{:.1} us", ns / 1000.0) };
+        let validate = common::time_validate_only(raw);
         println!(
             "| {name} | {} | {} | {:.2} | {} | {:.1}x | {} | {:.1}x |",
             raw.len(),

@@ -83,6 +83,24 @@ pub fn time_admit(edge: &Admission, sc: &mut Scratch, raw: &[u8]) -> f64 {
     })
 }
 
+/// Fastest-sample nanoseconds of serde_json's validate-only pass over `raw` (deserialized into
+/// `IgnoredAny`): the anchor every admission figure is compared with.
+pub fn time_validate_only(raw: &[u8]) -> f64 {
+    measure(|| {
+        let v: serde::de::IgnoredAny = serde_json::from_slice(std::hint::black_box(raw)).unwrap();
+        std::hint::black_box(v);
+    })
+}
+
+/// Nanoseconds as the tables print them: `123 ns` below 10 us, `12.3 us` from there.
+pub fn fmt_ns(ns: f64) -> String {
+    if ns < 10_000.0 {
+        format!("{ns:.0} ns")
+    } else {
+        format!("{:.1} us", ns / 1000.0)
+    }
+}
+
 /// The admission benchmark's envelopes, by name, in a fixed order (their index is
 /// `KVRELAY_BENCH_CASE`): cases 0-3 are the hash-list envelopes of the first runs (kept for
 /// comparison with them), the generated shapes follow.
