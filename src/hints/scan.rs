@@ -48,7 +48,7 @@ use super::detail::Detail;
 use super::lex::{
     count_digits, digits_le, first_special32, skip_digits, skip_plain, skip_ws, BSLASH, CTRL, HIGH, QUOTE, STR_CLASS,
 };
-use super::strings::{canonical_char, decode_string, hex4, utf8_seq};
+use super::strings::{canonical_char, decode_string, unicode_escape_at, utf8_seq, utf8_word};
 
 /// The JSON kind of a recorded value; `Missing` when the member was not present.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -942,20 +942,7 @@ impl Scanner<'_, '_> {
     fn unicode_escapes(&mut self, mut p: usize) -> Result<usize, Detail> {
         let inp = self.inp;
         loop {
-            let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
-            let (cp, end) = if (0xD800..0xDC00).contains(&hi) {
-                let lo = if inp.get(p + 6..p + 8) == Some(b"\\u") { hex4(inp, p + 8) } else { None };
-                match lo {
-                    Some(lo) if (0xDC00..0xE000).contains(&lo) => {
-                        (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12)
-                    }
-                    _ => return Err(Detail::at("lone surrogate escape", p)),
-                }
-            } else if (0xDC00..0xE000).contains(&hi) {
-                return Err(Detail::at("lone surrogate escape", p));
-            } else {
-                (hi, p + 6)
-            };
+            let (cp, end) = unicode_escape_at(inp, p)?;
             if cp < 0x80 {
                 let mut buf = [0u8; 6];
                 let canon = canonical_char(cp, &mut buf);
@@ -968,15 +955,7 @@ impl Scanner<'_, '_> {
                 if self.run != p {
                     self.flush(p);
                 }
-                // UTF-8 bytes in little-endian order, and their count
-                let (word, n) = if cp < 0x800 {
-                    (0xC0 | cp >> 6 | (0x80 | cp & 0x3F) << 8, 2)
-                } else if cp < 0x1_0000 {
-                    (0xE0 | cp >> 12 | (0x80 | cp >> 6 & 0x3F) << 8 | (0x80 | cp & 0x3F) << 16, 3)
-                } else {
-                    let b = [0xF0 | cp >> 18, 0x80 | cp >> 12 & 0x3F, 0x80 | cp >> 6 & 0x3F, 0x80 | cp & 0x3F];
-                    (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, 4)
-                };
+                let (word, n) = utf8_word(cp);
                 if self.total <= self.cap {
                     let out = &mut self.sc.out;
                     if out.capacity() - out.len() >= 4 {

@@ -34,6 +34,38 @@ pub(super) fn hex4(inp: &[u8], p: usize) -> Option<u32> {
     Some(a << 12 | b << 8 | c << 4 | e)
 }
 
+/// The code point of the `\uXXXX` escape whose backslash is at `p` (a surrogate pair joined)
+/// and the position after it; a bad digit or a lone surrogate is an error at `p`.
+#[inline(always)]
+pub(super) fn unicode_escape_at(inp: &[u8], p: usize) -> Result<(u32, usize), Detail> {
+    let hi = hex4(inp, p + 2).ok_or_else(|| Detail::at("invalid \\u escape", p))?;
+    if !(0xD800..0xE000).contains(&hi) {
+        return Ok((hi, p + 6));
+    }
+    // a high surrogate, then an escaped low one
+    if hi < 0xDC00 && inp.get(p + 6..p + 8) == Some(b"\\u") {
+        if let Some(lo) = hex4(inp, p + 8).filter(|lo| (0xDC00..0xE000).contains(lo)) {
+            return Ok((0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), p + 12));
+        }
+    }
+    Err(Detail::at("lone surrogate escape", p))
+}
+
+/// The UTF-8 bytes of a non-ASCII code point (not a surrogate) in little-endian order in one
+/// word, and their count: what one unaligned 32-bit store writes. The same bytes as
+/// `char::encode_utf8` (`utf8_word_matches_encode_utf8`), without its buffer.
+#[inline(always)]
+pub(super) fn utf8_word(cp: u32) -> (u32, usize) {
+    debug_assert!(cp >= 0x80 && char::from_u32(cp).is_some());
+    if cp < 0x800 {
+        (0xC0 | cp >> 6 | (0x80 | cp & 0x3F) << 8, 2)
+    } else if cp < 0x1_0000 {
+        (0xE0 | cp >> 12 | (0x80 | cp >> 6 & 0x3F) << 8 | (0x80 | cp & 0x3F) << 16, 3)
+    } else {
+        (0xF0 | cp >> 18 | (0x80 | cp >> 12 & 0x3F) << 8 | (0x80 | cp >> 6 & 0x3F) << 16 | (0x80 | cp & 0x3F) << 24, 4)
+    }
+}
+
 pub(super) const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// The canonical spelling of one code point inside a string.
@@ -146,17 +178,11 @@ pub(crate) fn decode_string(inner: &[u8], out: &mut Vec<u8>) {
             i += 2;
             continue;
         }
-        let hi = hex4(inner, i + 2).expect("validated \\u escape");
-        let (cp, len) = if (0xD800..0xDC00).contains(&hi) {
-            let lo = hex4(inner, i + 8).expect("validated surrogate pair");
-            (0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00), 12)
-        } else {
-            (hi, 6)
-        };
+        let (cp, end) = unicode_escape_at(inner, i).expect("validated \\u escape");
         let c = char::from_u32(cp).expect("validated code point");
         let mut b = [0u8; 4];
         out.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
-        i += len;
+        i = end;
     }
 }
 
@@ -196,6 +222,16 @@ mod tests {
         assert_eq!(hex4(b"12", 0), None);
         assert_eq!(hex4(b"\\u00e9", 2), Some(0xE9));
         assert_eq!(hex4(b"FFFF", 0), Some(0xFFFF));
+    }
+
+    #[test]
+    fn utf8_word_matches_encode_utf8() {
+        for c in (0x80u32..=0x10FFFF).filter_map(char::from_u32) {
+            let mut b = [0u8; 4];
+            let want = c.encode_utf8(&mut b).as_bytes();
+            let (word, n) = utf8_word(c as u32);
+            assert_eq!(&word.to_le_bytes()[..n], want, "{:#x}", c as u32);
+        }
     }
 
     #[test]
