@@ -26,6 +26,49 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Bytes of a nonce and of a proof.
+#define NONCE 32
+
+// Shortest key accepted (bytes).
+#define MIN_KEY 16
+
+// Longest key accepted (bytes).
+#define MAX_KEY 4096
+
+// Most sources remembered; the oldest entry is dropped beyond (a hostile hint stream cannot
+// grow the table without bound).
+#define MAX_SOURCES 4096
+
+// The frame format's version.
+#define VERSION 2
+
+// Frame kind: the destination's nonce (first frame when a key is set).
+#define AUTH_HELLO 1
+
+// Frame kind: the source's nonce and proof.
+#define AUTH_CHALLENGE 2
+
+// Frame kind: the destination's proof.
+#define AUTH_PROOF 3
+
+// Frame kind: fingerprint and names.
+#define HELLO 4
+
+// Frame kind: how many leading blocks the source pinned, and their size.
+#define OFFER 5
+
+// Frame kind: one block with its name and recorded checksum.
+#define BLOCK 6
+
+// Frame kind: a refusal with its reason.
+#define REFUSE 7
+
+// Largest control frame other than a hello.
+#define MAX_CONTROL 512
+
+// Bytes of an encoded fingerprint.
+#define FINGERPRINT_BYTES 32
+
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -84,6 +127,13 @@ enum kvrelay_status
   KVRELAY_ERR_DUPLICATE_BLOCK = 14,
   // A staging buffer smaller than the call needs, or overlapping the KV pool.
   KVRELAY_ERR_STAGING = 15,
+  // Not done yet: a fetch still runs (`kvrelay_fetch_poll`, `kvrelay_fetch_wait`).
+  KVRELAY_ERR_PENDING = 16,
+  // A queue or a set of slots is full (the agent's fetch queue); try again later.
+  KVRELAY_ERR_BUSY = 17,
+  // An operating-system call failed (binding a listen address, reading a key file, starting
+  // a thread).
+  KVRELAY_ERR_IO = 18,
   // A panic inside kvrelay was caught at the boundary. This is a bug in kvrelay; the call
   // had no effect on its outputs.
   KVRELAY_ERR_PANIC = 99,
@@ -93,6 +143,73 @@ enum kvrelay_status
 typedef enum kvrelay_status kvrelay_status;
 #else
 typedef int32_t kvrelay_status;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
+// `kvrelay_fetch_failure`).
+enum FailReason
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The endpoint did not resolve or the connection could not be opened.
+  Connect = 1,
+  // A read, a write, the connect or the whole fetch ran past its deadline.
+  Timeout = 2,
+  // The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+  Refused = 3,
+  // The two layouts or naming schemes differ.
+  FingerprintMismatch = 4,
+  // A block's name, length or checksum is wrong, or a frame is malformed.
+  Corrupt = 5,
+  // The stream ended early.
+  Truncated = 6,
+  // The source holds none of the blocks asked for.
+  SourceMiss = 7,
+  // Authentication failed (wrong key, or one side has none).
+  AuthFailed = 8,
+  // The runtime cancelled the fetch.
+  Cancelled = 9,
+  // The agent was shut down.
+  Shutdown = 10,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum FailReason FailReason;
+#else
+typedef int32_t FailReason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Why a source refused (the wire code and the statistics' label).
+enum Refusal
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The peer is not on the allowlist.
+  PeerNotAllowed = 1,
+  // Every serving slot, or every slot for connections still in their handshake, is taken.
+  Busy = 2,
+  // This peer address holds its limit of connections.
+  PerPeerLimit = 3,
+  // A frame that does not decode, or not the one expected.
+  BadRequest = 4,
+  // The layouts (or naming schemes) differ.
+  FingerprintMismatch = 5,
+  // Authentication failed, or one side has a key and the other none.
+  AuthFailed = 6,
+  // More names than the service takes in one request.
+  TooManyNames = 7,
+  // The runtime's pin callback answered something impossible.
+  Internal = 8,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum Refusal Refusal;
+#else
+typedef uint8_t Refusal;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -249,6 +366,9 @@ typedef int32_t kvrelay_copy_method;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A source's measured speed.
+typedef struct SourceSpeed SourceSpeed;
+
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
 typedef struct kvrelay_admission kvrelay_admission;
@@ -257,6 +377,12 @@ typedef struct kvrelay_admission kvrelay_admission;
 // `max_bytes` 65,536, `max_depth` 128, `max_raw_bytes` 1 MiB, metric prefix
 // `kvrelay_kv_hints`. Values are checked by `kvrelay_admission_new`.
 typedef struct kvrelay_admission_config kvrelay_admission_config;
+
+// A running KV agent. Owned: `_free`. Every function on it is thread-safe.
+typedef struct kvrelay_agent kvrelay_agent;
+
+// An agent's configuration under construction. Owned: `_free`.
+typedef struct kvrelay_agent_config kvrelay_agent_config;
 
 // An immutable capability snapshot. Owned: `_free` (orchestrators keep their own reference).
 typedef struct kvrelay_capabilities kvrelay_capabilities;
@@ -270,6 +396,10 @@ typedef struct kvrelay_cpu_engine kvrelay_cpu_engine;
 // The CUDA engine over a device KV pool. Owned: `_free`. Not thread-safe: one engine per
 // thread or stream that copies concurrently.
 typedef struct kvrelay_cuda_engine kvrelay_cuda_engine;
+
+// A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
+// completion callback). Thread-safe.
+typedef struct kvrelay_fetch kvrelay_fetch;
 
 // A validated KV pool layout. Owned: `_free`.
 typedef struct kvrelay_kv_layout kvrelay_kv_layout;
@@ -311,6 +441,127 @@ typedef struct kvrelay_counters {
   // `ignored_total{reason="malformed"}`
   uint64_t malformed;
 } kvrelay_counters;
+
+// The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
+// milliseconds; every value must be at least 1.
+typedef struct kvrelay_agent_limits {
+  // Connections serving transfers at once, all peers together (64).
+  uint32_t max_connections;
+  // Connections from one peer address, serving or in their handshake (8).
+  uint32_t max_per_peer;
+  // Connections that have not sent a valid first message yet (32); they never hold a
+  // serving slot.
+  uint32_t max_pending;
+  // Time a new connection has for its handshake (2000).
+  uint32_t handshake_timeout_ms;
+  // Deadline of every other read and write (5000).
+  uint32_t io_timeout_ms;
+  // Connect deadline of a fetch (2000).
+  uint32_t connect_timeout_ms;
+  // Most names in one request, served or fetched (65536).
+  uint32_t max_names;
+  // Fetch worker threads (4).
+  uint32_t fetch_threads;
+  // Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
+  uint32_t max_queued_fetches;
+} kvrelay_agent_limits;
+
+// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
+typedef struct kvrelay_agent_fingerprint {
+  // Tokens per block.
+  uint32_t block_tokens;
+  // Layers.
+  uint32_t layers;
+  // KV heads.
+  uint32_t kv_heads;
+  // Head size.
+  uint32_t head_dim;
+  // Bytes per element.
+  uint32_t dtype_bytes;
+  // The runtime's naming-scheme id: equal ids must mean equal block names for equal KV.
+  uint64_t naming;
+} kvrelay_agent_fingerprint;
+
+// The runtime's reuse cache, as the agent's service sees it. `pin` and `unpin` run on the
+// agent's connection threads, several at once: they must be thread-safe, must not unwind or
+// `longjmp` out (catch C++ exceptions inside) and must not call back into this agent.
+// - `pin(user_data, names, n, ids_out)`: of the `n` consecutive block names, find the leading
+//   run this instance holds, pin those blocks (no eviction, no write, no reuse until `unpin`),
+//   write their block ids into `ids_out[0..k]` (room for `n`) and return `k` (0: the first
+//   name is not held). The agent serves only blocks whose checksum was recorded
+//   (`kvrelay_agent_record_checksums`).
+// - `unpin(user_data, ids, k)`: release blocks pinned by `pin` (each exactly once).
+// - `destroy(user_data)` (may be NULL): called once when the agent is freed, after its last use
+//   of the holder, or when `kvrelay_agent_new` fails.
+typedef struct kvrelay_block_holder {
+  // Passed back to every callback.
+  void *user_data;
+  // Pin the leading held run of `names`.
+  size_t (*pin)(void *user_data, const uint64_t *names, size_t n, uint32_t *ids_out);
+  // Release pinned blocks.
+  void (*unpin)(void *user_data, const uint32_t *ids, size_t n);
+  // Release `user_data`.
+  void (*destroy)(void *user_data);
+} kvrelay_block_holder;
+
+// A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
+// is held.
+typedef struct kvrelay_str {
+  // First byte (never NULL, even when empty).
+  const char *ptr;
+  // Number of bytes.
+  size_t len;
+} kvrelay_str;
+
+// One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
+typedef struct kvrelay_fetch_params {
+  // The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
+  // (`kvrelay_fetch_request.endpoint`).
+  struct kvrelay_str endpoint;
+  // The request's own block names, from block 0.
+  const uint64_t *names;
+  // Number of names.
+  size_t names_len;
+  // Leading blocks the runtime holds already (not fetched).
+  size_t held;
+  // Free destination blocks reserved for the fetch: name `held + i` goes into
+  // `dst_blocks[i]`; as many blocks are asked for as given (at most `names_len - held`).
+  const uint32_t *dst_blocks;
+  // Number of destination blocks (at least 1).
+  size_t dst_len;
+  // The whole fetch's deadline in milliseconds from submission (at least 1).
+  uint32_t deadline_ms;
+} kvrelay_fetch_params;
+
+// How a fetch ended.
+typedef struct kvrelay_fetch_result {
+  // A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
+  // may still have offered fewer blocks than asked: its leading run).
+  int32_t failure;
+  // Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`,
+  // in order, whatever `failure` says.
+  size_t blocks;
+  // Their bytes.
+  uint64_t bytes;
+  // Seconds from submission to completion.
+  double seconds;
+} kvrelay_fetch_result;
+
+// A fetch's completion callback: runs once, on one of the agent's fetch threads, when the
+// fetch completes (also when it was cancelled or the agent is being freed). It must not
+// unwind and must not free the agent; it may call `kvrelay_fetch_poll` or free the fetch handle.
+typedef void (*kvrelay_fetch_done)(void *user_data, const struct kvrelay_fetch_result *result);
+
+// A source's speed estimate.
+typedef struct kvrelay_source_speed {
+  // Seconds before the first verified block.
+  double setup_s;
+  // Bytes per second after it.
+  double bytes_per_s;
+} kvrelay_source_speed;
+
+// The agent's counters (monotonic, except the `*_now` gauges).
+typedef AgentStats kvrelay_agent_stats;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
 // `bytes_per_block` long.
@@ -362,15 +613,6 @@ typedef struct kvrelay_candidate_counts {
   uint32_t no_matching_version;
 } kvrelay_candidate_counts;
 
-// A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
-// is held.
-typedef struct kvrelay_str {
-  // First byte (never NULL, even when empty).
-  const char *ptr;
-  // Number of bytes.
-  size_t len;
-} kvrelay_str;
-
 // A borrowed byte view. Valid while the snapshot it came from is held.
 typedef struct kvrelay_bytes {
   // First byte (never NULL, even when empty).
@@ -397,6 +639,10 @@ typedef struct kvrelay_fetch_request {
   struct kvrelay_str endpoint;
   // The canonical one-action envelope to hand on.
   struct kvrelay_bytes envelope;
+  // The `call_context` given to `kvrelay_orchestrate_with_context` for this request (NULL
+  // from `kvrelay_orchestrate`): where the provider leaves the fetch it accepted, for the
+  // code that asked, without globals or thread-locals.
+  void *call_context;
 } kvrelay_fetch_request;
 
 // A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse
@@ -469,6 +715,14 @@ typedef struct kvrelay_action {
   // Canonical JSON bytes of the whole action object.
   struct kvrelay_bytes canonical;
 } kvrelay_action;
+
+// Every reason.
+#define FailReason_ALL { Connect, Timeout, Refused, FingerprintMismatch, Corrupt, Truncated, SourceMiss, AuthFailed, Cancelled, Shutdown, }
+
+
+
+// Every refusal.
+#define Refusal_ALL { PeerNotAllowed, Busy, PerPeerLimit, BadRequest, FingerprintMismatch, AuthFailed, TooManyNames, Internal, }
 
 
 
@@ -614,6 +868,226 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             char *buf,
                                             size_t cap,
                                             size_t *len_out);
+
+// The documented default limits.
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_agent_limits_default(struct kvrelay_agent_limits *out);
+
+// A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
+// default limits, no key.
+//
+// # Safety
+// `fingerprint` NULL or readable; `out` NULL or writable.
+kvrelay_status kvrelay_agent_config_new(const struct kvrelay_agent_fingerprint *fingerprint,
+                                        struct kvrelay_agent_config **out);
+
+// Free a configuration (NULL does nothing).
+//
+// # Safety
+// `config` NULL or live and not in use by another thread.
+void kvrelay_agent_config_free(struct kvrelay_agent_config *config);
+
+// Where the KV service listens: `host:port` (port 0 picks one; `kvrelay_agent_endpoint` tells
+// which). `(NULL, 0)`: serve nothing (a fetch-only agent).
+//
+// # Safety
+// `config` NULL or live; `addr` readable for `len` bytes.
+kvrelay_status kvrelay_agent_config_set_listen(struct kvrelay_agent_config *config,
+                                               const char *addr,
+                                               size_t len);
+
+// Allow peers: `loopback`, an address, or `ADDR/PREFIX`, comma-separated. The first call
+// replaces the default (loopback); later calls add. `KVRELAY_ERR_INVALID_CONFIG` for text that
+// does not parse (nothing is added then).
+//
+// # Safety
+// `config` NULL or live; `spec` readable for `len` bytes.
+kvrelay_status kvrelay_agent_config_allow_peer(struct kvrelay_agent_config *config,
+                                               const char *spec,
+                                               size_t len);
+
+// Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
+// ceiling).
+//
+// # Safety
+// `config` NULL or live; `limits` NULL or readable.
+kvrelay_status kvrelay_agent_config_set_limits(struct kvrelay_agent_config *config,
+                                               const struct kvrelay_agent_limits *limits);
+
+// Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
+// whitespace trimmed). Both sides of a transfer must have the same key. The key is copied and
+// never logged or put in an error message. `(NULL, 0)` removes the key.
+//
+// # Safety
+// `config` NULL or live; `key` readable for `len` bytes.
+kvrelay_status kvrelay_agent_config_set_key(struct kvrelay_agent_config *config,
+                                            const uint8_t *key,
+                                            size_t len);
+
+// Read the pre-shared key from the environment variable `name` (unset or empty:
+// `KVRELAY_ERR_INVALID_CONFIG`).
+//
+// # Safety
+// `config` NULL or live; `name` readable for `len` bytes.
+kvrelay_status kvrelay_agent_config_key_from_env(struct kvrelay_agent_config *config,
+                                                 const char *name,
+                                                 size_t len);
+
+// Read the pre-shared key from the file at `path` (`KVRELAY_ERR_IO` when it cannot be read,
+// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key).
+//
+// # Safety
+// `config` NULL or live; `path` readable for `len` bytes.
+kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *config,
+                                                  const char *path,
+                                                  size_t len);
+
+// Start an agent over the runtime's host-memory pool `layout` (copied), with the runtime's
+// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
+// Binds the listen address and starts the agent's threads. `KVRELAY_ERR_IO` when the address
+// cannot be bound.
+//
+// # Safety
+// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
+// block of `layout` must be host memory valid for reads and writes until `kvrelay_agent_free`
+// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
+// fetch's destination blocks until that fetch completed.
+kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,
+                                 const struct kvrelay_kv_layout *layout,
+                                 const struct kvrelay_block_holder *holder,
+                                 struct kvrelay_agent **out);
+
+// Stop the agent and free it (NULL does nothing): the service stops, queued and running
+// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
+// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about one I/O
+// timeout. Must not be called from one of the agent's callbacks.
+//
+// # Safety
+// `agent` NULL or live and not used by another thread during or after the call.
+void kvrelay_agent_free(struct kvrelay_agent *agent);
+
+// The service's endpoint, `tcp://ADDR:PORT`, NUL-free (size-query convention: `*len_out` gets
+// the size). Empty for a fetch-only agent.
+//
+// # Safety
+// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_agent_endpoint(const struct kvrelay_agent *agent,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *len_out);
+
+// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them, or
+// the runtime committed them): the agent sums each block where it lies and keeps the value,
+// which then travels with the block. Blocks a fetch verified are recorded by the agent itself.
+// Cost: O(bytes), no allocation; batches over 8 MiB are summed on several threads.
+//
+// # Safety
+// `agent` NULL or live; `ids` readable for `n` ids; the blocks must not be written meanwhile.
+kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
+                                              const uint32_t *ids,
+                                              size_t n);
+
+// Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
+// agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
+// handle polls, waits or cancels. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
+// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
+// an error nothing was submitted and `done` is never called.
+//
+// # Safety
+// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+// `out` NULL or writable.
+kvrelay_status kvrelay_agent_fetch(const struct kvrelay_agent *agent,
+                                   const struct kvrelay_fetch_params *params,
+                                   kvrelay_fetch_done done,
+                                   void *user_data,
+                                   struct kvrelay_fetch **out);
+
+// The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
+// (nothing written) while it runs. Never blocks.
+//
+// # Safety
+// `fetch` NULL or live; `out` NULL or writable.
+kvrelay_status kvrelay_fetch_poll(const struct kvrelay_fetch *fetch,
+                                  struct kvrelay_fetch_result *out);
+
+// Wait up to `timeout_ms` for the fetch to complete: `KVRELAY_OK` and `*out` written, or
+// `KVRELAY_ERR_PENDING`. Blocks the calling thread: not for a scheduler's thread (poll, or
+// use the callback).
+//
+// # Safety
+// `fetch` NULL or live; `out` NULL or writable.
+kvrelay_status kvrelay_fetch_wait(const struct kvrelay_fetch *fetch,
+                                  uint32_t timeout_ms,
+                                  struct kvrelay_fetch_result *out);
+
+// Why a completed fetch failed, in words (size-query convention; empty when it did not fail;
+// `KVRELAY_ERR_PENDING` while it runs). Never contains hint bytes or the key.
+//
+// # Safety
+// `fetch` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_fetch_detail(const struct kvrelay_fetch *fetch,
+                                    char *buf,
+                                    size_t cap,
+                                    size_t *len_out);
+
+// Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
+// (blocks verified before it stay reported). Never blocks; a completed fetch is unaffected.
+//
+// # Safety
+// `fetch` NULL or live.
+kvrelay_status kvrelay_fetch_cancel(const struct kvrelay_fetch *fetch);
+
+// Free a fetch handle (NULL does nothing). A running fetch goes on, and its callback still runs.
+//
+// # Safety
+// `fetch` NULL or live and not used by another thread during or after the call.
+void kvrelay_fetch_free(struct kvrelay_fetch *fetch);
+
+// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
+// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
+// the runtime's own prefill time for those tokens.
+//
+// # Safety
+// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_agent_estimate(const struct kvrelay_agent *agent,
+                                      const char *endpoint,
+                                      size_t len,
+                                      size_t blocks,
+                                      double *seconds_out);
+
+// The speed estimate of `endpoint`.
+//
+// # Safety
+// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
+                                          const char *endpoint,
+                                          size_t len,
+                                          struct kvrelay_source_speed *out);
+
+// A copy of the agent's counters.
+//
+// # Safety
+// `agent` NULL or live; `out` NULL or writable.
+kvrelay_status kvrelay_agent_get_stats(const struct kvrelay_agent *agent, kvrelay_agent_stats *out);
+
+// The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
+// consecutive `names` appear among the hint's `hashes` (membership, not position).
+//
+// # Safety
+// `names` readable for `n`, `hashes` for `m`; `out` NULL or writable.
+kvrelay_status kvrelay_fetch_run_length(const uint64_t *names,
+                                        size_t n,
+                                        size_t held,
+                                        const uint64_t *hashes,
+                                        size_t m,
+                                        size_t *out);
+
+// The metric label of a `kvrelay_fetch_failure` value (`"corrupt"`, ...; `"ok"` for 0,
+// `"unknown"` for other values). Static, NUL-terminated, never NULL.
+const char *kvrelay_fetch_failure_name(int32_t failure);
 
 // Validate a segment table for `num_blocks` blocks (see the Rust `KvLayout::new`): bases,
 // strides and sizes non-zero multiples of 16, no two segments able to touch one byte, every
@@ -794,6 +1268,14 @@ kvrelay_status kvrelay_cuda_scatter(struct kvrelay_cuda_engine *engine,
 // `engine` NULL or live.
 void kvrelay_cuda_engine_free(struct kvrelay_cuda_engine *engine);
 
+// The KV block checksum of `bytes` (the Rust `kvrelay::checksum::kv_checksum`: what the agent
+// records and verifies; it catches any change within one word and, but for a 2^-64 chance,
+// changes spread over several). O(len), no allocation.
+//
+// # Safety
+// `bytes` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_kv_checksum(const uint8_t *bytes, size_t len, uint64_t *out);
+
 // Start a capability snapshot.
 //
 // # Safety
@@ -925,7 +1407,8 @@ void kvrelay_orchestrator_free(struct kvrelay_orchestrator *orchestrator);
 // Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
 // passes, call the provider's `validate` then `fetch`. Counts the outcome once. When the
 // provider refuses, `provider_code` holds its answer and the thread's last error says so
-// (`kvrelay_last_error_message`), although the call itself succeeds.
+// (`kvrelay_last_error_message`), although the call itself succeeds. The provider sees
+// `call_context` NULL; `kvrelay_orchestrate_with_context` passes one.
 //
 // # Safety
 // `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
@@ -934,6 +1417,19 @@ kvrelay_status kvrelay_orchestrate(const struct kvrelay_orchestrator *orchestrat
                                    const struct kvrelay_request_info *request,
                                    const struct kvrelay_snapshot *snapshot,
                                    struct kvrelay_decision *out);
+
+// `kvrelay_orchestrate` with a per-call context: the provider's `validate` and `fetch` get
+// `call_context` in `kvrelay_fetch_request.call_context` (kvrelay never reads it), so a provider
+// can hand the fetch it accepted (endpoint, hashes) to the caller of this request, e.g. by
+// filling a struct the caller owns on its stack.
+//
+// # Safety
+// As `kvrelay_orchestrate`; `call_context` is any value (NULL included).
+kvrelay_status kvrelay_orchestrate_with_context(const struct kvrelay_orchestrator *orchestrator,
+                                                const struct kvrelay_request_info *request,
+                                                const struct kvrelay_snapshot *snapshot,
+                                                void *call_context,
+                                                struct kvrelay_decision *out);
 
 // The metric label of a discard code (`"request_paired"`, ...); `"unknown"` for other values.
 // Static, NUL-terminated, never NULL.

@@ -28,6 +28,9 @@
 #[macro_use]
 mod labels;
 
+#[cfg(feature = "agent")]
+pub mod agent;
+pub mod checksum;
 pub mod copy;
 pub mod ffi;
 pub mod hints;

@@ -105,7 +105,7 @@ fn status_of(e: CopyError) -> kvrelay_status {
 ///
 /// # Safety
 /// A non-NULL `p` must be readable for `n` elements.
-unsafe fn array<'a, T>(p: *const T, n: usize) -> Result<&'a [T], kvrelay_status> {
+pub(crate) unsafe fn array<'a, T>(p: *const T, n: usize) -> Result<&'a [T], kvrelay_status> {
     if p.is_null() {
         return if n == 0 { Ok(&[]) } else { Err(KVRELAY_ERR_INVALID_ARGUMENT) };
     }
@@ -500,4 +500,27 @@ pub unsafe extern "C" fn kvrelay_cuda_scatter(
 pub unsafe extern "C" fn kvrelay_cuda_engine_free(engine: *mut kvrelay_cuda_engine) {
     // SAFETY: forwarded contract.
     unsafe { free_box(engine) }
+}
+
+/// The validated layout behind a handle (for the agent's entry points).
+pub(crate) fn layout_of(l: &kvrelay_kv_layout) -> &KvLayout {
+    &l.inner
+}
+
+/// The KV block checksum of `bytes` (the Rust `kvrelay::checksum::kv_checksum`: what the agent
+/// records and verifies; it catches any change within one word and, but for a 2^-64 chance,
+/// changes spread over several). O(len), no allocation.
+///
+/// # Safety
+/// `bytes` readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_kv_checksum(bytes: *const u8, len: usize, out: *mut u64) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let b = unsafe { super::boundary::bytes(bytes, len) }?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, crate::checksum::kv_checksum(b)) };
+        Ok(())
+    })
 }

@@ -16,6 +16,8 @@
 #![allow(non_camel_case_types)]
 
 pub mod admission;
+#[cfg(feature = "agent")]
+pub mod agent;
 pub mod boundary;
 pub mod copy;
 pub mod policy;

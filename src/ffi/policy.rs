@@ -94,7 +94,19 @@ pub struct kvrelay_fetch_request {
     pub endpoint: kvrelay_str,
     /// The canonical one-action envelope to hand on.
     pub envelope: kvrelay_bytes,
+    /// The `call_context` given to `kvrelay_orchestrate_with_context` for this request (NULL
+    /// from `kvrelay_orchestrate`): where the provider leaves the fetch it accepted, for the
+    /// code that asked, without globals or thread-locals.
+    pub call_context: *mut c_void,
 }
+
+/// The C caller's per-call pointer, carried through the policy core as a typed context.
+struct CallContext(*mut c_void);
+// SAFETY: the pointer is only handed back to the provider, on the thread that called
+// `kvrelay_orchestrate_with_context`, during that call; kvrelay never dereferences it.
+unsafe impl Sync for CallContext {}
+// SAFETY: as above: the pointer is carried, never dereferenced, by kvrelay.
+unsafe impl Send for CallContext {}
 
 /// A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse
 /// (the value is the provider's own code); a NULL `validate` or `fetch` refuses (code -1), so a
@@ -149,6 +161,7 @@ impl CProvider {
             payload: kvrelay_bytes::of(r.action.payload()),
             endpoint: kvrelay_str::of(r.endpoint),
             envelope: kvrelay_bytes::of(&envelope),
+            call_context: r.context.and_then(|c| c.downcast_ref::<CallContext>()).map_or(std::ptr::null_mut(), |c| c.0),
         };
         let f = f.ok_or(ProviderError { code: -1 })?;
         // SAFETY: `f` is the consumer's callback; `req` and the bytes it points to live until
@@ -553,7 +566,8 @@ pub struct kvrelay_decision {
 /// Decide for one request (`snapshot` NULL when it has no admitted hint) and, when every check
 /// passes, call the provider's `validate` then `fetch`. Counts the outcome once. When the
 /// provider refuses, `provider_code` holds its answer and the thread's last error says so
-/// (`kvrelay_last_error_message`), although the call itself succeeds.
+/// (`kvrelay_last_error_message`), although the call itself succeeds. The provider sees
+/// `call_context` NULL; `kvrelay_orchestrate_with_context` passes one.
 ///
 /// # Safety
 /// `orchestrator` NULL or live; `request` NULL or readable; `snapshot` NULL or live; `out` NULL
@@ -563,6 +577,25 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
     orchestrator: *const kvrelay_orchestrator,
     request: *const kvrelay_request_info,
     snapshot: *const kvrelay_snapshot,
+    out: *mut kvrelay_decision,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    unsafe { kvrelay_orchestrate_with_context(orchestrator, request, snapshot, std::ptr::null_mut(), out) }
+}
+
+/// `kvrelay_orchestrate` with a per-call context: the provider's `validate` and `fetch` get
+/// `call_context` in `kvrelay_fetch_request.call_context` (kvrelay never reads it), so a provider
+/// can hand the fetch it accepted (endpoint, hashes) to the caller of this request, e.g. by
+/// filling a struct the caller owns on its stack.
+///
+/// # Safety
+/// As `kvrelay_orchestrate`; `call_context` is any value (NULL included).
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_orchestrate_with_context(
+    orchestrator: *const kvrelay_orchestrator,
+    request: *const kvrelay_request_info,
+    snapshot: *const kvrelay_snapshot,
+    call_context: *mut c_void,
     out: *mut kvrelay_decision,
 ) -> kvrelay_status {
     guard(|| {
@@ -576,7 +609,8 @@ pub unsafe extern "C" fn kvrelay_orchestrate(
             Some(unsafe { borrow(snapshot) }?)
         };
         let req = RequestInfo { generation_only: r.generation_only, lora_adapter: r.lora_adapter };
-        let (d, answer) = o.inner.decide_with_answer(&req, snap.as_deref());
+        let ctx = CallContext(call_context);
+        let (d, answer) = o.inner.decide_with_context(&req, snap.as_deref(), Some(&ctx));
         let provider_code = answer.map_or(0, |e| e.code);
         if let (Some(e), Decision::KeepPairedPath(r)) = (answer, &d) {
             note_last_error(format!("{r}: the provider answered {} (the request keeps the paired path)", e.code));

@@ -42,6 +42,13 @@ pub enum kvrelay_status {
     KVRELAY_ERR_DUPLICATE_BLOCK = 14,
     /// A staging buffer smaller than the call needs, or overlapping the KV pool.
     KVRELAY_ERR_STAGING = 15,
+    /// Not done yet: a fetch still runs (`kvrelay_fetch_poll`, `kvrelay_fetch_wait`).
+    KVRELAY_ERR_PENDING = 16,
+    /// A queue or a set of slots is full (the agent's fetch queue); try again later.
+    KVRELAY_ERR_BUSY = 17,
+    /// An operating-system call failed (binding a listen address, reading a key file, starting
+    /// a thread).
+    KVRELAY_ERR_IO = 18,
     /// A panic inside kvrelay was caught at the boundary. This is a bug in kvrelay; the call
     /// had no effect on its outputs.
     KVRELAY_ERR_PANIC = 99,
@@ -114,6 +121,9 @@ pub extern "C" fn kvrelay_status_message(status: i32) -> *const c_char {
         13 => b"not supported by this machine's driver or toolkit\0",
         14 => b"the same block twice in one scatter\0",
         15 => b"staging buffer too small or overlapping the KV pool\0",
+        16 => b"not done yet: the operation is still running\0",
+        17 => b"busy: a queue or a set of slots is full\0",
+        18 => b"an operating-system call failed\0",
         99 => b"internal error: a panic was caught at the kvrelay boundary\0",
         _ => b"unknown kvrelay status\0",
     };

@@ -109,6 +109,10 @@ pub struct FetchRequest<'a> {
     pub endpoint: &'a str,
     /// The one-action envelope to hand on (copied only when serialized).
     pub envelope: &'a ActionEnvelope,
+    /// The caller's per-call context given to [`Orchestrator::decide_with_context`] (`None`
+    /// from `decide`): how a provider hands the decision's fetch to the code that asked,
+    /// without globals or thread-locals.
+    pub context: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// A provider's refusal; `code` is the provider's own.
@@ -326,8 +330,20 @@ impl Orchestrator {
         req: &RequestInfo,
         snapshot: Option<&Snapshot>,
     ) -> (Decision, Option<ProviderError>) {
+        self.decide_with_context(req, snapshot, None)
+    }
+
+    /// [`decide_with_answer`](Self::decide_with_answer) with a per-call `context` that the
+    /// provider receives in [`FetchRequest::context`] (e.g. a slot the provider fills with the
+    /// fetch it accepted for this request).
+    pub fn decide_with_context(
+        &self,
+        req: &RequestInfo,
+        snapshot: Option<&Snapshot>,
+        context: Option<&(dyn std::any::Any + Send + Sync)>,
+    ) -> (Decision, Option<ProviderError>) {
         let mut answer = None;
-        let d = self.decide_inner(req, snapshot, &mut answer);
+        let d = self.decide_inner(req, snapshot, context, &mut answer);
         match &d {
             Decision::NamedFetch { .. } => self.counters.named_fetch.fetch_add(1, Ordering::Relaxed),
             Decision::KeepPairedPath(r) => self.counters.discarded[*r as usize].fetch_add(1, Ordering::Relaxed),
@@ -339,6 +355,7 @@ impl Orchestrator {
         &self,
         req: &RequestInfo,
         snapshot: Option<&Snapshot>,
+        context: Option<&(dyn std::any::Any + Send + Sync)>,
         answer: &mut Option<ProviderError>,
     ) -> Decision {
         use Decision::KeepPairedPath as Keep;
@@ -410,6 +427,7 @@ impl Orchestrator {
             action,
             endpoint,
             envelope: &envelope,
+            context,
         };
         if let Err(e) = self.provider.validate(&fr) {
             *answer = Some(e);

@@ -1,0 +1,87 @@
+//! What a fetch from a source is expected to cost: setup latency and throughput per source,
+//! exponential moving averages (weight 1/4 for each new transfer), and a documented default
+//! per transport before the first transfer.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// A source's measured speed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SourceSpeed {
+    /// Seconds from submission to the first verified block (connect, handshake, the source's
+    /// first gather).
+    pub setup_s: f64,
+    /// Bytes per second after it.
+    pub bytes_per_s: f64,
+}
+
+/// The TCP default before the first transfer: 2 ms of setup and 3 GB/s, what one loopback TCP
+/// stream carried in this repository's transfer benchmark (3.2-4.6 GB/s on the 2-core dev VM
+/// and the H200 machine, `benches/RESULTS.md`); a datacenter link is slower, so the first
+/// transfer corrects it either way.
+pub const TCP_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 3e9 };
+
+/// Most sources remembered; the oldest entry is dropped beyond (a hostile hint stream cannot
+/// grow the table without bound).
+pub const MAX_SOURCES: usize = 4096;
+
+/// Per-source moving averages.
+pub struct Estimator {
+    default: SourceSpeed,
+    by_source: Mutex<HashMap<String, (SourceSpeed, u64)>>,
+    tick: std::sync::atomic::AtomicU64,
+}
+
+impl Estimator {
+    /// An estimator whose sources start at `default`.
+    pub fn new(default: SourceSpeed) -> Estimator {
+        Estimator { default, by_source: Mutex::new(HashMap::new()), tick: Default::default() }
+    }
+
+    /// The current estimate for `source`.
+    pub fn speed(&self, source: &str) -> SourceSpeed {
+        let m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(source).map_or(self.default, |e| e.0)
+    }
+
+    /// Seconds to fetch `bytes` from `source`.
+    pub fn seconds(&self, source: &str, bytes: u64) -> f64 {
+        let s = self.speed(source);
+        s.setup_s + bytes as f64 / s.bytes_per_s
+    }
+
+    /// Fold in a finished transfer.
+    pub fn record(&self, source: &str, setup: Duration, bytes: u64, data_time: Duration) {
+        let t = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
+        if !m.contains_key(source) && m.len() >= MAX_SOURCES {
+            if let Some(oldest) = m.iter().min_by_key(|(_, v)| v.1).map(|(k, _)| k.clone()) {
+                m.remove(&oldest);
+            }
+        }
+        let e = m.entry(source.to_string()).or_insert((self.default, t));
+        e.1 = t;
+        e.0.setup_s = 0.75 * e.0.setup_s + 0.25 * setup.as_secs_f64();
+        if bytes > 0 && data_time > Duration::ZERO {
+            e.0.bytes_per_s = 0.75 * e.0.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moves_toward_measurements() {
+        let e = Estimator::new(TCP_DEFAULT);
+        assert_eq!(e.speed("a"), TCP_DEFAULT);
+        e.record("a", Duration::from_millis(10), 1_000_000_000, Duration::from_secs(1));
+        let s = e.speed("a");
+        assert!((s.setup_s - (0.75 * 0.002 + 0.25 * 0.010)).abs() < 1e-12);
+        assert!((s.bytes_per_s - (0.75 * 3e9 + 0.25 * 1e9)).abs() < 1.0);
+        assert_eq!(e.speed("b"), TCP_DEFAULT);
+        assert!(e.seconds("a", 0) == s.setup_s);
+    }
+}

@@ -1,0 +1,251 @@
+//! One fetch on a worker thread: connect, authenticate, ask, receive, verify, write into the
+//! destination blocks in order, and report how many leading blocks arrived verified.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::wire::{self, Conn, FrameError, Refusal};
+use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
+use crate::checksum::kv_checksum;
+use crate::copy::CpuEngine;
+
+type Failure = (FailReason, String);
+
+fn io_fail(e: &std::io::Error, what: &str) -> Failure {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            (FailReason::Timeout, format!("{what} ran past its deadline"))
+        }
+        _ => (FailReason::Truncated, format!("{what}: the stream ended early ({e})")),
+    }
+}
+
+fn frame_fail(e: FrameError, what: &str) -> Failure {
+    match e {
+        FrameError::Io(e) => io_fail(&e, what),
+        FrameError::Malformed(m) => (FailReason::Corrupt, format!("{what}: {m}")),
+    }
+}
+
+fn refusal(p: &[u8]) -> Failure {
+    let (code, text) = wire::decode_refusal(p);
+    let reason = match code {
+        Some(Refusal::FingerprintMismatch) => FailReason::FingerprintMismatch,
+        Some(Refusal::AuthFailed) => FailReason::AuthFailed,
+        _ => FailReason::Refused,
+    };
+    let label = code.map_or("unknown", Refusal::as_str);
+    (reason, format!("the source refused: {label} ({})", text.escape_debug()))
+}
+
+/// What a worker keeps between fetches.
+#[derive(Default)]
+struct Worker {
+    engine: Option<CpuEngine>,
+    staging: Vec<u8>,
+    buf: Vec<u8>,
+}
+
+pub(super) fn worker(inner: &Arc<Inner>) {
+    let mut w = Worker::default();
+    loop {
+        let job = {
+            let mut q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = q.pop_front() {
+                    break Some(j);
+                }
+                if inner.stop.load(Ordering::Acquire) {
+                    break None;
+                }
+                q = inner.jobs_ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let Some(Job { req, state }) = job else { return };
+        let r = run(inner, &req, &state, &mut w);
+        match r.failure {
+            None => Stats::add(&inner.stats.fetches_ok, 1),
+            Some(f) => inner.stats.failed(f),
+        }
+        Stats::add(&inner.stats.blocks_fetched, r.blocks as u64);
+        Stats::add(&inner.stats.bytes_fetched, r.bytes);
+        state.complete(r);
+    }
+}
+
+fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) -> FetchResult {
+    let start = state.submitted;
+    let deadline = start.checked_add(req.deadline).unwrap_or(start + std::time::Duration::from_secs(86_400 * 365));
+    let mut blocks = 0usize;
+    let mut first: Option<Instant> = None;
+    let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first);
+    *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    if r.is_err() && state.cancel.load(Ordering::Acquire) {
+        // a cancel shuts the socket down: whatever the read then said, the fetch was cancelled
+        r = Err((FailReason::Cancelled, "cancelled by the runtime".into()));
+    } else if r.is_err() && inner.stop.load(Ordering::Acquire) {
+        r = Err((FailReason::Shutdown, "the agent is shutting down".into()));
+    }
+    let bytes = (blocks * inner.block_bytes) as u64;
+    if r.is_ok() {
+        if let Some(first) = first {
+            let setup = first.saturating_duration_since(start);
+            let data = Instant::now().saturating_duration_since(first);
+            // the first block's bytes count in the setup; the rest in the throughput
+            inner.estimator.record(&req.endpoint, setup, bytes - inner.block_bytes as u64, data);
+        }
+    }
+    let (failure, detail) = match r {
+        Ok(()) => (None, String::new()),
+        Err((f, d)) => (Some(f), d),
+    };
+    FetchResult { failure, blocks, bytes, seconds: start.elapsed().as_secs_f64(), detail }
+}
+
+/// Shuts the connection's registration down with the fetch.
+struct Registered<'a>(&'a Inner, Option<u64>);
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.1 {
+            self.0.unregister(id);
+        }
+    }
+}
+
+fn pull(
+    inner: &Inner,
+    req: &FetchRequest,
+    state: &FetchState,
+    deadline: Instant,
+    w: &mut Worker,
+    blocks: &mut usize,
+    first: &mut Option<Instant>,
+) -> Result<(), Failure> {
+    let stopped = || -> Result<(), Failure> {
+        if inner.stop.load(Ordering::Acquire) {
+            return Err((FailReason::Shutdown, "the agent is shutting down".into()));
+        }
+        if state.cancel.load(Ordering::Relaxed) {
+            return Err((FailReason::Cancelled, "cancelled by the runtime".into()));
+        }
+        if Instant::now() >= deadline {
+            return Err((FailReason::Timeout, "the fetch ran past its deadline".into()));
+        }
+        Ok(())
+    };
+    stopped()?;
+    let hostport = req
+        .endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| (FailReason::Connect, "not a tcp:// endpoint".to_string()))?;
+    let addr = hostport
+        .to_socket_addrs()
+        .map_err(|e| (FailReason::Connect, format!("the endpoint does not resolve: {e}")))?
+        .next()
+        .ok_or_else(|| (FailReason::Connect, "the endpoint resolves to no address".to_string()))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut s = TcpStream::connect_timeout(
+        &addr,
+        inner.limits.connect_timeout.min(left).max(std::time::Duration::from_millis(1)),
+    )
+    .map_err(|e| match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            (FailReason::Timeout, "connect ran past its deadline".to_string())
+        }
+        _ => (FailReason::Connect, format!("connect: {e}")),
+    })?;
+    let reg = Registered(inner, inner.register(&s));
+    if reg.1.is_none() {
+        return Err((FailReason::Shutdown, "the agent is shutting down".into()));
+    }
+    let _ = s.set_nodelay(true);
+    if let Ok(clone) = s.try_clone() {
+        *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = Some(clone);
+    }
+    // a cancel that came before the socket was published
+    stopped()?;
+    let c: &mut dyn Conn = &mut s;
+    let by = || (Instant::now() + inner.limits.io_timeout).min(deadline);
+    let asked = &req.names[req.held..req.held + req.dst.len()];
+    if let Some(key) = &inner.key {
+        let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
+        wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
+        let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, by()).map_err(|e| frame_fail(e, "authentication"))?;
+        w.buf.resize(len, 0);
+        c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, "authentication"))?;
+        if kind == wire::REFUSE {
+            return Err(refusal(&w.buf));
+        }
+        if kind != wire::AUTH_CHALLENGE || len != 2 * auth::NONCE {
+            return Err((FailReason::AuthFailed, "the source did not answer with a challenge".into()));
+        }
+        let server: [u8; auth::NONCE] = w.buf[..auth::NONCE].try_into().expect("32 bytes");
+        // the proof goes first so that a source with another key counts the refusal too; it
+        // is bound to this connection's fresh nonces, so it is of no use to anyone else
+        wire::write_frame(c, wire::AUTH_PROOF, &key.client_proof(&client, &server), by())
+            .map_err(|e| io_fail(&e, "authentication"))?;
+        if !key.check_server(&client, &server, &w.buf[auth::NONCE..]) {
+            return Err((FailReason::AuthFailed, "the source does not prove it holds the key".into()));
+        }
+    }
+    wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
+        .map_err(|e| io_fail(&e, "the hello"))?;
+    let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, by()).map_err(|e| frame_fail(e, "the offer"))?;
+    w.buf.resize(len, 0);
+    c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
+    if kind == wire::REFUSE {
+        return Err(refusal(&w.buf));
+    }
+    let bb = inner.block_bytes;
+    let (count, offered_bb) = match (kind, wire::decode_offer(&w.buf)) {
+        (wire::OFFER, Some(o)) => o,
+        _ => return Err((FailReason::Corrupt, "expected an offer".into())),
+    };
+    if count as usize > asked.len() || offered_bb != bb as u64 {
+        return Err((FailReason::Corrupt, "the offer does not match the request".into()));
+    }
+    if count == 0 {
+        return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+    }
+    if w.engine.is_none() {
+        // SAFETY: the layout's blocks are host memory valid for reads and writes for the
+        // agent's life (`Agent::new`'s contract); the engine writes only a fetch's destination
+        // blocks, which the runtime leaves alone until the fetch completes.
+        w.engine = Some(unsafe { CpuEngine::new(inner.layout.clone()) });
+    }
+    let engine = w.engine.as_mut().expect("set above");
+    w.staging.resize(bb, 0);
+    let mut head = [0u8; 16];
+    for (i, &want) in asked.iter().enumerate().take(count as usize) {
+        stopped()?;
+        let what = || format!("block {i}");
+        let (kind, len) =
+            wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
+        if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
+            w.buf.resize(len, 0);
+            c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, &what()))?;
+            return Err(refusal(&w.buf));
+        }
+        if kind != wire::BLOCK || len != 16 + bb {
+            return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
+        }
+        c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
+        c.read_by(&mut w.staging, by()).map_err(|e| io_fail(&e, &what()))?;
+        if wire::u64_at(&head, 0) != want {
+            return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
+        }
+        let sum = wire::u64_at(&head, 8);
+        if kv_checksum(&w.staging) != sum {
+            return Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")));
+        }
+        let dst = req.dst[i];
+        engine.scatter(&w.staging, &[dst]).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
+        inner.sums.set(dst, sum);
+        *blocks = i + 1;
+        first.get_or_insert_with(Instant::now);
+    }
+    drop(reg);
+    Ok(())
+}

@@ -1,0 +1,825 @@
+//! The KV agent (SPEC section 9): serve this instance's named KV blocks to other instances and
+//! fetch named blocks from them into the runtime's own pool, over TCP (the embedded default).
+//!
+//! **Who owns what.** The runtime owns its KV pool and its reuse cache. The agent sees the pool
+//! only through its [`KvLayout`] (host memory) and touches blocks only in two ways: it reads
+//! blocks the runtime pinned for it ([`BlockHolder::pin`], released with
+//! [`BlockHolder::unpin`]), and it writes the destination blocks a fetch was given, until that
+//! fetch completes. It keeps one checksum per block of the pool, recorded by the runtime
+//! ([`Agent::record_checksums`]) when a block becomes reusable, and by the agent itself for
+//! every block a fetch verified; the recorded value travels with the block, and the
+//! destination checks it where the bytes land ([`crate::checksum`]). A block whose checksum
+//! was never recorded is not served (the offer stops before it).
+//!
+//! **Threads.** One accept thread; one thread per accepted connection (bounded: at most
+//! `max_pending` connections that have not yet sent a valid first message, closed after
+//! `handshake_timeout`, and at most `max_connections` serving; at most `max_per_peer` of
+//! either from one address); `fetch_threads` fetch workers. [`BlockHolder::pin`] and
+//! [`BlockHolder::unpin`] run on connection threads, several at once; a fetch's completion
+//! callback runs on a fetch worker. Nothing the agent does blocks the thread that submits a
+//! fetch: DNS, connect, reads, verification and the copy into the pool all run on workers.
+//!
+//! **A fetch** asks the source for the request's names after the `held` leading ones it already
+//! has, as many as it reserved destination blocks for. The source answers with the leading run
+//! it holds, pinned; each block arrives with its name and recorded checksum, is verified, and
+//! only then copied into the next destination block. The completion reports how many leading
+//! blocks were written and verified (the runtime commits exactly those, in prefix order) and,
+//! when it stopped early, why ([`FailReason`]). When the completion is delivered, the agent
+//! writes into none of the fetch's destination blocks any more.
+//!
+//! **Limits.** Every read and write has a deadline; a control frame is at most 512 bytes, a
+//! hello at most `8 * max_names` bytes more; a serving connection's whole transfer must end
+//! within 10 s plus 1 s per 100 MB; peers come from the allowlist only; with a pre-shared key,
+//! both sides prove they hold it before any name moves ([`auth`]).
+
+pub mod allow;
+pub mod auth;
+pub mod estimate;
+mod fetch;
+mod service;
+pub mod wire;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use allow::PeerAllow;
+pub use auth::Psk;
+pub use estimate::{SourceSpeed, TCP_DEFAULT};
+pub use wire::{Conn, Refusal};
+
+use crate::copy::KvLayout;
+
+/// What two instances compare before any block moves: a mismatch refuses the transfer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Fingerprint {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Layers.
+    pub layers: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head size.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+    /// The runtime's naming-scheme id (its choice: a hash of the name seed, the model, the
+    /// settings that change KV bytes); equal ids must mean equal names for equal KV.
+    pub naming: u64,
+}
+
+/// The agent's limits. [`Limits::default`] gives the documented defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections serving transfers at once, all peers together (64).
+    pub max_connections: u32,
+    /// Connections from one peer address, serving or in their handshake (8).
+    pub max_per_peer: u32,
+    /// Connections that have not yet sent a valid first message (32): they never take a
+    /// serving slot.
+    pub max_pending: u32,
+    /// Time a new connection has to complete its handshake (authentication and hello): 2 s.
+    pub handshake_timeout: Duration,
+    /// Deadline of every other read and write: 5 s.
+    pub io_timeout: Duration,
+    /// Connect deadline of a fetch: 2 s.
+    pub connect_timeout: Duration,
+    /// Most names in one request, served or fetched (65,536: a 2M-token prompt of 32-token blocks).
+    pub max_names: u32,
+    /// Fetch worker threads (4).
+    pub fetch_threads: u32,
+    /// Fetches waiting for a worker before a submission is refused as busy (1,024).
+    pub max_queued_fetches: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_connections: 64,
+            max_per_peer: 8,
+            max_pending: 32,
+            handshake_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            max_names: 65_536,
+            fetch_threads: 4,
+            max_queued_fetches: 1024,
+        }
+    }
+}
+
+/// Check limits as [`Agent::new`] does.
+pub(crate) fn check_limits(l: &Limits) -> Result<(), String> {
+    l.check()
+}
+
+impl Limits {
+    fn check(&self) -> Result<(), String> {
+        let ms = |d: Duration| d.as_millis();
+        for (name, v, max) in [
+            ("max_connections", self.max_connections, 4096),
+            ("max_per_peer", self.max_per_peer, 4096),
+            ("max_pending", self.max_pending, 4096),
+            ("max_names", self.max_names, 1 << 22),
+            ("fetch_threads", self.fetch_threads, 256),
+            ("max_queued_fetches", self.max_queued_fetches, 1 << 20),
+        ] {
+            if v == 0 || v > max {
+                return Err(format!("limit {name} = {v}: expected 1..={max}"));
+            }
+        }
+        for (name, d) in [
+            ("handshake_timeout", self.handshake_timeout),
+            ("io_timeout", self.io_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if ms(d) == 0 || ms(d) > 3_600_000 {
+                return Err(format!("limit {name} = {} ms: expected 1..=3600000 ms", ms(d)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How an agent is set up.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// This instance's layout fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Where the KV service listens (`host:port`, port 0 picks one); `None` serves nothing
+    /// (a fetch-only agent).
+    pub listen: Option<String>,
+    /// Peers the service accepts (default: loopback).
+    pub allow: PeerAllow,
+    /// Limits.
+    pub limits: Limits,
+    /// A pre-shared key both sides must prove they hold; `None`: no authentication.
+    pub key: Option<Psk>,
+}
+
+impl AgentConfig {
+    /// Defaults: listen on `127.0.0.1:0`, loopback peers, default limits, no key.
+    pub fn new(fingerprint: Fingerprint) -> AgentConfig {
+        AgentConfig {
+            fingerprint,
+            listen: Some("127.0.0.1:0".into()),
+            allow: PeerAllow::loopback(),
+            limits: Limits::default(),
+            key: None,
+        }
+    }
+}
+
+/// The runtime's side of serving: its reuse cache.
+pub trait BlockHolder: Send + Sync {
+    /// Of `names` (a request's consecutive block names), find the leading run this instance
+    /// holds, pin those blocks (they must not be evicted, written or reused until
+    /// [`BlockHolder::unpin`]), write their block ids into `ids[..n]` and return `n` (0 when
+    /// the first name is not held). `ids.len() == names.len()`. Runs on a connection thread,
+    /// possibly on several at once.
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize;
+    /// Release blocks pinned by [`BlockHolder::pin`] (each pinned id is unpinned exactly once).
+    fn unpin(&self, ids: &[u32]);
+}
+
+/// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
+/// `kvrelay_fetch_failure`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum FailReason {
+    /// The endpoint did not resolve or the connection could not be opened.
+    Connect = 1,
+    /// A read, a write, the connect or the whole fetch ran past its deadline.
+    Timeout = 2,
+    /// The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+    Refused = 3,
+    /// The two layouts or naming schemes differ.
+    FingerprintMismatch = 4,
+    /// A block's name, length or checksum is wrong, or a frame is malformed.
+    Corrupt = 5,
+    /// The stream ended early.
+    Truncated = 6,
+    /// The source holds none of the blocks asked for.
+    SourceMiss = 7,
+    /// Authentication failed (wrong key, or one side has none).
+    AuthFailed = 8,
+    /// The runtime cancelled the fetch.
+    Cancelled = 9,
+    /// The agent was shut down.
+    Shutdown = 10,
+}
+
+impl FailReason {
+    /// Every reason.
+    pub const ALL: [FailReason; 10] = [
+        FailReason::Connect,
+        FailReason::Timeout,
+        FailReason::Refused,
+        FailReason::FingerprintMismatch,
+        FailReason::Corrupt,
+        FailReason::Truncated,
+        FailReason::SourceMiss,
+        FailReason::AuthFailed,
+        FailReason::Cancelled,
+        FailReason::Shutdown,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailReason::Connect => "connect",
+            FailReason::Timeout => "timeout",
+            FailReason::Refused => "refused",
+            FailReason::FingerprintMismatch => "fingerprint_mismatch",
+            FailReason::Corrupt => "corrupt",
+            FailReason::Truncated => "truncated",
+            FailReason::SourceMiss => "source_miss",
+            FailReason::AuthFailed => "auth_failed",
+            FailReason::Cancelled => "cancelled",
+            FailReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+impl fmt::Display for FailReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One fetch to submit.
+#[derive(Clone, Debug)]
+pub struct FetchRequest {
+    /// The source's KV endpoint, `tcp://host:port`, as an orchestration decision authorized it.
+    pub endpoint: String,
+    /// The request's own block names, from block 0.
+    pub names: Vec<u64>,
+    /// How many leading blocks of `names` the runtime holds already (not fetched).
+    pub held: usize,
+    /// Free blocks of the pool reserved for the fetch: block `held + i` goes into `dst[i]`; as
+    /// many are asked for as there are destination blocks (at most `names.len() - held`).
+    pub dst: Vec<u32>,
+    /// The whole fetch's deadline, from submission.
+    pub deadline: Duration,
+}
+
+/// How a fetch ended.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FetchResult {
+    /// `None`: every block the source offered arrived (it may have offered fewer than asked:
+    /// its leading run); otherwise why the fetch stopped.
+    pub failure: Option<FailReason>,
+    /// Leading destination blocks written and verified (commit exactly these, in order).
+    pub blocks: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Seconds from submission to completion.
+    pub seconds: f64,
+    /// Why, in words, for logs (never hint bytes, never the key).
+    pub detail: String,
+}
+
+/// An agent call that could not be done.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentError {
+    /// A configuration value was refused.
+    Config(String),
+    /// An argument was refused (a block id past the pool, a duplicate destination, ...).
+    Argument(String),
+    /// Binding the listen address or starting a thread failed.
+    Io(String),
+    /// The fetch queue is full.
+    Busy,
+}
+
+impl fmt::Display for AgentError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AgentError::Config(s) | AgentError::Argument(s) | AgentError::Io(s) => f.write_str(s),
+            AgentError::Busy => f.write_str("the agent's fetch queue is full"),
+        }
+    }
+}
+impl std::error::Error for AgentError {}
+
+macro_rules! stats {
+    ($($(#[$m:meta])* $name:ident),* $(,)?) => {
+        /// The agent's counters (monotonic unless noted).
+        #[derive(Default)]
+        struct Stats { $($name: AtomicU64,)* }
+        /// A copy of the agent's counters.
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        #[repr(C)]
+        pub struct AgentStats { $($(#[$m])* pub $name: u64,)* }
+        impl Stats {
+            fn snapshot(&self) -> AgentStats {
+                AgentStats { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+    };
+}
+
+stats! {
+    /// Connections accepted from allowed peers.
+    accepted,
+    /// Connections that completed their handshake and were served.
+    served,
+    /// Blocks sent.
+    blocks_sent,
+    /// Bytes of blocks sent.
+    bytes_sent,
+    /// Connections refused: peer not on the allowlist.
+    refused_peer_not_allowed,
+    /// Refused: no serving slot, or no slot for a connection in its handshake.
+    refused_busy,
+    /// Refused: the peer address holds its limit.
+    refused_per_peer_limit,
+    /// Refused: a frame that does not decode or is not the one expected.
+    refused_bad_request,
+    /// Refused: the layouts differ.
+    refused_fingerprint_mismatch,
+    /// Refused: authentication failed.
+    refused_auth_failed,
+    /// Refused: more names than `max_names`.
+    refused_too_many_names,
+    /// Refused: the pin callback answered something impossible.
+    refused_internal,
+    /// Connections closed because the handshake ran past its deadline (or the peer left).
+    handshake_timeouts,
+    /// Served transfers that stopped early (the peer left, a write deadline, the transfer deadline).
+    serve_aborted,
+    /// Connections in their handshake now (a gauge).
+    pending_now,
+    /// Connections serving now (a gauge).
+    serving_now,
+    /// Fetches submitted.
+    fetches_submitted,
+    /// Fetches completed without failure.
+    fetches_ok,
+    /// Fetches that failed: connect.
+    fetch_failed_connect,
+    /// ... timeout.
+    fetch_failed_timeout,
+    /// ... refused.
+    fetch_failed_refused,
+    /// ... fingerprint mismatch.
+    fetch_failed_fingerprint_mismatch,
+    /// ... corrupt.
+    fetch_failed_corrupt,
+    /// ... truncated.
+    fetch_failed_truncated,
+    /// ... source miss.
+    fetch_failed_source_miss,
+    /// ... authentication failed.
+    fetch_failed_auth_failed,
+    /// ... cancelled.
+    fetch_failed_cancelled,
+    /// ... shut down.
+    fetch_failed_shutdown,
+    /// Blocks fetched, written and verified.
+    blocks_fetched,
+    /// Their bytes.
+    bytes_fetched,
+}
+
+impl Stats {
+    fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+    fn refused(&self, r: Refusal) {
+        Stats::add(
+            match r {
+                Refusal::PeerNotAllowed => &self.refused_peer_not_allowed,
+                Refusal::Busy => &self.refused_busy,
+                Refusal::PerPeerLimit => &self.refused_per_peer_limit,
+                Refusal::BadRequest => &self.refused_bad_request,
+                Refusal::FingerprintMismatch => &self.refused_fingerprint_mismatch,
+                Refusal::AuthFailed => &self.refused_auth_failed,
+                Refusal::TooManyNames => &self.refused_too_many_names,
+                Refusal::Internal => &self.refused_internal,
+            },
+            1,
+        );
+    }
+    fn failed(&self, r: FailReason) {
+        Stats::add(
+            match r {
+                FailReason::Connect => &self.fetch_failed_connect,
+                FailReason::Timeout => &self.fetch_failed_timeout,
+                FailReason::Refused => &self.fetch_failed_refused,
+                FailReason::FingerprintMismatch => &self.fetch_failed_fingerprint_mismatch,
+                FailReason::Corrupt => &self.fetch_failed_corrupt,
+                FailReason::Truncated => &self.fetch_failed_truncated,
+                FailReason::SourceMiss => &self.fetch_failed_source_miss,
+                FailReason::AuthFailed => &self.fetch_failed_auth_failed,
+                FailReason::Cancelled => &self.fetch_failed_cancelled,
+                FailReason::Shutdown => &self.fetch_failed_shutdown,
+            },
+            1,
+        );
+    }
+}
+
+/// The recorded checksum of every block of the pool (and whether one was recorded).
+struct SumTable {
+    sums: Vec<AtomicU64>,
+    valid: Vec<AtomicU64>,
+}
+
+impl SumTable {
+    fn new(blocks: usize) -> SumTable {
+        SumTable {
+            sums: (0..blocks).map(|_| AtomicU64::new(0)).collect(),
+            valid: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+    fn set(&self, id: u32, sum: u64) {
+        self.sums[id as usize].store(sum, Ordering::Relaxed);
+        self.valid[id as usize / 64].fetch_or(1 << (id % 64), Ordering::Release);
+    }
+    fn get(&self, id: u32) -> Option<u64> {
+        let v = self.valid[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0;
+        v.then(|| self.sums[id as usize].load(Ordering::Relaxed))
+    }
+}
+
+struct FetchState {
+    result: Mutex<Option<FetchResult>>,
+    done: Condvar,
+    cancel: AtomicBool,
+    on_done: Mutex<Option<Box<dyn FnOnce(&FetchResult) + Send>>>,
+    submitted: Instant,
+    /// The fetch's connection while it runs: `cancel` shuts it down so a blocked read returns.
+    sock: Mutex<Option<TcpStream>>,
+}
+
+impl FetchState {
+    fn complete(&self, r: FetchResult) {
+        let cb = self.on_done.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(cb) = cb {
+            cb(&r);
+        }
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        self.done.notify_all();
+    }
+}
+
+/// A submitted fetch: poll it, wait for it, or cancel it. Dropping the handle neither cancels
+/// the fetch nor loses its completion callback.
+#[derive(Clone)]
+pub struct Fetch(Arc<FetchState>);
+
+impl Fetch {
+    /// The result, once the fetch completed.
+    pub fn poll(&self) -> Option<FetchResult> {
+        self.0.result.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Wait up to `timeout` for the result.
+    pub fn wait(&self, timeout: Duration) -> Option<FetchResult> {
+        let end = Instant::now() + timeout;
+        let mut g = self.0.result.lock().unwrap_or_else(|e| e.into_inner());
+        while g.is_none() {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            g = self.0.done.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        g.clone()
+    }
+
+    /// Ask the fetch to stop: it completes with [`FailReason::Cancelled`] after the block in
+    /// progress (blocks verified before stay reported), or normally if it was about to.
+    pub fn cancel(&self) {
+        self.0.cancel.store(true, Ordering::Release);
+        if let Some(s) = self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+struct Job {
+    req: FetchRequest,
+    state: Arc<FetchState>,
+}
+
+struct Inner {
+    fingerprint: Fingerprint,
+    allow: PeerAllow,
+    limits: Limits,
+    key: Option<Psk>,
+    layout: KvLayout,
+    block_bytes: usize,
+    holder: Box<dyn BlockHolder>,
+    sums: SumTable,
+    estimator: estimate::Estimator,
+    stats: Stats,
+    stop: AtomicBool,
+    /// Connections per peer address (handshake and serving).
+    peers: Mutex<HashMap<IpAddr, u32>>,
+    /// Live sockets (served and fetched), shut down at stop; the count of live connection
+    /// threads is the map's length.
+    conns: Mutex<(u64, HashMap<u64, TcpStream>)>,
+    conns_idle: Condvar,
+    jobs: Mutex<VecDeque<Job>>,
+    jobs_ready: Condvar,
+}
+
+impl Inner {
+    fn register(&self, s: &TcpStream) -> Option<u64> {
+        let clone = s.try_clone().ok()?;
+        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        if self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        g.0 += 1;
+        let id = g.0;
+        g.1.insert(id, clone);
+        Some(id)
+    }
+    fn unregister(&self, id: u64) {
+        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        g.1.remove(&id);
+        if g.1.is_empty() {
+            self.conns_idle.notify_all();
+        }
+    }
+}
+
+/// The KV agent. Dropping it stops the service and every fetch (queued and running fetches
+/// complete with [`FailReason::Shutdown`] or [`FailReason::Cancelled`]), waits for every thread
+/// it started, and only then drops the [`BlockHolder`]: after `drop` returns, the agent touches
+/// neither the pool nor the holder.
+pub struct Agent {
+    inner: Arc<Inner>,
+    local: Option<SocketAddr>,
+    endpoint: Option<String>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent").field("endpoint", &self.endpoint).finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Start an agent over a host-memory pool described by `layout`.
+    ///
+    /// # Safety
+    /// Every block of `layout` must be host memory valid for reads and writes for the agent's
+    /// whole life. The runtime must not write a block between pinning it for the agent and
+    /// unpinning it, and must not touch a fetch's destination blocks until that fetch completed.
+    pub unsafe fn new(
+        config: AgentConfig,
+        layout: KvLayout,
+        holder: Box<dyn BlockHolder>,
+    ) -> Result<Agent, AgentError> {
+        config.limits.check().map_err(AgentError::Config)?;
+        let block_bytes = usize::try_from(layout.stage_block_bytes())
+            .map_err(|_| AgentError::Config("a block larger than the address space".into()))?;
+        let listener = match &config.listen {
+            None => None,
+            Some(a) => {
+                let l = TcpListener::bind(a.as_str()).map_err(|e| AgentError::Io(format!("listen on {a}: {e}")))?;
+                Some(l)
+            }
+        };
+        let local = listener.as_ref().map(|l| l.local_addr()).transpose().map_err(|e| AgentError::Io(e.to_string()))?;
+        let inner = Arc::new(Inner {
+            sums: SumTable::new(layout.num_blocks() as usize),
+            fingerprint: config.fingerprint,
+            allow: config.allow,
+            limits: config.limits,
+            key: config.key,
+            layout,
+            block_bytes,
+            holder,
+            estimator: estimate::Estimator::new(TCP_DEFAULT),
+            stats: Stats::default(),
+            stop: AtomicBool::new(false),
+            peers: Mutex::new(HashMap::new()),
+            conns: Mutex::new((0, HashMap::new())),
+            conns_idle: Condvar::new(),
+            jobs: Mutex::new(VecDeque::new()),
+            jobs_ready: Condvar::new(),
+        });
+        let mut agent =
+            Agent { inner: inner.clone(), local, endpoint: local.map(|a| format!("tcp://{a}")), threads: vec![] };
+        for i in 0..inner.limits.fetch_threads {
+            let inner = inner.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kvrelay-fetch-{i}"))
+                .spawn(move || fetch::worker(&inner))
+                .map_err(|e| AgentError::Io(format!("starting a fetch thread: {e}")))?;
+            agent.threads.push(t);
+        }
+        if let Some(l) = listener {
+            let inner = inner.clone();
+            let t = std::thread::Builder::new()
+                .name("kvrelay-accept".into())
+                .spawn(move || service::accept_loop(&inner, l))
+                .map_err(|e| AgentError::Io(format!("starting the accept thread: {e}")))?;
+            agent.threads.push(t);
+        }
+        Ok(agent)
+    }
+
+    /// The service's endpoint, `tcp://ADDR:PORT` (what a router puts in a hint's
+    /// `source_control_endpoint`); `None` for a fetch-only agent.
+    pub fn endpoint(&self) -> Option<&str> {
+        self.endpoint.as_deref()
+    }
+
+    /// Bytes of one block (every segment of it, block-major).
+    pub fn block_bytes(&self) -> usize {
+        self.inner.block_bytes
+    }
+
+    /// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them):
+    /// the agent reads each block where it lies (no copy) and keeps its checksum, which then
+    /// travels with the block. O(bytes); batches over 8 MiB are summed on several threads.
+    pub fn record_checksums(&self, ids: &[u32]) -> Result<(), AgentError> {
+        let n = self.inner.layout.num_blocks();
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
+            return Err(AgentError::Argument(format!("block id {id} (position {i}) is past the pool's {n} blocks")));
+        }
+        let inner = &*self.inner;
+        let sum_all = |ids: &[u32]| {
+            for &id in ids {
+                inner.sums.set(id, block_checksum(&inner.layout, id));
+            }
+        };
+        let total = ids.len() * inner.block_bytes;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        if total < (8 << 20) || threads == 1 {
+            sum_all(ids);
+        } else {
+            std::thread::scope(|s| {
+                for part in ids.chunks(ids.len().div_ceil(threads)) {
+                    s.spawn(move || sum_all(part));
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// The checksum recorded for block `id`, if any.
+    pub fn recorded_checksum(&self, id: u32) -> Option<u64> {
+        (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.get(id)).flatten()
+    }
+
+    /// Submit a fetch. Never blocks: the checks below run here, everything else on a fetch
+    /// worker, and `on_done` (if any) runs there when it completes. Refused: no destination
+    /// block, `held + dst.len() > names.len()`, more than `max_names` blocks, a destination id
+    /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
+    pub fn submit(
+        &self,
+        req: FetchRequest,
+        on_done: Option<Box<dyn FnOnce(&FetchResult) + Send>>,
+    ) -> Result<Fetch, AgentError> {
+        let arg = |s: String| Err(AgentError::Argument(s));
+        let n = self.inner.layout.num_blocks();
+        if req.dst.is_empty() {
+            return arg("a fetch needs at least one destination block".into());
+        }
+        if req.held > req.names.len() || req.dst.len() > req.names.len() - req.held {
+            return arg(format!(
+                "{} destination blocks after {} held ones, but the request has {} names",
+                req.dst.len(),
+                req.held,
+                req.names.len()
+            ));
+        }
+        if req.dst.len() > self.inner.limits.max_names as usize {
+            return arg(format!("{} blocks in one fetch (max_names {})", req.dst.len(), self.inner.limits.max_names));
+        }
+        if let Some(&id) = req.dst.iter().find(|&&id| id >= n) {
+            return arg(format!("destination block {id} is past the pool's {n} blocks"));
+        }
+        let mut sorted = req.dst.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return arg("the same destination block twice".into());
+        }
+        if req.deadline.is_zero() {
+            return arg("a fetch needs a deadline above zero".into());
+        }
+        let state = Arc::new(FetchState {
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            cancel: AtomicBool::new(false),
+            on_done: Mutex::new(on_done),
+            submitted: Instant::now(),
+            sock: Mutex::new(None),
+        });
+        {
+            let mut q = self.inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            if q.len() >= self.inner.limits.max_queued_fetches as usize {
+                return Err(AgentError::Busy);
+            }
+            q.push_back(Job { req, state: state.clone() });
+        }
+        Stats::add(&self.inner.stats.fetches_submitted, 1);
+        self.inner.jobs_ready.notify_one();
+        Ok(Fetch(state))
+    }
+
+    /// The current speed estimate of `endpoint` (the TCP default before its first transfer).
+    pub fn speed(&self, endpoint: &str) -> SourceSpeed {
+        self.inner.estimator.speed(endpoint)
+    }
+
+    /// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take; compare it with
+    /// the runtime's own prefill time for those tokens (SPEC section 8, "fetch only when it pays").
+    pub fn estimate(&self, endpoint: &str, blocks: usize) -> f64 {
+        self.inner.estimator.seconds(endpoint, (blocks * self.inner.block_bytes) as u64)
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> AgentStats {
+        self.inner.stats.snapshot()
+    }
+
+    /// Serve one connection on the calling thread as the service would serve an allowed peer
+    /// (handshake, then the transfer), for tests and fuzzing of what a peer can send. Slot and
+    /// per-peer limits are not applied.
+    #[doc(hidden)]
+    pub fn serve_connection(&self, conn: &mut dyn Conn) {
+        let mut scratch = service::Scratch::default();
+        service::serve(&self.inner, conn, &mut scratch, None);
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        inner.stop.store(true, Ordering::Release);
+        // wake the accept thread (it checks `stop` after every accept)
+        if let Some(a) = self.local {
+            let wake = if a.ip().is_unspecified() {
+                SocketAddr::new(
+                    if a.is_ipv4() { IpAddr::from([127, 0, 0, 1]) } else { IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]) },
+                    a.port(),
+                )
+            } else {
+                a
+            };
+            let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(500));
+        }
+        {
+            let g = inner.conns.lock().unwrap_or_else(|e| e.into_inner());
+            for s in g.1.values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        inner.jobs_ready.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        // connection threads: their sockets are shut down, so they end within one step
+        let mut g = inner.conns.lock().unwrap_or_else(|e| e.into_inner());
+        while !g.1.is_empty() {
+            g = inner.conns_idle.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+            for s in g.1.values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        drop(g);
+        // the last references of connection threads are dropped right after they unregister
+        while Arc::strong_count(&self.inner) > 1 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// The checksum of block `id` of `layout`, summed where the bytes lie (each segment's words
+/// keyed by their position in the block-major staged block).
+fn block_checksum(layout: &KvLayout, id: u32) -> u64 {
+    let mut sum = 0u64;
+    for (s, seg) in layout.segments().iter().enumerate() {
+        let addr = seg.base + u64::from(id) * seg.block_stride;
+        // SAFETY: `id` < num_blocks (checked by every caller) so `addr..addr+bytes_per_block`
+        // is one block of one segment, valid host memory for reads per `Agent::new`'s contract;
+        // the runtime does not write a block while it records its checksum or while it is pinned.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, seg.bytes_per_block as usize) };
+        sum = sum.wrapping_add(crate::checksum::kv_checksum_terms(bytes, layout.stage_offset(s) / 8));
+    }
+    crate::checksum::kv_checksum_finish(sum, layout.stage_block_bytes())
+}
+
+/// The run a destination fetches (SPEC section 8): from the first block it does not hold
+/// (`held` leading blocks of `names` it does), the consecutive names that appear among the
+/// hint's `hashes` (membership, not position). Returns the run's length.
+pub fn run_length(names: &[u64], held: usize, hashes: &[u64]) -> usize {
+    if held >= names.len() {
+        return 0;
+    }
+    let set: std::collections::HashSet<u64> = hashes.iter().copied().collect();
+    names[held..].iter().take_while(|n| set.contains(n)).count()
+}

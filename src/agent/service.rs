@@ -1,0 +1,292 @@
+//! Serving: the accept loop, the handshake (authentication, hello, fingerprint), then the
+//! transfer of the pinned leading run, each block with its recorded checksum.
+
+use std::net::{IpAddr, TcpListener};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::allow::canonical;
+use super::wire::{self, Conn, FrameError, Refusal};
+use super::{auth, Inner, Stats};
+use crate::copy::CpuEngine;
+
+/// Buffers one connection reuses.
+#[derive(Default)]
+pub(super) struct Scratch {
+    buf: Vec<u8>,
+    names: Vec<u64>,
+    ids: Vec<u32>,
+    staging: Vec<u8>,
+}
+
+/// Most bytes gathered from the pool at once before they go to the socket.
+const GATHER_BYTES: usize = 4 << 20;
+
+/// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB.
+fn transfer_deadline(bytes: u64) -> Duration {
+    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
+}
+
+pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
+    loop {
+        let accepted = listener.accept();
+        if inner.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let (mut s, peer) = match accepted {
+            Ok(x) => x,
+            Err(_) => {
+                // out of descriptors and the like: back off instead of spinning
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let ip = canonical(peer.ip());
+        let quick = Instant::now() + Duration::from_millis(100);
+        if !inner.allow.allows(ip) {
+            inner.stats.refused(Refusal::PeerNotAllowed);
+            wire::refuse(&mut s, Refusal::PeerNotAllowed, "this peer is not on the KV service's allowlist", quick);
+            continue;
+        }
+        {
+            let mut peers = inner.peers.lock().unwrap_or_else(|e| e.into_inner());
+            let n = peers.get(&ip).copied().unwrap_or(0);
+            let refusal = if n >= inner.limits.max_per_peer {
+                Some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
+            } else if inner.stats.pending_now.load(Ordering::Relaxed) >= u64::from(inner.limits.max_pending) {
+                Some((Refusal::Busy, "too many connections are in their handshake"))
+            } else {
+                None
+            };
+            if let Some((r, text)) = refusal {
+                drop(peers);
+                inner.stats.refused(r);
+                wire::refuse(&mut s, r, text, quick);
+                continue;
+            }
+            *peers.entry(ip).or_insert(0) += 1;
+            Stats::add(&inner.stats.pending_now, 1);
+        }
+        Stats::add(&inner.stats.accepted, 1);
+        let Some(id) = inner.register(&s) else {
+            release(inner, ip, Slot::Pending);
+            continue;
+        };
+        let worker = inner.clone();
+        let spawned = std::thread::Builder::new().name("kvrelay-serve".into()).stack_size(256 << 10).spawn(move || {
+            let _ = s.set_nodelay(true);
+            let mut scratch = Scratch::default();
+            let slot = serve(&worker, &mut s, &mut scratch, Some(ip));
+            release(&worker, ip, slot);
+            drop(s);
+            worker.unregister(id);
+        });
+        if spawned.is_err() {
+            release(inner, ip, Slot::Pending);
+            inner.unregister(id);
+        }
+    }
+}
+
+/// Which gauge a connection holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Slot {
+    Pending,
+    Serving,
+    None,
+}
+
+fn release(inner: &Inner, ip: IpAddr, slot: Slot) {
+    match slot {
+        Slot::Pending => {
+            inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
+        }
+        Slot::Serving => {
+            inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
+        }
+        Slot::None => {}
+    }
+    let mut peers = inner.peers.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = peers.get_mut(&ip) {
+        *n -= 1;
+        if *n == 0 {
+            peers.remove(&ip);
+        }
+    }
+}
+
+enum Hs {
+    Refuse(Refusal, &'static str),
+    /// The peer left, sent nothing in time, or an I/O error.
+    Gone,
+}
+
+fn frame_err(e: FrameError) -> Hs {
+    match e {
+        FrameError::Io(_) => Hs::Gone,
+        FrameError::Malformed(_) => Hs::Refuse(Refusal::BadRequest, "not a kvrelay agent frame"),
+    }
+}
+
+/// Authentication (when a key is set) and the hello; on success `scratch.names` holds the names.
+fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: Instant) -> Result<(), Hs> {
+    let hello_max = wire::FINGERPRINT_BYTES + 4 + 8 * inner.limits.max_names as usize;
+    if let Some(key) = &inner.key {
+        let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(frame_err)?;
+        if kind == wire::HELLO {
+            return Err(Hs::Refuse(Refusal::AuthFailed, "this service requires authentication"));
+        }
+        if kind != wire::AUTH_HELLO || len != auth::NONCE {
+            return Err(Hs::Refuse(Refusal::BadRequest, "expected an authentication hello"));
+        }
+        let mut client = [0u8; auth::NONCE];
+        c.read_by(&mut client, deadline).map_err(|_| Hs::Gone)?;
+        let server = auth::nonce().map_err(|_| Hs::Gone)?;
+        let mut challenge = [0u8; 2 * auth::NONCE];
+        challenge[..auth::NONCE].copy_from_slice(&server);
+        challenge[auth::NONCE..].copy_from_slice(&key.server_proof(&client, &server));
+        wire::write_frame(c, wire::AUTH_CHALLENGE, &challenge, deadline).map_err(|_| Hs::Gone)?;
+        let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(frame_err)?;
+        if kind != wire::AUTH_PROOF || len != auth::NONCE {
+            return Err(Hs::Refuse(Refusal::BadRequest, "expected an authentication proof"));
+        }
+        let mut proof = [0u8; auth::NONCE];
+        c.read_by(&mut proof, deadline).map_err(|_| Hs::Gone)?;
+        if !key.check_client(&client, &server, &proof) {
+            return Err(Hs::Refuse(Refusal::AuthFailed, "authentication failed"));
+        }
+    }
+    let (kind, len) = wire::read_header(c, u32::MAX as usize, deadline).map_err(frame_err)?;
+    if kind == wire::AUTH_HELLO && inner.key.is_none() {
+        return Err(Hs::Refuse(Refusal::AuthFailed, "this service has no key"));
+    }
+    if kind != wire::HELLO {
+        return Err(Hs::Refuse(Refusal::BadRequest, "expected a hello"));
+    }
+    if len > hello_max {
+        return Err(Hs::Refuse(Refusal::TooManyNames, "more names than this service takes in one request"));
+    }
+    scratch.buf.resize(len, 0);
+    c.read_by(&mut scratch.buf, deadline).map_err(|_| Hs::Gone)?;
+    let fp = wire::decode_hello(&scratch.buf, &mut scratch.names)
+        .ok_or(Hs::Refuse(Refusal::BadRequest, "a hello that does not decode"))?;
+    if fp != inner.fingerprint {
+        return Err(Hs::Refuse(Refusal::FingerprintMismatch, "the layouts or naming schemes differ"));
+    }
+    Ok(())
+}
+
+/// Serve one connection; `peer` is `Some` when the connection holds a handshake slot (it is
+/// then promoted to a serving slot). Returns the slot it holds at the end.
+pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> Slot {
+    let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
+    let hs = Instant::now() + inner.limits.handshake_timeout;
+    let io = |inner: &Inner| Instant::now() + inner.limits.io_timeout;
+    match handshake(inner, c, scratch, hs) {
+        Ok(()) => {}
+        Err(Hs::Refuse(r, text)) => {
+            inner.stats.refused(r);
+            wire::refuse(c, r, text, io(inner));
+            return slot;
+        }
+        Err(Hs::Gone) => {
+            Stats::add(&inner.stats.handshake_timeouts, 1);
+            return slot;
+        }
+    }
+    if slot == Slot::Pending {
+        inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
+        slot = Slot::None;
+        // only the handshake threads race here; a compare-and-swap keeps the bound exact
+        let max = u64::from(inner.limits.max_connections);
+        let got = inner
+            .stats
+            .serving_now
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
+            .is_ok();
+        if !got {
+            inner.stats.refused(Refusal::Busy);
+            wire::refuse(c, Refusal::Busy, "every serving slot is taken", io(inner));
+            return slot;
+        }
+        slot = Slot::Serving;
+    }
+    Stats::add(&inner.stats.served, 1);
+    transfer(inner, c, scratch);
+    slot
+}
+
+/// Unpins what it holds when dropped (whatever way the transfer ends).
+struct Pinned<'a> {
+    inner: &'a Inner,
+    ids: &'a [u32],
+}
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.inner.holder.unpin(self.ids);
+        }
+    }
+}
+
+fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
+    let n = scratch.names.len();
+    let num_blocks = inner.layout.num_blocks();
+    scratch.ids.clear();
+    scratch.ids.resize(n, 0);
+    let k = inner.holder.pin(&scratch.names, &mut scratch.ids);
+    let io = |inner: &Inner| Instant::now() + inner.limits.io_timeout;
+    if k > n || scratch.ids[..k].iter().any(|&id| id >= num_blocks) {
+        // the runtime answered something impossible: give back what it says it pinned
+        inner.holder.unpin(&scratch.ids[..k.min(n)]);
+        inner.stats.refused(Refusal::Internal);
+        wire::refuse(c, Refusal::Internal, "the source's reuse cache answered an impossible pin", io(inner));
+        return;
+    }
+    // a block whose checksum was never recorded is not served: the offer stops before it
+    let offered = scratch.ids[..k].iter().position(|&id| inner.sums.get(id).is_none()).unwrap_or(k);
+    if offered < k {
+        inner.holder.unpin(&scratch.ids[offered..k]);
+    }
+    let ids = &scratch.ids[..offered];
+    let _pinned = Pinned { inner, ids };
+    let bb = inner.block_bytes;
+    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), io(inner)).is_err() {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return;
+    }
+    if offered == 0 {
+        return;
+    }
+    let end = Instant::now() + transfer_deadline((offered * bb) as u64);
+    let by = |inner: &Inner| io(inner).min(end);
+    // SAFETY: the layout's blocks are host memory valid for reads for the agent's life
+    // (`Agent::new`'s contract); the engine only reads the pinned blocks `ids`, which the
+    // runtime does not write while they are pinned.
+    let mut engine = unsafe { CpuEngine::new(inner.layout.clone()) };
+    let chunk = (GATHER_BYTES / bb).max(1);
+    scratch.staging.resize(chunk.min(offered) * bb, 0);
+    for (ci, part) in ids.chunks(chunk).enumerate() {
+        let staged = &mut scratch.staging[..part.len() * bb];
+        if engine.gather(part, staged).is_err() {
+            Stats::add(&inner.stats.serve_aborted, 1);
+            return;
+        }
+        for (j, &id) in part.iter().enumerate() {
+            let i = ci * chunk + j;
+            let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
+            let mut head = [0u8; 28];
+            head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
+            head[12..20].copy_from_slice(&scratch.names[i].to_le_bytes());
+            head[20..28].copy_from_slice(&sum.to_le_bytes());
+            if c.write_by(&head, by(inner)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err() {
+                Stats::add(&inner.stats.serve_aborted, 1);
+                return;
+            }
+            Stats::add(&inner.stats.blocks_sent, 1);
+            Stats::add(&inner.stats.bytes_sent, bb as u64);
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! The agent's TCP framing and messages (version 2 of the KV frame format).
+//!
+//! Every frame is a 12-byte header — magic `KVRA`, version 2, kind, two zero bytes, payload
+//! length (u32 LE) — then the payload. All integers are little-endian. Kinds:
+//! - `AUTH_HELLO` (1, destination -> source): a 32-byte nonce; the first frame when a key is set;
+//! - `AUTH_CHALLENGE` (2, source -> destination): the source's 32-byte nonce and its 32-byte
+//!   proof; `AUTH_PROOF` (3, destination -> source): the destination's 32-byte proof ([`super::auth`]);
+//! - `HELLO` (4, destination -> source): the fingerprint (32 bytes: block tokens, layers, KV
+//!   heads, head size, dtype bytes, 4 zero bytes as u32s, then the naming-scheme id as u64), a
+//!   name count (u32) and the names (u64 each); the first frame without a key;
+//! - `OFFER` (5, source -> destination): `count` (u32, the leading names the source holds and
+//!   pinned), 4 zero bytes, `block_bytes` (u64);
+//! - `BLOCK` (6, source -> destination): name (u64), the checksum recorded when the block
+//!   became reusable (u64), then exactly `block_bytes` bytes; one per offered block, in order;
+//! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text.
+//!
+//! Limits on every read: a control frame at most [`MAX_CONTROL`] bytes, a hello at most
+//! `12 + 36 + 8 * max_names`, a block frame exactly `16 + block_bytes`; every read and write has
+//! a deadline.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use super::Fingerprint;
+
+/// The frame magic.
+pub const MAGIC: &[u8; 4] = b"KVRA";
+/// The frame format's version.
+pub const VERSION: u8 = 2;
+/// Frame kind: the destination's nonce (first frame when a key is set).
+pub const AUTH_HELLO: u8 = 1;
+/// Frame kind: the source's nonce and proof.
+pub const AUTH_CHALLENGE: u8 = 2;
+/// Frame kind: the destination's proof.
+pub const AUTH_PROOF: u8 = 3;
+/// Frame kind: fingerprint and names.
+pub const HELLO: u8 = 4;
+/// Frame kind: how many leading blocks the source pinned, and their size.
+pub const OFFER: u8 = 5;
+/// Frame kind: one block with its name and recorded checksum.
+pub const BLOCK: u8 = 6;
+/// Frame kind: a refusal with its reason.
+pub const REFUSE: u8 = 7;
+
+/// Largest control frame other than a hello.
+pub const MAX_CONTROL: usize = 512;
+/// Bytes of an encoded fingerprint.
+pub const FINGERPRINT_BYTES: usize = 32;
+
+/// Why a source refused (the wire code and the statistics' label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Refusal {
+    /// The peer is not on the allowlist.
+    PeerNotAllowed = 1,
+    /// Every serving slot, or every slot for connections still in their handshake, is taken.
+    Busy = 2,
+    /// This peer address holds its limit of connections.
+    PerPeerLimit = 3,
+    /// A frame that does not decode, or not the one expected.
+    BadRequest = 4,
+    /// The layouts (or naming schemes) differ.
+    FingerprintMismatch = 5,
+    /// Authentication failed, or one side has a key and the other none.
+    AuthFailed = 6,
+    /// More names than the service takes in one request.
+    TooManyNames = 7,
+    /// The runtime's pin callback answered something impossible.
+    Internal = 8,
+}
+
+impl Refusal {
+    /// Every refusal.
+    pub const ALL: [Refusal; 8] = [
+        Refusal::PeerNotAllowed,
+        Refusal::Busy,
+        Refusal::PerPeerLimit,
+        Refusal::BadRequest,
+        Refusal::FingerprintMismatch,
+        Refusal::AuthFailed,
+        Refusal::TooManyNames,
+        Refusal::Internal,
+    ];
+
+    /// The label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::PeerNotAllowed => "peer_not_allowed",
+            Refusal::Busy => "busy",
+            Refusal::PerPeerLimit => "per_peer_limit",
+            Refusal::BadRequest => "bad_request",
+            Refusal::FingerprintMismatch => "fingerprint_mismatch",
+            Refusal::AuthFailed => "auth_failed",
+            Refusal::TooManyNames => "too_many_names",
+            Refusal::Internal => "internal",
+        }
+    }
+
+    /// From the wire code.
+    pub fn from_code(c: u8) -> Option<Refusal> {
+        Refusal::ALL.iter().copied().find(|r| *r as u8 == c)
+    }
+}
+
+/// A connection whose every read and write finishes by a deadline.
+pub trait Conn {
+    /// Fill `buf` completely by `deadline`.
+    fn read_by(&mut self, buf: &mut [u8], deadline: Instant) -> io::Result<()>;
+    /// Write all of `buf` by `deadline`.
+    fn write_by(&mut self, buf: &[u8], deadline: Instant) -> io::Result<()>;
+}
+
+fn remaining(deadline: Instant) -> io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"))
+    } else {
+        Ok(left.max(Duration::from_millis(1)))
+    }
+}
+
+impl Conn for TcpStream {
+    fn read_by(&mut self, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+        while !buf.is_empty() {
+            self.set_read_timeout(Some(remaining(deadline)?))?;
+            match self.read(buf) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => buf = &mut buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "read deadline"))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_by(&mut self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+        while !buf.is_empty() {
+            self.set_write_timeout(Some(remaining(deadline)?))?;
+            match self.write(buf) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "write deadline"))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A frame header.
+pub fn header(kind: u8, len: usize) -> [u8; 12] {
+    let mut h = [0u8; 12];
+    h[..4].copy_from_slice(MAGIC);
+    h[4] = VERSION;
+    h[5] = kind;
+    h[8..].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+/// What went wrong reading a frame.
+#[derive(Debug)]
+pub enum FrameError {
+    /// I/O (timeouts included).
+    Io(io::Error),
+    /// Not a KV frame of this version, or longer than allowed.
+    Malformed(&'static str),
+}
+
+impl From<io::Error> for FrameError {
+    fn from(e: io::Error) -> FrameError {
+        FrameError::Io(e)
+    }
+}
+
+/// Read a frame header: `(kind, payload length)`, the length at most `max`.
+pub fn read_header(c: &mut dyn Conn, max: usize, deadline: Instant) -> Result<(u8, usize), FrameError> {
+    let mut h = [0u8; 12];
+    c.read_by(&mut h, deadline)?;
+    if &h[..4] != MAGIC || h[4] != VERSION || h[6] != 0 || h[7] != 0 {
+        return Err(FrameError::Malformed("not a kvrelay agent frame (magic or version)"));
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > max {
+        return Err(FrameError::Malformed("a frame longer than its limit"));
+    }
+    Ok((h[5], len))
+}
+
+/// Write one frame (header and payload in one write).
+pub fn write_frame(c: &mut dyn Conn, kind: u8, payload: &[u8], deadline: Instant) -> io::Result<()> {
+    let mut f = Vec::with_capacity(12 + payload.len());
+    f.extend_from_slice(&header(kind, payload.len()));
+    f.extend_from_slice(payload);
+    c.write_by(&f, deadline)
+}
+
+/// Send a refusal (best effort: the peer may be gone).
+pub fn refuse(c: &mut dyn Conn, why: Refusal, text: &str, deadline: Instant) {
+    let mut p = vec![why as u8];
+    let mut t = text.as_bytes();
+    if t.len() > 255 {
+        let mut n = 255;
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        t = &t[..n];
+    }
+    p.extend_from_slice(t);
+    let _ = write_frame(c, REFUSE, &p, deadline);
+}
+
+/// Decode a refusal's payload: the code (None when unknown) and the text.
+pub fn decode_refusal(p: &[u8]) -> (Option<Refusal>, String) {
+    match p.split_first() {
+        Some((&c, t)) => (Refusal::from_code(c), String::from_utf8_lossy(t).into_owned()),
+        None => (None, String::new()),
+    }
+}
+
+/// Encode a fingerprint.
+pub fn put_fingerprint(out: &mut Vec<u8>, f: &Fingerprint) {
+    for v in [f.block_tokens, f.layers, f.kv_heads, f.head_dim, f.dtype_bytes, 0] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out.extend_from_slice(&f.naming.to_le_bytes());
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// A u64 at `at` (the caller checked the length).
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Decode a fingerprint (exactly [`FINGERPRINT_BYTES`]); `None` when the reserved word is set.
+pub fn get_fingerprint(b: &[u8]) -> Option<Fingerprint> {
+    if b.len() != FINGERPRINT_BYTES || u32_at(b, 20) != 0 {
+        return None;
+    }
+    Some(Fingerprint {
+        block_tokens: u32_at(b, 0),
+        layers: u32_at(b, 4),
+        kv_heads: u32_at(b, 8),
+        head_dim: u32_at(b, 12),
+        dtype_bytes: u32_at(b, 16),
+        naming: u64_at(b, 24),
+    })
+}
+
+/// A hello's payload.
+pub fn encode_hello(f: &Fingerprint, names: &[u64]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(FINGERPRINT_BYTES + 4 + 8 * names.len());
+    put_fingerprint(&mut p, f);
+    p.extend_from_slice(&(names.len() as u32).to_le_bytes());
+    for n in names {
+        p.extend_from_slice(&n.to_le_bytes());
+    }
+    p
+}
+
+/// Decode a hello into its fingerprint and names (`names` is cleared and refilled).
+pub fn decode_hello(p: &[u8], names: &mut Vec<u64>) -> Option<Fingerprint> {
+    if p.len() < FINGERPRINT_BYTES + 4 {
+        return None;
+    }
+    let f = get_fingerprint(&p[..FINGERPRINT_BYTES])?;
+    let n = u32_at(p, FINGERPRINT_BYTES) as usize;
+    let body = &p[FINGERPRINT_BYTES + 4..];
+    if body.len() != n.checked_mul(8)? {
+        return None;
+    }
+    names.clear();
+    names.extend(body.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))));
+    Some(f)
+}
+
+/// An offer's payload.
+pub fn encode_offer(count: u32, block_bytes: u64) -> [u8; 16] {
+    let mut p = [0u8; 16];
+    p[..4].copy_from_slice(&count.to_le_bytes());
+    p[8..].copy_from_slice(&block_bytes.to_le_bytes());
+    p
+}
+
+/// Decode an offer: `(count, block_bytes)`.
+pub fn decode_offer(p: &[u8]) -> Option<(u32, u64)> {
+    if p.len() != 16 || u32_at(p, 4) != 0 {
+        return None;
+    }
+    Some((u32_at(p, 0), u64_at(p, 8)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_refuse_garbage() {
+        let f = Fingerprint { block_tokens: 32, layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, naming: 7 };
+        let p = encode_hello(&f, &[1, 2, 3]);
+        let mut names = Vec::new();
+        assert_eq!(decode_hello(&p, &mut names), Some(f.clone()));
+        assert_eq!(names, [1, 2, 3]);
+        assert_eq!(decode_hello(&p[..p.len() - 1], &mut names), None);
+        let mut bad = p.clone();
+        bad[20] = 1;
+        assert_eq!(decode_hello(&bad, &mut names), None);
+        assert_eq!(decode_offer(&encode_offer(5, 65536)), Some((5, 65536)));
+        assert_eq!(decode_offer(&[0; 15]), None);
+        assert_eq!(decode_refusal(&[2, b'x']), (Some(Refusal::Busy), "x".into()));
+        assert_eq!(decode_refusal(&[200]).0, None);
+    }
+}

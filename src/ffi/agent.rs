@@ -1,0 +1,800 @@
+//! The KV agent from C (feature `agent`): configuration, the runtime's block holder, fetches
+//! with completion by callback or poll, the cost estimate and the counters. The behaviour is
+//! the Rust [`crate::agent`]'s; this module only converts and guards.
+
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
+use super::copy::{array, kvrelay_kv_layout, layout_of};
+use super::status::kvrelay_status::{self, *};
+use super::types::kvrelay_str;
+use crate::agent::{
+    Agent, AgentConfig, AgentError, AgentStats, BlockHolder, FailReason, Fetch, FetchRequest, FetchResult, Fingerprint,
+    Limits, PeerAllow, Psk,
+};
+
+/// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_agent_fingerprint {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Layers.
+    pub layers: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head size.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+    /// The runtime's naming-scheme id: equal ids must mean equal block names for equal KV.
+    pub naming: u64,
+}
+
+/// The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
+/// milliseconds; every value must be at least 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_agent_limits {
+    /// Connections serving transfers at once, all peers together (64).
+    pub max_connections: u32,
+    /// Connections from one peer address, serving or in their handshake (8).
+    pub max_per_peer: u32,
+    /// Connections that have not sent a valid first message yet (32); they never hold a
+    /// serving slot.
+    pub max_pending: u32,
+    /// Time a new connection has for its handshake (2000).
+    pub handshake_timeout_ms: u32,
+    /// Deadline of every other read and write (5000).
+    pub io_timeout_ms: u32,
+    /// Connect deadline of a fetch (2000).
+    pub connect_timeout_ms: u32,
+    /// Most names in one request, served or fetched (65536).
+    pub max_names: u32,
+    /// Fetch worker threads (4).
+    pub fetch_threads: u32,
+    /// Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
+    pub max_queued_fetches: u32,
+}
+
+impl From<&Limits> for kvrelay_agent_limits {
+    fn from(l: &Limits) -> Self {
+        let ms = |d: Duration| d.as_millis().min(u32::MAX as u128) as u32;
+        kvrelay_agent_limits {
+            max_connections: l.max_connections,
+            max_per_peer: l.max_per_peer,
+            max_pending: l.max_pending,
+            handshake_timeout_ms: ms(l.handshake_timeout),
+            io_timeout_ms: ms(l.io_timeout),
+            connect_timeout_ms: ms(l.connect_timeout),
+            max_names: l.max_names,
+            fetch_threads: l.fetch_threads,
+            max_queued_fetches: l.max_queued_fetches,
+        }
+    }
+}
+
+impl From<&kvrelay_agent_limits> for Limits {
+    fn from(l: &kvrelay_agent_limits) -> Self {
+        let ms = |v: u32| Duration::from_millis(u64::from(v));
+        Limits {
+            max_connections: l.max_connections,
+            max_per_peer: l.max_per_peer,
+            max_pending: l.max_pending,
+            handshake_timeout: ms(l.handshake_timeout_ms),
+            io_timeout: ms(l.io_timeout_ms),
+            connect_timeout: ms(l.connect_timeout_ms),
+            max_names: l.max_names,
+            fetch_threads: l.fetch_threads,
+            max_queued_fetches: l.max_queued_fetches,
+        }
+    }
+}
+
+/// An agent's configuration under construction. Owned: `_free`.
+pub struct kvrelay_agent_config {
+    inner: AgentConfig,
+    /// `kvrelay_agent_config_allow_peer` replaces the default (loopback) on its first call.
+    allow_touched: bool,
+}
+
+/// The runtime's reuse cache, as the agent's service sees it. `pin` and `unpin` run on the
+/// agent's connection threads, several at once: they must be thread-safe, must not unwind or
+/// `longjmp` out (catch C++ exceptions inside) and must not call back into this agent.
+/// - `pin(user_data, names, n, ids_out)`: of the `n` consecutive block names, find the leading
+///   run this instance holds, pin those blocks (no eviction, no write, no reuse until `unpin`),
+///   write their block ids into `ids_out[0..k]` (room for `n`) and return `k` (0: the first
+///   name is not held). The agent serves only blocks whose checksum was recorded
+///   (`kvrelay_agent_record_checksums`).
+/// - `unpin(user_data, ids, k)`: release blocks pinned by `pin` (each exactly once).
+/// - `destroy(user_data)` (may be NULL): called once when the agent is freed, after its last use
+///   of the holder, or when `kvrelay_agent_new` fails.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvrelay_block_holder {
+    /// Passed back to every callback.
+    pub user_data: *mut c_void,
+    /// Pin the leading held run of `names`.
+    pub pin:
+        Option<unsafe extern "C" fn(user_data: *mut c_void, names: *const u64, n: usize, ids_out: *mut u32) -> usize>,
+    /// Release pinned blocks.
+    pub unpin: Option<unsafe extern "C" fn(user_data: *mut c_void, ids: *const u32, n: usize)>,
+    /// Release `user_data`.
+    pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+}
+
+struct CHolder(kvrelay_block_holder);
+
+// SAFETY: the holder contract (documented on kvrelay_block_holder) requires its callbacks and
+// user_data to be usable from any thread, concurrently.
+unsafe impl Send for CHolder {}
+// SAFETY: as above.
+unsafe impl Sync for CHolder {}
+
+impl Drop for CHolder {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.destroy {
+            // SAFETY: called exactly once, with the user_data the consumer supplied for it.
+            unsafe { d(self.0.user_data) };
+        }
+    }
+}
+
+impl BlockHolder for CHolder {
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        match self.0.pin {
+            // SAFETY: the consumer's callback; `names` and `ids` are live slices of `names.len()`
+            // elements for the duration of the call (the agent checks what it answers).
+            Some(f) => unsafe { f(self.0.user_data, names.as_ptr(), names.len(), ids.as_mut_ptr()) },
+            None => 0,
+        }
+    }
+    fn unpin(&self, ids: &[u32]) {
+        if let Some(f) = self.0.unpin {
+            // SAFETY: the consumer's callback; `ids` is a live slice for the call's duration.
+            unsafe { f(self.0.user_data, ids.as_ptr(), ids.len()) }
+        }
+    }
+}
+
+/// A running KV agent. Owned: `_free`. Every function on it is thread-safe.
+pub struct kvrelay_agent {
+    inner: Agent,
+}
+
+/// A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
+/// completion callback). Thread-safe.
+pub struct kvrelay_fetch {
+    inner: Fetch,
+}
+
+/// Why a fetch stopped early: `kvrelay_fetch_result.failure`. Fixed values;
+/// `kvrelay_fetch_failure_name` gives the metric label.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_fetch_failure {
+    /// Not a failure: every block the source offered arrived verified.
+    KVRELAY_FETCH_OK = 0,
+    /// The endpoint did not resolve or the connection could not be opened.
+    KVRELAY_FETCH_CONNECT = 1,
+    /// A read, a write, the connect or the whole fetch ran past its deadline.
+    KVRELAY_FETCH_TIMEOUT = 2,
+    /// The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+    KVRELAY_FETCH_REFUSED = 3,
+    /// The layouts or naming schemes differ.
+    KVRELAY_FETCH_FINGERPRINT_MISMATCH = 4,
+    /// A block's name, length or checksum is wrong, or a frame is malformed.
+    KVRELAY_FETCH_CORRUPT = 5,
+    /// The stream ended early.
+    KVRELAY_FETCH_TRUNCATED = 6,
+    /// The source holds none of the blocks asked for.
+    KVRELAY_FETCH_SOURCE_MISS = 7,
+    /// Authentication failed (a wrong key, or one side has none).
+    KVRELAY_FETCH_AUTH_FAILED = 8,
+    /// `kvrelay_fetch_cancel` stopped it.
+    KVRELAY_FETCH_CANCELLED = 9,
+    /// The agent was freed.
+    KVRELAY_FETCH_SHUTDOWN = 10,
+}
+
+/// How a fetch ended.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_result {
+    /// A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
+    /// may still have offered fewer blocks than asked: its leading run).
+    pub failure: i32,
+    /// Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`,
+    /// in order, whatever `failure` says.
+    pub blocks: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Seconds from submission to completion.
+    pub seconds: f64,
+}
+
+impl From<&FetchResult> for kvrelay_fetch_result {
+    fn from(r: &FetchResult) -> Self {
+        kvrelay_fetch_result {
+            failure: r.failure.map_or(0, |f| f as i32),
+            blocks: r.blocks,
+            bytes: r.bytes,
+            seconds: r.seconds,
+        }
+    }
+}
+
+/// One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_params {
+    /// The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
+    /// (`kvrelay_fetch_request.endpoint`).
+    pub endpoint: kvrelay_str,
+    /// The request's own block names, from block 0.
+    pub names: *const u64,
+    /// Number of names.
+    pub names_len: usize,
+    /// Leading blocks the runtime holds already (not fetched).
+    pub held: usize,
+    /// Free destination blocks reserved for the fetch: name `held + i` goes into
+    /// `dst_blocks[i]`; as many blocks are asked for as given (at most `names_len - held`).
+    pub dst_blocks: *const u32,
+    /// Number of destination blocks (at least 1).
+    pub dst_len: usize,
+    /// The whole fetch's deadline in milliseconds from submission (at least 1).
+    pub deadline_ms: u32,
+}
+
+/// A source's speed estimate.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_source_speed {
+    /// Seconds before the first verified block.
+    pub setup_s: f64,
+    /// Bytes per second after it.
+    pub bytes_per_s: f64,
+}
+
+/// The agent's counters (monotonic, except the `*_now` gauges).
+pub type kvrelay_agent_stats = AgentStats;
+
+/// A fetch's completion callback: runs once, on one of the agent's fetch threads, when the
+/// fetch completes (also when it was cancelled or the agent is being freed). It must not
+/// unwind and must not free the agent; it may call `kvrelay_fetch_poll` or free the fetch handle.
+pub type kvrelay_fetch_done = Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result)>;
+
+fn agent_err(e: AgentError) -> kvrelay_status {
+    match e {
+        AgentError::Config(d) => with_detail(KVRELAY_ERR_INVALID_CONFIG, d),
+        AgentError::Argument(d) => with_detail(KVRELAY_ERR_INVALID_ARGUMENT, d),
+        AgentError::Io(d) => with_detail(KVRELAY_ERR_IO, d),
+        AgentError::Busy => with_detail(KVRELAY_ERR_BUSY, "the agent's fetch queue is full"),
+    }
+}
+
+/// The documented default limits.
+///
+/// # Safety
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_limits_default(out: *mut kvrelay_agent_limits) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, kvrelay_agent_limits::from(&Limits::default())) };
+        Ok(())
+    })
+}
+
+/// A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
+/// default limits, no key.
+///
+/// # Safety
+/// `fingerprint` NULL or readable; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_new(
+    fingerprint: *const kvrelay_agent_fingerprint,
+    out: *mut *mut kvrelay_agent_config,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let f = unsafe { input(fingerprint) }?;
+        let fp = Fingerprint {
+            block_tokens: f.block_tokens,
+            layers: f.layers,
+            kv_heads: f.kv_heads,
+            head_dim: f.head_dim,
+            dtype_bytes: f.dtype_bytes,
+            naming: f.naming,
+        };
+        let cfg = kvrelay_agent_config { inner: AgentConfig::new(fp), allow_touched: false };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(cfg))) };
+        Ok(())
+    })
+}
+
+/// Free a configuration (NULL does nothing).
+///
+/// # Safety
+/// `config` NULL or live and not in use by another thread.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_free(config: *mut kvrelay_agent_config) {
+    // SAFETY: forwarded contract.
+    unsafe { free_box(config) }
+}
+
+/// Where the KV service listens: `host:port` (port 0 picks one; `kvrelay_agent_endpoint` tells
+/// which). `(NULL, 0)`: serve nothing (a fetch-only agent).
+///
+/// # Safety
+/// `config` NULL or live; `addr` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_listen(
+    config: *mut kvrelay_agent_config,
+    addr: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, a) = unsafe { (input_mut(config)?, text(addr.cast(), len)?) };
+        c.inner.listen = if a.is_empty() { None } else { Some(a.to_string()) };
+        Ok(())
+    })
+}
+
+/// Allow peers: `loopback`, an address, or `ADDR/PREFIX`, comma-separated. The first call
+/// replaces the default (loopback); later calls add. `KVRELAY_ERR_INVALID_CONFIG` for text that
+/// does not parse (nothing is added then).
+///
+/// # Safety
+/// `config` NULL or live; `spec` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_allow_peer(
+    config: *mut kvrelay_agent_config,
+    spec: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, s) = unsafe { (input_mut(config)?, text(spec.cast(), len)?) };
+        let mut next = if c.allow_touched { c.inner.allow.clone() } else { PeerAllow::default() };
+        next.add(s).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
+        c.inner.allow = next;
+        c.allow_touched = true;
+        Ok(())
+    })
+}
+
+/// Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
+/// ceiling).
+///
+/// # Safety
+/// `config` NULL or live; `limits` NULL or readable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_limits(
+    config: *mut kvrelay_agent_config,
+    limits: *const kvrelay_agent_limits,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, l) = unsafe { (input_mut(config)?, input(limits)?) };
+        let l = Limits::from(l);
+        crate::agent::check_limits(&l).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
+        c.inner.limits = l;
+        Ok(())
+    })
+}
+
+/// Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
+/// whitespace trimmed). Both sides of a transfer must have the same key. The key is copied and
+/// never logged or put in an error message. `(NULL, 0)` removes the key.
+///
+/// # Safety
+/// `config` NULL or live; `key` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_key(
+    config: *mut kvrelay_agent_config,
+    key: *const u8,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, k) = unsafe { (input_mut(config)?, super::boundary::bytes(key, len)?) };
+        c.inner.key = if k.is_empty() {
+            None
+        } else {
+            Some(Psk::new(k).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?)
+        };
+        Ok(())
+    })
+}
+
+/// Read the pre-shared key from the environment variable `name` (unset or empty:
+/// `KVRELAY_ERR_INVALID_CONFIG`).
+///
+/// # Safety
+/// `config` NULL or live; `name` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_key_from_env(
+    config: *mut kvrelay_agent_config,
+    name: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, n) = unsafe { (input_mut(config)?, text(name.cast(), len)?) };
+        c.inner.key = Some(Psk::from_env(n).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?);
+        Ok(())
+    })
+}
+
+/// Read the pre-shared key from the file at `path` (`KVRELAY_ERR_IO` when it cannot be read,
+/// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key).
+///
+/// # Safety
+/// `config` NULL or live; `path` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_key_from_file(
+    config: *mut kvrelay_agent_config,
+    path: *const c_char,
+    len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, p) = unsafe { (input_mut(config)?, text(path.cast(), len)?) };
+        let p = std::path::Path::new(p);
+        if std::fs::metadata(p).is_err() {
+            return Err(with_detail(KVRELAY_ERR_IO, "the key file cannot be read"));
+        }
+        c.inner.key = Some(Psk::from_file(p).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?);
+        Ok(())
+    })
+}
+
+/// Start an agent over the runtime's host-memory pool `layout` (copied), with the runtime's
+/// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
+/// Binds the listen address and starts the agent's threads. `KVRELAY_ERR_IO` when the address
+/// cannot be bound.
+///
+/// # Safety
+/// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
+/// block of `layout` must be host memory valid for reads and writes until `kvrelay_agent_free`
+/// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
+/// fetch's destination blocks until that fetch completed.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_new(
+    config: *const kvrelay_agent_config,
+    layout: *const kvrelay_kv_layout,
+    holder: *const kvrelay_block_holder,
+    out: *mut *mut kvrelay_agent,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let h = unsafe { input(holder) }?;
+        // from here on the holder is owned: its destroy runs on every path
+        let h = CHolder(*h);
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (c, l) = unsafe { (input(config)?, input(layout)?) };
+        if h.0.pin.is_none() || h.0.unpin.is_none() {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "the block holder needs pin and unpin"));
+        }
+        // SAFETY: the caller vouches for the pool's memory as documented above.
+        let agent = unsafe { Agent::new(c.inner.clone(), layout_of(l).clone(), Box::new(h)) }.map_err(agent_err)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_agent { inner: agent }))) };
+        Ok(())
+    })
+}
+
+/// Stop the agent and free it (NULL does nothing): the service stops, queued and running
+/// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
+/// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about one I/O
+/// timeout. Must not be called from one of the agent's callbacks.
+///
+/// # Safety
+/// `agent` NULL or live and not used by another thread during or after the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_free(agent: *mut kvrelay_agent) {
+    // SAFETY: forwarded contract.
+    unsafe { free_box(agent) }
+}
+
+/// The service's endpoint, `tcp://ADDR:PORT`, NUL-free (size-query convention: `*len_out` gets
+/// the size). Empty for a fetch-only agent.
+///
+/// # Safety
+/// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_endpoint(
+    agent: *const kvrelay_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        // SAFETY: forwarded contract.
+        unsafe { fill(a.inner.endpoint().unwrap_or("").as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
+/// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them, or
+/// the runtime committed them): the agent sums each block where it lies and keeps the value,
+/// which then travels with the block. Blocks a fetch verified are recorded by the agent itself.
+/// Cost: O(bytes), no allocation; batches over 8 MiB are summed on several threads.
+///
+/// # Safety
+/// `agent` NULL or live; `ids` readable for `n` ids; the blocks must not be written meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_record_checksums(
+    agent: *const kvrelay_agent,
+    ids: *const u32,
+    n: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (a, ids) = unsafe { (input(agent)?, array(ids, n)?) };
+        a.inner.record_checksums(ids).map_err(agent_err)
+    })
+}
+
+/// Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
+/// agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
+/// handle polls, waits or cancels. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+/// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
+/// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
+/// an error nothing was submitted and `done` is never called.
+///
+/// # Safety
+/// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_fetch(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    done: kvrelay_fetch_done,
+    user_data: *mut c_void,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (a, p) = unsafe { (input(agent)?, input(params)?) };
+        // SAFETY: forwarded contract.
+        let (endpoint, names, dst) = unsafe {
+            (
+                text(p.endpoint.ptr.cast(), p.endpoint.len)?,
+                array(p.names, p.names_len)?,
+                array(p.dst_blocks, p.dst_len)?,
+            )
+        };
+        let req = FetchRequest {
+            endpoint: endpoint.to_string(),
+            names: names.to_vec(),
+            held: p.held,
+            dst: dst.to_vec(),
+            deadline: Duration::from_millis(u64::from(p.deadline_ms)),
+        };
+        struct Done(unsafe extern "C" fn(*mut c_void, *const kvrelay_fetch_result), *mut c_void);
+        // SAFETY: the callback contract (kvrelay_fetch_done) lets it run on an agent thread
+        // with the user_data given for it.
+        unsafe impl Send for Done {}
+        let cb = done.map(|f| {
+            let d = Done(f, user_data);
+            Box::new(move |r: &FetchResult| {
+                let d = &d;
+                let c = kvrelay_fetch_result::from(r);
+                // SAFETY: the consumer's callback, called once with its user_data and a result
+                // that lives for the call.
+                unsafe { (d.0)(d.1, &c) }
+            }) as Box<dyn FnOnce(&FetchResult) + Send>
+        });
+        let f = a.inner.submit(req, cb).map_err(agent_err)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_fetch { inner: f }))) };
+        Ok(())
+    })
+}
+
+/// The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
+/// (nothing written) while it runs. Never blocks.
+///
+/// # Safety
+/// `fetch` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_poll(
+    fetch: *const kvrelay_fetch,
+    out: *mut kvrelay_fetch_result,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    unsafe { kvrelay_fetch_wait(fetch, 0, out) }
+}
+
+/// Wait up to `timeout_ms` for the fetch to complete: `KVRELAY_OK` and `*out` written, or
+/// `KVRELAY_ERR_PENDING`. Blocks the calling thread: not for a scheduler's thread (poll, or
+/// use the callback).
+///
+/// # Safety
+/// `fetch` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_wait(
+    fetch: *const kvrelay_fetch,
+    timeout_ms: u32,
+    out: *mut kvrelay_fetch_result,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let f = unsafe { input(fetch) }?;
+        let r =
+            if timeout_ms == 0 { f.inner.poll() } else { f.inner.wait(Duration::from_millis(u64::from(timeout_ms))) };
+        let r = r.ok_or(KVRELAY_ERR_PENDING)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, kvrelay_fetch_result::from(&r)) };
+        Ok(())
+    })
+}
+
+/// Why a completed fetch failed, in words (size-query convention; empty when it did not fail;
+/// `KVRELAY_ERR_PENDING` while it runs). Never contains hint bytes or the key.
+///
+/// # Safety
+/// `fetch` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_detail(
+    fetch: *const kvrelay_fetch,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let f = unsafe { input(fetch) }?;
+        let r = f.inner.poll().ok_or(KVRELAY_ERR_PENDING)?;
+        // SAFETY: forwarded contract.
+        unsafe { fill(r.detail.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
+/// Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
+/// (blocks verified before it stay reported). Never blocks; a completed fetch is unaffected.
+///
+/// # Safety
+/// `fetch` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_cancel(fetch: *const kvrelay_fetch) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        unsafe { input(fetch) }?.inner.cancel();
+        Ok(())
+    })
+}
+
+/// Free a fetch handle (NULL does nothing). A running fetch goes on, and its callback still runs.
+///
+/// # Safety
+/// `fetch` NULL or live and not used by another thread during or after the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_free(fetch: *mut kvrelay_fetch) {
+    // SAFETY: forwarded contract.
+    unsafe { free_box(fetch) }
+}
+
+/// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
+/// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
+/// the runtime's own prefill time for those tokens.
+///
+/// # Safety
+/// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_estimate(
+    agent: *const kvrelay_agent,
+    endpoint: *const c_char,
+    len: usize,
+    blocks: usize,
+    seconds_out: *mut f64,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(seconds_out)?;
+        // SAFETY: forwarded contract.
+        let (a, e) = unsafe { (input(agent)?, text(endpoint.cast(), len)?) };
+        let s = a.inner.estimate(e, blocks);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, s) };
+        Ok(())
+    })
+}
+
+/// The speed estimate of `endpoint`.
+///
+/// # Safety
+/// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_source_speed(
+    agent: *const kvrelay_agent,
+    endpoint: *const c_char,
+    len: usize,
+    out: *mut kvrelay_source_speed,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (a, e) = unsafe { (input(agent)?, text(endpoint.cast(), len)?) };
+        let s = a.inner.speed(e);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, kvrelay_source_speed { setup_s: s.setup_s, bytes_per_s: s.bytes_per_s }) };
+        Ok(())
+    })
+}
+
+/// A copy of the agent's counters.
+///
+/// # Safety
+/// `agent` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_get_stats(
+    agent: *const kvrelay_agent,
+    out: *mut kvrelay_agent_stats,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, a.inner.stats()) };
+        Ok(())
+    })
+}
+
+/// The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
+/// consecutive `names` appear among the hint's `hashes` (membership, not position).
+///
+/// # Safety
+/// `names` readable for `n`, `hashes` for `m`; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_run_length(
+    names: *const u64,
+    n: usize,
+    held: usize,
+    hashes: *const u64,
+    m: usize,
+    out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (names, hashes) = unsafe { (array(names, n)?, array(hashes, m)?) };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, crate::agent::run_length(names, held, hashes)) };
+        Ok(())
+    })
+}
+
+/// The metric label of a `kvrelay_fetch_failure` value (`"corrupt"`, ...; `"ok"` for 0,
+/// `"unknown"` for other values). Static, NUL-terminated, never NULL.
+#[no_mangle]
+pub extern "C" fn kvrelay_fetch_failure_name(failure: i32) -> *const c_char {
+    if failure == 0 {
+        return c"ok".as_ptr();
+    }
+    match FailReason::ALL.iter().find(|r| **r as i32 == failure) {
+        Some(FailReason::Connect) => c"connect",
+        Some(FailReason::Timeout) => c"timeout",
+        Some(FailReason::Refused) => c"refused",
+        Some(FailReason::FingerprintMismatch) => c"fingerprint_mismatch",
+        Some(FailReason::Corrupt) => c"corrupt",
+        Some(FailReason::Truncated) => c"truncated",
+        Some(FailReason::SourceMiss) => c"source_miss",
+        Some(FailReason::AuthFailed) => c"auth_failed",
+        Some(FailReason::Cancelled) => c"cancelled",
+        Some(FailReason::Shutdown) => c"shutdown",
+        None => c"unknown",
+    }
+    .as_ptr()
+}

@@ -1,0 +1,442 @@
+//! The KV agent over loopback TCP: two agents over host-memory pools in one process (the C
+//! program `c_examples/agent_fetch.c` does the same across two processes). Every test waits on
+//! a completion or a counter with a bounded wait, never on a sleep.
+#![cfg(feature = "agent")]
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvrelay::agent::{
+    Agent, AgentConfig, AgentStats, BlockHolder, FailReason, FetchRequest, FetchResult, Fingerprint, Limits, PeerAllow,
+    Psk,
+};
+use kvrelay::checksum::kv_checksum;
+use kvrelay::copy::{CpuEngine, KvLayout};
+
+const BLOCKS: u32 = 16;
+const LAYERS: usize = 3;
+const KV_BLOCK: u64 = 1024; // bytes of K (or V) of one layer in one block
+
+fn fp() -> Fingerprint {
+    Fingerprint { block_tokens: 32, layers: LAYERS as u32, kv_heads: 2, head_dim: 8, dtype_bytes: 2, naming: 0xfeed }
+}
+
+/// A vLLM-style pool: one allocation per layer, `[2, BLOCKS, KV_BLOCK]`.
+struct Pool {
+    layers: Vec<Vec<u128>>,
+    layout: KvLayout,
+}
+
+impl Pool {
+    fn new() -> Pool {
+        let mut layers: Vec<Vec<u128>> =
+            (0..LAYERS).map(|_| vec![0u128; (2 * BLOCKS as u64 * KV_BLOCK / 16) as usize]).collect();
+        let bases: Vec<u64> = layers.iter_mut().map(|l| l.as_mut_ptr() as u64).collect();
+        let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
+        Pool { layers, layout }
+    }
+    fn block_bytes(&self) -> usize {
+        self.layout.stage_block_bytes() as usize
+    }
+    fn write(&self, id: u32, content: &[u8]) {
+        // SAFETY: the pool's memory lives as long as `self`; tests write blocks no agent reads.
+        let mut e = unsafe { CpuEngine::new(self.layout.clone()) };
+        e.scatter(content, &[id]).unwrap();
+    }
+    fn read(&self, id: u32) -> Vec<u8> {
+        // SAFETY: as in `write`.
+        let mut e = unsafe { CpuEngine::new(self.layout.clone()) };
+        let mut out = vec![0u8; self.block_bytes()];
+        e.gather(&[id], &mut out).unwrap();
+        out
+    }
+    fn corrupt(&mut self, id: u32, byte: usize) {
+        // the first layer's K of block `id`
+        let l = &mut self.layers[0];
+        // SAFETY: a byte view of the u128 vector, in bounds (byte < KV_BLOCK).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(l.as_mut_ptr() as *mut u8, l.len() * 16) };
+        bytes[id as usize * KV_BLOCK as usize + byte] ^= 0x10;
+    }
+}
+
+fn content(name: u64, len: usize) -> Vec<u8> {
+    let mut x = name ^ 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The runtime's reuse cache: names -> block ids, and pin counts.
+#[derive(Default)]
+struct Cache {
+    held: Mutex<HashMap<u64, u32>>,
+    pins: Mutex<HashMap<u32, i64>>,
+    pin_calls: AtomicUsize,
+}
+
+/// The holder the agent gets: a shared reference to the cache.
+struct Holder(Arc<Cache>);
+
+impl BlockHolder for Holder {
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        self.0.pin_calls.fetch_add(1, Ordering::Relaxed);
+        let held = self.0.held.lock().unwrap();
+        let mut pins = self.0.pins.lock().unwrap();
+        let mut n = 0;
+        for (i, name) in names.iter().enumerate() {
+            let Some(&id) = held.get(name) else { break };
+            ids[i] = id;
+            *pins.entry(id).or_insert(0) += 1;
+            n += 1;
+        }
+        n
+    }
+    fn unpin(&self, ids: &[u32]) {
+        let mut pins = self.0.pins.lock().unwrap();
+        for id in ids {
+            let p = pins.get_mut(id).expect("unpin of a block never pinned");
+            *p -= 1;
+            assert!(*p >= 0, "block {id} unpinned twice");
+        }
+    }
+}
+
+impl Cache {
+    fn pinned(&self) -> i64 {
+        self.pins.lock().unwrap().values().sum()
+    }
+}
+
+/// An instance: pool, cache, agent.
+struct Instance {
+    agent: Agent,
+    cache: Arc<Cache>,
+    pool: Pool,
+}
+
+fn instance_with(cfg: impl FnOnce(&mut AgentConfig)) -> Instance {
+    let pool = Pool::new();
+    let cache = Arc::new(Cache::default());
+    let mut c = AgentConfig::new(fp());
+    cfg(&mut c);
+    // SAFETY: the pool outlives the agent (fields drop in order: agent first).
+    let agent = unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
+    Instance { agent, cache, pool }
+}
+
+fn instance() -> Instance {
+    instance_with(|_| {})
+}
+
+impl Instance {
+    /// Hold `names` in blocks `first..`, recorded as reusable.
+    fn hold(&self, names: &[u64], first: u32) {
+        let bb = self.pool.block_bytes();
+        let ids: Vec<u32> = (first..first + names.len() as u32).collect();
+        for (&n, &id) in names.iter().zip(&ids) {
+            self.pool.write(id, &content(n, bb));
+            self.cache.held.lock().unwrap().insert(n, id);
+        }
+        self.agent.record_checksums(&ids).unwrap();
+    }
+    fn endpoint(&self) -> String {
+        self.agent.endpoint().unwrap().to_string()
+    }
+    fn fetch(&self, from: &str, names: &[u64], held: usize, dst: Vec<u32>) -> FetchResult {
+        let req =
+            FetchRequest { endpoint: from.into(), names: names.to_vec(), held, dst, deadline: Duration::from_secs(10) };
+        self.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
+    }
+}
+
+/// Wait (bounded) until `f` holds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+const NAMES: [u64; 6] = [101, 102, 103, 104, 105, 106];
+
+#[test]
+fn fetches_the_leading_run_byte_exact_and_unpins_everything() {
+    let a = instance();
+    a.hold(&NAMES, 2);
+    let b = instance();
+    let bb = b.pool.block_bytes();
+    // B holds block 0 already: it asks for the 5 after it
+    let r = b.fetch(&a.endpoint(), &NAMES, 1, vec![9, 3, 4, 12, 5]);
+    assert_eq!(r.failure, None, "{}", r.detail);
+    assert_eq!((r.blocks, r.bytes), (5, 5 * bb as u64));
+    for (i, &id) in [9u32, 3, 4, 12, 5].iter().enumerate() {
+        assert_eq!(b.pool.read(id), content(NAMES[1 + i], bb), "block {i}");
+        assert_eq!(b.agent.recorded_checksum(id), Some(kv_checksum(&content(NAMES[1 + i], bb))));
+        assert_eq!(b.agent.recorded_checksum(id), a.agent.recorded_checksum(3 + i as u32));
+    }
+    // the source holds only the first 3 of what is asked: a partial run, not a failure
+    let longer = [NAMES.as_slice(), &[107, 108]].concat();
+    let r = b.fetch(&a.endpoint(), &longer, 3, vec![0, 1, 2, 6, 7]);
+    assert_eq!((r.failure, r.blocks), (None, 3), "{}", r.detail);
+    assert_eq!(b.pool.read(2), content(NAMES[5], bb));
+    // nothing held there
+    let r = b.fetch(&a.endpoint(), &[7, 8], 0, vec![0]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::SourceMiss), 0));
+    eventually("every pin released", || a.cache.pinned() == 0);
+    let s = a.agent.stats();
+    assert_eq!(s.blocks_sent, 8);
+    assert_eq!(s.served, 3);
+    let s = b.agent.stats();
+    assert_eq!((s.fetches_ok, s.fetch_failed_source_miss, s.blocks_fetched), (2, 1, 8));
+    // the estimate moved off the default after a measured transfer
+    assert_ne!(b.agent.speed(&a.endpoint()), kvrelay::agent::TCP_DEFAULT);
+    assert_eq!(b.agent.speed("tcp://127.0.0.1:1"), kvrelay::agent::TCP_DEFAULT);
+}
+
+#[test]
+fn memory_that_went_bad_after_its_checksum_was_recorded_is_caught() {
+    let mut a = instance();
+    a.hold(&NAMES, 0);
+    a.pool.corrupt(2, 100);
+    let b = instance();
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1, 2, 3]);
+    assert_eq!(r.failure, Some(FailReason::Corrupt), "{}", r.detail);
+    assert_eq!(r.blocks, 2, "the blocks before the bad one arrived verified");
+    assert_eq!(b.agent.recorded_checksum(2), None, "the bad block was not recorded");
+    assert_eq!(b.agent.stats().fetch_failed_corrupt, 1);
+}
+
+#[test]
+fn blocks_without_a_recorded_checksum_are_not_served() {
+    let a = instance();
+    a.hold(&NAMES[..2], 0);
+    // held, but never recorded
+    a.pool.write(5, &content(NAMES[2], a.pool.block_bytes()));
+    a.cache.held.lock().unwrap().insert(NAMES[2], 5);
+    let b = instance();
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1, 2]);
+    assert_eq!((r.failure, r.blocks), (None, 2));
+    eventually("every pin released", || a.cache.pinned() == 0);
+}
+
+#[test]
+fn fingerprints_must_match() {
+    let a = instance();
+    a.hold(&NAMES, 0);
+    let b = instance_with(|c| c.fingerprint.naming = 0xbeef);
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::FingerprintMismatch), 0));
+    assert_eq!(a.agent.stats().refused_fingerprint_mismatch, 1);
+    assert_eq!(a.cache.pin_calls.load(Ordering::Relaxed), 0, "nothing was pinned");
+}
+
+fn key(k: &str) -> Option<Psk> {
+    Some(Psk::new(k.as_bytes()).unwrap())
+}
+
+#[test]
+fn authentication_with_a_pre_shared_key() {
+    let a = instance_with(|c| c.key = key("a shared secret of the two instances"));
+    a.hold(&NAMES, 0);
+    let good = instance_with(|c| c.key = key("a shared secret of the two instances"));
+    let r = good.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    let wrong = instance_with(|c| c.key = key("another secret, not the shared one"));
+    let r = wrong.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
+    let none = instance();
+    let r = none.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
+    assert_eq!(a.agent.stats().refused_auth_failed, 2);
+    // a destination with a key never talks to a source without one
+    let plain = instance();
+    plain.hold(&NAMES, 0);
+    let r = good.fetch(&plain.endpoint(), &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, Some(FailReason::AuthFailed), "{}", r.detail);
+    assert!(!r.detail.contains("shared secret"));
+}
+
+#[test]
+fn peers_off_the_allowlist_are_refused() {
+    let a = instance_with(|c| c.allow = PeerAllow::parse(&["10.0.0.0/8".into()]).unwrap());
+    a.hold(&NAMES, 0);
+    let b = instance();
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, Some(FailReason::Refused), "{}", r.detail);
+    assert_eq!(a.agent.stats().refused_peer_not_allowed, 1);
+}
+
+/// A connection from a given loopback address.
+fn connect_from(ip: [u8; 4], to: &str) -> TcpStream {
+    let to: SocketAddr = to.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from((ip, 0)).into()).unwrap();
+    s.connect(&to.into()).unwrap();
+    s.into()
+}
+
+#[test]
+fn idle_and_garbage_connections_cannot_starve_real_peers() {
+    let limits =
+        Limits { max_pending: 4, max_per_peer: 2, handshake_timeout: Duration::from_millis(300), ..Limits::default() };
+    let a = instance_with(|c| c.limits = limits);
+    a.hold(&NAMES, 0);
+    let ep = a.endpoint();
+    // one peer opens many idle connections: only 2 are kept, the others are refused at once
+    let idle: Vec<TcpStream> = (0..10).map(|_| connect_from([127, 0, 0, 2], &ep)).collect();
+    eventually("the per-peer limit refusals", || a.agent.stats().refused_per_peer_limit == 8);
+    // another sends garbage: refused as a bad request
+    let mut junk = connect_from([127, 0, 0, 3], &ep);
+    junk.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    let _ = junk.read_to_end(&mut answer);
+    assert_eq!(&answer[..4], b"KVRA", "a refusal frame");
+    assert_eq!(a.agent.stats().refused_bad_request, 1);
+    // a real peer is served while the idle connections are still open
+    let b = instance();
+    let r = b.fetch(&ep, &NAMES, 0, vec![0, 1, 2]);
+    assert_eq!((r.failure, r.blocks), (None, 3), "{}", r.detail);
+    // the idle ones are dropped at their handshake deadline
+    eventually("idle connections closed", || a.agent.stats().handshake_timeouts >= 2);
+    eventually("gauges back to zero", || {
+        let s = a.agent.stats();
+        s.pending_now == 0 && s.serving_now == 0
+    });
+    // 8 got a per-peer-limit refusal, the 2 kept were closed without a byte
+    let (mut refused, mut closed) = (0, 0);
+    for mut s in idle {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        match got.len() {
+            0 => closed += 1,
+            _ => {
+                assert_eq!(
+                    (&got[..4], got[5], got[12]),
+                    (&b"KVRA"[..], 7, kvrelay::agent::Refusal::PerPeerLimit as u8)
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((refused, closed), (8, 2));
+}
+
+#[test]
+fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    let b = instance();
+    let req = |deadline_ms| FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0, 1],
+        deadline: Duration::from_millis(deadline_ms),
+    };
+    let t = Instant::now();
+    let r = b.agent.submit(req(300), None).unwrap().wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(r.failure, Some(FailReason::Timeout), "{}", r.detail);
+    assert!(t.elapsed() < Duration::from_secs(3), "the deadline held: {:?}", t.elapsed());
+    // a long deadline, then a cancel: the blocked read returns at once
+    let (tx, rx) = std::sync::mpsc::channel();
+    let f = b.agent.submit(req(60_000), Some(Box::new(move |r: &FetchResult| tx.send(r.clone()).unwrap()))).unwrap();
+    let (_held, _) = stall.accept().unwrap();
+    let (_held2, _) = stall.accept().unwrap();
+    assert!(f.poll().is_none());
+    f.cancel();
+    let r = rx.recv_timeout(Duration::from_secs(5)).expect("the callback ran");
+    assert_eq!(r.failure, Some(FailReason::Cancelled));
+    assert_eq!(f.wait(Duration::from_secs(1)), Some(r));
+    // a closed port
+    let r = b.fetch("tcp://127.0.0.1:1", &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, Some(FailReason::Connect));
+    let r = b.fetch("http://127.0.0.1:1", &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, Some(FailReason::Connect));
+}
+
+#[test]
+fn submissions_are_checked() {
+    let b = instance();
+    let sub = |names: &[u64], held, dst: Vec<u32>, ms| {
+        b.agent.submit(
+            FetchRequest {
+                endpoint: "tcp://127.0.0.1:1".into(),
+                names: names.to_vec(),
+                held,
+                dst,
+                deadline: Duration::from_millis(ms),
+            },
+            None,
+        )
+    };
+    assert!(sub(&NAMES, 0, vec![], 100).is_err());
+    assert!(sub(&NAMES, 5, vec![0, 1], 100).is_err());
+    assert!(sub(&NAMES, 7, vec![0], 100).is_err());
+    assert!(sub(&NAMES, 0, vec![1, 1], 100).is_err());
+    assert!(sub(&NAMES, 0, vec![BLOCKS], 100).is_err());
+    assert!(sub(&NAMES, 0, vec![0], 0).is_err());
+    assert!(sub(&NAMES, 0, vec![0], 100).is_ok());
+    assert!(b.agent.record_checksums(&[BLOCKS]).is_err());
+    assert_eq!(kvrelay::agent::run_length(&NAMES, 1, &[106, 103, 102, 999]), 2);
+    assert_eq!(kvrelay::agent::run_length(&NAMES, 6, &NAMES), 0);
+}
+
+#[test]
+fn dropping_the_agent_completes_every_fetch_and_joins_its_threads() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    let limits = Limits { fetch_threads: 1, ..Limits::default() };
+    let b = instance_with(|c| c.limits = limits);
+    let done = Arc::new(Mutex::new(Vec::new()));
+    let mut fetches = Vec::new();
+    for _ in 0..3 {
+        let d = done.clone();
+        let req = FetchRequest {
+            endpoint: ep.clone(),
+            names: NAMES.to_vec(),
+            held: 0,
+            dst: vec![0],
+            deadline: Duration::from_secs(60),
+        };
+        fetches.push(
+            b.agent.submit(req, Some(Box::new(move |r: &FetchResult| d.lock().unwrap().push(r.failure)))).unwrap(),
+        );
+    }
+    let (_held, _) = stall.accept().unwrap();
+    let t = Instant::now();
+    drop(b);
+    assert!(t.elapsed() < Duration::from_secs(5), "drop took {:?}", t.elapsed());
+    let mut d = done.lock().unwrap().clone();
+    d.sort_by_key(|f| f.map(|f| f as i32));
+    assert_eq!(d, [Some(FailReason::Shutdown); 3]);
+    for f in fetches {
+        assert_eq!(f.poll().unwrap().failure, Some(FailReason::Shutdown));
+    }
+}
+
+#[test]
+fn what_a_peer_sends_before_the_transfer_is_bounded() {
+    // a hello claiming more names than allowed is refused from its header alone
+    let a = instance_with(|c| c.limits.max_names = 4);
+    let mut s = TcpStream::connect(a.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
+    let mut h = Vec::from(*b"KVRA");
+    h.extend_from_slice(&[2, 4, 0, 0]);
+    h.extend_from_slice(&(1u32 << 30).to_le_bytes());
+    s.write_all(&h).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    assert_eq!(answer[5], 7, "a refusal");
+    assert_eq!(answer[12], kvrelay::agent::Refusal::TooManyNames as u8);
+    let s: AgentStats = a.agent.stats();
+    assert_eq!(s.refused_too_many_names, 1);
+}
