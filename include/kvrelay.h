@@ -26,49 +26,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Bytes of a nonce and of a proof.
-#define NONCE 32
-
-// Shortest key accepted (bytes).
-#define MIN_KEY 16
-
-// Longest key accepted (bytes).
-#define MAX_KEY 4096
-
-// Most sources remembered; the oldest entry is dropped beyond (a hostile hint stream cannot
-// grow the table without bound).
-#define MAX_SOURCES 4096
-
-// The frame format's version.
-#define VERSION 2
-
-// Frame kind: the destination's nonce (first frame when a key is set).
-#define AUTH_HELLO 1
-
-// Frame kind: the source's nonce and proof.
-#define AUTH_CHALLENGE 2
-
-// Frame kind: the destination's proof.
-#define AUTH_PROOF 3
-
-// Frame kind: fingerprint and names.
-#define HELLO 4
-
-// Frame kind: how many leading blocks the source pinned, and their size.
-#define OFFER 5
-
-// Frame kind: one block with its name and recorded checksum.
-#define BLOCK 6
-
-// Frame kind: a refusal with its reason.
-#define REFUSE 7
-
-// Largest control frame other than a hello.
-#define MAX_CONTROL 512
-
-// Bytes of an encoded fingerprint.
-#define FINGERPRINT_BYTES 32
-
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -143,73 +100,6 @@ enum kvrelay_status
 typedef enum kvrelay_status kvrelay_status;
 #else
 typedef int32_t kvrelay_status;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
-// `kvrelay_fetch_failure`).
-enum FailReason
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : int32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  // The endpoint did not resolve or the connection could not be opened.
-  Connect = 1,
-  // A read, a write, the connect or the whole fetch ran past its deadline.
-  Timeout = 2,
-  // The source refused (not allowed, busy, per-peer limit, bad request, too many names).
-  Refused = 3,
-  // The two layouts or naming schemes differ.
-  FingerprintMismatch = 4,
-  // A block's name, length or checksum is wrong, or a frame is malformed.
-  Corrupt = 5,
-  // The stream ended early.
-  Truncated = 6,
-  // The source holds none of the blocks asked for.
-  SourceMiss = 7,
-  // Authentication failed (wrong key, or one side has none).
-  AuthFailed = 8,
-  // The runtime cancelled the fetch.
-  Cancelled = 9,
-  // The agent was shut down.
-  Shutdown = 10,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum FailReason FailReason;
-#else
-typedef int32_t FailReason;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-// Why a source refused (the wire code and the statistics' label).
-enum Refusal
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint8_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  // The peer is not on the allowlist.
-  PeerNotAllowed = 1,
-  // Every serving slot, or every slot for connections still in their handshake, is taken.
-  Busy = 2,
-  // This peer address holds its limit of connections.
-  PerPeerLimit = 3,
-  // A frame that does not decode, or not the one expected.
-  BadRequest = 4,
-  // The layouts (or naming schemes) differ.
-  FingerprintMismatch = 5,
-  // Authentication failed, or one side has a key and the other none.
-  AuthFailed = 6,
-  // More names than the service takes in one request.
-  TooManyNames = 7,
-  // The runtime's pin callback answered something impossible.
-  Internal = 8,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum Refusal Refusal;
-#else
-typedef uint8_t Refusal;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -366,8 +256,43 @@ typedef int32_t kvrelay_copy_method;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
-// A source's measured speed.
-typedef struct SourceSpeed SourceSpeed;
+// Why a fetch stopped early: `kvrelay_fetch_result.failure`. Fixed values;
+// `kvrelay_fetch_failure_name` gives the metric label.
+enum kvrelay_fetch_failure
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Not a failure: every block the source offered arrived verified.
+  KVRELAY_FETCH_OK = 0,
+  // The endpoint did not resolve or the connection could not be opened.
+  KVRELAY_FETCH_CONNECT = 1,
+  // A read, a write, the connect or the whole fetch ran past its deadline.
+  KVRELAY_FETCH_TIMEOUT = 2,
+  // The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+  KVRELAY_FETCH_REFUSED = 3,
+  // The layouts or naming schemes differ.
+  KVRELAY_FETCH_FINGERPRINT_MISMATCH = 4,
+  // A block's name, length or checksum is wrong, or a frame is malformed.
+  KVRELAY_FETCH_CORRUPT = 5,
+  // The stream ended early.
+  KVRELAY_FETCH_TRUNCATED = 6,
+  // The source holds none of the blocks asked for.
+  KVRELAY_FETCH_SOURCE_MISS = 7,
+  // Authentication failed (a wrong key, or one side has none).
+  KVRELAY_FETCH_AUTH_FAILED = 8,
+  // `kvrelay_fetch_cancel` stopped it.
+  KVRELAY_FETCH_CANCELLED = 9,
+  // The agent was freed.
+  KVRELAY_FETCH_SHUTDOWN = 10,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_fetch_failure kvrelay_fetch_failure;
+#else
+typedef int32_t kvrelay_fetch_failure;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
 
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
@@ -547,11 +472,6 @@ typedef struct kvrelay_fetch_result {
   double seconds;
 } kvrelay_fetch_result;
 
-// A fetch's completion callback: runs once, on one of the agent's fetch threads, when the
-// fetch completes (also when it was cancelled or the agent is being freed). It must not
-// unwind and must not free the agent; it may call `kvrelay_fetch_poll` or free the fetch handle.
-typedef void (*kvrelay_fetch_done)(void *user_data, const struct kvrelay_fetch_result *result);
-
 // A source's speed estimate.
 typedef struct kvrelay_source_speed {
   // Seconds before the first verified block.
@@ -560,8 +480,70 @@ typedef struct kvrelay_source_speed {
   double bytes_per_s;
 } kvrelay_source_speed;
 
-// The agent's counters (monotonic, except the `*_now` gauges).
-typedef AgentStats kvrelay_agent_stats;
+// A copy of the agent's counters (monotonic, except the `*_now` gauges). `kvrelay_agent_stats`
+// in C.
+typedef struct kvrelay_agent_stats {
+  // Connections accepted from allowed peers.
+  uint64_t accepted;
+  // Connections that completed their handshake and were served.
+  uint64_t served;
+  // Blocks sent.
+  uint64_t blocks_sent;
+  // Bytes of blocks sent.
+  uint64_t bytes_sent;
+  // Connections refused: peer not on the allowlist.
+  uint64_t refused_peer_not_allowed;
+  // Refused: no serving slot, or no slot for a connection in its handshake.
+  uint64_t refused_busy;
+  // Refused: the peer address holds its limit.
+  uint64_t refused_per_peer_limit;
+  // Refused: a frame that does not decode or is not the one expected.
+  uint64_t refused_bad_request;
+  // Refused: the layouts differ.
+  uint64_t refused_fingerprint_mismatch;
+  // Refused: authentication failed.
+  uint64_t refused_auth_failed;
+  // Refused: more names than `max_names`.
+  uint64_t refused_too_many_names;
+  // Refused: the pin callback answered something impossible.
+  uint64_t refused_internal;
+  // Connections closed because the handshake ran past its deadline (or the peer left).
+  uint64_t handshake_timeouts;
+  // Served transfers that stopped early (the peer left, a write deadline, the transfer deadline).
+  uint64_t serve_aborted;
+  // Connections in their handshake now (a gauge).
+  uint64_t pending_now;
+  // Connections serving now (a gauge).
+  uint64_t serving_now;
+  // Fetches submitted.
+  uint64_t fetches_submitted;
+  // Fetches completed without failure.
+  uint64_t fetches_ok;
+  // Fetches that failed: connect.
+  uint64_t fetch_failed_connect;
+  // ... timeout.
+  uint64_t fetch_failed_timeout;
+  // ... refused.
+  uint64_t fetch_failed_refused;
+  // ... fingerprint mismatch.
+  uint64_t fetch_failed_fingerprint_mismatch;
+  // ... corrupt.
+  uint64_t fetch_failed_corrupt;
+  // ... truncated.
+  uint64_t fetch_failed_truncated;
+  // ... source miss.
+  uint64_t fetch_failed_source_miss;
+  // ... authentication failed.
+  uint64_t fetch_failed_auth_failed;
+  // ... cancelled.
+  uint64_t fetch_failed_cancelled;
+  // ... shut down.
+  uint64_t fetch_failed_shutdown;
+  // Blocks fetched, written and verified.
+  uint64_t blocks_fetched;
+  // Their bytes.
+  uint64_t bytes_fetched;
+} kvrelay_agent_stats;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
 // `bytes_per_block` long.
@@ -716,13 +698,9 @@ typedef struct kvrelay_action {
   struct kvrelay_bytes canonical;
 } kvrelay_action;
 
-// Every reason.
-#define FailReason_ALL { Connect, Timeout, Refused, FingerprintMismatch, Corrupt, Truncated, SourceMiss, AuthFailed, Cancelled, Shutdown, }
 
 
 
-// Every refusal.
-#define Refusal_ALL { PeerNotAllowed, Busy, PerPeerLimit, BadRequest, FingerprintMismatch, AuthFailed, TooManyNames, Internal, }
 
 
 
@@ -991,7 +969,9 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
 
 // Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
 // agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
-// handle polls, waits or cancels. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+// handle polls, waits or cancels. `done` runs once, on one of the agent's fetch threads, also
+// when the fetch was cancelled or the agent is being freed; it must not unwind and must not
+// free the agent; it may poll or free the fetch handle; `result` is valid during the call. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 // block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
 // deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
 // an error nothing was submitted and `done` is never called.
@@ -1001,7 +981,8 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
 // `out` NULL or writable.
 kvrelay_status kvrelay_agent_fetch(const struct kvrelay_agent *agent,
                                    const struct kvrelay_fetch_params *params,
-                                   kvrelay_fetch_done done,
+                                   void (*done)(void *user_data,
+                                                const struct kvrelay_fetch_result *result),
                                    void *user_data,
                                    struct kvrelay_fetch **out);
 
@@ -1071,7 +1052,8 @@ kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
 //
 // # Safety
 // `agent` NULL or live; `out` NULL or writable.
-kvrelay_status kvrelay_agent_get_stats(const struct kvrelay_agent *agent, kvrelay_agent_stats *out);
+kvrelay_status kvrelay_agent_get_stats(const struct kvrelay_agent *agent,
+                                       struct kvrelay_agent_stats *out);
 
 // The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
 // consecutive `names` appear among the hint's `hashes` (membership, not position).

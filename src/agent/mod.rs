@@ -306,15 +306,79 @@ impl fmt::Display for AgentError {
 }
 impl std::error::Error for AgentError {}
 
+/// A copy of the agent's counters (monotonic, except the `*_now` gauges). `kvrelay_agent_stats`
+/// in C.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct AgentStats {
+    /// Connections accepted from allowed peers.
+    pub accepted: u64,
+    /// Connections that completed their handshake and were served.
+    pub served: u64,
+    /// Blocks sent.
+    pub blocks_sent: u64,
+    /// Bytes of blocks sent.
+    pub bytes_sent: u64,
+    /// Connections refused: peer not on the allowlist.
+    pub refused_peer_not_allowed: u64,
+    /// Refused: no serving slot, or no slot for a connection in its handshake.
+    pub refused_busy: u64,
+    /// Refused: the peer address holds its limit.
+    pub refused_per_peer_limit: u64,
+    /// Refused: a frame that does not decode or is not the one expected.
+    pub refused_bad_request: u64,
+    /// Refused: the layouts differ.
+    pub refused_fingerprint_mismatch: u64,
+    /// Refused: authentication failed.
+    pub refused_auth_failed: u64,
+    /// Refused: more names than `max_names`.
+    pub refused_too_many_names: u64,
+    /// Refused: the pin callback answered something impossible.
+    pub refused_internal: u64,
+    /// Connections closed because the handshake ran past its deadline (or the peer left).
+    pub handshake_timeouts: u64,
+    /// Served transfers that stopped early (the peer left, a write deadline, the transfer deadline).
+    pub serve_aborted: u64,
+    /// Connections in their handshake now (a gauge).
+    pub pending_now: u64,
+    /// Connections serving now (a gauge).
+    pub serving_now: u64,
+    /// Fetches submitted.
+    pub fetches_submitted: u64,
+    /// Fetches completed without failure.
+    pub fetches_ok: u64,
+    /// Fetches that failed: connect.
+    pub fetch_failed_connect: u64,
+    /// ... timeout.
+    pub fetch_failed_timeout: u64,
+    /// ... refused.
+    pub fetch_failed_refused: u64,
+    /// ... fingerprint mismatch.
+    pub fetch_failed_fingerprint_mismatch: u64,
+    /// ... corrupt.
+    pub fetch_failed_corrupt: u64,
+    /// ... truncated.
+    pub fetch_failed_truncated: u64,
+    /// ... source miss.
+    pub fetch_failed_source_miss: u64,
+    /// ... authentication failed.
+    pub fetch_failed_auth_failed: u64,
+    /// ... cancelled.
+    pub fetch_failed_cancelled: u64,
+    /// ... shut down.
+    pub fetch_failed_shutdown: u64,
+    /// Blocks fetched, written and verified.
+    pub blocks_fetched: u64,
+    /// Their bytes.
+    pub bytes_fetched: u64,
+}
+
 macro_rules! stats {
-    ($($(#[$m:meta])* $name:ident),* $(,)?) => {
-        /// The agent's counters (monotonic unless noted).
+    ($($name:ident),* $(,)?) => {
+        /// The live counters behind [`AgentStats`] (the compiler checks the two list the same
+        /// fields).
         #[derive(Default)]
         struct Stats { $($name: AtomicU64,)* }
-        /// A copy of the agent's counters.
-        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-        #[repr(C)]
-        pub struct AgentStats { $($(#[$m])* pub $name: u64,)* }
         impl Stats {
             fn snapshot(&self) -> AgentStats {
                 AgentStats { $($name: self.$name.load(Ordering::Relaxed),)* }
@@ -324,66 +388,13 @@ macro_rules! stats {
 }
 
 stats! {
-    /// Connections accepted from allowed peers.
-    accepted,
-    /// Connections that completed their handshake and were served.
-    served,
-    /// Blocks sent.
-    blocks_sent,
-    /// Bytes of blocks sent.
-    bytes_sent,
-    /// Connections refused: peer not on the allowlist.
-    refused_peer_not_allowed,
-    /// Refused: no serving slot, or no slot for a connection in its handshake.
-    refused_busy,
-    /// Refused: the peer address holds its limit.
-    refused_per_peer_limit,
-    /// Refused: a frame that does not decode or is not the one expected.
-    refused_bad_request,
-    /// Refused: the layouts differ.
-    refused_fingerprint_mismatch,
-    /// Refused: authentication failed.
-    refused_auth_failed,
-    /// Refused: more names than `max_names`.
-    refused_too_many_names,
-    /// Refused: the pin callback answered something impossible.
-    refused_internal,
-    /// Connections closed because the handshake ran past its deadline (or the peer left).
-    handshake_timeouts,
-    /// Served transfers that stopped early (the peer left, a write deadline, the transfer deadline).
-    serve_aborted,
-    /// Connections in their handshake now (a gauge).
-    pending_now,
-    /// Connections serving now (a gauge).
-    serving_now,
-    /// Fetches submitted.
-    fetches_submitted,
-    /// Fetches completed without failure.
-    fetches_ok,
-    /// Fetches that failed: connect.
-    fetch_failed_connect,
-    /// ... timeout.
-    fetch_failed_timeout,
-    /// ... refused.
-    fetch_failed_refused,
-    /// ... fingerprint mismatch.
-    fetch_failed_fingerprint_mismatch,
-    /// ... corrupt.
-    fetch_failed_corrupt,
-    /// ... truncated.
-    fetch_failed_truncated,
-    /// ... source miss.
-    fetch_failed_source_miss,
-    /// ... authentication failed.
-    fetch_failed_auth_failed,
-    /// ... cancelled.
-    fetch_failed_cancelled,
-    /// ... shut down.
-    fetch_failed_shutdown,
-    /// Blocks fetched, written and verified.
-    blocks_fetched,
-    /// Their bytes.
-    bytes_fetched,
+    accepted, served, blocks_sent, bytes_sent, refused_peer_not_allowed, refused_busy,
+    refused_per_peer_limit, refused_bad_request, refused_fingerprint_mismatch, refused_auth_failed,
+    refused_too_many_names, refused_internal, handshake_timeouts, serve_aborted, pending_now,
+    serving_now, fetches_submitted, fetches_ok, fetch_failed_connect, fetch_failed_timeout,
+    fetch_failed_refused, fetch_failed_fingerprint_mismatch, fetch_failed_corrupt,
+    fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
+    fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched,
 }
 
 impl Stats {

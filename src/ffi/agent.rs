@@ -257,14 +257,6 @@ pub struct kvrelay_source_speed {
     pub bytes_per_s: f64,
 }
 
-/// The agent's counters (monotonic, except the `*_now` gauges).
-pub type kvrelay_agent_stats = AgentStats;
-
-/// A fetch's completion callback: runs once, on one of the agent's fetch threads, when the
-/// fetch completes (also when it was cancelled or the agent is being freed). It must not
-/// unwind and must not free the agent; it may call `kvrelay_fetch_poll` or free the fetch handle.
-pub type kvrelay_fetch_done = Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result)>;
-
 fn agent_err(e: AgentError) -> kvrelay_status {
     match e {
         AgentError::Config(d) => with_detail(KVRELAY_ERR_INVALID_CONFIG, d),
@@ -546,7 +538,9 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
 
 /// Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
 /// agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
-/// handle polls, waits or cancels. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+/// handle polls, waits or cancels. `done` runs once, on one of the agent's fetch threads, also
+/// when the fetch was cancelled or the agent is being freed; it must not unwind and must not
+/// free the agent; it may poll or free the fetch handle; `result` is valid during the call. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 /// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
 /// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
 /// an error nothing was submitted and `done` is never called.
@@ -558,7 +552,7 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
 pub unsafe extern "C" fn kvrelay_agent_fetch(
     agent: *const kvrelay_agent,
     params: *const kvrelay_fetch_params,
-    done: kvrelay_fetch_done,
+    done: Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result)>,
     user_data: *mut c_void,
     out: *mut *mut kvrelay_fetch,
 ) -> kvrelay_status {
@@ -738,10 +732,7 @@ pub unsafe extern "C" fn kvrelay_agent_source_speed(
 /// # Safety
 /// `agent` NULL or live; `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_agent_get_stats(
-    agent: *const kvrelay_agent,
-    out: *mut kvrelay_agent_stats,
-) -> kvrelay_status {
+pub unsafe extern "C" fn kvrelay_agent_get_stats(agent: *const kvrelay_agent, out: *mut AgentStats) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
