@@ -12,10 +12,14 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 cargo build --locked --release --target "$target" --target-dir ../target/fuzz --bins
 bin=../target/fuzz/$target/release
 corpus=../target/fuzz/corpus
-for t in admission msgpack c_abi; do
+for t in admission msgpack c_abi agent_peer; do
   mkdir -p "$corpus/$t"
-  cp -n seeds/* "$corpus/$t/" 2>/dev/null || true
-  if [ "$t" != msgpack ]; then
+  if [ "$t" = agent_peer ]; then
+    cp -n seeds_agent/* "$corpus/$t/" 2>/dev/null || true
+  else
+    cp -n seeds/* "$corpus/$t/" 2>/dev/null || true
+  fi
+  if [ "$t" = admission ] || [ "$t" = c_abi ]; then
     cp -n ../tests/data/JSONTestSuite/test_parsing/* "$corpus/$t/" 2>/dev/null || true
   fi
   echo "== fuzz $t for ${secs}s"

@@ -458,11 +458,14 @@ impl SumTable {
     }
 }
 
+/// A fetch's completion callback: runs once, on the fetch worker, when the fetch completes.
+pub type OnDone = Box<dyn FnOnce(&FetchResult) + Send>;
+
 struct FetchState {
     result: Mutex<Option<FetchResult>>,
     done: Condvar,
     cancel: AtomicBool,
-    on_done: Mutex<Option<Box<dyn FnOnce(&FetchResult) + Send>>>,
+    on_done: Mutex<Option<OnDone>>,
     submitted: Instant,
     /// The fetch's connection while it runs: `cancel` shuts it down so a blocked read returns.
     sock: Mutex<Option<TcpStream>>,
@@ -692,7 +695,7 @@ impl Agent {
     pub fn submit(
         &self,
         req: FetchRequest,
-        on_done: Option<Box<dyn FnOnce(&FetchResult) + Send>>,
+        on_done: Option<OnDone>,
     ) -> Result<Fetch, AgentError> {
         let arg = |s: String| Err(AgentError::Argument(s));
         let n = self.inner.layout.num_blocks();

@@ -587,7 +587,7 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
                 // SAFETY: the consumer's callback, called once with its user_data and a result
                 // that lives for the call.
                 unsafe { (d.0)(d.1, &c) }
-            }) as Box<dyn FnOnce(&FetchResult) + Send>
+            }) as crate::agent::OnDone
         });
         let f = a.inner.submit(req, cb).map_err(agent_err)?;
         // SAFETY: checked non-NULL; writable per the contract.
