@@ -69,7 +69,7 @@ san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-poin
 cmake -S . -B "$b/asan" -DCMAKE_BUILD_TYPE=Debug -DKVRELAY_CARGO_PROFILE=debug \
   -DCMAKE_C_FLAGS="$san" -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 cmake --build "$b/asan" -j 2
-for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx policy_matrix policy_matrix_cxx copy_engine copy_engine_cxx agent_fetch; do
+for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx policy_matrix policy_matrix_cxx copy_engine copy_engine_cxx agent_fetch agent_cxx; do
   # capture first: with pipefail, `ldd | grep -q` fails when grep exits early and ldd gets SIGPIPE
   libs=$(ldd "$b/asan/$exe")
   for rt in libasan libubsan; do

@@ -543,6 +543,141 @@ class CudaEngine {
   detail::Handle<kvrelay_cuda_engine, kvrelay_cuda_engine_free> h_;
 };
 
+/// The runtime's reuse cache as the KV agent's service sees it (kvrelay_block_holder). pin and
+/// unpin run on the agent's connection threads, several at once: make them thread-safe. An
+/// exception thrown by pin counts as "nothing held" (0); one thrown by unpin is swallowed.
+class BlockHolder {
+ public:
+  virtual ~BlockHolder() = default;
+  /// Pin the leading run of `names` this instance holds; write its block ids to ids_out[0..k];
+  /// return k.
+  virtual std::size_t pin(const uint64_t *names, std::size_t n, uint32_t *ids_out) = 0;
+  /// Release blocks pinned by pin (each exactly once).
+  virtual void unpin(const uint32_t *ids, std::size_t n) = 0;
+};
+
+/// The KV agent's configuration (kvrelay_agent_config). Movable, not copyable.
+class AgentConfig {
+ public:
+  explicit AgentConfig(const kvrelay_agent_fingerprint &fp) { check(kvrelay_agent_config_new(&fp, h_.out())); }
+  /// `host:port` to serve on (port 0 picks one); "" serves nothing.
+  AgentConfig &listen(std::string_view addr) {
+    check(kvrelay_agent_config_set_listen(h_.get(), addr.data(), addr.size()));
+    return *this;
+  }
+  /// `loopback`, an address or `ADDR/PREFIX`; the first call replaces the default (loopback).
+  AgentConfig &allow_peer(std::string_view spec) {
+    check(kvrelay_agent_config_allow_peer(h_.get(), spec.data(), spec.size()));
+    return *this;
+  }
+  AgentConfig &limits(const kvrelay_agent_limits &l) {
+    check(kvrelay_agent_config_set_limits(h_.get(), &l));
+    return *this;
+  }
+  /// A pre-shared key both sides must prove they hold.
+  AgentConfig &key(std::string_view k) {
+    check(kvrelay_agent_config_set_key(h_.get(), reinterpret_cast<const uint8_t *>(k.data()), k.size()));
+    return *this;
+  }
+  AgentConfig &key_from_env(std::string_view name) {
+    check(kvrelay_agent_config_key_from_env(h_.get(), name.data(), name.size()));
+    return *this;
+  }
+  AgentConfig &key_from_file(std::string_view path) {
+    check(kvrelay_agent_config_key_from_file(h_.get(), path.data(), path.size()));
+    return *this;
+  }
+  const kvrelay_agent_config *get() const noexcept { return h_.get(); }
+
+ private:
+  detail::Handle<kvrelay_agent_config, kvrelay_agent_config_free> h_;
+};
+
+/// A submitted fetch (kvrelay_fetch): poll, wait, cancel. Freeing it neither cancels the fetch
+/// nor suppresses its completion callback. Movable, not copyable.
+class Fetch {
+ public:
+  /// The result once complete; std::nullopt while it runs. Never blocks.
+  std::optional<kvrelay_fetch_result> poll() const { return wait(0); }
+  /// Wait up to `timeout_ms` (blocks the calling thread: not for a scheduler's thread).
+  std::optional<kvrelay_fetch_result> wait(uint32_t timeout_ms) const {
+    kvrelay_fetch_result r;
+    int32_t s = timeout_ms == 0 ? kvrelay_fetch_poll(h_.get(), &r) : kvrelay_fetch_wait(h_.get(), timeout_ms, &r);
+    if (s == KVRELAY_ERR_PENDING) return std::nullopt;
+    check(s);
+    return r;
+  }
+  void cancel() const { check(kvrelay_fetch_cancel(h_.get())); }
+  /// Why it failed, in words ("" when it did not).
+  std::string detail() const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) {
+      return kvrelay_fetch_detail(h_.get(), reinterpret_cast<char *>(b), c, n);
+    });
+  }
+
+ private:
+  friend class Agent;
+  detail::Handle<kvrelay_fetch, kvrelay_fetch_free> h_;
+};
+
+/// The KV agent (kvrelay_agent) over a host-memory pool: serves pinned blocks, fetches named
+/// runs into the runtime's blocks. The holder must outlive the agent. Movable, not copyable;
+/// the destructor stops the agent and joins its threads (kvrelay_agent_free).
+class Agent {
+ public:
+  Agent(const AgentConfig &cfg, const KvLayout &layout, BlockHolder &holder) {
+    kvrelay_block_holder h{&holder, &Agent::pin_cb, &Agent::unpin_cb, nullptr};
+    check(kvrelay_agent_new(cfg.get(), layout.get(), &h, h_.out()));
+  }
+  /// `tcp://ADDR:PORT` of the service ("" for a fetch-only agent).
+  std::string endpoint() const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) {
+      return kvrelay_agent_endpoint(h_.get(), reinterpret_cast<char *>(b), c, n);
+    });
+  }
+  /// Blocks that just became reusable: record their checksums.
+  void record_checksums(const std::vector<uint32_t> &ids) const {
+    check(kvrelay_agent_record_checksums(h_.get(), ids.data(), ids.size()));
+  }
+  /// Submit a fetch of names[held .. held + dst.size()] into `dst` (see kvrelay_agent_fetch).
+  Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, std::size_t held,
+              const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
+    kvrelay_fetch_params p{{endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
+                           dst.data(), dst.size(), deadline_ms};
+    Fetch f;
+    check(kvrelay_agent_fetch(h_.get(), &p, nullptr, nullptr, f.h_.out()));
+    return f;
+  }
+  /// Expected seconds to fetch `blocks` blocks from `endpoint`.
+  double estimate(std::string_view endpoint, std::size_t blocks) const {
+    double s = 0;
+    check(kvrelay_agent_estimate(h_.get(), endpoint.data(), endpoint.size(), blocks, &s));
+    return s;
+  }
+  kvrelay_agent_stats stats() const {
+    kvrelay_agent_stats s;
+    check(kvrelay_agent_get_stats(h_.get(), &s));
+    return s;
+  }
+  const kvrelay_agent *get() const noexcept { return h_.get(); }
+
+ private:
+  static std::size_t pin_cb(void *ud, const uint64_t *names, std::size_t n, uint32_t *ids) noexcept {
+    try {
+      return static_cast<BlockHolder *>(ud)->pin(names, n, ids);
+    } catch (...) {
+      return 0;
+    }
+  }
+  static void unpin_cb(void *ud, const uint32_t *ids, std::size_t n) noexcept {
+    try {
+      static_cast<BlockHolder *>(ud)->unpin(ids, n);
+    } catch (...) {
+    }
+  }
+  detail::Handle<kvrelay_agent, kvrelay_agent_free> h_;
+};
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_KVRELAY_HPP

@@ -692,11 +692,7 @@ impl Agent {
     /// worker, and `on_done` (if any) runs there when it completes. Refused: no destination
     /// block, `held + dst.len() > names.len()`, more than `max_names` blocks, a destination id
     /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
-    pub fn submit(
-        &self,
-        req: FetchRequest,
-        on_done: Option<OnDone>,
-    ) -> Result<Fetch, AgentError> {
+    pub fn submit(&self, req: FetchRequest, on_done: Option<OnDone>) -> Result<Fetch, AgentError> {
         let arg = |s: String| Err(AgentError::Argument(s));
         let n = self.inner.layout.num_blocks();
         if req.dst.is_empty() {

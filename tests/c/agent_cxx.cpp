@@ -1,0 +1,89 @@
+// The KV agent through the C++ wrappers (kvrelay.hpp): a source and a destination in one
+// process on loopback, host pools; the fetched bytes are checked, and a wrong key is refused.
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "kvrelay.hpp"
+
+static int failures = 0;
+#define CHECK(c)                                                      \
+  do {                                                                \
+    if (!(c)) {                                                       \
+      ++failures;                                                     \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c); \
+    }                                                                 \
+  } while (0)
+
+namespace {
+constexpr uint32_t kBlocks = 8;
+constexpr uint64_t kKvBlock = 2048;  // one layer: [2, kBlocks, kKvBlock]
+
+struct Cache : kvrelay::BlockHolder {
+  std::mutex mu;
+  std::map<uint64_t, uint32_t> held;
+  int pins = 0;
+  std::size_t pin(const uint64_t *names, std::size_t n, uint32_t *ids) override {
+    std::lock_guard<std::mutex> g(mu);
+    std::size_t k = 0;
+    for (; k < n; ++k) {
+      auto it = held.find(names[k]);
+      if (it == held.end()) break;
+      ids[k] = it->second;
+    }
+    pins += static_cast<int>(k);
+    return k;
+  }
+  void unpin(const uint32_t *, std::size_t n) override {
+    std::lock_guard<std::mutex> g(mu);
+    pins -= static_cast<int>(n);
+  }
+};
+
+struct Pool {
+  std::vector<uint64_t> mem = std::vector<uint64_t>(2 * kBlocks * kKvBlock / 8);
+  kvrelay::KvLayout layout =
+      kvrelay::KvLayout::per_layer_kv_first({reinterpret_cast<uint64_t>(mem.data())}, kBlocks, kKvBlock);
+  uint8_t *at(int kv, uint32_t id) { return reinterpret_cast<uint8_t *>(mem.data()) + (kv * kBlocks + id) * kKvBlock; }
+};
+}  // namespace
+
+int main() {
+  const kvrelay_agent_fingerprint fp{16, 1, 4, 128, 2, 42};
+  Pool src, dst;
+  Cache cache, none;
+  const std::vector<uint64_t> names{11, 12, 13};
+  for (uint32_t i = 0; i < 3; ++i) {
+    std::memset(src.at(0, i), 0x10 + i, kKvBlock);
+    std::memset(src.at(1, i), 0x20 + i, kKvBlock);
+    cache.held[names[i]] = i;
+  }
+  kvrelay::Agent source(kvrelay::AgentConfig(fp).key("the example's shared key"), src.layout, cache);
+  source.record_checksums({0, 1, 2});
+  kvrelay::Agent dest(kvrelay::AgentConfig(fp).listen("").key("the example's shared key"), dst.layout, none);
+  kvrelay::Fetch f = dest.fetch(source.endpoint(), names, 1, {5, 6}, 10000);
+  auto r = f.wait(20000);
+  CHECK(r && r->failure == KVRELAY_FETCH_OK && r->blocks == 2);
+  for (uint32_t i = 0; i < 2; ++i) {
+    CHECK(dst.at(0, 5 + i)[0] == 0x11 + i && dst.at(0, 5 + i)[kKvBlock - 1] == 0x11 + i);
+    CHECK(dst.at(1, 5 + i)[7] == 0x21 + i);
+  }
+  CHECK(f.detail().empty());
+  kvrelay::Agent wrong(kvrelay::AgentConfig(fp).listen("").key("not the example's shared key"), dst.layout, none);
+  kvrelay::Fetch g = wrong.fetch(source.endpoint(), names, 0, {0}, 10000);
+  auto w = g.wait(20000);
+  CHECK(w && w->failure == KVRELAY_FETCH_AUTH_FAILED && w->blocks == 0);
+  CHECK(!g.detail().empty());
+  bool threw = false;
+  try {
+    dest.fetch(source.endpoint(), names, 0, {1, 1}, 1000);
+  } catch (const kvrelay::Error &e) {
+    threw = e.status() == KVRELAY_ERR_INVALID_ARGUMENT;
+  }
+  CHECK(threw);
+  CHECK(dest.estimate(source.endpoint(), 2) > 0);
+  std::printf("agent_cxx: %s\n", failures ? "FAILED" : "ok");
+  return failures ? 1 : 0;
+}
