@@ -971,7 +971,9 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
 // agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
 // handle polls, waits or cancels. `done` runs once, on one of the agent's fetch threads, also
 // when the fetch was cancelled or the agent is being freed; it must not unwind and must not
-// free the agent; it may poll or free the fetch handle; `result` is valid during the call. Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+// free the agent; it may free the fetch handle; `result` is valid during the call. The result
+// is published to `kvrelay_fetch_poll` / `_wait` right after the callback returns (so once a
+// poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 // block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
 // deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
 // an error nothing was submitted and `done` is never called.

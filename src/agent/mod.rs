@@ -472,6 +472,8 @@ struct FetchState {
 }
 
 impl FetchState {
+    /// The callback first, then the result for pollers: once a poll sees the result, the
+    /// callback no longer uses what it captured.
     fn complete(&self, r: FetchResult) {
         let cb = self.on_done.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(cb) = cb {

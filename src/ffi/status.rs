@@ -136,7 +136,7 @@ use kvrelay_status::*;
 #[cfg(test)]
 impl kvrelay_status {
     /// Every status, for tests.
-    pub(crate) const ALL: [kvrelay_status; 17] = [
+    pub(crate) const ALL: [kvrelay_status; 20] = [
         KVRELAY_OK,
         KVRELAY_ERR_NULL,
         KVRELAY_ERR_INVALID_ARGUMENT,
@@ -153,6 +153,9 @@ impl kvrelay_status {
         KVRELAY_ERR_UNSUPPORTED,
         KVRELAY_ERR_DUPLICATE_BLOCK,
         KVRELAY_ERR_STAGING,
+        KVRELAY_ERR_PENDING,
+        KVRELAY_ERR_BUSY,
+        KVRELAY_ERR_IO,
         KVRELAY_ERR_PANIC,
     ];
 }
@@ -175,7 +178,7 @@ mod tests {
             assert_ne!(m, "unknown kvrelay status", "{s:?}");
             assert!(seen.insert(m), "duplicate message {m}");
         }
-        for invented in [-1, 16, 42, 98, 100, i32::MIN, i32::MAX] {
+        for invented in [-1, 19, 42, 98, 100, i32::MIN, i32::MAX] {
             assert_eq!(msg(invented), "unknown kvrelay status");
         }
     }

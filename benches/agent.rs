@@ -1,0 +1,159 @@
+//! The KV agent over loopback TCP, in one process (`cargo bench --bench agent`), with the 8B
+//! KV shape of `benches/transfer.rs` (32 layers, 8 KV heads, head size 128, BF16: 4 MiB per
+//! 32-token block; TensorRT-LLM-style all-layers-per-block host pools).
+//!
+//! 1. Throughput: a 1 GiB run (256 blocks) fetched through the agent, against a plain loopback
+//!    TCP copy of the same bytes (one stream, 4 MiB writes) measured in the same run and
+//!    repetition; median of the repetitions.
+//! 2. The agent's own host cost: the time of one `submit` call (checks and copies, no I/O), and
+//!    of recording checksums per block (summed where the blocks lie).
+//!
+//! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, Fingerprint};
+use kvrelay::copy::KvLayout;
+
+const LAYERS: u32 = 32;
+const KV_BLOCK: u64 = 8 * 128 * 2 * 32; // one layer's K (or V) of a 32-token block
+const BLOCKS: u32 = 256;
+
+struct Held(Mutex<HashMap<u64, u32>>);
+impl BlockHolder for Held {
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        let m = self.0.lock().unwrap();
+        names.iter().zip(ids.iter_mut()).take_while(|(n, _)| m.contains_key(n)).map(|(n, id)| *id = m[n]).count()
+    }
+    fn unpin(&self, _: &[u32]) {}
+}
+
+fn pool() -> (Vec<u128>, KvLayout) {
+    let bytes = u64::from(BLOCKS) * u64::from(LAYERS) * 2 * KV_BLOCK;
+    let mut mem = vec![0u128; (bytes / 16) as usize];
+    for (i, w) in mem.iter_mut().enumerate() {
+        *w = (i as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+    }
+    let layout = KvLayout::all_layers_per_block(mem.as_mut_ptr() as u64, LAYERS, BLOCKS, KV_BLOCK).unwrap();
+    (mem, layout)
+}
+
+/// A plain loopback TCP copy of `bytes` (one stream): seconds.
+fn tcp_copy(bytes: usize) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let writer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let buf = vec![7u8; 4 << 20];
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(buf.len());
+            s.write_all(&buf[..n]).unwrap();
+            left -= n;
+        }
+    });
+    let t = Instant::now();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut buf = vec![0u8; 4 << 20];
+    let mut got = 0;
+    while got < bytes {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got += n;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    writer.join().unwrap();
+    secs
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    let reps: usize =
+        std::env::var("KVRELAY_BENCH_REPS").ok().filter(|s| !s.is_empty()).and_then(|s| s.parse().ok()).unwrap_or(10);
+    let fp = Fingerprint { block_tokens: 32, layers: LAYERS, kv_heads: 8, head_dim: 128, dtype_bytes: 2, naming: 1 };
+    let (_src_mem, src_layout) = pool();
+    let (_dst_mem, dst_layout) = pool();
+    let names: Vec<u64> = (1..=u64::from(BLOCKS)).collect();
+    let held = Held(Mutex::new(names.iter().enumerate().map(|(i, &n)| (n, i as u32)).collect()));
+    // SAFETY: both pools live until the end of main, after the agents are dropped.
+    let src = unsafe { Agent::new(AgentConfig::new(fp.clone()), src_layout, Box::new(held)) }.unwrap();
+    let mut cfg = AgentConfig::new(fp);
+    cfg.listen = None;
+    // SAFETY: as above.
+    let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
+    let ids: Vec<u32> = (0..BLOCKS).collect();
+    let t = Instant::now();
+    src.record_checksums(&ids).unwrap();
+    let record = t.elapsed().as_secs_f64();
+    let bytes = BLOCKS as usize * src.block_bytes();
+    let ep = src.endpoint().unwrap().to_string();
+    let req = || FetchRequest {
+        endpoint: ep.clone(),
+        names: names.clone(),
+        held: 0,
+        dst: ids.clone(),
+        deadline: Duration::from_secs(60),
+    };
+    // warm-up
+    let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
+    let (mut agent, mut anchor, mut ratio) = (vec![], vec![], vec![]);
+    for _ in 0..reps {
+        let a = tcp_copy(bytes);
+        let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
+        assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
+        agent.push(bytes as f64 / r.seconds / 1e9);
+        anchor.push(bytes as f64 / a / 1e9);
+        ratio.push(a / r.seconds);
+    }
+    println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, host pools, loopback TCP:");
+    println!(
+        "  agent            median {:.2} GB/s (min {:.2}, max {:.2})",
+        median(agent.clone()),
+        agent.iter().cloned().fold(f64::MAX, f64::min),
+        agent.iter().cloned().fold(0.0, f64::max)
+    );
+    println!("  plain TCP copy   median {:.2} GB/s (anchor, same repetitions)", median(anchor));
+    println!(
+        "  agent / anchor   median {:.0}% (per repetition {:.0}-{:.0}%)",
+        100.0 * median(ratio.clone()),
+        100.0 * ratio.iter().cloned().fold(f64::MAX, f64::min),
+        100.0 * ratio.iter().cloned().fold(0.0, f64::max)
+    );
+    println!(
+        "  record_checksums {:.2} GB/s ({:.0} us per 4 MiB block, summed in place)",
+        bytes as f64 / record / 1e9,
+        record * 1e6 / f64::from(BLOCKS)
+    );
+    // the cost of a submission on the caller's thread (queued to a source that refuses nothing:
+    // an unroutable port, so each completes quickly with a connect failure)
+    let n = 500;
+    let small = |i: u32| FetchRequest {
+        endpoint: "tcp://127.0.0.1:1".into(),
+        names: names[..8].to_vec(),
+        held: 0,
+        dst: vec![i % BLOCKS],
+        deadline: Duration::from_secs(5),
+    };
+    let mut fetches = Vec::with_capacity(n);
+    let t = Instant::now();
+    for i in 0..n {
+        fetches.push(dst.submit(small(i as u32), None).unwrap());
+    }
+    let per = t.elapsed().as_secs_f64() / n as f64;
+    for f in fetches {
+        f.wait(Duration::from_secs(30)).unwrap();
+    }
+    println!(
+        "  submit           {:.2} us per call (8 names, 1 destination block; includes building the request)",
+        per * 1e6
+    );
+}
