@@ -886,6 +886,13 @@ kvrelay_status kvrelay_agent_config_allow_peer(struct kvrelay_agent_config *conf
                                                const char *spec,
                                                size_t len);
 
+// Where the pool lives: `-1` host memory (the default), `N >= 0` the memory of CUDA device
+// `N` (checked by `kvrelay_agent_new`: `KVRELAY_ERR_NO_CUDA_DRIVER`, `_NO_CUDA_DEVICE`).
+//
+// # Safety
+// `config` NULL or live.
+kvrelay_status kvrelay_agent_config_set_device(struct kvrelay_agent_config *config, int32_t device);
+
 // Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
 // ceiling).
 //
@@ -922,14 +929,16 @@ kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *c
                                                   const char *path,
                                                   size_t len);
 
-// Start an agent over the runtime's host-memory pool `layout` (copied), with the runtime's
+// Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
+// `kvrelay_agent_config_set_device` named a device), with the runtime's
 // `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
 // Binds the listen address and starts the agent's threads. `KVRELAY_ERR_IO` when the address
 // cannot be bound.
 //
 // # Safety
 // `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
-// block of `layout` must be host memory valid for reads and writes until `kvrelay_agent_free`
+// block of `layout` must be host memory (device memory of the configured device) valid for
+// reads and writes until `kvrelay_agent_free`
 // returns; the runtime must not write a block while it is pinned for the agent, nor touch a
 // fetch's destination blocks until that fetch completed.
 kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,

@@ -570,6 +570,11 @@ class AgentConfig {
     check(kvrelay_agent_config_allow_peer(h_.get(), spec.data(), spec.size()));
     return *this;
   }
+  /// The pool is memory of CUDA device `device` (-1: host memory, the default).
+  AgentConfig &device(int32_t device) {
+    check(kvrelay_agent_config_set_device(h_.get(), device));
+    return *this;
+  }
   AgentConfig &limits(const kvrelay_agent_limits &l) {
     check(kvrelay_agent_config_set_limits(h_.get(), &l));
     return *this;

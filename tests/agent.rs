@@ -440,3 +440,126 @@ fn what_a_peer_sends_before_the_transfer_is_bounded() {
     let s: AgentStats = a.agent.stats();
     assert_eq!(s.refused_too_many_names, 1);
 }
+
+/// GPU pools (the H200): a device pool serving a device pool, a host pool and a device pool
+/// fetching from each other, checksums summed by the kernel equal to the host's. Without a
+/// CUDA driver it says so and returns.
+#[test]
+fn gpu_pools_serve_and_fetch_byte_exact() {
+    use kvrelay::copy::{CudaDevice, CudaEngine, CudaStream, DeviceBuffer, EngineOptions, PinnedBuffer};
+    if !kvrelay::copy::driver_present() {
+        eprintln!("gpu_pools_serve_and_fetch_byte_exact: skipped: no CUDA driver on this machine");
+        return;
+    }
+    let dev = match CudaDevice::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu_pools_serve_and_fetch_byte_exact: skipped: {e}");
+            return;
+        }
+    };
+    struct DevPool {
+        _mem: Vec<DeviceBuffer>,
+        layout: KvLayout,
+        engine: CudaEngine,
+        stream: CudaStream,
+        staging: PinnedBuffer,
+    }
+    let dev_pool = || {
+        let mem: Vec<DeviceBuffer> = (0..LAYERS)
+            .map(|_| DeviceBuffer::alloc(&dev, (2 * u64::from(BLOCKS) * KV_BLOCK) as usize).unwrap())
+            .collect();
+        for m in &mem {
+            m.write(0, &vec![0u8; m.len()]).unwrap();
+        }
+        let bases: Vec<u64> = mem.iter().map(|m| m.ptr()).collect();
+        let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
+        // SAFETY: the pool's device memory lives in `_mem` as long as the engine.
+        let engine = unsafe { CudaEngine::new(&dev, layout.clone(), EngineOptions::default()) }.unwrap();
+        let bb = layout.stage_block_bytes() as usize;
+        DevPool {
+            _mem: mem,
+            layout,
+            engine,
+            stream: CudaStream::new(&dev).unwrap(),
+            staging: PinnedBuffer::alloc(&dev, bb).unwrap(),
+        }
+    };
+    impl DevPool {
+        fn write(&mut self, id: u32, bytes: &[u8]) {
+            self.staging.as_mut_slice().copy_from_slice(bytes);
+            self.engine.scatter(&self.staging, &[id], &self.stream, None).unwrap();
+            self.stream.synchronize().unwrap();
+        }
+        fn read(&mut self, id: u32) -> Vec<u8> {
+            self.engine.gather(&[id], &self.staging, &self.stream, None).unwrap();
+            self.stream.synchronize().unwrap();
+            self.staging.as_slice().to_vec()
+        }
+    }
+    let mk = |layout: &KvLayout, device: Option<i32>, cache: &Arc<Cache>| {
+        let mut c = AgentConfig::new(fp());
+        c.device = device;
+        // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
+        unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
+    };
+    let bb = Pool::new().block_bytes();
+    // a device source
+    let mut src = dev_pool();
+    let src_cache = Arc::new(Cache::default());
+    let src_agent = mk(&src.layout, Some(0), &src_cache);
+    for (i, &n) in NAMES.iter().enumerate() {
+        src.write(i as u32 + 4, &content(n, bb));
+        src_cache.held.lock().unwrap().insert(n, i as u32 + 4);
+    }
+    let ids: Vec<u32> = (4..4 + NAMES.len() as u32).collect();
+    src_agent.record_checksums(&ids).unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(
+            src_agent.recorded_checksum(id),
+            Some(kv_checksum(&content(NAMES[i], bb))),
+            "the kernel's sum, block {i}"
+        );
+    }
+    let ep = src_agent.endpoint().unwrap().to_string();
+    let req = |dst: Vec<u32>| FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 1,
+        dst,
+        deadline: Duration::from_secs(20),
+    };
+    // device -> device
+    let mut dst = dev_pool();
+    let dst_cache = Arc::new(Cache::default());
+    let dst_agent = mk(&dst.layout, Some(0), &dst_cache);
+    let r = dst_agent.submit(req(vec![9, 2, 11, 0, 15]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 5), "{}", r.detail);
+    for (i, id) in [9u32, 2, 11, 0, 15].into_iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[1 + i], bb), "device pool block {i}");
+    }
+    // device -> host
+    let host = instance();
+    let r = host.agent.submit(req(vec![3, 4]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(host.pool.read(3), content(NAMES[1], bb));
+    // host -> device, and corruption of the device source after recording is caught
+    host.hold(&NAMES, 8);
+    let hreq = FetchRequest {
+        endpoint: host.endpoint(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![1, 3],
+        deadline: Duration::from_secs(20),
+    };
+    let r = dst_agent.submit(hreq, None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(dst.read(1), content(NAMES[0], bb));
+    let mut bad = content(NAMES[2], bb);
+    bad[bb - 1] ^= 1;
+    src.write(6, &bad);
+    let r = dst_agent.submit(req(vec![5, 6, 7]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 1), "{}", r.detail);
+    eventually("every pin released", || src_cache.pinned() == 0);
+    eprintln!("gpu_pools_serve_and_fetch_byte_exact: ran on CUDA device 0");
+}

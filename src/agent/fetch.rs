@@ -6,10 +6,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::pool::Mover;
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 use crate::checksum::kv_checksum;
-use crate::copy::CpuEngine;
 
 type Failure = (FailReason, String);
 
@@ -43,8 +43,7 @@ fn refusal(p: &[u8]) -> Failure {
 /// What a worker keeps between fetches.
 #[derive(Default)]
 struct Worker {
-    engine: Option<CpuEngine>,
-    staging: Vec<u8>,
+    mover: Option<Mover>,
     buf: Vec<u8>,
 }
 
@@ -209,43 +208,73 @@ fn pull(
     if count == 0 {
         return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
     }
-    if w.engine.is_none() {
-        // SAFETY: the layout's blocks are host memory valid for reads and writes for the
-        // agent's life (`Agent::new`'s contract); the engine writes only a fetch's destination
-        // blocks, which the runtime leaves alone until the fetch completes.
-        w.engine = Some(unsafe { CpuEngine::new(inner.layout.clone()) });
+    if w.mover.is_none() {
+        // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
+        // contract); the mover writes only this fetch's destination blocks, which the runtime
+        // leaves alone until the fetch completes.
+        w.mover = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
     }
-    let engine = w.engine.as_mut().expect("set above");
-    w.staging.resize(bb, 0);
+    let mover = w.mover.as_mut().expect("set above");
+    let r = receive(inner, c, req, asked, count as usize, mover, &stopped, &by, blocks, first);
+    // every scatter into the destination blocks has finished before the completion is
+    // delivered; a mover whose stream cannot be waited for is dropped, never reused
+    if let Err(e) = mover.finish() {
+        w.mover = None;
+        // nothing can be shown to have landed: commit none of it
+        *blocks = 0;
+        return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
+    }
+    r?;
+    drop(reg);
+    Ok(())
+}
+
+/// Read the offered blocks: block `i` lands in slot `i % 2`, is verified there, then written
+/// into `req.dst[i]` while block `i + 1` is read into the other slot.
+#[allow(clippy::too_many_arguments)]
+fn receive(
+    inner: &Inner,
+    c: &mut dyn Conn,
+    req: &FetchRequest,
+    asked: &[u64],
+    count: usize,
+    mover: &mut Mover,
+    stopped: &dyn Fn() -> Result<(), Failure>,
+    by: &dyn Fn() -> Instant,
+    blocks: &mut usize,
+    first: &mut Option<Instant>,
+) -> Result<(), Failure> {
+    let bb = inner.block_bytes;
     let mut head = [0u8; 16];
-    for (i, &want) in asked.iter().enumerate().take(count as usize) {
+    let mut buf = Vec::new();
+    for (i, &want) in asked.iter().enumerate().take(count) {
         stopped()?;
         let what = || format!("block {i}");
         let (kind, len) =
             wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
         if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
-            w.buf.resize(len, 0);
-            c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, &what()))?;
-            return Err(refusal(&w.buf));
+            buf.resize(len, 0);
+            c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
+            return Err(refusal(&buf));
         }
         if kind != wire::BLOCK || len != 16 + bb {
             return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
         }
         c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
-        c.read_by(&mut w.staging, by()).map_err(|e| io_fail(&e, &what()))?;
+        let slot = mover.recv_slot(i % 2).map_err(|e| (FailReason::Corrupt, format!("block {i}: {e}")))?;
+        c.read_by(slot, by()).map_err(|e| io_fail(&e, &what()))?;
         if wire::u64_at(&head, 0) != want {
             return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
         }
         let sum = wire::u64_at(&head, 8);
-        if kv_checksum(&w.staging) != sum {
+        if kv_checksum(mover.slot(i % 2)) != sum {
             return Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")));
         }
         let dst = req.dst[i];
-        engine.scatter(&w.staging, &[dst]).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
+        mover.scatter(i % 2, dst).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
         inner.sums.set(dst, sum);
         *blocks = i + 1;
         first.get_or_insert_with(Instant::now);
     }
-    drop(reg);
     Ok(())
 }

@@ -36,6 +36,7 @@ pub mod allow;
 pub mod auth;
 pub mod estimate;
 mod fetch;
+mod pool;
 mod service;
 pub mod wire;
 
@@ -159,6 +160,8 @@ pub struct AgentConfig {
     pub limits: Limits,
     /// A pre-shared key both sides must prove they hold; `None`: no authentication.
     pub key: Option<Psk>,
+    /// The CUDA device whose memory the pool is (`None`: host memory).
+    pub device: Option<i32>,
 }
 
 impl AgentConfig {
@@ -170,6 +173,7 @@ impl AgentConfig {
             allow: PeerAllow::loopback(),
             limits: Limits::default(),
             key: None,
+            device: None,
         }
     }
 }
@@ -292,6 +296,8 @@ pub enum AgentError {
     Argument(String),
     /// Binding the listen address or starting a thread failed.
     Io(String),
+    /// The device pool could not be set up (no driver, no such device, a CUDA call failed).
+    Cuda(crate::copy::CopyError),
     /// The fetch queue is full.
     Busy,
 }
@@ -301,6 +307,7 @@ impl fmt::Display for AgentError {
         match self {
             AgentError::Config(s) | AgentError::Argument(s) | AgentError::Io(s) => f.write_str(s),
             AgentError::Busy => f.write_str("the agent's fetch queue is full"),
+            AgentError::Cuda(e) => write!(f, "the device pool: {e}"),
         }
     }
 }
@@ -531,6 +538,7 @@ struct Inner {
     key: Option<Psk>,
     layout: KvLayout,
     block_bytes: usize,
+    movers: pool::Movers,
     holder: Box<dyn BlockHolder>,
     sums: SumTable,
     estimator: estimate::Estimator,
@@ -585,11 +593,13 @@ impl fmt::Debug for Agent {
 }
 
 impl Agent {
-    /// Start an agent over a host-memory pool described by `layout`.
+    /// Start an agent over the pool described by `layout`: host memory, or the memory of CUDA
+    /// device `config.device` (then the agent copies through its own streams and pinned slots,
+    /// and sums checksums with a kernel).
     ///
     /// # Safety
-    /// Every block of `layout` must be host memory valid for reads and writes for the agent's
-    /// whole life. The runtime must not write a block between pinning it for the agent and
+    /// Every block of `layout` must be host memory (or device memory of `config.device`) valid
+    /// for reads and writes for the agent's whole life. The runtime must not write a block between pinning it for the agent and
     /// unpinning it, and must not touch a fetch's destination blocks until that fetch completed.
     pub unsafe fn new(
         config: AgentConfig,
@@ -607,6 +617,15 @@ impl Agent {
             }
         };
         let local = listener.as_ref().map(|l| l.local_addr()).transpose().map_err(|e| AgentError::Io(e.to_string()))?;
+        let memory = match config.device {
+            None => pool::Memory::Host,
+            Some(d) => pool::Memory::Device(crate::copy::CudaDevice::open(d).map_err(AgentError::Cuda)?),
+        };
+        let movers = pool::Movers::new(memory);
+        // one mover now: a device pool's kernel compiles here, and a failure shows at once
+        // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
+        let first = unsafe { movers.take(&layout) }.map_err(AgentError::Io)?;
+        movers.put(first);
         let inner = Arc::new(Inner {
             sums: SumTable::new(layout.num_blocks() as usize),
             fingerprint: config.fingerprint,
@@ -615,6 +634,7 @@ impl Agent {
             key: config.key,
             layout,
             block_bytes,
+            movers,
             holder,
             estimator: estimate::Estimator::new(TCP_DEFAULT),
             stats: Stats::default(),
@@ -659,13 +679,26 @@ impl Agent {
 
     /// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them):
     /// the agent reads each block where it lies (no copy) and keeps its checksum, which then
-    /// travels with the block. O(bytes); batches over 8 MiB are summed on several threads.
+    /// travels with the block. O(bytes); host batches over 8 MiB are summed on several threads;
+    /// device pools by a kernel on the agent's own stream (one allocation of `8 * ids.len()`).
     pub fn record_checksums(&self, ids: &[u32]) -> Result<(), AgentError> {
         let n = self.inner.layout.num_blocks();
         if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
             return Err(AgentError::Argument(format!("block id {id} (position {i}) is past the pool's {n} blocks")));
         }
         let inner = &*self.inner;
+        if let pool::Memory::Device(_) = inner.movers.memory() {
+            // SAFETY: `Agent::new`'s contract covers the layout's memory.
+            let mut m = unsafe { inner.movers.take(&inner.layout) }.map_err(AgentError::Io)?;
+            let mut sums = vec![0u64; ids.len()];
+            let r = m.device_checksums(ids, &mut sums);
+            inner.movers.put(m);
+            r.map_err(AgentError::Io)?;
+            for (&id, &s) in ids.iter().zip(&sums) {
+                inner.sums.set(id, s);
+            }
+            return Ok(());
+        }
         let sum_all = |ids: &[u32]| {
             for &id in ids {
                 inner.sums.set(id, block_checksum(&inner.layout, id));

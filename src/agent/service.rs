@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use super::allow::canonical;
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, Inner, Stats};
-use crate::copy::CpuEngine;
 
 /// Buffers one connection reuses.
 #[derive(Default)]
@@ -17,11 +16,7 @@ pub(super) struct Scratch {
     buf: Vec<u8>,
     names: Vec<u64>,
     ids: Vec<u32>,
-    staging: Vec<u8>,
 }
-
-/// Most bytes gathered from the pool at once before they go to the socket.
-const GATHER_BYTES: usize = 4 << 20;
 
 /// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB.
 fn transfer_deadline(bytes: u64) -> Duration {
@@ -262,18 +257,20 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     }
     let end = Instant::now() + transfer_deadline((offered * bb) as u64);
     let by = |inner: &Inner| io(inner).min(end);
-    // SAFETY: the layout's blocks are host memory valid for reads for the agent's life
-    // (`Agent::new`'s contract); the engine only reads the pinned blocks `ids`, which the
-    // runtime does not write while they are pinned.
-    let mut engine = unsafe { CpuEngine::new(inner.layout.clone()) };
-    let chunk = (GATHER_BYTES / bb).max(1);
-    scratch.staging.resize(chunk.min(offered) * bb, 0);
-    for (ci, part) in ids.chunks(chunk).enumerate() {
-        let staged = &mut scratch.staging[..part.len() * bb];
-        if engine.gather(part, staged).is_err() {
-            Stats::add(&inner.stats.serve_aborted, 1);
-            return;
-        }
+    // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
+    // contract); the mover only reads the pinned blocks `ids`, which the runtime does not write
+    // while they are pinned.
+    let Ok(mut mover) = (unsafe { inner.movers.take(&inner.layout) }) else {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return;
+    };
+    let chunk = mover.slot_blocks;
+    let mut ok = true;
+    'send: for (ci, part) in ids.chunks(chunk).enumerate() {
+        let Ok(staged) = mover.gather(ci % 2, part) else {
+            ok = false;
+            break;
+        };
         for (j, &id) in part.iter().enumerate() {
             let i = ci * chunk + j;
             let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
@@ -282,11 +279,16 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
             head[12..20].copy_from_slice(&scratch.names[i].to_le_bytes());
             head[20..28].copy_from_slice(&sum.to_le_bytes());
             if c.write_by(&head, by(inner)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err() {
-                Stats::add(&inner.stats.serve_aborted, 1);
-                return;
+                ok = false;
+                break 'send;
             }
             Stats::add(&inner.stats.blocks_sent, 1);
             Stats::add(&inner.stats.bytes_sent, bb as u64);
         }
+    }
+    // gathers are waited for inside `gather`: nothing of this mover is in flight
+    inner.movers.put(mover);
+    if !ok {
+        Stats::add(&inner.stats.serve_aborted, 1);
     }
 }

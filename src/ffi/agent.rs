@@ -263,6 +263,7 @@ fn agent_err(e: AgentError) -> kvrelay_status {
         AgentError::Argument(d) => with_detail(KVRELAY_ERR_INVALID_ARGUMENT, d),
         AgentError::Io(d) => with_detail(KVRELAY_ERR_IO, d),
         AgentError::Busy => with_detail(KVRELAY_ERR_BUSY, "the agent's fetch queue is full"),
+        AgentError::Cuda(e) => super::copy::status_of(e),
     }
 }
 
@@ -361,6 +362,27 @@ pub unsafe extern "C" fn kvrelay_agent_config_allow_peer(
     })
 }
 
+/// Where the pool lives: `-1` host memory (the default), `N >= 0` the memory of CUDA device
+/// `N` (checked by `kvrelay_agent_new`: `KVRELAY_ERR_NO_CUDA_DRIVER`, `_NO_CUDA_DEVICE`).
+///
+/// # Safety
+/// `config` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_device(
+    config: *mut kvrelay_agent_config,
+    device: i32,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config) }?;
+        if device < -1 {
+            return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "device: -1 (host memory) or a CUDA ordinal"));
+        }
+        c.inner.device = (device >= 0).then_some(device);
+        Ok(())
+    })
+}
+
 /// Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
 /// ceiling).
 ///
@@ -447,14 +469,16 @@ pub unsafe extern "C" fn kvrelay_agent_config_key_from_file(
     })
 }
 
-/// Start an agent over the runtime's host-memory pool `layout` (copied), with the runtime's
+/// Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
+/// `kvrelay_agent_config_set_device` named a device), with the runtime's
 /// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
 /// Binds the listen address and starts the agent's threads. `KVRELAY_ERR_IO` when the address
 /// cannot be bound.
 ///
 /// # Safety
 /// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
-/// block of `layout` must be host memory valid for reads and writes until `kvrelay_agent_free`
+/// block of `layout` must be host memory (device memory of the configured device) valid for
+/// reads and writes until `kvrelay_agent_free`
 /// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
 /// fetch's destination blocks until that fetch completed.
 #[no_mangle]

@@ -86,7 +86,7 @@ pub struct kvrelay_cuda_engine_options {
     pub scratch_bytes: usize,
 }
 
-fn status_of(e: CopyError) -> kvrelay_status {
+pub(crate) fn status_of(e: CopyError) -> kvrelay_status {
     let s = match e {
         CopyError::NoDriver => KVRELAY_ERR_NO_CUDA_DRIVER,
         CopyError::NoDevice => KVRELAY_ERR_NO_CUDA_DEVICE,

@@ -53,6 +53,38 @@ __device__ __forceinline__ void copy_chunks(const Seg* segs, const unsigned int*
     for (; k < n; k += 32) dst[k] = src[k];
   }
 }
+__device__ __forceinline__ unsigned long long kvrelay_fmix64(unsigned long long x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+  return x;
+}
+struct SumParams {
+  unsigned long long segs, sums;
+  unsigned int n_seg, n_ids;
+  unsigned int ids[960];
+};
+// The terms of kvrelay::checksum summed where the bytes lie: one warp per (block, segment)
+// chunk, each word keyed by its position in the block-major staged block; sums[i] collects
+// block i's terms (the host zeroes it first and applies the final mix).
+extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p) {
+  const Seg* segs = (const Seg*)p.segs;
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned long long wpc = blockDim.x >> 5;
+  const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
+  const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
+  const unsigned long long n_chunks = (unsigned long long)p.n_ids * p.n_seg;
+  for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
+    const unsigned i = (unsigned)(c / p.n_seg);
+    const unsigned s = (unsigned)(c - (unsigned long long)i * p.n_seg);
+    const Seg g = segs[s];
+    const unsigned long long* w = (const unsigned long long*)(g.base + (unsigned long long)p.ids[i] * g.stride);
+    const unsigned long long n = g.bytes >> 3, first = g.stage_off >> 3;
+    unsigned long long acc = 0;
+    for (unsigned long long k = lane; k < n; k += 32)
+      acc += kvrelay_fmix64(w[k] ^ ((first + k + 1ULL) * 0x9E3779B97F4A7C15ULL));
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
+  }
+}
 extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
   copy_chunks((const Seg*)p.segs, p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
 }
@@ -104,6 +136,15 @@ pub(super) struct RingParams {
 /// pinned flag), so a call makes one driver call: the launch.
 pub const RING_IDS_PER_LAUNCH: usize = 16384;
 pub(super) const RING_SLOTS: usize = 32;
+
+#[repr(C)]
+pub(super) struct SumParams {
+    pub(super) segs: u64,
+    pub(super) sums: u64,
+    pub(super) n_seg: u32,
+    pub(super) n_ids: u32,
+    pub(super) ids: [u32; IDS_PER_LAUNCH],
+}
 
 #[repr(C)]
 pub(super) struct Params {
@@ -262,5 +303,81 @@ impl CudaEngine {
             }
             std::thread::yield_now();
         }
+    }
+}
+
+impl CudaEngine {
+    /// The checksums of blocks `ids` ([`crate::checksum::kv_checksum`] of each block's staged
+    /// bytes), summed where the blocks lie by a kernel on `stream`: `out[i]` for `ids[i]`.
+    /// Runs after the work enqueued on `stream` before it and waits for that stream only (no
+    /// context- or device-wide wait). Host cost: one memset, one launch and one 8-byte-per-block
+    /// copy per [`IDS_PER_LAUNCH`] blocks; no allocation after the first call. Needs the kernel
+    /// (methods `Kernel` and `Staged`; [`CopyError::Unsupported`] otherwise).
+    pub fn checksums(&mut self, ids: &[u32], out: &mut [u64], stream: &CudaStream) -> Result<(), CopyError> {
+        assert_eq!(ids.len(), out.len(), "CudaEngine::checksums: one output per id");
+        if self.sum_func.is_null() {
+            return Err(CopyError::Unsupported("checksums need the copy kernel (methods Kernel, Staged)"));
+        }
+        // repeated ids are fine (reads only); the staging check is moot: no staging
+        self.checker.check(&self.layout, ids, u64::MAX, false)?;
+        let _ctx = self.dev.bind()?;
+        if self.sum_dev.is_none() {
+            let d = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?;
+            self.sum_host = Some(PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?);
+            self.sum_params = Some(Box::new(SumParams {
+                segs: self.params.segs,
+                sums: d.ptr(),
+                n_seg: self.params.n_seg,
+                n_ids: 0,
+                ids: [0; IDS_PER_LAUNCH],
+            }));
+            self.sum_dev = Some(d);
+        }
+        let (dev_buf, host) = (self.sum_dev.as_ref().expect("set"), self.sum_host.as_mut().expect("set"));
+        let p = self.sum_params.as_mut().expect("set");
+        let sbb = self.layout.stage_block_bytes();
+        for (part, o) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)) {
+            p.n_ids = part.len() as u32;
+            p.ids[..part.len()].copy_from_slice(part);
+            let mut args = [(&mut **p as *mut SumParams).cast::<c_void>()];
+            // SAFETY: the sums buffer holds IDS_PER_LAUNCH u64s (zeroed here first); the kernel
+            // takes one `SumParams` (same layout as the CUDA struct) and reads only blocks of
+            // the layout (ids checked); the host copy lands in pinned memory of the right size
+            // and is read only after the stream synchronized; the stream is this library's.
+            unsafe {
+                check(sys::cuMemsetD8Async(dev_buf.ptr(), 0, part.len() * 8, stream.raw()), "cuMemsetD8Async")?;
+                check(
+                    sys::cuLaunchKernel(
+                        self.sum_func,
+                        self.opts.ctas,
+                        1,
+                        1,
+                        self.opts.threads,
+                        1,
+                        1,
+                        0,
+                        stream.raw(),
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    ),
+                    "cuLaunchKernel",
+                )?;
+                check(
+                    sys::cuMemcpyDtoHAsync_v2(
+                        host.as_mut_slice().as_mut_ptr().cast(),
+                        dev_buf.ptr(),
+                        part.len() * 8,
+                        stream.raw(),
+                    ),
+                    "cuMemcpyDtoHAsync",
+                )?;
+            }
+            stream.synchronize()?;
+            for (k, o) in o.iter_mut().enumerate() {
+                let b = &host.as_slice()[k * 8..k * 8 + 8];
+                *o = crate::checksum::kv_checksum_finish(u64::from_le_bytes(b.try_into().expect("8 bytes")), sbb);
+            }
+        }
+        Ok(())
     }
 }

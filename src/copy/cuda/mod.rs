@@ -164,6 +164,11 @@ pub struct CudaEngine {
     ring_next: usize,
     scratch: Option<DeviceBuffer>,
     staged: Option<Staged>,
+    /// The checksum kernel, and its per-call buffers (made on first use).
+    sum_func: sys::CUfunction,
+    sum_dev: Option<DeviceBuffer>,
+    sum_host: Option<PinnedBuffer>,
+    sum_params: Option<Box<kernel::SumParams>>,
 }
 
 /// The internal stream and events of the staged method.
@@ -247,6 +252,10 @@ impl CudaEngine {
             ring_next: 0,
             scratch: None,
             staged: None,
+            sum_func: std::ptr::null_mut(),
+            sum_dev: None,
+            sum_host: None,
+            sum_params: None,
             layout,
         };
         match opts.method {
@@ -309,6 +318,8 @@ impl CudaEngine {
                 sys::cuModuleGetFunction(&mut self.ring_func, self.module, ring_name.as_ptr()),
                 "cuModuleGetFunction",
             )?;
+            let sum_name = CString::new("kvrelay_sum").expect("no NUL");
+            check(sys::cuModuleGetFunction(&mut self.sum_func, self.module, sum_name.as_ptr()), "cuModuleGetFunction")?;
         }
         if self.opts.ids != IdTransport::Params {
             self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
