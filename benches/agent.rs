@@ -8,6 +8,9 @@
 //! 2. The agent's own host cost: the time of one `submit` call (checks and copies, no I/O), and
 //!    of recording checksums per block (summed where the blocks lie).
 //!
+//! `KVRELAY_BENCH_DEVICE=cuda:N` puts both pools in the memory of GPU N (both agents on one
+//! GPU, the bytes still crossing loopback TCP through each agent's pinned slots).
+//!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
 use std::collections::HashMap;
@@ -32,14 +35,32 @@ impl BlockHolder for Held {
     fn unpin(&self, _: &[u32]) {}
 }
 
-fn pool() -> (Vec<u128>, KvLayout) {
+/// The pool's memory: host, or a device buffer.
+enum Mem {
+    Host(#[allow(dead_code)] Vec<u128>),
+    Device(#[allow(dead_code)] kvrelay::copy::DeviceBuffer),
+}
+
+fn pool(device: Option<&std::sync::Arc<kvrelay::copy::CudaDevice>>) -> (Mem, KvLayout) {
     let bytes = u64::from(BLOCKS) * u64::from(LAYERS) * 2 * KV_BLOCK;
     let mut mem = vec![0u128; (bytes / 16) as usize];
     for (i, w) in mem.iter_mut().enumerate() {
         *w = (i as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
     }
-    let layout = KvLayout::all_layers_per_block(mem.as_mut_ptr() as u64, LAYERS, BLOCKS, KV_BLOCK).unwrap();
-    (mem, layout)
+    match device {
+        None => {
+            let layout = KvLayout::all_layers_per_block(mem.as_mut_ptr() as u64, LAYERS, BLOCKS, KV_BLOCK).unwrap();
+            (Mem::Host(mem), layout)
+        }
+        Some(dev) => {
+            let d = kvrelay::copy::DeviceBuffer::alloc(dev, bytes as usize).unwrap();
+            // SAFETY: a plain byte view of the u128 vector.
+            let host = unsafe { std::slice::from_raw_parts(mem.as_ptr().cast::<u8>(), bytes as usize) };
+            d.write(0, host).unwrap();
+            let layout = KvLayout::all_layers_per_block(d.ptr(), LAYERS, BLOCKS, KV_BLOCK).unwrap();
+            (Mem::Device(d), layout)
+        }
+    }
 }
 
 /// A plain loopback TCP copy of `bytes` (one stream): seconds.
@@ -79,14 +100,23 @@ fn main() {
     let reps: usize =
         std::env::var("KVRELAY_BENCH_REPS").ok().filter(|s| !s.is_empty()).and_then(|s| s.parse().ok()).unwrap_or(10);
     let fp = Fingerprint { block_tokens: 32, layers: LAYERS, kv_heads: 8, head_dim: 128, dtype_bytes: 2, naming: 1 };
-    let (_src_mem, src_layout) = pool();
-    let (_dst_mem, dst_layout) = pool();
+    let device: Option<i32> = std::env::var("KVRELAY_BENCH_DEVICE")
+        .ok()
+        .filter(|s| !s.is_empty() && s != "cpu")
+        .map(|s| s.trim_start_matches("cuda:").parse().expect("KVRELAY_BENCH_DEVICE=cuda:N"));
+    let dev = device.map(|d| kvrelay::copy::CudaDevice::open(d).expect("the bench's GPU"));
+    let (_src_mem, src_layout) = pool(dev.as_ref());
+    let (_dst_mem, dst_layout) = pool(dev.as_ref());
     let names: Vec<u64> = (1..=u64::from(BLOCKS)).collect();
     let held = Held(Mutex::new(names.iter().enumerate().map(|(i, &n)| (n, i as u32)).collect()));
-    // SAFETY: both pools live until the end of main, after the agents are dropped.
-    let src = unsafe { Agent::new(AgentConfig::new(fp.clone()), src_layout, Box::new(held)) }.unwrap();
+    let mut src_cfg = AgentConfig::new(fp.clone());
+    src_cfg.device = device;
+    // SAFETY: both pools (host or device memory, as configured) live until the end of main,
+    // after the agents are dropped.
+    let src = unsafe { Agent::new(src_cfg, src_layout, Box::new(held)) }.unwrap();
     let mut cfg = AgentConfig::new(fp);
     cfg.listen = None;
+    cfg.device = device;
     // SAFETY: as above.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
     let ids: Vec<u32> = (0..BLOCKS).collect();
@@ -114,7 +144,8 @@ fn main() {
         anchor.push(bytes as f64 / a / 1e9);
         ratio.push(a / r.seconds);
     }
-    println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, host pools, loopback TCP:");
+    let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
+    println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, {pools}, loopback TCP:");
     println!(
         "  agent            median {:.2} GB/s (min {:.2}, max {:.2})",
         median(agent.clone()),

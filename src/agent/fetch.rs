@@ -3,10 +3,10 @@
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use super::pool::Mover;
+use super::pool::{Mover, SlotPtr};
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 use crate::checksum::kv_checksum;
@@ -229,8 +229,10 @@ fn pull(
     Ok(())
 }
 
-/// Read the offered blocks: block `i` lands in slot `i % 2`, is verified there, then written
-/// into `req.dst[i]` while block `i + 1` is read into the other slot.
+/// Read the offered blocks, pipelined over the mover's two slots: this thread reads block `i`
+/// into a free slot while a helper thread verifies block `i - 1` in the other and scatters it
+/// into `req.dst[i - 1]`; a slot goes back to the reader only after its block was written. The
+/// verified count grows in order; the earliest failure in block order is the answer.
 #[allow(clippy::too_many_arguments)]
 fn receive(
     inner: &Inner,
@@ -245,36 +247,70 @@ fn receive(
     first: &mut Option<Instant>,
 ) -> Result<(), Failure> {
     let bb = inner.block_bytes;
-    let mut head = [0u8; 16];
-    let mut buf = Vec::new();
-    for (i, &want) in asked.iter().enumerate().take(count) {
-        stopped()?;
-        let what = || format!("block {i}");
-        let (kind, len) =
-            wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
-        if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
-            buf.resize(len, 0);
-            c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
-            return Err(refusal(&buf));
-        }
-        if kind != wire::BLOCK || len != 16 + bb {
-            return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
-        }
-        c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
-        let slot = mover.recv_slot(i % 2).map_err(|e| (FailReason::Corrupt, format!("block {i}: {e}")))?;
-        c.read_by(slot, by()).map_err(|e| io_fail(&e, &what()))?;
-        if wire::u64_at(&head, 0) != want {
-            return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
-        }
-        let sum = wire::u64_at(&head, 8);
-        if kv_checksum(mover.slot(i % 2)) != sum {
-            return Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")));
-        }
-        let dst = req.dst[i];
-        mover.scatter(i % 2, dst).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
-        inner.sums.set(dst, sum);
-        *blocks = i + 1;
-        first.get_or_insert_with(Instant::now);
-    }
-    Ok(())
+    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
+    let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
+    let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
+    free_tx.send(0).expect("room for two");
+    free_tx.send(1).expect("room for two");
+    std::thread::scope(|sc| {
+        let verifier = sc.spawn(move || {
+            let (mut done, mut first) = (0usize, None);
+            for (k, i, sum) in verify_rx {
+                if kv_checksum(mover.slot(k)) != sum {
+                    return (done, first, Err((FailReason::Corrupt, format!("block {i}: checksum mismatch"))));
+                }
+                let dst = req.dst[i];
+                if let Err(e) = mover.scatter(k, dst) {
+                    return (done, first, Err((FailReason::Corrupt, format!("block {i}: writing it: {e}"))));
+                }
+                inner.sums.set(dst, sum);
+                done = i + 1;
+                first.get_or_insert_with(Instant::now);
+                if free_tx.send(k).is_err() {
+                    break;
+                }
+            }
+            (done, first, Ok(()))
+        });
+        let read = (|| -> Result<(), Failure> {
+            let mut head = [0u8; 16];
+            let mut buf = Vec::new();
+            for (i, &want) in asked.iter().enumerate().take(count) {
+                stopped()?;
+                // the verifier stopped (its error is the answer) when no slot comes back
+                let Ok(k) = free_rx.recv() else { return Ok(()) };
+                let what = || format!("block {i}");
+                let (kind, len) =
+                    wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
+                if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
+                    buf.resize(len, 0);
+                    c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
+                    return Err(refusal(&buf));
+                }
+                if kind != wire::BLOCK || len != 16 + bb {
+                    return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
+                }
+                c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
+                // SAFETY: slot `k` (at least one block long) belongs to this thread from the
+                // moment it came back from the verifier until it is sent to it again.
+                let slot = unsafe { std::slice::from_raw_parts_mut(slots[k].0, bb) };
+                c.read_by(slot, by()).map_err(|e| io_fail(&e, &what()))?;
+                if wire::u64_at(&head, 0) != want {
+                    return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
+                }
+                if verify_tx.send((k, i, wire::u64_at(&head, 8))).is_err() {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        })();
+        drop(verify_tx);
+        let (done, f, verified) =
+            verifier.join().unwrap_or_else(|_| (0, None, Err((FailReason::Corrupt, "the verifier panicked".into()))));
+        *blocks = done;
+        *first = f;
+        // the verifier's failure is the earlier one in block order
+        verified?;
+        read
+    })
 }

@@ -5,14 +5,23 @@
 //! On a device pool every wait is on the mover's own stream or events (never a context- or
 //! device-wide synchronize, so the runtime's kernels and other transfers are not waited for),
 //! and no lock is held across one. Bytes go to and come from the socket straight out of the
-//! pinned slots. A received block is verified in its slot, then scattered into its destination
-//! block while the next block is read into the other slot.
+//! pinned slots. Both directions are pipelined over the two slots: a serving connection sends
+//! one slot while a helper thread gathers the next chunk into the other; a fetch reads the next
+//! block into one slot while a helper thread verifies the last one in the other and scatters it
+//! into its destination block.
 
 use std::sync::{Arc, Mutex};
 
 use crate::copy::{
     CopyError, CpuEngine, CudaDevice, CudaEngine, CudaEvent, CudaStream, EngineOptions, KvLayout, PinnedBuffer,
 };
+
+/// A slot's address, handed between the two threads of a pipeline with the slot itself.
+#[derive(Clone, Copy)]
+pub(super) struct SlotPtr(pub(super) *mut u8);
+// SAFETY: a slot is used by one thread at a time: the pipelines pass its index through a
+// channel, and only the thread that received it touches the slot until it sends it back.
+unsafe impl Send for SlotPtr {}
 
 /// Where the runtime's pool lives.
 #[derive(Clone)]
@@ -34,9 +43,8 @@ enum Kind {
         engine: Box<CudaEngine>,
         stream: CudaStream,
         slots: [PinnedBuffer; 2],
-        /// Recorded after the last scatter out of each slot.
+        /// Recorded after the scatter out of each slot.
         freed: [CudaEvent; 2],
-        pending: [bool; 2],
     },
 }
 
@@ -78,51 +86,38 @@ impl Mover {
                         PinnedBuffer::alloc(dev, slot_blocks * bb).map_err(cuda)?,
                     ],
                     freed: [CudaEvent::new(dev).map_err(cuda)?, CudaEvent::new(dev).map_err(cuda)?],
-                    pending: [false; 2],
                 }
             }
         };
         Ok(Mover { kind, slot_blocks, block_bytes: bb })
     }
 
-    /// Gather blocks `ids` (at most `slot_blocks`) into slot `k` and return their bytes.
-    pub(super) fn gather(&mut self, k: usize, ids: &[u32]) -> Result<&[u8], String> {
+    /// Slot `k`'s memory (`slot_blocks` blocks): a raw pointer, so that one thread can fill or
+    /// drain one slot while another works on the other. The slots live as long as the mover;
+    /// whoever uses the pointer must own the slot at that time (the pipelines hand slots over
+    /// through channels).
+    pub(super) fn slot_ptr(&mut self, k: usize) -> *mut u8 {
+        match &mut self.kind {
+            Kind::Host { slots, .. } => slots[k].as_mut_ptr(),
+            Kind::Device { slots, .. } => slots[k].as_mut_slice().as_mut_ptr(),
+        }
+    }
+
+    /// Gather blocks `ids` (at most `slot_blocks`) into slot `k`; on return the bytes are there
+    /// (a device pool waits for its own stream only).
+    pub(super) fn gather(&mut self, k: usize, ids: &[u32]) -> Result<(), String> {
         let n = ids.len() * self.block_bytes;
         match &mut self.kind {
-            Kind::Host { engine, slots } => {
-                engine.gather(ids, &mut slots[k][..n]).map_err(|e| e.to_string())?;
-                Ok(&slots[k][..n])
-            }
-            Kind::Device { dev, engine, stream, slots, freed, pending } => {
+            Kind::Host { engine, slots } => engine.gather(ids, &mut slots[k][..n]).map_err(|e| e.to_string()),
+            Kind::Device { dev, engine, stream, slots, .. } => {
                 let _ctx = dev.bind().map_err(cuda)?;
-                if pending[k] {
-                    freed[k].synchronize().map_err(cuda)?;
-                    pending[k] = false;
-                }
                 engine.gather(ids, &slots[k], stream, None).map_err(cuda)?;
-                stream.synchronize().map_err(cuda)?;
-                Ok(&slots[k].as_slice()[..n])
+                stream.synchronize().map_err(cuda)
             }
         }
     }
 
-    /// Slot `k`'s first block, to receive into; waits until the slot's last scatter finished.
-    pub(super) fn recv_slot(&mut self, k: usize) -> Result<&mut [u8], String> {
-        let bb = self.block_bytes;
-        match &mut self.kind {
-            Kind::Host { slots, .. } => Ok(&mut slots[k][..bb]),
-            Kind::Device { dev, slots, freed, pending, .. } => {
-                if pending[k] {
-                    let _ctx = dev.bind().map_err(cuda)?;
-                    freed[k].synchronize().map_err(cuda)?;
-                    pending[k] = false;
-                }
-                Ok(&mut slots[k].as_mut_slice()[..bb])
-            }
-        }
-    }
-
-    /// The block received in slot `k`.
+    /// The first block of slot `k`.
     pub(super) fn slot(&self, k: usize) -> &[u8] {
         match &self.kind {
             Kind::Host { slots, .. } => &slots[k][..self.block_bytes],
@@ -130,28 +125,26 @@ impl Mover {
         }
     }
 
-    /// Write the block in slot `k` into pool block `id` (on a device: enqueued; [`Mover::finish`]
-    /// or the slot's next use waits for it).
+    /// Write the first block of slot `k` into pool block `id`; on return the slot may be reused
+    /// (a device pool waits for that copy's event only).
     pub(super) fn scatter(&mut self, k: usize, id: u32) -> Result<(), String> {
         let bb = self.block_bytes;
         match &mut self.kind {
             Kind::Host { engine, slots } => engine.scatter(&slots[k][..bb], &[id]).map_err(|e| e.to_string()),
-            Kind::Device { dev, engine, stream, slots, freed, pending } => {
+            Kind::Device { dev, engine, stream, slots, freed } => {
                 let _ctx = dev.bind().map_err(cuda)?;
-                // the engine copies `staging[..bb]`: a one-block scatter reads only its first block
+                // a one-block scatter reads only the slot's first block
                 engine.scatter(&slots[k], &[id], stream, Some(&freed[k])).map_err(cuda)?;
-                pending[k] = true;
-                Ok(())
+                freed[k].synchronize().map_err(cuda)
             }
         }
     }
 
     /// Wait until every scatter of this mover finished (on a device: its own stream only).
     pub(super) fn finish(&mut self) -> Result<(), String> {
-        if let Kind::Device { dev, stream, pending, .. } = &mut self.kind {
+        if let Kind::Device { dev, stream, .. } = &mut self.kind {
             let _ctx = dev.bind().map_err(cuda)?;
             stream.synchronize().map_err(cuda)?;
-            *pending = [false; 2];
         }
         Ok(())
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::allow::canonical;
+use super::pool::SlotPtr;
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, Inner, Stats};
 
@@ -265,26 +266,61 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
         return;
     };
     let chunk = mover.slot_blocks;
-    let mut ok = true;
-    'send: for (ci, part) in ids.chunks(chunk).enumerate() {
-        let Ok(staged) = mover.gather(ci % 2, part) else {
-            ok = false;
-            break;
-        };
-        for (j, &id) in part.iter().enumerate() {
-            let i = ci * chunk + j;
-            let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
-            let mut head = [0u8; 28];
-            head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
-            head[12..20].copy_from_slice(&scratch.names[i].to_le_bytes());
-            head[20..28].copy_from_slice(&sum.to_le_bytes());
-            if c.write_by(&head, by(inner)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err() {
-                ok = false;
-                break 'send;
+    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
+    let names = &scratch.names;
+    // pipelined over the mover's two slots: a helper thread gathers chunk c + 1 into one slot
+    // while this thread sends chunk c out of the other
+    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(2);
+    let (free_tx, free_rx) = std::sync::mpsc::sync_channel::<usize>(2);
+    free_tx.send(0).expect("room for two");
+    free_tx.send(1).expect("room for two");
+    let (sent_ok, gathered_ok) = std::thread::scope(|sc| {
+        let mover = &mut mover;
+        let gatherer = sc.spawn(move || {
+            for (ci, part) in ids.chunks(chunk).enumerate() {
+                let Ok(k) = free_rx.recv() else { return true };
+                if mover.gather(k, part).is_err() {
+                    return false;
+                }
+                if ready_tx.send((k, ci)).is_err() {
+                    return true;
+                }
             }
-            Stats::add(&inner.stats.blocks_sent, 1);
-            Stats::add(&inner.stats.bytes_sent, bb as u64);
+            true
+        });
+        let mut ok = true;
+        'send: for (k, ci) in ready_rx.iter() {
+            let part = &ids[ci * chunk..(ci * chunk + chunk).min(ids.len())];
+            // SAFETY: slot `k` holds `part.len()` gathered blocks (at most `slot_blocks`) and
+            // belongs to this thread until it is sent back to the gatherer.
+            let staged = unsafe { std::slice::from_raw_parts(slots[k].0, part.len() * bb) };
+            for (j, &id) in part.iter().enumerate() {
+                let i = ci * chunk + j;
+                let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
+                let mut head = [0u8; 28];
+                head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
+                head[12..20].copy_from_slice(&names[i].to_le_bytes());
+                head[20..28].copy_from_slice(&sum.to_le_bytes());
+                if c.write_by(&head, by(inner)).is_err()
+                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err()
+                {
+                    ok = false;
+                    break 'send;
+                }
+                Stats::add(&inner.stats.blocks_sent, 1);
+                Stats::add(&inner.stats.bytes_sent, bb as u64);
+            }
+            let _ = free_tx.send(k);
         }
+        drop(ready_rx);
+        drop(free_tx);
+        (ok, gatherer.join().unwrap_or(false))
+    });
+    let ok = sent_ok && gathered_ok;
+    if !gathered_ok {
+        // a mover whose copy failed is not reused
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return;
     }
     // gathers are waited for inside `gather`: nothing of this mover is in flight
     inner.movers.put(mover);
