@@ -268,13 +268,14 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
 }
 
 /// A NIXL reader against a TCP-only source is refused (a cold run); a NIXL source still serves
-/// TCP readers.
+/// TCP readers. Runs in both transfer runs of the test command (it picks each instance's
+/// transport itself); needs a server built with the `nixl` feature and the NIXL libraries
+/// (`KVRELAY_NIXL_LIB_DIR`, e.g. from `source scripts/nixl-env.sh`).
 #[test]
+#[cfg_attr(not(feature = "nixl"), ignore = "needs a server built with the nixl feature")]
 fn nixl_and_tcp_instances_meet() {
-    if test_transport().as_deref() != Some("nixl") {
-        eprintln!("skipped: the suite runs over tcp (KVRELAY_TEST_KV_TRANSPORT=nixl runs it)");
-        return;
-    }
+    // UCX over TCP on loopback, as the NIXL run of the test command has it
+    let ucx: &[(&str, &str)] = &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
     // staging slots are for GPU pools: a host pool refuses them at startup
     if std::env::var("KVRELAY_DEVICE").map_or(true, |d| d == "cpu") {
         let out = std::process::Command::new(server_bin())
@@ -286,7 +287,8 @@ fn nixl_and_tcp_instances_meet() {
         assert!(!out.status.success() && err.contains("staging slots are for GPU pools"), "{err}");
     }
     let tcp_src = start(true, &["--kv-transport", "tcp"]);
-    let dst = destination(&tcp_src, &[]); // nixl
+    let ep = kv_endpoint(&tcp_src);
+    let dst = start_env(true, &["--trusted-endpoint", ep.as_str(), "--kv-transport", "nixl"], ucx);
     let p = blocks_text("india", 4);
     let want = cold(&dst, &p);
     tcp_src.complete(json!({"prompt": p}));
@@ -295,7 +297,7 @@ fn nixl_and_tcp_instances_meet() {
     assert_eq!(failed(&dst, "refused"), 1.0);
     assert_eq!(blocks(&dst, "held"), 0.0);
 
-    let nixl_src = start(true, &[]);
+    let nixl_src = start_env(true, &["--kv-transport", "nixl"], ucx);
     let tcp_dst = destination(&nixl_src, &["--kv-transport", "tcp"]);
     nixl_src.complete(json!({"prompt": p}));
     let v =

@@ -364,6 +364,8 @@ pub struct FetchCall<'a> {
     pub payload: &'a [u8],
     /// The normalized endpoint, found in the trusted registry.
     pub endpoint: &'a str,
+    /// The per-call context [`Orchestrator::decide_in`] was given (`None` from `decide`).
+    pub context: Option<&'a (dyn std::any::Any + Send + Sync)>,
 }
 
 /// The server's provider: validates, then takes the fetch. Codes are the provider's own
@@ -441,13 +443,17 @@ fn provider_call(
     // SAFETY: `user` is the live `Arc<dyn FetchProvider>` box (destroyed only after the last
     // call); `req` and its views are valid during this call (header).
     let (p, r) = unsafe { (&*user.cast::<Arc<dyn FetchProvider>>(), &*req) };
-    // SAFETY: as above: the views are valid UTF-8 / bytes for the duration of the call.
+    // SAFETY: as above: the views are valid UTF-8 / bytes for the duration of the call; a
+    // non-NULL `call_context` is the `&dyn Any` that `Orchestrator::decide_in` put on its stack
+    // for this call.
     let call = unsafe {
         FetchCall {
             binding_id: view_str(r.binding_id),
             action_version: view_str(r.action_version),
             payload: std::slice::from_raw_parts(r.payload.ptr, r.payload.len),
             endpoint: view_str(r.endpoint),
+            context: (!r.call_context.is_null())
+                .then(|| *r.call_context.cast::<&(dyn std::any::Any + Send + Sync)>().cast_const()),
         }
     };
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&**p, &call))) {
@@ -565,13 +571,30 @@ impl Orchestrator {
 
     /// Decide for one request; the provider runs inside this call when every check passed.
     pub fn decide(&self, lora_adapter: bool, snapshot: Option<&Snapshot>) -> Decision {
+        self.decide_with(lora_adapter, snapshot, ptr::null_mut())
+    }
+
+    /// [`Orchestrator::decide`] with a per-call context the provider receives in
+    /// [`FetchCall::context`] (`kvrelay_orchestrate_with_context`): how the fetch it accepts
+    /// reaches this request, without thread-locals.
+    pub fn decide_in(
+        &self,
+        lora_adapter: bool,
+        snapshot: Option<&Snapshot>,
+        context: &(dyn std::any::Any + Send + Sync),
+    ) -> Decision {
+        let mut ctx: &(dyn std::any::Any + Send + Sync) = context;
+        self.decide_with(lora_adapter, snapshot, (&mut ctx as *mut &(dyn std::any::Any + Send + Sync)).cast())
+    }
+
+    fn decide_with(&self, lora_adapter: bool, snapshot: Option<&Snapshot>, context: *mut c_void) -> Decision {
         let info = kvrelay_request_info { generation_only: true, lora_adapter };
         let snap = snapshot.map_or(ptr::null(), |s| s.0.as_ptr().cast_const());
         let e = kvrelay_str { ptr: ptr::null(), len: 0 };
         let mut d = kvrelay_decision { kind: 0, discard: 0, binding_id: e, action_index: 0, provider_code: 0 };
         // SAFETY: the orchestrator is live; `info` readable; `snap` NULL or live (held by the
-        // caller for the call); `d` writable.
-        let st = unsafe { kvrelay_orchestrate(self.orch.as_ptr(), &info, snap, &mut d) };
+        // caller for the call); `d` writable; `context` is handed to the provider only.
+        let st = unsafe { kvrelay_orchestrate_with_context(self.orch.as_ptr(), &info, snap, context, &mut d) };
         if st != kvrelay_status::KVRELAY_OK {
             return Decision::Keep("error");
         }

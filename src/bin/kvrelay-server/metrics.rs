@@ -73,6 +73,8 @@ pub struct Metrics {
     pub generated_tokens: Counter,
     /// KV blocks by state.
     pub blocks: Family<StateLabel, Gauge>,
+    /// Requests waiting for a running slot (a gauge, set at scrape time).
+    pub waiting: Gauge,
     /// Evictions.
     pub evicted: Counter,
     /// Fetches by outcome and reason.
@@ -111,6 +113,7 @@ impl Metrics {
             prefilled_tokens: Counter::default(),
             generated_tokens: Counter::default(),
             blocks: Family::default(),
+            waiting: Gauge::default(),
             evicted: Counter::default(),
             transfers: Family::default(),
             transfer_blocks: Family::default(),
@@ -130,6 +133,7 @@ impl Metrics {
         registry.register("prefilled_tokens", "Prompt tokens prefilled locally", m.prefilled_tokens.clone());
         registry.register("generated_tokens", "Output tokens generated", m.generated_tokens.clone());
         registry.register("kv_blocks", "KV pool blocks by state (held, cached, free)", m.blocks.clone());
+        registry.register("requests_waiting", "Requests waiting for a running slot", m.waiting.clone());
         registry.register("kv_blocks_evicted", "KV blocks evicted from the reuse cache", m.evicted.clone());
         registry.register("kv_transfers", "KV fetches from other instances by outcome and reason", m.transfers.clone());
         registry.register("kv_transfer_blocks", "KV blocks moved between instances", m.transfer_blocks.clone());

@@ -100,7 +100,9 @@ pub(super) fn admit_and_decide(
     let mut decisions = Vec::with_capacity(hints.len());
     let mut plans = Vec::with_capacity(hints.len());
     for h in &hints {
-        let (d, plan) = with_plan_slot(|| st.orchestrator.decide(false, h.snapshot()));
+        let slot = PlanSlot::default();
+        let d = st.orchestrator.decide_in(false, h.snapshot(), &slot);
+        let plan = slot.into_inner().unwrap_or_else(|e| e.into_inner());
         decisions.push(match d {
             Decision::NamedFetch { .. } => "named_fetch",
             Decision::Keep(r) => r,

@@ -37,7 +37,7 @@ mod generate;
 
 use crate::transfer::api::{TransferConfig, TransferJobs};
 use crate::transfer::tcp::ServiceStats;
-use crate::transfer::{fetch_into_cache, with_plan_slot, FetchOutcome, FetchPlan, TransferState};
+use crate::transfer::{fetch_into_cache, FetchOutcome, FetchPlan, PlanSlot, TransferState};
 use bodies::*;
 pub use bodies::{parse, prompt_tokens, read_body};
 pub use generate::engine_error;
@@ -402,6 +402,7 @@ async fn health() -> Json<Value> {
 }
 
 async fn metrics(State(st): State<Shared>) -> Response {
+    st.metrics.waiting.set(st.waiting.load(Ordering::Relaxed) as i64);
     st.metrics.set_blocks(
         st.engine.cache.stats(),
         st.kv_service.blocks_sent.load(Ordering::Relaxed),

@@ -201,16 +201,17 @@ pub mod code {
     pub const BAD_HASHES: i32 = 4;
     /// The endpoint is not a `tcp://` endpoint this transport can reach.
     pub const BAD_ENDPOINT: i32 = 5;
+    /// Asked to fetch without a [`super::PlanSlot`] to leave the plan in.
+    pub const NO_CONTEXT: i32 = 6;
 }
 
 /// The server's provider: validates the `kv.fetch` payload on its own terms, then takes the
-/// fetch by leaving the plan in a per-thread slot for the request that asked (the orchestrator
-/// calls it on the request's thread, inside `decide`).
+/// fetch by leaving the plan in the [`PlanSlot`] the request passed as the call's context
+/// (`kvrelay_orchestrate_with_context`); without one, it refuses.
 pub struct KvProvider;
 
-thread_local! {
-    static PLAN: std::cell::RefCell<Option<FetchPlan>> = const { std::cell::RefCell::new(None) };
-}
+/// Where [`KvProvider`] leaves the plan it accepted for one request.
+pub type PlanSlot = Mutex<Option<FetchPlan>>;
 
 fn plan_of(call: &FetchCall<'_>) -> Result<FetchPlan, i32> {
     if call.action_version != "1.0" {
@@ -233,17 +234,11 @@ impl FetchProvider for KvProvider {
         plan_of(call).map(|_| ())
     }
     fn fetch(&self, call: &FetchCall<'_>) -> Result<(), i32> {
+        let slot = call.context.and_then(|c| c.downcast_ref::<PlanSlot>()).ok_or(code::NO_CONTEXT)?;
         let plan = plan_of(call)?;
-        PLAN.with(|s| *s.borrow_mut() = Some(plan));
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
         Ok(())
     }
-}
-
-/// Run `f` (which calls the orchestrator) and take the plan a [`KvProvider`] accepted in it.
-pub fn with_plan_slot<R>(f: impl FnOnce() -> R) -> (R, Option<FetchPlan>) {
-    PLAN.with(|s| s.borrow_mut().take());
-    let r = f();
-    (r, PLAN.with(|s| s.borrow_mut().take()))
 }
 
 /// The run to fetch: from the first block not held here (`held` leading blocks are), the
