@@ -121,8 +121,12 @@ fn kv_transfer_statuses_prefill_on_the_source_dedup_and_cap() {
     let st = dst.post_get("/v1/kv_transfer/stats");
     assert_eq!((st["transferred"].as_u64(), st["blocks_moved"].as_u64()), (Some(1), Some(6)));
     assert_eq!(src.metric("kvrelay_server_requests_total{endpoint=\"/v1/kv/prefill\",status=\"200\"}"), 1.0);
+    // `seen` is the dedup table's size (hashes within the TTL), not a count of requests: the
+    // six refused or malformed requests above left nothing in it
+    assert_eq!(st["seen"], 1);
     let again = dst.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).json();
     assert_eq!((again["status"].as_str(), &again["request_hash"]), (Some("deduped"), &hash));
+    assert_eq!(dst.post_get("/v1/kv_transfer/stats")["seen"], 1, "a deduped request adds nothing");
     let v = dst.complete(json!({"prompt": p}));
     assert_eq!((cached(&v), text(&v)), (192, want));
 
@@ -147,8 +151,31 @@ fn kv_transfer_statuses_prefill_on_the_source_dedup_and_cap() {
     assert_eq!(st["skipped_busy"], 1);
     // checked before the retry, whose own transfer holds fresh blocks while it waits
     assert_eq!(blocks(&dst2, "held"), 0.0, "nothing of the failed transfer is held");
+    assert_eq!(st["seen"], 0, "a failed transfer clears its dedup entry");
     let retry = dst2.post("/v1/kv_transfer", &json!({"source": stall_url, "prompt": blocks_text("f", 3)})).json();
     assert_eq!(retry["status"], "accepted");
+}
+
+/// A source may advertise a KV endpoint only on the trusted registry or on its own host: one
+/// that listens for KV on another address is refused before any connection to it.
+#[test]
+fn kv_transfer_refuses_an_advertised_endpoint_off_the_registry_and_the_sources_host() {
+    let src = start(true, &["--kv-listen", "127.0.0.2:0"]);
+    assert!(kv_endpoint(&src).starts_with("tcp://127.0.0.2:"));
+    let src_url = format!("http://{}", src.addr);
+    let dst = start_env(true, &[], &[("KV_TRANSFER_SOURCE_ALLOW", &src_url)]);
+    let p = blocks_text("kilo", 3);
+    src.complete(json!({"prompt": p}));
+    assert_eq!(dst.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).status, 202);
+    wait_until("the transfer to fail", || dst.post_get("/v1/kv_transfer/stats")["failed"] == 1);
+    assert_eq!(dst.post_get("/v1/kv_transfer/stats")["failures"]["endpoint_not_allowed"], 1);
+    assert_eq!(sent(&src), 0.0, "nothing was fetched from the advertised endpoint");
+    // the same endpoint on the registry is used
+    let ep = kv_endpoint(&src);
+    let dst2 = start_env(true, &["--trusted-endpoint", ep.as_str()], &[("KV_TRANSFER_SOURCE_ALLOW", &src_url)]);
+    assert_eq!(dst2.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).status, 202);
+    wait_until("the transfer", || dst2.post_get("/v1/kv_transfer/stats")["transferred"] == 1);
+    assert_eq!(sent(&src), 3.0);
 }
 
 trait PostGet {

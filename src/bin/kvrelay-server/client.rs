@@ -70,9 +70,32 @@ pub fn send(addr: SocketAddr, method: &str, path: &str, body: Option<&[u8]>) -> 
     Ok(s)
 }
 
+/// [`request`] whose whole response (status line, headers, body) may be at most `max` bytes:
+/// larger is an `InvalidData` error, found before the body is allocated when its length is
+/// declared. For answers from peers that may be hostile.
+pub fn request_limited(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    max: usize,
+) -> io::Result<Reply> {
+    let mut s = send(addr, method, path, body)?;
+    read_reply_limited(&mut s, max)
+}
+
 /// Read a whole response from a connection.
 pub fn read_reply(s: &mut TcpStream) -> io::Result<Reply> {
-    let mut r = BufReader::new(s);
+    read_reply_limited(s, usize::MAX)
+}
+
+fn too_large(max: usize) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("a response larger than {max} bytes"))
+}
+
+/// [`read_reply`], at most `max` bytes in all.
+pub fn read_reply_limited(s: &mut TcpStream, max: usize) -> io::Result<Reply> {
+    let mut r = BufReader::new(Read::take(s, (max as u64).saturating_add(1)));
     let mut line = String::new();
     r.read_line(&mut line)?;
     let status = line
@@ -103,6 +126,9 @@ pub fn read_reply(s: &mut TcpStream) -> io::Result<Reply> {
             if n == 0 {
                 break;
             }
+            if n > max - body.len().min(max) {
+                return Err(too_large(max));
+            }
             let start = body.len();
             body.resize(start + n, 0);
             r.read_exact(&mut body[start..])?;
@@ -110,10 +136,16 @@ pub fn read_reply(s: &mut TcpStream) -> io::Result<Reply> {
             r.read_line(&mut line)?;
         }
     } else if let Some(n) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        if n > max {
+            return Err(too_large(max));
+        }
         body.resize(n, 0);
         r.read_exact(&mut body)?;
     } else {
         r.read_to_end(&mut body)?;
+        if body.len() > max {
+            return Err(too_large(max));
+        }
     }
     Ok(Reply { status, headers, body })
 }

@@ -276,7 +276,12 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     ));
     let transfer_state = transfer::TransferState {
         transport,
-        estimator: transfer::Estimator::default(),
+        // the documented default of this instance's transport before the first transfer
+        estimator: transfer::Estimator::new(match (args.kv_transport.as_str(), args.kv_nixl_memory.as_str()) {
+            ("nixl", "pool") if args.device != "cpu" => transfer::NIXL_VRAM_DEFAULT,
+            ("nixl", _) => transfer::NIXL_HOST_DEFAULT,
+            _ => transfer::DEFAULT_SPEED,
+        }),
         fingerprint,
         endpoint: format!("tcp://{kv_addr}"),
         fail_on_load_error,
@@ -299,6 +304,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             source_allow,
             dedup_ttl: std::time::Duration::from_secs(args.kv_transfer_dedup_ttl),
             max_inflight: args.kv_transfer_max_inflight,
+            trusted_endpoints: args.trusted_endpoints.clone(),
         },
         kv_stats,
     );

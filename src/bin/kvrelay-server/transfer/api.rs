@@ -41,6 +41,9 @@ pub struct TransferConfig {
     pub dedup_ttl: Duration,
     /// Transfers running at once.
     pub max_inflight: usize,
+    /// The trusted endpoint registry (`--trusted-endpoint`): a source may advertise a KV
+    /// endpoint on it, or on its own host.
+    pub trusted_endpoints: Vec<String>,
 }
 
 /// Counters and dedup table of `/v1/kv_transfer`.
@@ -53,7 +56,6 @@ pub struct TransferJobs {
     deduped: AtomicU64,
     skipped_busy: AtomicU64,
     inflight: AtomicU64,
-    seen: AtomicU64,
     blocks: AtomicU64,
     bytes: AtomicU64,
     reasons: Mutex<HashMap<&'static str, u64>>,
@@ -69,9 +71,29 @@ pub fn normalize_source(s: &str) -> Option<String> {
     Some(format!("http://{}", hostport.to_ascii_lowercase()))
 }
 
-fn source_addr(source: &str) -> Option<SocketAddr> {
-    use std::net::ToSocketAddrs;
-    source.strip_prefix("http://")?.to_socket_addrs().ok()?.next()
+/// Largest answer read from a source (`/v1/kv/info`, `/v1/kv/lookup`, `/v1/kv/prefill`).
+pub const MAX_SOURCE_BODY: usize = 16 << 20;
+
+/// Resolve a normalized source URL (on the runtime's resolver, not a worker thread).
+async fn source_addr(source: &str) -> Option<SocketAddr> {
+    tokio::net::lookup_host(source.strip_prefix("http://")?).await.ok()?.next()
+}
+
+/// `host` of `scheme://host:port` (IPv6 brackets kept), lower-cased.
+fn host_of(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let (host, port) = rest.rsplit_once(':')?;
+    (!host.is_empty() && port.parse::<u16>().is_ok()).then(|| host.to_ascii_lowercase())
+}
+
+/// Whether the KV endpoint a source advertised may be used: on the trusted registry, or on
+/// the source URL's own host.
+pub fn endpoint_allowed(endpoint: &str, source: &str, trusted: &[String]) -> bool {
+    let ep = endpoint.to_ascii_lowercase();
+    if !ep.starts_with("tcp://") || host_of(&ep).is_none() {
+        return false;
+    }
+    trusted.iter().any(|t| t.to_ascii_lowercase() == ep) || host_of(&ep) == host_of(source)
 }
 
 /// `GET /v1/kv/info`.
@@ -126,6 +148,13 @@ pub async fn kv_prefill(State(st): State<Shared>, headers: HeaderMap, body: Body
 pub async fn kv_transfer_stats(State(st): State<Shared>) -> Json<Value> {
     let j = &st.transfer_jobs;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    // `seen`: the dedup table's size, request hashes still within the TTL
+    let seen = {
+        let mut d = j.dedup.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        d.retain(|_, exp| *exp > now);
+        d.len()
+    };
     let reasons: serde_json::Map<String, Value> =
         j.reasons.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
     Json(json!({
@@ -135,7 +164,7 @@ pub async fn kv_transfer_stats(State(st): State<Shared>) -> Json<Value> {
         "deduped": g(&j.deduped),
         "skipped_busy": g(&j.skipped_busy),
         "inflight": g(&j.inflight),
-        "seen": g(&j.seen),
+        "seen": seen,
         "max_inflight": st.transfer_config.max_inflight,
         "blocks_moved": g(&j.blocks),
         "bytes_moved": g(&j.bytes),
@@ -148,7 +177,6 @@ pub async fn kv_transfer(State(st): State<Shared>, headers: HeaderMap, body: Bod
     let r = async {
         let bytes = read_body(&st, &headers, body).await?;
         let b: PromptBody<'_> = parse(&bytes)?;
-        st.transfer_jobs.seen.fetch_add(1, Ordering::Relaxed);
         let source = match b.source.map(|r| serde_json::from_str::<String>(r.get())) {
             Some(Ok(s)) => normalize_source(&s)
                 .ok_or_else(|| ApiError::bad_request("source must be a base URL like http://HOST:PORT").with_code("invalid_source"))?,
@@ -230,7 +258,7 @@ async fn call_source(
 ) -> Result<Value, super::FetchError> {
     let r = tokio::task::spawn_blocking(move || {
         let b = body.map(|v| v.to_string());
-        client::request(addr, method, path, b.as_deref().map(str::as_bytes))
+        client::request_limited(addr, method, path, b.as_deref().map(str::as_bytes), MAX_SOURCE_BODY)
     })
     .await
     .map_err(|e| super::FetchError::new(FailReason::Connect, e.to_string()))?
@@ -250,6 +278,7 @@ async fn run_transfer(
     prompt_json: Value,
 ) -> Result<(usize, usize), super::FetchError> {
     let addr = source_addr(source)
+        .await
         .ok_or_else(|| super::FetchError::new(FailReason::Connect, "the source does not resolve"))?;
     let info = call_source(addr, "GET", "/v1/kv/info", None).await?;
     let fp: Fingerprint = serde_json::from_value(info["fingerprint"].clone())
@@ -258,6 +287,12 @@ async fn run_transfer(
         return Err(super::FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
     }
     let endpoint = info["kv_endpoint"].as_str().unwrap_or_default().to_string();
+    if !endpoint_allowed(&endpoint, source, &st.transfer_config.trusted_endpoints) {
+        return Err(super::FetchError::new(
+            FailReason::EndpointNotAllowed,
+            "the source advertised a KV endpoint neither on the trusted registry nor on its own host",
+        ));
+    }
     let names = block_names(tokens, st.engine.config.shape.block_tokens, 0, salt);
     if st.engine.cache.held_prefix(&names) == names.len() {
         return Ok((0, 0));
@@ -277,5 +312,23 @@ async fn run_transfer(
     match out.error {
         Some(e) => Err(e),
         None => Ok((out.blocks, out.bytes)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_endpoints_on_the_registry_or_the_sources_host_only() {
+        let trusted = vec!["tcp://10.0.0.9:7000".to_string()];
+        let src = "http://10.0.0.5:8000";
+        assert!(endpoint_allowed("tcp://10.0.0.5:23000", src, &trusted));
+        assert!(endpoint_allowed("tcp://10.0.0.9:7000", src, &trusted));
+        assert!(!endpoint_allowed("tcp://10.0.0.6:23000", src, &trusted));
+        assert!(!endpoint_allowed("tcp://10.0.0.9:7001", src, &trusted));
+        assert!(!endpoint_allowed("http://10.0.0.5:23000", src, &trusted));
+        assert!(!endpoint_allowed("", src, &trusted));
+        assert!(!endpoint_allowed("tcp://10.0.0.5", src, &trusted));
     }
 }

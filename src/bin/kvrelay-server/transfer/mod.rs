@@ -77,11 +77,13 @@ pub enum FailReason {
     Truncated,
     /// The source holds none of the blocks asked for.
     SourceMiss,
+    /// A source advertised a KV endpoint off the trusted registry and off its own host.
+    EndpointNotAllowed,
 }
 
 impl FailReason {
     /// Every reason.
-    pub const ALL: [FailReason; 7] = [
+    pub const ALL: [FailReason; 8] = [
         FailReason::Connect,
         FailReason::Timeout,
         FailReason::Refused,
@@ -89,6 +91,7 @@ impl FailReason {
         FailReason::Corrupt,
         FailReason::Truncated,
         FailReason::SourceMiss,
+        FailReason::EndpointNotAllowed,
     ];
 
     /// The metric label.
@@ -101,6 +104,7 @@ impl FailReason {
             FailReason::Corrupt => "corrupt",
             FailReason::Truncated => "truncated",
             FailReason::SourceMiss => "source_miss",
+            FailReason::EndpointNotAllowed => "endpoint_not_allowed",
         }
     }
 }
@@ -223,7 +227,14 @@ fn plan_of(call: &FetchCall<'_>) -> Result<FetchPlan, i32> {
     }
     // The orchestrator checked the registry against its normalized form (`call.endpoint`); the
     // provider checks on its own that it is an endpoint its transport speaks.
-    if !call.endpoint.starts_with("tcp://") || tcp::socket_addr(call.endpoint).is_none() {
+    // (syntax only: resolving a name would block the request's thread; the transport
+    // resolves it on its own when it connects)
+    let port_ok = call
+        .endpoint
+        .strip_prefix("tcp://")
+        .and_then(|hp| hp.rsplit_once(':'))
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0));
+    if !port_ok {
         return Err(code::BAD_ENDPOINT);
     }
     Ok(FetchPlan { endpoint: call.endpoint.to_string(), hashes: p.block_hashes })
@@ -261,22 +272,40 @@ pub struct SourceSpeed {
 /// datacenter TCP stream; replaced by measurements after one transfer).
 pub const DEFAULT_SPEED: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 1e9 };
 
+/// The NIXL estimate before the first transfer from a source, GPU pools: 5 ms setup, 100 GB/s
+/// (VRAM READs over CUDA IPC measured 90-155 GB/s on the H200, `benches/RESULTS.md`).
+pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 100e9 };
+/// The NIXL estimate before the first transfer, host pools or pinned staging: 5 ms, 3 GB/s
+/// (UCX's host-memory READ and the staged path measured 3.2-4.6 GB/s there).
+pub const NIXL_HOST_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 3e9 };
+
 /// Moving averages per source.
-#[derive(Default)]
 pub struct Estimator {
+    default: SourceSpeed,
     by_source: Mutex<HashMap<String, SourceSpeed>>,
 }
 
+impl Default for Estimator {
+    fn default() -> Estimator {
+        Estimator::new(DEFAULT_SPEED)
+    }
+}
+
 impl Estimator {
+    /// Sources start at `default` (the transport's documented default).
+    pub fn new(default: SourceSpeed) -> Estimator {
+        Estimator { default, by_source: Mutex::new(HashMap::new()) }
+    }
+
     /// The current estimate for `source`.
     pub fn speed(&self, source: &str) -> SourceSpeed {
-        self.by_source.lock().unwrap_or_else(|e| e.into_inner()).get(source).copied().unwrap_or(DEFAULT_SPEED)
+        self.by_source.lock().unwrap_or_else(|e| e.into_inner()).get(source).copied().unwrap_or(self.default)
     }
 
     /// Fold in a measured transfer (weight 1/4 for the new sample).
     pub fn record(&self, source: &str, setup: Duration, bytes: usize, data_time: Duration) {
         let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
-        let e = m.entry(source.to_string()).or_insert(DEFAULT_SPEED);
+        let e = m.entry(source.to_string()).or_insert(self.default);
         e.setup_s = 0.75 * e.setup_s + 0.25 * setup.as_secs_f64();
         if bytes > 0 && data_time > Duration::ZERO {
             e.bytes_per_s = 0.75 * e.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());

@@ -25,7 +25,7 @@
 //! [`CONNECT_TIMEOUT`]. The service accepts peers from its allowlist only and serves at most
 //! [`MAX_CONNECTIONS`] at once.
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -141,9 +141,10 @@ pub trait InPlaceSource: Send + Sync {
     ) -> BoxFuture<'a, Result<(), Refuse>>;
 }
 
-/// `tcp://host:port` -> a socket address (resolving names).
-pub fn socket_addr(endpoint: &str) -> Option<SocketAddr> {
-    endpoint.strip_prefix("tcp://")?.to_socket_addrs().ok()?.next()
+/// `tcp://host:port` -> a socket address, resolved on the runtime's resolver (never a blocking
+/// lookup on an async worker).
+pub async fn socket_addr(endpoint: &str) -> Option<SocketAddr> {
+    tokio::net::lookup_host(endpoint.strip_prefix("tcp://")?).await.ok()?.next()
 }
 
 pub(super) fn header(kind: u8, len: usize) -> [u8; 12] {
@@ -211,8 +212,9 @@ fn refused(r: Refuse) -> FetchError {
 /// Connect to `endpoint`, send `hello` and read the source's offer (or refusal); the offer is
 /// checked against the hello (fingerprint, at most as many blocks as asked, `block_bytes`).
 pub(super) async fn ask(endpoint: &str, hello: &Hello, block_bytes: usize) -> Result<(TcpStream, Offer), FetchError> {
-    let addr =
-        socket_addr(endpoint).ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
+    let addr = socket_addr(endpoint)
+        .await
+        .ok_or_else(|| FetchError::new(FailReason::Connect, "the endpoint does not resolve"))?;
     let mut s = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(FetchError::new(FailReason::Connect, format!("connect: {e}"))),
@@ -441,7 +443,11 @@ pub async fn serve(
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let Ok((mut s, peer)) = listener.accept().await else { continue };
+        let Ok((mut s, peer)) = listener.accept().await else {
+            // out of descriptors and the like: back off instead of spinning
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
         let (engine, fp, stats, allow) = (engine.clone(), fingerprint.clone(), stats.clone(), allow.clone());
         let in_place = in_place.clone();
         let permit = slots.clone().try_acquire_owned();
