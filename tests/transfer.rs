@@ -345,3 +345,38 @@ fn failure_policy_fail_turns_a_failed_load_into_a_request_error() {
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("corrupt"));
     assert_eq!(blocks(&dst, "held"), 0.0);
 }
+
+/// Idle connections from one peer cannot starve the KV service: a peer holds at most 8, those
+/// hold no serving slot, and each is dropped when its hello does not come within 2 s.
+#[test]
+fn idle_connections_from_one_peer_do_not_starve_a_fetch() {
+    use std::io::Read;
+    let src = start(true, &[]);
+    let dst = destination(&src, &[]);
+    let p = blocks_text("lima", 4);
+    let want = cold(&dst, &p);
+    src.complete(json!({"prompt": p}));
+    let to: std::net::SocketAddr = kv_endpoint(&src).strip_prefix("tcp://").unwrap().parse().unwrap();
+    // more than the 64 serving slots: before the per-peer limit they starved every real peer
+    let idle: Vec<std::net::TcpStream> = (0..70)
+        .map(|_| {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            s.bind(&std::net::SocketAddr::from(([127, 0, 0, 2], 0)).into()).unwrap();
+            s.connect(&to.into()).unwrap();
+            s.into()
+        })
+        .collect();
+    let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&src), &hashes(&src, &p))}));
+    assert_eq!((cached(&v), text(&v)), (128, want), "the fetch was served beside the idle connections");
+    // every idle connection ends: refused at once beyond the per-peer limit, or closed after the
+    // hello deadline (bounded: each read has a 10 s timeout)
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut sink = Vec::new();
+        let r = s.read_to_end(&mut sink);
+        assert!(
+            r.is_ok() || r.unwrap_err().kind() == std::io::ErrorKind::ConnectionReset,
+            "an idle connection stayed open"
+        );
+    }
+}

@@ -23,7 +23,8 @@
 //! 16 + `block_bytes`, at most [`MAX_BLOCKS`] names per request, a deadline per read
 //! ([`READ_TIMEOUT`]) and per transfer ([`total_deadline`]), connect within
 //! [`CONNECT_TIMEOUT`]. The service accepts peers from its allowlist only and serves at most
-//! [`MAX_CONNECTIONS`] at once.
+//! [`MAX_CONNECTIONS`] at once; connections that have not sent their hello are bounded apart
+//! ([`MAX_PENDING`], [`HELLO_TIMEOUT`]) and one address holds at most [`MAX_PER_PEER`].
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -53,8 +54,14 @@ pub const MAX_BLOCKS: usize = 1 << 20;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Deadline of every read and write.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections the service serves at once.
+/// Connections the service serves at once (after their hello).
 pub const MAX_CONNECTIONS: usize = 64;
+/// Connections that have not sent their hello yet, bounded apart from the serving slots.
+pub const MAX_PENDING: usize = 32;
+/// Connections one peer address may hold, pending and serving together.
+pub const MAX_PER_PEER: usize = 8;
+/// Time a new connection has to send its hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The whole transfer's deadline: 10 s plus 1 s per 100 MB.
 pub fn total_deadline(bytes: usize) -> Duration {
@@ -442,6 +449,8 @@ pub async fn serve(
     in_place: Option<Arc<dyn InPlaceSource>>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let pending = Arc::new(Semaphore::new(MAX_PENDING));
+    let peers: Arc<std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>> = Arc::default();
     loop {
         let Ok((mut s, peer)) = listener.accept().await else {
             // out of descriptors and the like: back off instead of spinning
@@ -449,27 +458,49 @@ pub async fn serve(
             continue;
         };
         let (engine, fp, stats, allow) = (engine.clone(), fingerprint.clone(), stats.clone(), allow.clone());
-        let in_place = in_place.clone();
-        let permit = slots.clone().try_acquire_owned();
+        let (in_place, slots, peers) = (in_place.clone(), slots.clone(), peers.clone());
+        let ip = match peer.ip() {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        };
+        // a connection that has not sent its hello holds a pending slot, never a serving one
+        let pre = pending.clone().try_acquire_owned();
+        let per_peer_ok = {
+            let mut m = peers.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.entry(ip).or_insert(0);
+            *n += 1;
+            *n <= MAX_PER_PEER
+        };
         tokio::spawn(async move {
             let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
-            let r = if !allow.allows(peer.ip()) {
+            let r = if !allow.allows(ip) {
                 Err(refuse("peer_not_allowed", "this peer is not on the KV service's allowlist".into()))
-            } else if permit.is_err() {
-                Err(refuse("busy", format!("the KV service serves {MAX_CONNECTIONS} connections at most")))
+            } else if !per_peer_ok {
+                Err(refuse("busy", format!("this peer holds {MAX_PER_PEER} connections already")))
+            } else if pre.is_err() {
+                Err(refuse("busy", format!("{MAX_PENDING} connections are waiting for their hello")))
             } else {
-                serve_one(&mut s, &engine, &fp, fault, &stats, in_place.as_deref()).await
+                serve_one(&mut s, &engine, &fp, fault, &stats, in_place.as_deref(), pre.ok(), &slots).await
             };
             if let Err(r) = r {
                 stats.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let _ = write_control(&mut s, REFUSE, &r).await;
             }
-            drop(permit);
+            let mut m = peers.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = m.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
         });
     }
 }
 
-/// One request; `Err` is a refusal to send back.
+/// One request; `Err` is a refusal to send back. The hello must arrive within
+/// [`HELLO_TIMEOUT`] while the connection holds its `pending` slot; only then does it take a
+/// serving slot out of `slots`.
+#[allow(clippy::too_many_arguments)]
 async fn serve_one(
     s: &mut TcpStream,
     engine: &Arc<Engine>,
@@ -477,15 +508,27 @@ async fn serve_one(
     fault: Fault,
     stats: &ServiceStats,
     in_place: Option<&dyn InPlaceSource>,
+    pending: Option<tokio::sync::OwnedSemaphorePermit>,
+    slots: &Arc<Semaphore>,
 ) -> Result<(), Refuse> {
     let refuse = |reason: &str, message: String| Refuse { reason: reason.into(), message };
     let _ = s.set_nodelay(true);
     let mut buf = Vec::new();
-    let (kind, len) = read_header(s, MAX_CONTROL).await.map_err(|e| refuse("bad_request", e.detail))?;
-    if kind != HELLO {
-        return Err(refuse("bad_request", "expected a hello".into()));
-    }
-    let hello: Hello = read_control(s, &mut buf, len).await.map_err(|e| refuse("bad_request", e.detail))?;
+    let hello = async {
+        let (kind, len) = read_header(s, MAX_CONTROL).await.map_err(|e| refuse("bad_request", e.detail))?;
+        if kind != HELLO {
+            return Err(refuse("bad_request", "expected a hello".into()));
+        }
+        read_control::<Hello>(s, &mut buf, len).await.map_err(|e| refuse("bad_request", e.detail))
+    };
+    let hello = match tokio::time::timeout(HELLO_TIMEOUT, hello).await {
+        Ok(h) => h?,
+        Err(_) => return Err(refuse("bad_request", "no hello within the deadline".into())),
+    };
+    drop(pending);
+    let Ok(_serving) = slots.clone().try_acquire_owned() else {
+        return Err(refuse("busy", format!("the KV service serves {MAX_CONNECTIONS} connections at most")));
+    };
     if &hello.fingerprint != fp {
         return Err(refuse("fingerprint_mismatch", "the layouts differ".into()));
     }
