@@ -1066,6 +1066,17 @@ kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
 kvrelay_status kvrelay_agent_get_stats(const struct kvrelay_agent *agent,
                                        struct kvrelay_agent_stats *out);
 
+// The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
+// convention: `*len_out` gets the size; the text may grow between a size query and the fill,
+// so query again on `KVRELAY_ERR_BUFFER_TOO_SMALL`).
+//
+// # Safety
+// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_agent_prometheus(const struct kvrelay_agent *agent,
+                                        char *buf,
+                                        size_t cap,
+                                        size_t *len_out);
+
 // The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
 // consecutive `names` appear among the hint's `hashes` (membership, not position).
 //

@@ -659,6 +659,12 @@ class Agent {
     check(kvrelay_agent_estimate(h_.get(), endpoint.data(), endpoint.size(), blocks, &s));
     return s;
   }
+  /// The counters as Prometheus text (kvrelay_kv_agent_*).
+  std::string prometheus() const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) {
+      return kvrelay_agent_prometheus(h_.get(), reinterpret_cast<char *>(b), c, n);
+    });
+  }
   kvrelay_agent_stats stats() const {
     kvrelay_agent_stats s;
     check(kvrelay_agent_get_stats(h_.get(), &s));

@@ -274,6 +274,12 @@ fn peers_off_the_allowlist_are_refused() {
     let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0]);
     assert_eq!(r.failure, Some(FailReason::Refused), "{}", r.detail);
     assert_eq!(a.agent.stats().refused_peer_not_allowed, 1);
+    let text = a.agent.prometheus();
+    assert!(text.contains("kvrelay_kv_agent_refused_total{reason=\"peer_not_allowed\"} 1\n"), "{text}");
+    assert!(text.contains("kvrelay_kv_agent_refused_total{reason=\"busy\"} 0\n"), "{text}");
+    let text = b.agent.prometheus();
+    assert!(text.contains("kvrelay_kv_agent_fetches_total{outcome=\"failed\",reason=\"refused\"} 1\n"), "{text}");
+    assert!(text.contains("# TYPE kvrelay_kv_agent_connections gauge\n"), "{text}");
 }
 
 /// A connection from a given loopback address.

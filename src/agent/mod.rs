@@ -791,6 +791,79 @@ impl Agent {
         self.inner.stats.snapshot()
     }
 
+    /// The counters as Prometheus text (metric names `kvrelay_kv_agent_*`): refusals and fetch
+    /// failures by reason, blocks and bytes by direction, connections by state. One allocation
+    /// for the text; no lock.
+    pub fn prometheus(&self) -> String {
+        use std::fmt::Write;
+        let s = self.stats();
+        let p = "kvrelay_kv_agent";
+        let mut t = String::with_capacity(4096);
+        let refused = [
+            (Refusal::PeerNotAllowed, s.refused_peer_not_allowed),
+            (Refusal::Busy, s.refused_busy),
+            (Refusal::PerPeerLimit, s.refused_per_peer_limit),
+            (Refusal::BadRequest, s.refused_bad_request),
+            (Refusal::FingerprintMismatch, s.refused_fingerprint_mismatch),
+            (Refusal::AuthFailed, s.refused_auth_failed),
+            (Refusal::TooManyNames, s.refused_too_many_names),
+            (Refusal::Internal, s.refused_internal),
+        ];
+        let _ = writeln!(t, "# HELP {p}_refused_total Connections the KV service refused, by reason.");
+        let _ = writeln!(t, "# TYPE {p}_refused_total counter");
+        for (r, n) in refused {
+            let _ = writeln!(t, "{p}_refused_total{{reason=\"{}\"}} {n}", r.as_str());
+        }
+        for (name, help, v) in [
+            ("accepted", "Connections accepted from allowed peers.", s.accepted),
+            ("served", "Connections that completed their handshake and were served.", s.served),
+            ("handshake_timeouts", "Connections closed before a valid first message.", s.handshake_timeouts),
+            ("serve_aborted", "Served transfers that stopped early.", s.serve_aborted),
+            ("fetches_submitted", "Fetches submitted.", s.fetches_submitted),
+        ] {
+            let _ =
+                writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter\n{p}_{name}_total {v}");
+        }
+        let failed = [
+            (FailReason::Connect, s.fetch_failed_connect),
+            (FailReason::Timeout, s.fetch_failed_timeout),
+            (FailReason::Refused, s.fetch_failed_refused),
+            (FailReason::FingerprintMismatch, s.fetch_failed_fingerprint_mismatch),
+            (FailReason::Corrupt, s.fetch_failed_corrupt),
+            (FailReason::Truncated, s.fetch_failed_truncated),
+            (FailReason::SourceMiss, s.fetch_failed_source_miss),
+            (FailReason::AuthFailed, s.fetch_failed_auth_failed),
+            (FailReason::Cancelled, s.fetch_failed_cancelled),
+            (FailReason::Shutdown, s.fetch_failed_shutdown),
+        ];
+        let _ = writeln!(t, "# HELP {p}_fetches_total Completed fetches by outcome and reason.");
+        let _ = writeln!(t, "# TYPE {p}_fetches_total counter");
+        let _ = writeln!(t, "{p}_fetches_total{{outcome=\"ok\",reason=\"none\"}} {}", s.fetches_ok);
+        for (r, n) in failed {
+            let _ = writeln!(t, "{p}_fetches_total{{outcome=\"failed\",reason=\"{}\"}} {n}", r.as_str());
+        }
+        for (name, help, sent, fetched) in [
+            ("blocks", "KV blocks moved, by direction.", s.blocks_sent, s.blocks_fetched),
+            ("bytes", "KV bytes moved, by direction.", s.bytes_sent, s.bytes_fetched),
+        ] {
+            let _ = writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter");
+            let _ = writeln!(
+                t,
+                "{p}_{name}_total{{direction=\"sent\"}} {sent}\n{p}_{name}_total{{direction=\"fetched\"}} {fetched}"
+            );
+        }
+        let _ = writeln!(
+            t,
+            "# HELP {p}_connections Connections of the KV service now, by state.\n# TYPE {p}_connections gauge"
+        );
+        let _ = writeln!(
+            t,
+            "{p}_connections{{state=\"handshake\"}} {}\n{p}_connections{{state=\"serving\"}} {}",
+            s.pending_now, s.serving_now
+        );
+        t
+    }
+
     /// Serve one connection on the calling thread as the service would serve an allowed peer
     /// (handshake, then the transfer), for tests and fuzzing of what a peer can send. Slot and
     /// per-peer limits are not applied.

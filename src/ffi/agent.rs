@@ -769,6 +769,28 @@ pub unsafe extern "C" fn kvrelay_agent_get_stats(agent: *const kvrelay_agent, ou
     })
 }
 
+/// The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
+/// convention: `*len_out` gets the size; the text may grow between a size query and the fill,
+/// so query again on `KVRELAY_ERR_BUFFER_TOO_SMALL`).
+///
+/// # Safety
+/// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_prometheus(
+    agent: *const kvrelay_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        let text = a.inner.prometheus();
+        // SAFETY: forwarded contract.
+        unsafe { fill(text.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
 /// The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
 /// consecutive `names` appear among the hint's `hashes` (membership, not position).
 ///

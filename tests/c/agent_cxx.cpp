@@ -84,6 +84,7 @@ int main() {
   }
   CHECK(threw);
   CHECK(dest.estimate(source.endpoint(), 2) > 0);
+  CHECK(source.prometheus().find("kvrelay_kv_agent_refused_total{reason=\"auth_failed\"} 1\n") != std::string::npos);
   std::printf("agent_cxx: %s\n", failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }
