@@ -2,7 +2,8 @@
 //! fetch named blocks from them into the runtime's own pool, over TCP (the embedded default).
 //!
 //! **Who owns what.** The runtime owns its KV pool and its reuse cache. The agent sees the pool
-//! only through its [`KvLayout`] (host memory) and touches blocks only in two ways: it reads
+//! only through its [`KvLayout`] (host memory, or the memory of one CUDA device:
+//! [`AgentConfig::device`]) and touches blocks only in two ways: it reads
 //! blocks the runtime pinned for it ([`BlockHolder::pin`], released with
 //! [`BlockHolder::unpin`]), and it writes the destination blocks a fetch was given, until that
 //! fetch completes. It keeps one checksum per block of the pool, recorded by the runtime
@@ -18,6 +19,10 @@
 //! [`BlockHolder::unpin`] run on connection threads, several at once; a fetch's completion
 //! callback runs on a fetch worker. Nothing the agent does blocks the thread that submits a
 //! fetch: DNS, connect, reads, verification and the copy into the pool all run on workers.
+//! Each serving connection and each running fetch also starts one short-lived helper thread
+//! (the other half of its two-slot pipeline: gathering, or verifying and scattering).
+//! On a GPU pool the agent's copies run on streams of its own and it waits on those streams
+//! and their events only (never on the runtime's work), with no lock held across a wait.
 //!
 //! **A fetch** asks the source for the request's names after the `held` leading ones it already
 //! has, as many as it reserved destination blocks for. The source answers with the leading run
