@@ -139,11 +139,15 @@ pub(super) async fn run_prompt(
     fetch_log: &mut String,
 ) -> Result<Generation, ApiError> {
     let names = block_names(prompt, st.engine.config.shape.block_tokens, 0, salt);
+    // what a fetch committed stays pinned until the engine's own lease references it
+    let mut _hold = crate::transfer::PrefixHold::default();
     if let Some(plan) = plan {
         let t = &st.transfer;
-        let f = fetch_into_cache(&st.engine, &*t.transport, &t.estimator, &plan.endpoint, &names, &plan.hashes, false)
-            .await;
+        let mut f =
+            fetch_into_cache(&st.engine, &*t.transport, &t.estimator, &plan.endpoint, &names, &plan.hashes, false)
+                .await;
         let label = st.record_fetch(&f);
+        _hold = std::mem::take(&mut f.hold);
         if !fetch_log.is_empty() {
             fetch_log.push(',');
         }

@@ -313,8 +313,20 @@ impl Estimator {
     }
 }
 
+/// The request's pin on its cached prefix, taken before a fetch lets go of the blocks it
+/// committed, so they cannot be evicted before generation references them (drop it once the
+/// engine holds its own lease).
+#[derive(Default)]
+pub struct PrefixHold(pub Option<Lease>);
+
+impl std::fmt::Debug for PrefixHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PrefixHold({} blocks)", self.0.as_ref().map_or(0, |l| l.ids.len()))
+    }
+}
+
 /// What a fetch into the cache did.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct FetchOutcome {
     /// Blocks committed to the reuse cache.
     pub blocks: usize,
@@ -332,6 +344,8 @@ pub struct FetchOutcome {
     pub nothing: bool,
     /// Seconds the transfer took.
     pub seconds: f64,
+    /// The held prefix, pinned (after committed blocks), for the generation that follows.
+    pub hold: PrefixHold,
 }
 
 /// Fetch the run of `names` that `hashes` covers from `endpoint` into `engine`'s reuse cache.
@@ -412,6 +426,11 @@ pub async fn fetch_into_cache(
             estimator.record(endpoint, setup, out.bytes, started.elapsed().saturating_sub(setup));
         }
         Err(e) => out.error = Some(e),
+    }
+    // Pin the prefix now held (committed blocks included) while the fetch's lease still
+    // references them: no eviction can slip in before generation takes its own lease.
+    if committed > 0 {
+        out.hold = PrefixHold(Some(engine.cache.pin_prefix(names)));
     }
     // Committed blocks stay cached; the rest go back to the free list when the last holder of
     // the lease (this function, or a transport's blocking stage still unwinding) drops it.
