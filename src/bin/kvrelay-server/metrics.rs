@@ -77,6 +77,11 @@ pub struct Metrics {
     pub waiting: Gauge,
     /// Evictions.
     pub evicted: Counter,
+    /// Destination blocks taken out of the pool because a NIXL READ into them could not be
+    /// proven stopped.
+    pub quarantined: Counter,
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    published_quarantined: AtomicU64,
     /// Fetches by outcome and reason.
     pub transfers: Family<TransferLabels, Counter>,
     /// KV blocks moved between instances.
@@ -115,6 +120,8 @@ impl Metrics {
             blocks: Family::default(),
             waiting: Gauge::default(),
             evicted: Counter::default(),
+            quarantined: Counter::default(),
+            published_quarantined: AtomicU64::new(0),
             transfers: Family::default(),
             transfer_blocks: Family::default(),
             transfer_bytes: Family::default(),
@@ -135,6 +142,11 @@ impl Metrics {
         registry.register("kv_blocks", "KV pool blocks by state (held, cached, free)", m.blocks.clone());
         registry.register("requests_waiting", "Requests waiting for a running slot", m.waiting.clone());
         registry.register("kv_blocks_evicted", "KV blocks evicted from the reuse cache", m.evicted.clone());
+        registry.register(
+            "kv_blocks_quarantined",
+            "KV blocks taken out of the pool for good: a NIXL READ into them could not be proven stopped",
+            m.quarantined.clone(),
+        );
         registry.register("kv_transfers", "KV fetches from other instances by outcome and reason", m.transfers.clone());
         registry.register("kv_transfer_blocks", "KV blocks moved between instances", m.transfer_blocks.clone());
         registry.register("kv_transfer_bytes", "KV bytes moved between instances", m.transfer_bytes.clone());
@@ -166,6 +178,14 @@ impl Metrics {
         let d = advance(&self.published_evicted, s.evicted);
         if d > 0 {
             self.evicted.inc_by(d);
+        }
+        #[cfg(feature = "nixl")]
+        {
+            let q = crate::transfer::nixl::QUARANTINED_BLOCKS.load(Ordering::Relaxed);
+            let d = advance(&self.published_quarantined, q);
+            if d > 0 {
+                self.quarantined.inc_by(d);
+            }
         }
     }
 

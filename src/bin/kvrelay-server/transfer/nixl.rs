@@ -817,6 +817,10 @@ fn wait(mem: &NixlMem, p: &mut Pending, deadline: Instant) -> Result<(), FetchEr
     Ok(())
 }
 
+/// Destination blocks quarantined so far (they left the pool for good; `/metrics` shows them as
+/// `kvrelay_server_kv_blocks_quarantined_total`).
+pub static QUARANTINED_BLOCKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Release the requests. One still in flight gets a grace second to finish or fail on its
 /// own; if it is still running then, `dest`'s lease is quarantined (kept alive for good) so
 /// that its blocks are never reused under a write. (Staged READs target staging slots, which
@@ -836,6 +840,7 @@ fn release(mem: &NixlMem, mut reqs: Vec<Pending>, dest: Option<&Destination>) {
         tracing::warn!("a NIXL READ did not stop by its deadline");
         if let Some(dest) = dest {
             tracing::warn!(blocks = dest.lease.ids.len(), "its destination blocks are quarantined");
+            QUARANTINED_BLOCKS.fetch_add(dest.lease.ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
             std::mem::forget(dest.lease.clone());
         }
     }
