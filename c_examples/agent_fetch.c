@@ -2,9 +2,12 @@
  * destination admits a kv.fetch hint, orchestrates (the provider hands the fetch back through
  * the per-call context), fetches the named run through its own agent into its own pool and
  * checks every byte. Then every failure reason a runtime sees, authentication accepted and
- * refused, and garbage and idle connections on the source's port. Host memory only. */
+ * refused, and garbage and idle connections on the source's port. Host memory by default;
+ * with KVRELAY_EXAMPLE_DEVICE=N both pools are memory of CUDA device N (the driver is loaded with
+ * dlopen, as a runtime has it already; no CUDA headers needed). */
 #define _POSIX_C_SOURCE 200809L
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -33,27 +36,74 @@ enum { BLOCKS = 16, LAYERS = 2, KVB = 4096, NAMES = 6 };
 static const uint64_t names[NAMES] = {0x1001, 0x1002, 0x1003, 0x1004, 0x1005, 0x1006};
 static const char KEY[] = "kvrelay example pre-shared key";
 
-/* ---- a vLLM-style host pool: per layer [2, BLOCKS, KVB] ---- */
+/* ---- the few CUDA driver calls a GPU pool needs here ---- */
+typedef int cu_result;
+typedef struct cu_ctx_st *cu_context;
+static struct {
+  cu_result (*init)(unsigned);
+  cu_result (*device_get)(int *, int);
+  cu_result (*primary_retain)(cu_context *, int);
+  cu_result (*ctx_set)(cu_context);
+  cu_result (*mem_alloc)(unsigned long long *, size_t);
+  cu_result (*mem_free)(unsigned long long);
+  cu_result (*htod)(unsigned long long, const void *, size_t);
+  cu_result (*dtoh)(void *, unsigned long long, size_t);
+} cu;
+static int device = -1; /* -1: host pools */
+
+static int cuda_open(int ordinal) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) return -1;
+#define SYM(field, name) *(void **)(&cu.field) = dlsym(h, name)
+  SYM(init, "cuInit");
+  SYM(device_get, "cuDeviceGet");
+  SYM(primary_retain, "cuDevicePrimaryCtxRetain");
+  SYM(ctx_set, "cuCtxSetCurrent");
+  SYM(mem_alloc, "cuMemAlloc_v2");
+  SYM(mem_free, "cuMemFree_v2");
+  SYM(htod, "cuMemcpyHtoD_v2");
+  SYM(dtoh, "cuMemcpyDtoH_v2");
+#undef SYM
+  if (!cu.init || !cu.device_get || !cu.primary_retain || !cu.ctx_set || !cu.mem_alloc || !cu.mem_free || !cu.htod ||
+      !cu.dtoh)
+    return -1;
+  int dev = 0;
+  cu_context ctx = NULL;
+  if (cu.init(0) != 0 || cu.device_get(&dev, ordinal) != 0 || cu.primary_retain(&ctx, dev) != 0 || cu.ctx_set(ctx) != 0)
+    return -1;
+  return 0;
+}
+
+/* ---- a vLLM-style pool: per layer [2, BLOCKS, KVB], host or device memory ---- */
 typedef struct {
-  uint8_t *layer[LAYERS];
+  uint64_t layer[LAYERS]; /* host or device addresses */
   kvrelay_kv_layout *layout;
 } pool;
 
 static int pool_new(pool *p) {
-  uint64_t bases[LAYERS];
   for (int l = 0; l < LAYERS; l++) {
-    void *m = NULL;
-    if (posix_memalign(&m, 64, 2 * BLOCKS * KVB) != 0) return -1;
-    memset(m, 0, 2 * BLOCKS * KVB);
-    p->layer[l] = m;
-    bases[l] = (uint64_t)(uintptr_t)m;
+    if (device >= 0) {
+      unsigned long long d = 0;
+      if (cu.mem_alloc(&d, 2 * BLOCKS * KVB) != 0) return -1;
+      p->layer[l] = d;
+    } else {
+      void *m = NULL;
+      if (posix_memalign(&m, 64, 2 * BLOCKS * KVB) != 0) return -1;
+      memset(m, 0, 2 * BLOCKS * KVB);
+      p->layer[l] = (uint64_t)(uintptr_t)m;
+    }
   }
-  return kvrelay_kv_layout_per_layer_kv_first(bases, LAYERS, BLOCKS, KVB, &p->layout) == KVRELAY_OK ? 0 : -1;
+  return kvrelay_kv_layout_per_layer_kv_first(p->layer, LAYERS, BLOCKS, KVB, &p->layout) == KVRELAY_OK ? 0 : -1;
 }
 
 static void pool_free(pool *p) {
   kvrelay_kv_layout_free(p->layout);
-  for (int l = 0; l < LAYERS; l++) free(p->layer[l]);
+  for (int l = 0; l < LAYERS; l++) {
+    if (device >= 0)
+      cu.mem_free(p->layer[l]);
+    else
+      free((void *)(uintptr_t)p->layer[l]);
+  }
 }
 
 /* byte i of the block-major staged block named `name` */
@@ -66,17 +116,30 @@ static uint8_t content(uint64_t name, size_t i) {
 }
 
 /* segment s = 2 * layer + (0: K, 1: V); staged offset s * KVB */
-static uint8_t *seg(pool *p, int s, uint32_t id) { return p->layer[s / 2] + (size_t)(s % 2) * BLOCKS * KVB + (size_t)id * KVB; }
+static uint64_t seg(pool *p, int s, uint32_t id) { return p->layer[s / 2] + (uint64_t)(s % 2) * BLOCKS * KVB + (uint64_t)id * KVB; }
 
 static void fill_block(pool *p, uint32_t id, uint64_t name) {
-  for (int s = 0; s < 2 * LAYERS; s++)
-    for (size_t i = 0; i < KVB; i++) seg(p, s, id)[i] = content(name, (size_t)s * KVB + i);
+  static uint8_t buf[KVB];
+  for (int s = 0; s < 2 * LAYERS; s++) {
+    for (size_t i = 0; i < KVB; i++) buf[i] = content(name, (size_t)s * KVB + i);
+    if (device >= 0)
+      CHECK(cu.htod(seg(p, s, id), buf, KVB) == 0);
+    else
+      memcpy((void *)(uintptr_t)seg(p, s, id), buf, KVB);
+  }
 }
 
 static int block_is(pool *p, uint32_t id, uint64_t name) {
-  for (int s = 0; s < 2 * LAYERS; s++)
+  static uint8_t buf[KVB];
+  for (int s = 0; s < 2 * LAYERS; s++) {
+    if (device >= 0) {
+      if (cu.dtoh(buf, seg(p, s, id), KVB) != 0) return 0;
+    } else {
+      memcpy(buf, (void *)(uintptr_t)seg(p, s, id), KVB);
+    }
     for (size_t i = 0; i < KVB; i++)
-      if (seg(p, s, id)[i] != content(name, (size_t)s * KVB + i)) return 0;
+      if (buf[i] != content(name, (size_t)s * KVB + i)) return 0;
+  }
   return 1;
 }
 
@@ -138,6 +201,7 @@ static kvrelay_agent *agent_new(pool *p, cache *c, const char *listen, const cha
   CHECK(kvrelay_agent_config_set_limits(cfg, &lim) == KVRELAY_OK);
   CHECK(kvrelay_agent_config_set_listen(cfg, listen, strlen(listen)) == KVRELAY_OK);
   if (key) CHECK(kvrelay_agent_config_set_key(cfg, (const uint8_t *)key, strlen(key)) == KVRELAY_OK);
+  CHECK(kvrelay_agent_config_set_device(cfg, device) == KVRELAY_OK);
   kvrelay_block_holder h = {c, cache_pin, cache_unpin, cache_destroy};
   kvrelay_status st = kvrelay_agent_new(cfg, p->layout, &h, &a);
   if (st != KVRELAY_OK) {
@@ -161,6 +225,7 @@ static int run_source(int out_fd, pid_t child) {
   pool p;
   cache c = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}, {0}, 0};
   cache ck = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}, {0}, 0};
+  if (device >= 0 && cuda_open(device) != 0) return 1;
   if (pool_new(&p) != 0) return 1;
   for (uint32_t i = 0; i < NAMES; i++) {
     fill_block(&p, 2 + i, names[i]);
@@ -324,6 +389,7 @@ static int run_destination(int in_fd) {
   /* fetch into this instance's pool: it holds block 0 already; the run is what the hint covers */
   pool p;
   cache c = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}, {0}, 0};
+  if (device >= 0 && cuda_open(device) != 0) return 1;
   if (pool_new(&p) != 0) return 1;
   kvrelay_agent *b = agent_new(&p, &c, "", NULL, 7); /* fetch-only */
   CHECK(b != NULL);
@@ -336,7 +402,8 @@ static int run_destination(int in_fd) {
   CHECK(fetch_failure(b, pl.endpoint, request, NAMES + 1, 1, dst, run, &blocks) == KVRELAY_FETCH_OK);
   CHECK(blocks == 5);
   for (size_t i = 0; i < blocks; i++) CHECK(block_is(&p, dst[i], names[1 + i]));
-  printf("destination: fetched %zu blocks through the agent, every byte checked\n", blocks);
+  printf("destination: fetched %zu blocks through the agent into %s, every byte checked\n", blocks,
+         device >= 0 ? "GPU memory" : "host memory");
   double est = 0;
   CHECK(kvrelay_agent_estimate(b, ea, strlen(ea), 5, &est) == KVRELAY_OK && est > 0);
 
@@ -400,6 +467,19 @@ static int run_destination(int in_fd) {
 }
 
 int main(void) {
+  const char *dv = getenv("KVRELAY_EXAMPLE_DEVICE");
+  if (dv && *dv) device = atoi(dv);
+  if (device >= 0) {
+    /* probe in a child: CUDA must start after the fork, in each process */
+    pid_t probe = fork();
+    if (probe == 0) _exit(cuda_open(device) == 0 ? 0 : 1);
+    int st = 0;
+    waitpid(probe, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      printf("agent_fetch: KVRELAY_EXAMPLE_DEVICE=%d but no CUDA driver or device here: skipped\n", device);
+      return 0;
+    }
+  }
   int fds[2];
   if (pipe(fds) != 0) return 1;
   pid_t child = fork(); /* before any kvrelay thread exists */
@@ -407,6 +487,7 @@ int main(void) {
   if (child == 0) {
     close(fds[1]);
     int rc = run_destination(fds[0]);
+    fflush(stdout); /* _exit skips stdio's buffers */
     _exit(rc);
   }
   close(fds[0]);
