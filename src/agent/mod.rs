@@ -413,37 +413,39 @@ impl Stats {
     fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
     }
+    /// The counter of refusal `r`.
+    fn refused_slot(&self, r: Refusal) -> &AtomicU64 {
+        match r {
+            Refusal::PeerNotAllowed => &self.refused_peer_not_allowed,
+            Refusal::Busy => &self.refused_busy,
+            Refusal::PerPeerLimit => &self.refused_per_peer_limit,
+            Refusal::BadRequest => &self.refused_bad_request,
+            Refusal::FingerprintMismatch => &self.refused_fingerprint_mismatch,
+            Refusal::AuthFailed => &self.refused_auth_failed,
+            Refusal::TooManyNames => &self.refused_too_many_names,
+            Refusal::Internal => &self.refused_internal,
+        }
+    }
+    /// The counter of fetch failure `r`.
+    fn failed_slot(&self, r: FailReason) -> &AtomicU64 {
+        match r {
+            FailReason::Connect => &self.fetch_failed_connect,
+            FailReason::Timeout => &self.fetch_failed_timeout,
+            FailReason::Refused => &self.fetch_failed_refused,
+            FailReason::FingerprintMismatch => &self.fetch_failed_fingerprint_mismatch,
+            FailReason::Corrupt => &self.fetch_failed_corrupt,
+            FailReason::Truncated => &self.fetch_failed_truncated,
+            FailReason::SourceMiss => &self.fetch_failed_source_miss,
+            FailReason::AuthFailed => &self.fetch_failed_auth_failed,
+            FailReason::Cancelled => &self.fetch_failed_cancelled,
+            FailReason::Shutdown => &self.fetch_failed_shutdown,
+        }
+    }
     fn refused(&self, r: Refusal) {
-        Stats::add(
-            match r {
-                Refusal::PeerNotAllowed => &self.refused_peer_not_allowed,
-                Refusal::Busy => &self.refused_busy,
-                Refusal::PerPeerLimit => &self.refused_per_peer_limit,
-                Refusal::BadRequest => &self.refused_bad_request,
-                Refusal::FingerprintMismatch => &self.refused_fingerprint_mismatch,
-                Refusal::AuthFailed => &self.refused_auth_failed,
-                Refusal::TooManyNames => &self.refused_too_many_names,
-                Refusal::Internal => &self.refused_internal,
-            },
-            1,
-        );
+        Stats::add(self.refused_slot(r), 1);
     }
     fn failed(&self, r: FailReason) {
-        Stats::add(
-            match r {
-                FailReason::Connect => &self.fetch_failed_connect,
-                FailReason::Timeout => &self.fetch_failed_timeout,
-                FailReason::Refused => &self.fetch_failed_refused,
-                FailReason::FingerprintMismatch => &self.fetch_failed_fingerprint_mismatch,
-                FailReason::Corrupt => &self.fetch_failed_corrupt,
-                FailReason::Truncated => &self.fetch_failed_truncated,
-                FailReason::SourceMiss => &self.fetch_failed_source_miss,
-                FailReason::AuthFailed => &self.fetch_failed_auth_failed,
-                FailReason::Cancelled => &self.fetch_failed_cancelled,
-                FailReason::Shutdown => &self.fetch_failed_shutdown,
-            },
-            1,
-        );
+        Stats::add(self.failed_slot(r), 1);
     }
 }
 
@@ -804,20 +806,16 @@ impl Agent {
         let s = self.stats();
         let p = "kvrelay_kv_agent";
         let mut t = String::with_capacity(4096);
-        let refused = [
-            (Refusal::PeerNotAllowed, s.refused_peer_not_allowed),
-            (Refusal::Busy, s.refused_busy),
-            (Refusal::PerPeerLimit, s.refused_per_peer_limit),
-            (Refusal::BadRequest, s.refused_bad_request),
-            (Refusal::FingerprintMismatch, s.refused_fingerprint_mismatch),
-            (Refusal::AuthFailed, s.refused_auth_failed),
-            (Refusal::TooManyNames, s.refused_too_many_names),
-            (Refusal::Internal, s.refused_internal),
-        ];
         let _ = writeln!(t, "# HELP {p}_refused_total Connections the KV service refused, by reason.");
         let _ = writeln!(t, "# TYPE {p}_refused_total counter");
-        for (r, n) in refused {
-            let _ = writeln!(t, "{p}_refused_total{{reason=\"{}\"}} {n}", r.as_str());
+        let live = &self.inner.stats;
+        for r in Refusal::ALL {
+            let _ = writeln!(
+                t,
+                "{p}_refused_total{{reason=\"{}\"}} {}",
+                r.as_str(),
+                live.refused_slot(r).load(Ordering::Relaxed)
+            );
         }
         for (name, help, v) in [
             ("accepted", "Connections accepted from allowed peers.", s.accepted),
@@ -829,22 +827,11 @@ impl Agent {
             let _ =
                 writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter\n{p}_{name}_total {v}");
         }
-        let failed = [
-            (FailReason::Connect, s.fetch_failed_connect),
-            (FailReason::Timeout, s.fetch_failed_timeout),
-            (FailReason::Refused, s.fetch_failed_refused),
-            (FailReason::FingerprintMismatch, s.fetch_failed_fingerprint_mismatch),
-            (FailReason::Corrupt, s.fetch_failed_corrupt),
-            (FailReason::Truncated, s.fetch_failed_truncated),
-            (FailReason::SourceMiss, s.fetch_failed_source_miss),
-            (FailReason::AuthFailed, s.fetch_failed_auth_failed),
-            (FailReason::Cancelled, s.fetch_failed_cancelled),
-            (FailReason::Shutdown, s.fetch_failed_shutdown),
-        ];
         let _ = writeln!(t, "# HELP {p}_fetches_total Completed fetches by outcome and reason.");
         let _ = writeln!(t, "# TYPE {p}_fetches_total counter");
         let _ = writeln!(t, "{p}_fetches_total{{outcome=\"ok\",reason=\"none\"}} {}", s.fetches_ok);
-        for (r, n) in failed {
+        for r in FailReason::ALL {
+            let n = live.failed_slot(r).load(Ordering::Relaxed);
             let _ = writeln!(t, "{p}_fetches_total{{outcome=\"failed\",reason=\"{}\"}} {n}", r.as_str());
         }
         for (name, help, sent, fetched) in [
