@@ -14,10 +14,12 @@
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+#[path = "common/loopback.rs"]
+mod loopback;
+use loopback::loopback_copy;
 
 use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, Fingerprint};
 use kvrelay::copy::KvLayout;
@@ -61,34 +63,6 @@ fn pool(device: Option<&std::sync::Arc<kvrelay::copy::CudaDevice>>) -> (Mem, KvL
             (Mem::Device(d), layout)
         }
     }
-}
-
-/// A plain loopback TCP copy of `bytes` (one stream): seconds.
-fn tcp_copy(bytes: usize) -> f64 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let writer = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let buf = vec![7u8; 4 << 20];
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(buf.len());
-            s.write_all(&buf[..n]).unwrap();
-            left -= n;
-        }
-    });
-    let t = Instant::now();
-    let mut s = TcpStream::connect(addr).unwrap();
-    let mut buf = vec![0u8; 4 << 20];
-    let mut got = 0;
-    while got < bytes {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0);
-        got += n;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    writer.join().unwrap();
-    secs
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -137,7 +111,7 @@ fn main() {
     assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
     let (mut agent, mut anchor, mut ratio) = (vec![], vec![], vec![]);
     for _ in 0..reps {
-        let a = tcp_copy(bytes);
+        let a = bytes as f64 / loopback_copy(bytes);
         let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
         assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
         agent.push(bytes as f64 / r.seconds / 1e9);

@@ -27,9 +27,12 @@
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
+#[path = "common/loopback.rs"]
+mod loopback;
+use loopback::loopback_copy;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
@@ -118,34 +121,6 @@ fn hint(ep: &str, hashes: &Value) -> Value {
 fn metric(s: &Server, series: &str) -> f64 {
     let m = client::get(s.addr, "/metrics").unwrap().text();
     m.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
-}
-
-/// A plain loopback TCP copy of `bytes` in 4 MiB writes: bytes per second.
-fn loopback_copy(bytes: usize) -> f64 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let w = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let buf = vec![7u8; 4 << 20];
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(buf.len());
-            s.write_all(&buf[..n]).unwrap();
-            left -= n;
-        }
-    });
-    let (mut s, _) = l.accept().unwrap();
-    let mut buf = vec![0u8; 4 << 20];
-    let t = Instant::now();
-    let mut got = 0;
-    while got < bytes {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0);
-        got += n;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    w.join().unwrap();
-    bytes as f64 / secs
 }
 
 fn main() {

@@ -1,0 +1,34 @@
+//! The anchor of the transfer benchmarks (`benches/transfer.rs`, `benches/agent.rs`): a plain
+//! loopback TCP copy of the same bytes, one stream, 4 MiB writes.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+/// A plain loopback TCP copy of `bytes` in 4 MiB writes: bytes per second.
+pub fn loopback_copy(bytes: usize) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let w = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let buf = vec![7u8; 4 << 20];
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(buf.len());
+            s.write_all(&buf[..n]).unwrap();
+            left -= n;
+        }
+    });
+    let (mut s, _) = l.accept().unwrap();
+    let mut buf = vec![0u8; 4 << 20];
+    let t = Instant::now();
+    let mut got = 0;
+    while got < bytes {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got += n;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    w.join().unwrap();
+    bytes as f64 / secs
+}
