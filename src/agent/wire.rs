@@ -120,13 +120,22 @@ fn remaining(deadline: Instant) -> io::Result<Duration> {
     }
 }
 
+/// The socket's timeout is set once per call (not before every `read`/`write`, a system call
+/// each), to the time left; between partial reads or writes the deadline is checked. So a call
+/// returns by its deadline plus at most the time that was left when it started (a peer dripping
+/// bytes cannot stretch it further).
 impl Conn for TcpStream {
     fn read_by(&mut self, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+        self.set_read_timeout(Some(remaining(deadline)?))?;
         while !buf.is_empty() {
-            self.set_read_timeout(Some(remaining(deadline)?))?;
             match self.read(buf) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => buf = &mut buf[n..],
+                Ok(n) => {
+                    buf = &mut buf[n..];
+                    if !buf.is_empty() {
+                        remaining(deadline)?;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "read deadline"))
@@ -138,11 +147,16 @@ impl Conn for TcpStream {
     }
 
     fn write_by(&mut self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+        self.set_write_timeout(Some(remaining(deadline)?))?;
         while !buf.is_empty() {
-            self.set_write_timeout(Some(remaining(deadline)?))?;
             match self.write(buf) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => buf = &buf[n..],
+                Ok(n) => {
+                    buf = &buf[n..];
+                    if !buf.is_empty() {
+                        remaining(deadline)?;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "write deadline"))
