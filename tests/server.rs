@@ -308,3 +308,22 @@ fn deeply_nested_values_anywhere_in_a_body_never_crash_the_server() {
     }
     assert_eq!(client::get(s.addr, "/health").unwrap().status, 200, "the server is still up");
 }
+
+/// An empty environment variable means "not set", for every setting (a tool that passes its own
+/// empty setting through must not stop the server from starting).
+#[test]
+fn empty_environment_settings_mean_not_set() {
+    let s = start_env(
+        true,
+        &[],
+        &[
+            ("KVRELAY_NIXL_LIB_DIR", ""),
+            ("KVRELAY_KV_TRANSPORT", ""),
+            ("KVRELAY_MODEL", ""),
+            ("KV_TRANSFER_DEDUP_TTL", ""),
+        ],
+    );
+    let models = client::get(s.addr, "/v1/models").unwrap().json();
+    assert_eq!(models["data"][0]["id"], "kvrelay-reference", "the default model name, not an empty one");
+    assert!(s.complete(json!({"prompt": "hello", "max_tokens": 2}))["choices"][0]["text"].is_string());
+}

@@ -320,7 +320,20 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     Ok(Server { addr, state, task, kv_task })
 }
 
+/// A setting's environment variable set to the empty string means "not set" (clap would take
+/// it as a value, or refuse it as a missing one): removed before the command line is parsed,
+/// while the process has one thread. The trust switch keeps the library's own reading.
+fn unset_empty_settings() {
+    for (k, v) in std::env::vars_os() {
+        let name = k.to_string_lossy();
+        if v.is_empty() && (name.starts_with("KVRELAY_") || name.starts_with("KV_TRANSFER_")) && name != TRUST_ENV {
+            std::env::remove_var(&k);
+        }
+    }
+}
+
 fn main() {
+    unset_empty_settings();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
