@@ -18,8 +18,9 @@
 //! checksum; authentication (the agent's pre-shared key) and the allowlist keep such peers out.
 //!
 //! The terms are independent, so a block can be summed in place in any order and in parallel
-//! (a GPU kernel sums each word where it lies and adds the terms up; [`kv_checksum_many`] splits
-//! large batches over threads). One core sums 7-10 GB/s on the dev VM ([`kv_checksum_terms`]).
+//! (a GPU kernel sums each word where it lies and adds the terms up; the agent's
+//! `record_checksums` sums a block segment by segment where it lies, large batches on several
+//! threads). One core sums 7-10 GB/s on the dev VM ([`kv_checksum_terms`]).
 
 const K: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -136,30 +137,6 @@ pub const fn kv_checksum_finish(sum: u64, len: u64) -> u64 {
     fmix64(sum ^ len)
 }
 
-/// Checksums of `blocks.len()` equal-sized blocks laid out one after another in `bytes`
-/// (`out[i]` for `bytes[i * block_bytes ..]`), on up to `threads` threads (1: the caller's).
-/// Allocates nothing but the scoped threads it starts.
-pub fn kv_checksum_many(bytes: &[u8], block_bytes: usize, out: &mut [u64], threads: usize) {
-    assert!(block_bytes > 0 && bytes.len() == block_bytes * out.len(), "kv_checksum_many: sizes differ");
-    let threads = threads.clamp(1, out.len().max(1));
-    if threads == 1 || bytes.len() < (8 << 20) {
-        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(block_bytes)) {
-            *o = kv_checksum(b);
-        }
-        return;
-    }
-    let per = out.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        for (o, b) in out.chunks_mut(per).zip(bytes.chunks(per * block_bytes)) {
-            s.spawn(move || {
-                for (o, b) in o.iter_mut().zip(b.chunks_exact(block_bytes)) {
-                    *o = kv_checksum(b);
-                }
-            });
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,17 +181,6 @@ mod tests {
         let sum = kv_checksum_terms(a, 0).wrapping_add(kv_checksum_terms(b, 128));
         assert_eq!(kv_checksum_finish(sum, 4096), whole);
         assert_ne!(kv_checksum_finish(kv_checksum_terms(b, 0).wrapping_add(kv_checksum_terms(a, 384)), 4096), whole);
-    }
-
-    #[test]
-    fn many_matches_one_by_one() {
-        let data: Vec<u8> = (0..(12u32 << 20)).map(|i| (i ^ (i >> 9)) as u8).collect();
-        let bb = 1 << 20;
-        let mut out = vec![0u64; 12];
-        kv_checksum_many(&data, bb, &mut out, 3);
-        for (i, &s) in out.iter().enumerate() {
-            assert_eq!(s, kv_checksum(&data[i * bb..(i + 1) * bb]));
-        }
     }
 
     #[test]
