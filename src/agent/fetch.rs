@@ -40,6 +40,26 @@ fn refusal(p: &[u8]) -> Failure {
     (reason, format!("the source refused: {label} ({})", text.escape_debug()))
 }
 
+fn cancelled() -> Failure {
+    (FailReason::Cancelled, "cancelled by the runtime".into())
+}
+
+fn shutting_down() -> Failure {
+    (FailReason::Shutdown, "the agent is shutting down".into())
+}
+
+/// Read one control frame (at most `wire::MAX_CONTROL` bytes) into `buf`: its kind, or the
+/// source's refusal as the failure.
+fn read_reply(c: &mut dyn Conn, buf: &mut Vec<u8>, what: &str, deadline: Instant) -> Result<u8, Failure> {
+    let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(|e| frame_fail(e, what))?;
+    buf.resize(len, 0);
+    c.read_by(buf, deadline).map_err(|e| io_fail(&e, what))?;
+    if kind == wire::REFUSE {
+        return Err(refusal(buf));
+    }
+    Ok(kind)
+}
+
 /// What a worker keeps between fetches.
 #[derive(Default)]
 struct Worker {
@@ -83,9 +103,9 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
     *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if r.is_err() && state.cancel.load(Ordering::Acquire) {
         // a cancel shuts the socket down: whatever the read then said, the fetch was cancelled
-        r = Err((FailReason::Cancelled, "cancelled by the runtime".into()));
+        r = Err(cancelled());
     } else if r.is_err() && inner.stop.load(Ordering::Acquire) {
-        r = Err((FailReason::Shutdown, "the agent is shutting down".into()));
+        r = Err(shutting_down());
     }
     let bytes = (blocks * inner.block_bytes) as u64;
     if r.is_ok() {
@@ -124,10 +144,10 @@ fn pull(
 ) -> Result<(), Failure> {
     let stopped = || -> Result<(), Failure> {
         if inner.stop.load(Ordering::Acquire) {
-            return Err((FailReason::Shutdown, "the agent is shutting down".into()));
+            return Err(shutting_down());
         }
         if state.cancel.load(Ordering::Relaxed) {
-            return Err((FailReason::Cancelled, "cancelled by the runtime".into()));
+            return Err(cancelled());
         }
         if Instant::now() >= deadline {
             return Err((FailReason::Timeout, "the fetch ran past its deadline".into()));
@@ -157,7 +177,7 @@ fn pull(
     })?;
     let reg = Registered(inner, inner.register(&s));
     if reg.1.is_none() {
-        return Err((FailReason::Shutdown, "the agent is shutting down".into()));
+        return Err(shutting_down());
     }
     let _ = s.set_nodelay(true);
     if let Ok(clone) = s.try_clone() {
@@ -166,18 +186,13 @@ fn pull(
     // a cancel that came before the socket was published
     stopped()?;
     let c: &mut dyn Conn = &mut s;
-    let by = || (Instant::now() + inner.limits.io_timeout).min(deadline);
+    let by = || inner.io_deadline().min(deadline);
     let asked = &req.names[req.held..req.held + req.dst.len()];
     if let Some(key) = &inner.key {
         let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
         wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
-        let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, by()).map_err(|e| frame_fail(e, "authentication"))?;
-        w.buf.resize(len, 0);
-        c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, "authentication"))?;
-        if kind == wire::REFUSE {
-            return Err(refusal(&w.buf));
-        }
-        if kind != wire::AUTH_CHALLENGE || len != 2 * auth::NONCE {
+        let kind = read_reply(c, &mut w.buf, "authentication", by())?;
+        if kind != wire::AUTH_CHALLENGE || w.buf.len() != 2 * auth::NONCE {
             return Err((FailReason::AuthFailed, "the source did not answer with a challenge".into()));
         }
         let server: [u8; auth::NONCE] = w.buf[..auth::NONCE].try_into().expect("32 bytes");
@@ -191,12 +206,7 @@ fn pull(
     }
     wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
         .map_err(|e| io_fail(&e, "the hello"))?;
-    let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, by()).map_err(|e| frame_fail(e, "the offer"))?;
-    w.buf.resize(len, 0);
-    c.read_by(&mut w.buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
-    if kind == wire::REFUSE {
-        return Err(refusal(&w.buf));
-    }
+    let kind = read_reply(c, &mut w.buf, "the offer", by())?;
     let bb = inner.block_bytes;
     let (count, offered_bb) = match (kind, wire::decode_offer(&w.buf)) {
         (wire::OFFER, Some(o)) => o,

@@ -434,6 +434,11 @@ struct Inner {
 }
 
 impl Inner {
+    /// The deadline of one read or write that starts now.
+    fn io_deadline(&self) -> Instant {
+        Instant::now() + self.limits.io_timeout
+    }
+
     fn register(&self, s: &TcpStream) -> Option<u64> {
         let clone = s.try_clone().ok()?;
         let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());

@@ -178,12 +178,11 @@ fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: I
 pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> Slot {
     let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
     let hs = Instant::now() + inner.limits.handshake_timeout;
-    let io = |inner: &Inner| Instant::now() + inner.limits.io_timeout;
     match handshake(inner, c, scratch, hs) {
         Ok(()) => {}
         Err(Hs::Refuse(r, text)) => {
             inner.stats.refused(r);
-            wire::refuse(c, r, text, io(inner));
+            wire::refuse(c, r, text, inner.io_deadline());
             return slot;
         }
         Err(Hs::Gone) => {
@@ -203,7 +202,7 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
             .is_ok();
         if !got {
             inner.stats.refused(Refusal::Busy);
-            wire::refuse(c, Refusal::Busy, "every serving slot is taken", io(inner));
+            wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
             return slot;
         }
         slot = Slot::Serving;
@@ -233,12 +232,11 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     scratch.ids.clear();
     scratch.ids.resize(n, 0);
     let k = inner.holder.pin(&scratch.names, &mut scratch.ids);
-    let io = |inner: &Inner| Instant::now() + inner.limits.io_timeout;
     if k > n || scratch.ids[..k].iter().any(|&id| id >= num_blocks) {
         // the runtime answered something impossible: give back what it says it pinned
         inner.holder.unpin(&scratch.ids[..k.min(n)]);
         inner.stats.refused(Refusal::Internal);
-        wire::refuse(c, Refusal::Internal, "the source's reuse cache answered an impossible pin", io(inner));
+        wire::refuse(c, Refusal::Internal, "the source's reuse cache answered an impossible pin", inner.io_deadline());
         return;
     }
     // a block whose checksum was never recorded is not served: the offer stops before it
@@ -249,7 +247,7 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     let ids = &scratch.ids[..offered];
     let _pinned = Pinned { inner, ids };
     let bb = inner.block_bytes;
-    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), io(inner)).is_err() {
+    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
         Stats::add(&inner.stats.serve_aborted, 1);
         return;
     }
@@ -257,7 +255,7 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
         return;
     }
     let end = Instant::now() + transfer_deadline((offered * bb) as u64);
-    let by = |inner: &Inner| io(inner).min(end);
+    let by = |inner: &Inner| inner.io_deadline().min(end);
     // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
     // contract); the mover only reads the pinned blocks `ids`, which the runtime does not write
     // while they are pinned.
