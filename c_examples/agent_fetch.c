@@ -202,7 +202,8 @@ static kvrelay_agent *agent_new(pool *p, cache *c, const char *listen, const cha
   CHECK(kvrelay_agent_config_set_listen(cfg, listen, strlen(listen)) == KVRELAY_OK);
   if (key) CHECK(kvrelay_agent_config_set_key(cfg, (const uint8_t *)key, strlen(key)) == KVRELAY_OK);
   CHECK(kvrelay_agent_config_set_device(cfg, device) == KVRELAY_OK);
-  kvrelay_block_holder h = {c, cache_pin, cache_unpin, cache_destroy};
+  /* returned: only a NIXL agent withholds blocks; this one moves them over TCP */
+  kvrelay_block_holder h = {c, cache_pin, cache_unpin, cache_destroy, NULL};
   kvrelay_status st = kvrelay_agent_new(cfg, p->layout, &h, &a);
   if (st != KVRELAY_OK) {
     char msg[256];

@@ -26,6 +26,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Bytes per NIXL request into host memory: the READs of a run are cut into requests of about
+// this size, all posted at once, verified in order while the later ones are in flight.
+#define REQUEST_BYTES (64 << 20)
+
+// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
+// a setup and a checksum kernel launch, so fewer, larger ones.
+#define REQUEST_BYTES_GPU (256 << 20)
+
+// Largest NIXL agent metadata an offer may carry.
+#define MAX_METADATA (1 << 20)
+
+// Frame kind: a hello asking for blocks in place (NIXL READs).
+#define NIXL_HELLO 8
+
+// Frame kind: where the pinned blocks lie, for NIXL READs.
+#define NIXL_OFFER 9
+
+// Frame kind: the reader took this many blocks (NIXL).
+#define DONE 10
+
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -418,6 +438,10 @@ typedef struct kvrelay_agent_fingerprint {
 // - `unpin(user_data, ids, k)`: release blocks pinned by `pin` (each exactly once).
 // - `destroy(user_data)` (may be NULL): called once when the agent is freed, after its last use
 //   of the holder, or when `kvrelay_agent_new` fails.
+// - `returned(user_data, ids, k)` (may be NULL over TCP; needed with NIXL): destination blocks
+//   a fetch withheld (`kvrelay_fetch_result.withheld`) are free again, no transfer can write
+//   them any more. Runs on a fetch worker, or in `kvrelay_agent_free`. Without it withheld
+//   blocks stay out of the runtime's pool for good (counted in `blocks_withheld`).
 typedef struct kvrelay_block_holder {
   // Passed back to every callback.
   void *user_data;
@@ -427,6 +451,8 @@ typedef struct kvrelay_block_holder {
   void (*unpin)(void *user_data, const uint32_t *ids, size_t n);
   // Release `user_data`.
   void (*destroy)(void *user_data);
+  // Withheld destination blocks are free again.
+  void (*returned)(void *user_data, const uint32_t *ids, size_t n);
 } kvrelay_block_holder;
 
 // A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
@@ -470,6 +496,10 @@ typedef struct kvrelay_fetch_result {
   uint64_t bytes;
   // Seconds from submission to completion.
   double seconds;
+  // Destination blocks after the verified ones that the agent still holds (NIXL only: a
+  // READ into them could not be proven stopped): `dst_blocks[blocks..blocks + withheld]`
+  // must not be reused until the holder's `returned` hands them back. 0 over TCP.
+  size_t withheld;
 } kvrelay_fetch_result;
 
 // A source's speed estimate.
@@ -543,6 +573,12 @@ typedef struct kvrelay_agent_stats {
   uint64_t blocks_fetched;
   // Their bytes.
   uint64_t bytes_fetched;
+  // Refused: the destination asked for a transport this service lacks (NIXL).
+  uint64_t refused_unsupported;
+  // Destination blocks a NIXL fetch withheld (a READ not proven stopped when it ended).
+  uint64_t blocks_withheld;
+  // Withheld blocks handed back to the runtime (`BlockHolder::returned`).
+  uint64_t blocks_returned;
 } kvrelay_agent_stats;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
@@ -697,6 +733,10 @@ typedef struct kvrelay_action {
   // Canonical JSON bytes of the whole action object.
   struct kvrelay_bytes canonical;
 } kvrelay_action;
+
+
+
+
 
 
 
@@ -875,6 +915,21 @@ void kvrelay_agent_config_free(struct kvrelay_agent_config *config);
 kvrelay_status kvrelay_agent_config_set_listen(struct kvrelay_agent_config *config,
                                                const char *addr,
                                                size_t len);
+
+// How block bytes move: `tcp` (the default) or `nixl` (NIXL over UCX, straight between the
+// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL).
+// `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
+// by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
+// library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.
+//
+// # Safety
+// `config` NULL or live; `transport` readable for `transport_len` bytes, `lib_dir` for
+// `lib_dir_len`.
+kvrelay_status kvrelay_agent_config_set_transport(struct kvrelay_agent_config *config,
+                                                  const char *transport,
+                                                  size_t transport_len,
+                                                  const char *lib_dir,
+                                                  size_t lib_dir_len);
 
 // Allow peers: `loopback`, an address, or `ADDR/PREFIX`, comma-separated. The first call
 // replaces the default (loopback); later calls add. `KVRELAY_ERR_INVALID_CONFIG` for text that

@@ -554,6 +554,12 @@ class BlockHolder {
   virtual std::size_t pin(const uint64_t *names, std::size_t n, uint32_t *ids_out) = 0;
   /// Release blocks pinned by pin (each exactly once).
   virtual void unpin(const uint32_t *ids, std::size_t n) = 0;
+  /// Destination blocks a NIXL fetch withheld (kvrelay_fetch_result.withheld) are free again.
+  /// Override it when the agent uses NIXL; over TCP it is never called.
+  virtual void returned(const uint32_t *ids, std::size_t n) {
+    (void)ids;
+    (void)n;
+  }
 };
 
 /// The KV agent's configuration (kvrelay_agent_config). Movable, not copyable.
@@ -573,6 +579,11 @@ class AgentConfig {
   /// The pool is memory of CUDA device `device` (-1: host memory, the default).
   AgentConfig &device(int32_t device) {
     check(kvrelay_agent_config_set_device(h_.get(), device));
+    return *this;
+  }
+  /// "tcp" (the default) or "nixl"; `lib_dir` holds libnixl_capi.so ("" : the loader's path).
+  AgentConfig &transport(std::string_view name, std::string_view lib_dir = {}) {
+    check(kvrelay_agent_config_set_transport(h_.get(), name.data(), name.size(), lib_dir.data(), lib_dir.size()));
     return *this;
   }
   AgentConfig &limits(const kvrelay_agent_limits &l) {
@@ -631,7 +642,7 @@ class Fetch {
 class Agent {
  public:
   Agent(const AgentConfig &cfg, const KvLayout &layout, BlockHolder &holder) {
-    kvrelay_block_holder h{&holder, &Agent::pin_cb, &Agent::unpin_cb, nullptr};
+    kvrelay_block_holder h{&holder, &Agent::pin_cb, &Agent::unpin_cb, nullptr, &Agent::returned_cb};
     check(kvrelay_agent_new(cfg.get(), layout.get(), &h, h_.out()));
   }
   /// `tcp://ADDR:PORT` of the service ("" for a fetch-only agent).
@@ -683,6 +694,12 @@ class Agent {
   static void unpin_cb(void *ud, const uint32_t *ids, std::size_t n) noexcept {
     try {
       static_cast<BlockHolder *>(ud)->unpin(ids, n);
+    } catch (...) {
+    }
+  }
+  static void returned_cb(void *ud, const uint32_t *ids, std::size_t n) noexcept {
+    try {
+      static_cast<BlockHolder *>(ud)->returned(ids, n);
     } catch (...) {
     }
   }

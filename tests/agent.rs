@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "nixl")]
+use kvrelay::agent::Transport;
 use kvrelay::agent::{
     Agent, AgentConfig, AgentStats, BlockHolder, FailReason, FetchRequest, FetchResult, Fingerprint, Limits, PeerAllow,
     Psk,
@@ -447,33 +449,20 @@ fn what_a_peer_sends_before_the_transfer_is_bounded() {
     assert_eq!(s.refused_too_many_names, 1);
 }
 
-/// GPU pools (the H200): a device pool serving a device pool, a host pool and a device pool
-/// fetching from each other, checksums summed by the kernel equal to the host's. Without a
-/// CUDA driver it says so and returns.
-#[test]
-fn gpu_pools_serve_and_fetch_byte_exact() {
-    use kvrelay::copy::{CudaDevice, CudaEngine, CudaStream, DeviceBuffer, EngineOptions, PinnedBuffer};
-    if !kvrelay::copy::driver_present() {
-        eprintln!("gpu_pools_serve_and_fetch_byte_exact: skipped: no CUDA driver on this machine");
-        return;
-    }
-    let dev = match CudaDevice::open(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("gpu_pools_serve_and_fetch_byte_exact: skipped: {e}");
-            return;
-        }
-    };
-    struct DevPool {
-        _mem: Vec<DeviceBuffer>,
-        layout: KvLayout,
-        engine: CudaEngine,
-        stream: CudaStream,
-        staging: PinnedBuffer,
-    }
-    let dev_pool = || {
+/// A device pool of the tests' shape, written and read through its own engine.
+struct DevPool {
+    _mem: Vec<kvrelay::copy::DeviceBuffer>,
+    layout: KvLayout,
+    engine: kvrelay::copy::CudaEngine,
+    stream: kvrelay::copy::CudaStream,
+    staging: kvrelay::copy::PinnedBuffer,
+}
+
+impl DevPool {
+    fn new(dev: &Arc<kvrelay::copy::CudaDevice>) -> DevPool {
+        use kvrelay::copy::{CudaEngine, CudaStream, DeviceBuffer, EngineOptions, PinnedBuffer};
         let mem: Vec<DeviceBuffer> = (0..LAYERS)
-            .map(|_| DeviceBuffer::alloc(&dev, (2 * u64::from(BLOCKS) * KV_BLOCK) as usize).unwrap())
+            .map(|_| DeviceBuffer::alloc(dev, (2 * u64::from(BLOCKS) * KV_BLOCK) as usize).unwrap())
             .collect();
         for m in &mem {
             m.write(0, &vec![0u8; m.len()]).unwrap();
@@ -481,28 +470,50 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
         let bases: Vec<u64> = mem.iter().map(|m| m.ptr()).collect();
         let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
         // SAFETY: the pool's device memory lives in `_mem` as long as the engine.
-        let engine = unsafe { CudaEngine::new(&dev, layout.clone(), EngineOptions::default()) }.unwrap();
+        let engine = unsafe { CudaEngine::new(dev, layout.clone(), EngineOptions::default()) }.unwrap();
         let bb = layout.stage_block_bytes() as usize;
         DevPool {
             _mem: mem,
             layout,
             engine,
-            stream: CudaStream::new(&dev).unwrap(),
-            staging: PinnedBuffer::alloc(&dev, bb).unwrap(),
-        }
-    };
-    impl DevPool {
-        fn write(&mut self, id: u32, bytes: &[u8]) {
-            self.staging.as_mut_slice().copy_from_slice(bytes);
-            self.engine.scatter(&self.staging, &[id], &self.stream, None).unwrap();
-            self.stream.synchronize().unwrap();
-        }
-        fn read(&mut self, id: u32) -> Vec<u8> {
-            self.engine.gather(&[id], &self.staging, &self.stream, None).unwrap();
-            self.stream.synchronize().unwrap();
-            self.staging.as_slice().to_vec()
+            stream: CudaStream::new(dev).unwrap(),
+            staging: PinnedBuffer::alloc(dev, bb).unwrap(),
         }
     }
+    fn write(&mut self, id: u32, bytes: &[u8]) {
+        self.staging.as_mut_slice().copy_from_slice(bytes);
+        self.engine.scatter(&self.staging, &[id], &self.stream, None).unwrap();
+        self.stream.synchronize().unwrap();
+    }
+    fn read(&mut self, id: u32) -> Vec<u8> {
+        self.engine.gather(&[id], &self.staging, &self.stream, None).unwrap();
+        self.stream.synchronize().unwrap();
+        self.staging.as_slice().to_vec()
+    }
+}
+
+/// CUDA device 0, or `None` (said why) on a machine without a driver or device.
+fn cuda_device(test: &str) -> Option<Arc<kvrelay::copy::CudaDevice>> {
+    if !kvrelay::copy::driver_present() {
+        eprintln!("{test}: skipped: no CUDA driver on this machine");
+        return None;
+    }
+    match kvrelay::copy::CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+    }
+}
+
+/// GPU pools (the H200): a device pool serving a device pool, a host pool and a device pool
+/// fetching from each other, checksums summed by the kernel equal to the host's. Without a
+/// CUDA driver it says so and returns.
+#[test]
+fn gpu_pools_serve_and_fetch_byte_exact() {
+    let Some(dev) = cuda_device("gpu_pools_serve_and_fetch_byte_exact") else { return };
+    let dev_pool = || DevPool::new(&dev);
     let mk = |layout: &KvLayout, device: Option<i32>, cache: &Arc<Cache>| {
         let mut c = AgentConfig::new(fp());
         c.device = device;
@@ -568,4 +579,127 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 1), "{}", r.detail);
     eventually("every pin released", || src_cache.pinned() == 0);
     eprintln!("gpu_pools_serve_and_fetch_byte_exact: ran on CUDA device 0");
+}
+
+/// The NIXL transport when this build has it and its libraries load; `None` (said why) when
+/// they are not installed. With `KVRELAY_NIXL_LIB_DIR` set (as the test command sets it), a
+/// library that does not load fails the test instead of skipping it.
+#[cfg(feature = "nixl")]
+fn nixl(test: &str) -> Option<Transport> {
+    let dir = std::env::var_os("KVRELAY_NIXL_LIB_DIR").filter(|d| !d.is_empty()).map(std::path::PathBuf::from);
+    match kvrelay::agent::nixl::load_library(dir.as_deref()) {
+        Ok(()) => Some(Transport::Nixl { lib_dir: dir }),
+        Err(e) if dir.is_none() => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+        Err(e) => panic!("KVRELAY_NIXL_LIB_DIR is set, but: {e}"),
+    }
+}
+
+/// NIXL between host pools: the destination READs the blocks in place, verifies them against
+/// the checksums the source recorded and the source unpins them at DONE; a TCP destination is
+/// still served by a NIXL source, a NIXL destination is refused by a TCP-only one.
+#[cfg(feature = "nixl")]
+#[test]
+fn nixl_reads_blocks_in_place_verified() {
+    let Some(t) = nixl("nixl_reads_blocks_in_place_verified") else { return };
+    let mut a = instance_with(|c| c.transport = t.clone());
+    a.hold(&NAMES, 2);
+    let b = instance_with(|c| c.transport = t.clone());
+    let bb = b.pool.block_bytes();
+    assert_eq!(b.agent.speed(&a.endpoint()), kvrelay::agent::NIXL_HOST_DEFAULT);
+    let r = b.fetch(&a.endpoint(), &NAMES, 1, vec![9, 3, 4, 12, 5]);
+    assert_eq!(r.failure, None, "{}", r.detail);
+    assert_eq!((r.blocks, r.bytes, r.withheld), (5, 5 * bb as u64, 0));
+    for (i, &id) in [9u32, 3, 4, 12, 5].iter().enumerate() {
+        assert_eq!(b.pool.read(id), content(NAMES[1 + i], bb), "block {i}");
+        assert_eq!(b.agent.recorded_checksum(id), a.agent.recorded_checksum(3 + i as u32));
+    }
+    eventually("every pin released", || a.cache.pinned() == 0);
+    assert_eq!(a.agent.stats().blocks_sent, 5, "counted at DONE");
+    // a partial run, and nothing held
+    let longer = [NAMES.as_slice(), &[107, 108]].concat();
+    let r = b.fetch(&a.endpoint(), &longer, 4, vec![0, 1, 2, 6]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    let r = b.fetch(&a.endpoint(), &[7, 8], 0, vec![0]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::SourceMiss), 0), "{}", r.detail);
+    // a TCP reader of the NIXL source
+    let tcp = instance();
+    let r = tcp.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(tcp.pool.read(1), content(NAMES[1], bb));
+    // a NIXL reader of a TCP-only source
+    tcp.hold(&NAMES, 0);
+    let r = b.fetch(&tcp.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Refused), 0), "{}", r.detail);
+    assert!(r.detail.contains("unsupported"), "{}", r.detail);
+    assert_eq!(tcp.agent.stats().refused_unsupported, 1);
+    // memory that went bad at the source after its checksum was recorded
+    a.pool.corrupt(4, 7);
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![10, 11, 13, 14]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
+    assert_eq!(b.agent.recorded_checksum(13), None, "the bad block was not recorded");
+    eventually("every pin released", || a.cache.pinned() == 0);
+    let s = b.agent.stats();
+    assert_eq!((s.fetches_ok, s.fetch_failed_corrupt, s.blocks_withheld), (2, 1, 0));
+    assert_ne!(b.agent.speed(&a.endpoint()), kvrelay::agent::NIXL_HOST_DEFAULT, "measured");
+}
+
+/// NIXL with GPU pools (the H200: UCX moves VRAM with CUDA IPC): device to device and host to
+/// device, verified by the checksum kernel where the blocks landed. Skips without a CUDA driver
+/// or the NIXL libraries.
+#[cfg(feature = "nixl")]
+#[test]
+fn nixl_gpu_pools_read_in_place_verified() {
+    let test = "nixl_gpu_pools_read_in_place_verified";
+    let Some(dev) = cuda_device(test) else { return };
+    let Some(t) = nixl(test) else { return };
+    let mk = |layout: &KvLayout, device: Option<i32>, cache: &Arc<Cache>| {
+        let mut c = AgentConfig::new(fp());
+        c.device = device;
+        c.transport = t.clone();
+        // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
+        unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
+    };
+    let bb = Pool::new().block_bytes();
+    let mut src = DevPool::new(&dev);
+    let src_cache = Arc::new(Cache::default());
+    let src_agent = mk(&src.layout, Some(0), &src_cache);
+    for (i, &n) in NAMES.iter().enumerate() {
+        src.write(i as u32 + 4, &content(n, bb));
+        src_cache.held.lock().unwrap().insert(n, i as u32 + 4);
+    }
+    src_agent.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+    let mut dst = DevPool::new(&dev);
+    let dst_agent = mk(&dst.layout, Some(0), &Arc::new(Cache::default()));
+    assert_eq!(dst_agent.speed("tcp://127.0.0.1:1"), kvrelay::agent::NIXL_VRAM_DEFAULT);
+    let req = |endpoint: String, dst: Vec<u32>| FetchRequest {
+        endpoint,
+        names: NAMES.to_vec(),
+        held: 0,
+        dst,
+        deadline: Duration::from_secs(20),
+    };
+    let ep = src_agent.endpoint().unwrap().to_string();
+    let r = dst_agent.submit(req(ep.clone(), vec![9, 2, 11, 0, 15, 1]), None).unwrap().wait(Duration::from_secs(30));
+    let r = r.unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 6), "{}", r.detail);
+    for (i, id) in [9u32, 2, 11, 0, 15, 1].into_iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[i], bb), "device pool block {i}");
+    }
+    // a host source into the device pool
+    let host = instance_with(|c| c.transport = t.clone());
+    host.hold(&NAMES, 8);
+    let r = dst_agent.submit(req(host.endpoint(), vec![3, 4]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(dst.read(4), content(NAMES[1], bb));
+    // the device source's memory goes bad after recording: caught by the kernel's sum
+    let mut bad = content(NAMES[1], bb);
+    bad[3] ^= 0x80;
+    src.write(5, &bad);
+    let r = dst_agent.submit(req(ep, vec![5, 6, 7]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 1), "{}", r.detail);
+    eventually("every pin released", || src_cache.pinned() == 0);
+    eprintln!("{test}: ran on CUDA device 0");
 }

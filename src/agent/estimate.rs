@@ -22,6 +22,15 @@ pub struct SourceSpeed {
 /// transfer corrects it either way.
 pub const TCP_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 3e9 };
 
+/// The NIXL default into a GPU pool: 5 ms of setup (metadata exchange, request setup) and
+/// 100 GB/s, what VRAM READs over CUDA IPC carried on the H200 (90-155 GB/s,
+/// `benches/RESULTS.md`).
+pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 100e9 };
+
+/// The NIXL default into a host pool: 5 ms and 3 GB/s (UCX's host-memory READs measured
+/// 3.2-4.6 GB/s there).
+pub const NIXL_HOST_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 3e9 };
+
 /// Most sources remembered; the oldest entry is dropped beyond (a hostile hint stream cannot
 /// grow the table without bound).
 pub const MAX_SOURCES: usize = 4096;

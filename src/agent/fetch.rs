@@ -13,7 +13,7 @@ use crate::checksum::kv_checksum;
 
 type Failure = (FailReason, String);
 
-fn io_fail(e: &std::io::Error, what: &str) -> Failure {
+pub(super) fn io_fail(e: &std::io::Error, what: &str) -> Failure {
     match e.kind() {
         std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
             (FailReason::Timeout, format!("{what} ran past its deadline"))
@@ -22,14 +22,14 @@ fn io_fail(e: &std::io::Error, what: &str) -> Failure {
     }
 }
 
-fn frame_fail(e: FrameError, what: &str) -> Failure {
+pub(super) fn frame_fail(e: FrameError, what: &str) -> Failure {
     match e {
         FrameError::Io(e) => io_fail(&e, what),
         FrameError::Malformed(m) => (FailReason::Corrupt, format!("{what}: {m}")),
     }
 }
 
-fn refusal(p: &[u8]) -> Failure {
+pub(super) fn refusal(p: &[u8]) -> Failure {
     let (code, text) = wire::decode_refusal(p);
     let reason = match code {
         Some(Refusal::FingerprintMismatch) => FailReason::FingerprintMismatch,
@@ -79,6 +79,21 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 if inner.stop.load(Ordering::Acquire) {
                     break None;
                 }
+                #[cfg(feature = "nixl")]
+                if let Some(nx) = inner.nixl.as_ref().filter(|nx| nx.has_withheld()) {
+                    // withheld blocks: look at their READs every 50 ms
+                    drop(q);
+                    nx.reap(inner);
+                    q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+                    if q.is_empty() && !inner.stop.load(Ordering::Acquire) {
+                        q = inner
+                            .jobs_ready
+                            .wait_timeout(q, std::time::Duration::from_millis(50))
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                    }
+                    continue;
+                }
                 q = inner.jobs_ready.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
@@ -98,8 +113,9 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
     let start = state.submitted;
     let deadline = start.checked_add(req.deadline).unwrap_or(start + std::time::Duration::from_secs(86_400 * 365));
     let mut blocks = 0usize;
+    let mut withheld = 0usize;
     let mut first: Option<Instant> = None;
-    let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first);
+    let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first, &mut withheld);
     *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if r.is_err() && state.cancel.load(Ordering::Acquire) {
         // a cancel shuts the socket down: whatever the read then said, the fetch was cancelled
@@ -120,7 +136,7 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
         Ok(()) => (None, String::new()),
         Err((f, d)) => (Some(f), d),
     };
-    FetchResult { failure, blocks, bytes, seconds: start.elapsed().as_secs_f64(), detail }
+    FetchResult { failure, blocks, bytes, withheld, seconds: start.elapsed().as_secs_f64(), detail }
 }
 
 /// Shuts the connection's registration down with the fetch.
@@ -133,6 +149,7 @@ impl Drop for Registered<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn pull(
     inner: &Inner,
     req: &FetchRequest,
@@ -141,6 +158,7 @@ fn pull(
     w: &mut Worker,
     blocks: &mut usize,
     first: &mut Option<Instant>,
+    withheld: &mut usize,
 ) -> Result<(), Failure> {
     let stopped = || -> Result<(), Failure> {
         if inner.stop.load(Ordering::Acquire) {
@@ -204,6 +222,17 @@ fn pull(
             return Err((FailReason::AuthFailed, "the source does not prove it holds the key".into()));
         }
     }
+    #[cfg(feature = "nixl")]
+    if let Some(nx) = &inner.nixl {
+        wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
+            .map_err(|e| io_fail(&e, "the hello"))?;
+        let dst = &req.dst[..asked.len()];
+        super::nixl::pull(inner, nx, c, asked, dst, deadline, &stopped, blocks, first, withheld)?;
+        drop(reg);
+        return Ok(());
+    }
+    #[cfg(not(feature = "nixl"))]
+    let _ = withheld;
     wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
         .map_err(|e| io_fail(&e, "the hello"))?;
     let kind = read_reply(c, &mut w.buf, "the offer", by())?;

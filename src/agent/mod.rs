@@ -41,6 +41,8 @@ pub mod allow;
 pub mod auth;
 pub mod estimate;
 mod fetch;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod pool;
 mod service;
 mod stats;
@@ -56,7 +58,7 @@ use std::time::{Duration, Instant};
 
 pub use allow::PeerAllow;
 pub use auth::Psk;
-pub use estimate::{SourceSpeed, TCP_DEFAULT};
+pub use estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use stats::AgentStats;
 use stats::Stats;
 pub use wire::{Conn, Refusal};
@@ -170,6 +172,25 @@ pub struct AgentConfig {
     pub key: Option<Psk>,
     /// The CUDA device whose memory the pool is (`None`: host memory).
     pub device: Option<i32>,
+    /// How block bytes move ([`Transport::Tcp`] by default).
+    pub transport: Transport,
+}
+
+/// How block bytes move between agents. Control (the handshake, authentication, offers) always
+/// runs on the agent's TCP connection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Blocks travel on the TCP connection (the embedded default: one host, CI, any network).
+    #[default]
+    Tcp,
+    /// Blocks move with NIXL over UCX, read by the destination straight out of the source's
+    /// pool into its own ([`nixl`](crate::agent) module, cargo feature `nixl`). The service
+    /// then serves both NIXL and TCP readers; fetches read over NIXL. `lib_dir` is the folder
+    /// of `libnixl_capi.so` (`None`: the loader's search path).
+    Nixl {
+        /// Folder of the NIXL libraries.
+        lib_dir: Option<std::path::PathBuf>,
+    },
 }
 
 impl AgentConfig {
@@ -182,6 +203,7 @@ impl AgentConfig {
             limits: Limits::default(),
             key: None,
             device: None,
+            transport: Transport::Tcp,
         }
     }
 }
@@ -196,6 +218,13 @@ pub trait BlockHolder: Send + Sync {
     fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize;
     /// Release blocks pinned by [`BlockHolder::pin`] (each pinned id is unpinned exactly once).
     fn unpin(&self, ids: &[u32]);
+    /// Destination blocks a fetch withheld ([`FetchResult::withheld`]) are free again: the
+    /// READs that might have written them are over. Only the NIXL transport withholds blocks;
+    /// a runtime that uses it must implement this (the default forgets them: the blocks stay
+    /// out of its pool). Runs on a fetch worker, or in the agent's drop.
+    fn returned(&self, ids: &[u32]) {
+        let _ = ids;
+    }
 }
 
 /// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
@@ -289,6 +318,10 @@ pub struct FetchResult {
     pub blocks: usize,
     /// Their bytes.
     pub bytes: u64,
+    /// Destination blocks after the verified ones that the agent still holds (NIXL only: a
+    /// READ into them could not be proven stopped): `dst[blocks..blocks + withheld]` must not
+    /// be reused until [`BlockHolder::returned`] hands them back. 0 over TCP.
+    pub withheld: usize,
     /// Seconds from submission to completion.
     pub seconds: f64,
     /// Why, in words, for logs (never hint bytes, never the key).
@@ -431,6 +464,9 @@ struct Inner {
     conns_idle: Condvar,
     jobs: Mutex<VecDeque<Job>>,
     jobs_ready: Condvar,
+    /// The NIXL agent with the pool registered, when the transport is NIXL.
+    #[cfg(feature = "nixl")]
+    nixl: Option<nixl::Nixl>,
 }
 
 impl Inner {
@@ -506,6 +542,25 @@ impl Agent {
             Some(d) => pool::Memory::Device(crate::copy::CudaDevice::open(d).map_err(AgentError::Cuda)?),
         };
         let movers = pool::Movers::new(memory);
+        #[cfg(feature = "nixl")]
+        let nixl = match &config.transport {
+            Transport::Tcp => None,
+            Transport::Nixl { lib_dir } => {
+                // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
+                Some(unsafe { nixl::Nixl::new(&layout, config.device, lib_dir.as_deref()) }.map_err(AgentError::Io)?)
+            }
+        };
+        #[cfg(not(feature = "nixl"))]
+        if config.transport != Transport::Tcp {
+            return Err(AgentError::Config(
+                "the NIXL transport needs kvrelay built with the cargo feature `nixl`".into(),
+            ));
+        }
+        let default_speed = match (&config.transport, config.device) {
+            (Transport::Tcp, _) => TCP_DEFAULT,
+            (Transport::Nixl { .. }, None) => NIXL_HOST_DEFAULT,
+            (Transport::Nixl { .. }, Some(_)) => NIXL_VRAM_DEFAULT,
+        };
         // one mover now: a device pool's kernel compiles here, and a failure shows at once
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         let first = unsafe { movers.take(&layout) }.map_err(AgentError::Io)?;
@@ -520,7 +575,7 @@ impl Agent {
             block_bytes,
             movers,
             holder,
-            estimator: estimate::Estimator::new(TCP_DEFAULT),
+            estimator: estimate::Estimator::new(default_speed),
             stats: Stats::default(),
             stop: AtomicBool::new(false),
             peers: Mutex::new(HashMap::new()),
@@ -528,6 +583,8 @@ impl Agent {
             conns_idle: Condvar::new(),
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
+            #[cfg(feature = "nixl")]
+            nixl,
         });
         let mut agent =
             Agent { inner: inner.clone(), local, endpoint: local.map(|a| format!("tcp://{a}")), threads: vec![] };
@@ -564,7 +621,7 @@ impl Agent {
     /// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them):
     /// the agent reads each block where it lies (no copy) and keeps its checksum, which then
     /// travels with the block. O(bytes); host batches over 8 MiB are summed on several threads;
-    /// device pools by a kernel on the agent's own stream (one allocation of `8 * ids.len()`).
+    /// device pools by a kernel on the agent's own stream. One allocation of `8 * ids.len()`.
     pub fn record_checksums(&self, ids: &[u32]) -> Result<(), AgentError> {
         let n = self.inner.layout.num_blocks();
         if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
@@ -583,21 +640,10 @@ impl Agent {
             }
             return Ok(());
         }
-        let sum_all = |ids: &[u32]| {
-            for &id in ids {
-                inner.sums.set(id, block_checksum(&inner.layout, id));
-            }
-        };
-        let total = ids.len() * inner.block_bytes;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-        if total < (8 << 20) || threads == 1 {
-            sum_all(ids);
-        } else {
-            std::thread::scope(|s| {
-                for part in ids.chunks(ids.len().div_ceil(threads)) {
-                    s.spawn(move || sum_all(part));
-                }
-            });
+        let mut sums = vec![0u64; ids.len()];
+        sum_host(inner, ids, &mut sums);
+        for (&id, &s) in ids.iter().zip(&sums) {
+            inner.sums.set(id, s);
         }
         Ok(())
     }
@@ -731,6 +777,37 @@ impl Drop for Agent {
         while Arc::strong_count(&self.inner) > 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
+        // with every thread gone, the NIXL agent goes, and with its UCX backend nothing can
+        // write into withheld blocks any more: they go back before the holder does
+        #[cfg(feature = "nixl")]
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            if let Some(nx) = inner.nixl.take() {
+                let ids = nx.teardown();
+                nixl::give_back(inner, &ids);
+            }
+        }
+    }
+}
+
+/// The checksums of host-pool blocks `ids` (each below `num_blocks`) into `out`, summed where
+/// they lie; batches over 8 MiB on up to 8 threads.
+fn sum_host(inner: &Inner, ids: &[u32], out: &mut [u64]) {
+    let sum_all = |ids: &[u32], out: &mut [u64]| {
+        for (&id, o) in ids.iter().zip(out) {
+            *o = block_checksum(&inner.layout, id);
+        }
+    };
+    let total = ids.len() * inner.block_bytes;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    if total < (8 << 20) || threads == 1 {
+        sum_all(ids, out);
+    } else {
+        let per = ids.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            for (part, o) in ids.chunks(per).zip(out.chunks_mut(per)) {
+                s.spawn(move || sum_all(part, o));
+            }
+        });
     }
 }
 

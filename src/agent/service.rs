@@ -17,6 +17,8 @@ pub(super) struct Scratch {
     buf: Vec<u8>,
     names: Vec<u64>,
     ids: Vec<u32>,
+    /// The hello asked for NIXL reads.
+    nixl: bool,
 }
 
 /// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB.
@@ -157,8 +159,16 @@ fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: I
     if kind == wire::AUTH_HELLO && inner.key.is_none() {
         return Err(Hs::Refuse(Refusal::AuthFailed, "this service has no key"));
     }
-    if kind != wire::HELLO {
+    if kind != wire::HELLO && kind != wire::NIXL_HELLO {
         return Err(Hs::Refuse(Refusal::BadRequest, "expected a hello"));
+    }
+    scratch.nixl = kind == wire::NIXL_HELLO;
+    #[cfg(feature = "nixl")]
+    let serves_nixl = inner.nixl.is_some();
+    #[cfg(not(feature = "nixl"))]
+    let serves_nixl = false;
+    if scratch.nixl && !serves_nixl {
+        return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve NIXL reads"));
     }
     if len > hello_max {
         return Err(Hs::Refuse(Refusal::TooManyNames, "more names than this service takes in one request"));
@@ -247,6 +257,14 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     let ids = &scratch.ids[..offered];
     let _pinned = Pinned { inner, ids };
     let bb = inner.block_bytes;
+    #[cfg(feature = "nixl")]
+    if scratch.nixl {
+        if let Some(nx) = &inner.nixl {
+            let end = Instant::now() + transfer_deadline((offered * bb) as u64);
+            super::nixl::serve(inner, nx, c, ids, end);
+            return;
+        }
+    }
     if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
         Stats::add(&inner.stats.serve_aborted, 1);
         return;

@@ -70,6 +70,12 @@ pub struct AgentStats {
     pub blocks_fetched: u64,
     /// Their bytes.
     pub bytes_fetched: u64,
+    /// Refused: the destination asked for a transport this service lacks (NIXL).
+    pub refused_unsupported: u64,
+    /// Destination blocks a NIXL fetch withheld (a READ not proven stopped when it ended).
+    pub blocks_withheld: u64,
+    /// Withheld blocks handed back to the runtime (`BlockHolder::returned`).
+    pub blocks_returned: u64,
 }
 
 macro_rules! stats {
@@ -93,7 +99,8 @@ stats! {
     serving_now, fetches_submitted, fetches_ok, fetch_failed_connect, fetch_failed_timeout,
     fetch_failed_refused, fetch_failed_fingerprint_mismatch, fetch_failed_corrupt,
     fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
-    fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched,
+    fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
+    blocks_withheld, blocks_returned,
 }
 
 impl Stats {
@@ -111,6 +118,7 @@ impl Stats {
             Refusal::AuthFailed => &self.refused_auth_failed,
             Refusal::TooManyNames => &self.refused_too_many_names,
             Refusal::Internal => &self.refused_internal,
+            Refusal::Unsupported => &self.refused_unsupported,
         }
     }
     /// The counter of fetch failure `r`.
@@ -159,6 +167,12 @@ impl Stats {
             ("handshake_timeouts", "Connections closed before a valid first message.", s.handshake_timeouts),
             ("serve_aborted", "Served transfers that stopped early.", s.serve_aborted),
             ("fetches_submitted", "Fetches submitted.", s.fetches_submitted),
+            (
+                "blocks_withheld",
+                "Destination blocks withheld while a NIXL READ could not be proven stopped.",
+                s.blocks_withheld,
+            ),
+            ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
         ] {
             let _ =
                 writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter\n{p}_{name}_total {v}");

@@ -12,7 +12,11 @@
 //!   pinned), 4 zero bytes, `block_bytes` (u64);
 //! - `BLOCK` (6, source -> destination): name (u64), the checksum recorded when the block
 //!   became reusable (u64), then exactly `block_bytes` bytes; one per offered block, in order;
-//! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text.
+//! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text;
+//! - with the NIXL transport (feature `nixl`, [`super::nixl`]): `NIXL_HELLO` (8, destination ->
+//!   source, the payload of a `HELLO`: the destination READs the blocks itself), `NIXL_OFFER`
+//!   (9, source -> destination: where the pinned blocks lie, with their recorded checksums) and
+//!   `DONE` (10, destination -> source: how many blocks it took, u64; the source unpins them).
 //!
 //! Limits on every read: a control frame at most [`MAX_CONTROL`] bytes, a hello at most
 //! `12 + 36 + 8 * max_names`, a block frame exactly `16 + block_bytes`; every read and write has
@@ -42,6 +46,12 @@ pub const OFFER: u8 = 5;
 pub const BLOCK: u8 = 6;
 /// Frame kind: a refusal with its reason.
 pub const REFUSE: u8 = 7;
+/// Frame kind: a hello asking for blocks in place (NIXL READs).
+pub const NIXL_HELLO: u8 = 8;
+/// Frame kind: where the pinned blocks lie, for NIXL READs.
+pub const NIXL_OFFER: u8 = 9;
+/// Frame kind: the reader took this many blocks (NIXL).
+pub const DONE: u8 = 10;
 
 /// Largest control frame other than a hello.
 pub const MAX_CONTROL: usize = 512;
@@ -68,11 +78,14 @@ pub enum Refusal {
     TooManyNames = 7,
     /// The runtime's pin callback answered something impossible.
     Internal = 8,
+    /// The destination asked for a transport this service does not serve (NIXL reads from a
+    /// service without NIXL).
+    Unsupported = 9,
 }
 
 impl Refusal {
     /// Every refusal.
-    pub const ALL: [Refusal; 8] = [
+    pub const ALL: [Refusal; 9] = [
         Refusal::PeerNotAllowed,
         Refusal::Busy,
         Refusal::PerPeerLimit,
@@ -81,6 +94,7 @@ impl Refusal {
         Refusal::AuthFailed,
         Refusal::TooManyNames,
         Refusal::Internal,
+        Refusal::Unsupported,
     ];
 
     /// The label.
@@ -94,6 +108,7 @@ impl Refusal {
             Refusal::AuthFailed => "auth_failed",
             Refusal::TooManyNames => "too_many_names",
             Refusal::Internal => "internal",
+            Refusal::Unsupported => "unsupported",
         }
     }
 

@@ -11,7 +11,7 @@ use super::status::kvrelay_status::{self, *};
 use super::types::kvrelay_str;
 use crate::agent::{
     Agent, AgentConfig, AgentError, AgentStats, BlockHolder, FailReason, Fetch, FetchRequest, FetchResult, Fingerprint,
-    Limits, PeerAllow, Psk,
+    Limits, PeerAllow, Psk, Transport,
 };
 
 /// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -110,6 +110,10 @@ pub struct kvrelay_agent_config {
 /// - `unpin(user_data, ids, k)`: release blocks pinned by `pin` (each exactly once).
 /// - `destroy(user_data)` (may be NULL): called once when the agent is freed, after its last use
 ///   of the holder, or when `kvrelay_agent_new` fails.
+/// - `returned(user_data, ids, k)` (may be NULL over TCP; needed with NIXL): destination blocks
+///   a fetch withheld (`kvrelay_fetch_result.withheld`) are free again, no transfer can write
+///   them any more. Runs on a fetch worker, or in `kvrelay_agent_free`. Without it withheld
+///   blocks stay out of the runtime's pool for good (counted in `blocks_withheld`).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct kvrelay_block_holder {
@@ -122,6 +126,8 @@ pub struct kvrelay_block_holder {
     pub unpin: Option<unsafe extern "C" fn(user_data: *mut c_void, ids: *const u32, n: usize)>,
     /// Release `user_data`.
     pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+    /// Withheld destination blocks are free again.
+    pub returned: Option<unsafe extern "C" fn(user_data: *mut c_void, ids: *const u32, n: usize)>,
 }
 
 struct CHolder(kvrelay_block_holder);
@@ -152,6 +158,12 @@ impl BlockHolder for CHolder {
     }
     fn unpin(&self, ids: &[u32]) {
         if let Some(f) = self.0.unpin {
+            // SAFETY: the consumer's callback; `ids` is a live slice for the call's duration.
+            unsafe { f(self.0.user_data, ids.as_ptr(), ids.len()) }
+        }
+    }
+    fn returned(&self, ids: &[u32]) {
+        if let Some(f) = self.0.returned {
             // SAFETY: the consumer's callback; `ids` is a live slice for the call's duration.
             unsafe { f(self.0.user_data, ids.as_ptr(), ids.len()) }
         }
@@ -212,6 +224,10 @@ pub struct kvrelay_fetch_result {
     pub bytes: u64,
     /// Seconds from submission to completion.
     pub seconds: f64,
+    /// Destination blocks after the verified ones that the agent still holds (NIXL only: a
+    /// READ into them could not be proven stopped): `dst_blocks[blocks..blocks + withheld]`
+    /// must not be reused until the holder's `returned` hands them back. 0 over TCP.
+    pub withheld: usize,
 }
 
 impl From<&FetchResult> for kvrelay_fetch_result {
@@ -221,6 +237,7 @@ impl From<&FetchResult> for kvrelay_fetch_result {
             blocks: r.blocks,
             bytes: r.bytes,
             seconds: r.seconds,
+            withheld: r.withheld,
         }
     }
 }
@@ -335,6 +352,44 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_listen(
         // SAFETY: forwarded contract.
         let (c, a) = unsafe { (input_mut(config)?, text(addr.cast(), len)?) };
         c.inner.listen = if a.is_empty() { None } else { Some(a.to_string()) };
+        Ok(())
+    })
+}
+
+/// How block bytes move: `tcp` (the default) or `nixl` (NIXL over UCX, straight between the
+/// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL).
+/// `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
+/// by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
+/// library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.
+///
+/// # Safety
+/// `config` NULL or live; `transport` readable for `transport_len` bytes, `lib_dir` for
+/// `lib_dir_len`.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_transport(
+    config: *mut kvrelay_agent_config,
+    transport: *const c_char,
+    transport_len: usize,
+    lib_dir: *const c_char,
+    lib_dir_len: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (c, t, d) =
+            unsafe { (input_mut(config)?, text(transport.cast(), transport_len)?, text(lib_dir.cast(), lib_dir_len)?) };
+        c.inner.transport = match t {
+            "tcp" => Transport::Tcp,
+            "nixl" if cfg!(feature = "nixl") => {
+                Transport::Nixl { lib_dir: (!d.is_empty()).then(|| std::path::PathBuf::from(d)) }
+            }
+            "nixl" => {
+                return Err(with_detail(
+                    KVRELAY_ERR_UNSUPPORTED,
+                    "this libkvrelay was built without the `nixl` feature",
+                ))
+            }
+            _ => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "transport: tcp or nixl")),
+        };
         Ok(())
     })
 }

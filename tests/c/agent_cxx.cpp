@@ -65,7 +65,7 @@ int main() {
   kvrelay::Agent dest(kvrelay::AgentConfig(fp).listen("").key("the example's shared key"), dst.layout, none);
   kvrelay::Fetch f = dest.fetch(source.endpoint(), names, 1, {5, 6}, 10000);
   auto r = f.wait(20000);
-  CHECK(r && r->failure == KVRELAY_FETCH_OK && r->blocks == 2);
+  CHECK(r && r->failure == KVRELAY_FETCH_OK && r->blocks == 2 && r->withheld == 0);
   for (uint32_t i = 0; i < 2; ++i) {
     CHECK(dst.at(0, 5 + i)[0] == 0x11 + i && dst.at(0, 5 + i)[kKvBlock - 1] == 0x11 + i);
     CHECK(dst.at(1, 5 + i)[7] == 0x21 + i);
@@ -83,6 +83,19 @@ int main() {
     threw = e.status() == KVRELAY_ERR_INVALID_ARGUMENT;
   }
   CHECK(threw);
+  // the transport by name: tcp, or nixl in a build with the `nixl` feature (the CMake package
+  // builds the default features: no NIXL)
+  kvrelay::AgentConfig(fp).transport("tcp");
+  int32_t transport_status = KVRELAY_OK;
+  for (const char *t : {"carrier-pigeon", "nixl"}) {
+    try {
+      kvrelay::AgentConfig(fp).transport(t);
+      transport_status = KVRELAY_OK;
+    } catch (const kvrelay::Error &e) {
+      transport_status = e.status();
+    }
+    CHECK(transport_status == (t[0] == 'c' ? KVRELAY_ERR_INVALID_CONFIG : KVRELAY_ERR_UNSUPPORTED));
+  }
   CHECK(dest.estimate(source.endpoint(), 2) > 0);
   CHECK(source.prometheus().find("kvrelay_kv_agent_refused_total{reason=\"auth_failed\"} 1\n") != std::string::npos);
   std::printf("agent_cxx: %s\n", failures ? "FAILED" : "ok");

@@ -35,7 +35,6 @@
 //!   tests). A staged READ never targets the pool, so it cannot leave anything behind there.
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -89,54 +88,8 @@ pub const REQUEST_BYTES: usize = 64 << 20;
 /// request costs a request setup and a checksum kernel call, so fewer, larger ones.
 pub const REQUEST_BYTES_GPU: usize = 256 << 20;
 
-/// Every C entry point of `libnixl_capi.so` that `nixl-sys` 1.5.1 may call, one per line (its
-/// stubs resolve each on first use and abort the process when one is missing, so all are
-/// checked at startup).
-const ENTRY_POINTS: &str = include_str!("nixl_entry_points.txt");
-
-/// Open `libnixl_capi.so` (from `dir` when given) and check its entry points. The library
-/// stays loaded for the life of the process; `nixl-sys` then finds it by its soname.
-pub fn load_library(dir: Option<&std::path::Path>) -> Result<(), String> {
-    let path = match dir {
-        Some(d) => d.join("libnixl_capi.so"),
-        None => "libnixl_capi.so".into(),
-    };
-    let c = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "--nixl-lib-dir holds a NUL byte")?;
-    // SAFETY: `c` is a NUL-terminated path; dlopen has no other precondition. Loading runs the
-    // library's initializers, which is what using it means.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if h.is_null() {
-        return Err(format!(
-            "--kv-transport nixl: cannot load {}: {} (install the NIXL libraries, e.g. the nixl-cu13 1.5.1 wheel, and \
-             pass their folder with --nixl-lib-dir or LD_LIBRARY_PATH)",
-            path.display(),
-            dlerror()
-        ));
-    }
-    for name in ENTRY_POINTS.lines().filter(|l| !l.is_empty()) {
-        let c = CString::new(name).expect("no NUL");
-        // SAFETY: `h` is a live handle from dlopen (never closed); `c` is NUL-terminated.
-        if unsafe { libc::dlsym(h, c.as_ptr()) }.is_null() {
-            return Err(format!(
-                "--kv-transport nixl: {} lacks `{name}`: a NIXL C API other than 1.5.1 (the version this server was \
-                 built against)",
-                path.display()
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn dlerror() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl call on
-    // this thread; it is copied at once.
-    let e = unsafe { libc::dlerror() };
-    if e.is_null() {
-        return "unknown error".into();
-    }
-    // SAFETY: non-NULL, NUL-terminated (above).
-    unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
-}
+/// Open and check `libnixl_capi.so` (the library's own loader, shared with the KV agent).
+pub use kvrelay::agent::nixl::load_library;
 
 /// Bytes of a staging slot (rounded down to whole blocks, at least one).
 pub const SLOT_BYTES: usize = 64 << 20;

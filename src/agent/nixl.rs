@@ -1,0 +1,711 @@
+//! The agent's NIXL transport (cargo feature `nixl`, [`super::Transport::Nixl`]): block bytes
+//! move with NIXL over UCX (RDMA, CUDA IPC, CMA, TCP: whatever UCX finds between the two
+//! instances), straight from the source's pool into the destination's blocks; control (the
+//! handshake, authentication included, the offer, the end) stays on the agent's TCP connection.
+//!
+//! - **Start.** [`load_library`] opens `libnixl_capi.so` (from the configured folder, else the
+//!   loader's search path) and checks every entry point `nixl-sys` may call, so a missing or
+//!   mismatched library fails [`super::Agent::new`] with a message, never a transfer. One NIXL
+//!   agent with the UCX backend then registers the pool once: the extents of its segments,
+//!   merged where they touch or overlap (host memory as DRAM, a device pool as VRAM of its
+//!   device). Nothing is registered per fetch.
+//! - **A fetch.** The destination sends `NIXL_HELLO` (the hello's payload). The source pins the
+//!   leading run it holds, as over TCP, and answers `NIXL_OFFER`: its NIXL agent's name and
+//!   metadata (loaded once per source agent and kept), its segment table, and for each offered
+//!   block its id and the checksum recorded when it became reusable. The destination checks
+//!   the offer against its own layout (the same segment sizes; ids inside the source's pool),
+//!   posts READs from the source's blocks into its destination blocks, in requests of
+//!   [`REQUEST_BYTES`] ([`REQUEST_BYTES_GPU`] into GPU memory), all posted at once, then request
+//!   by request in order sums each block where it landed (host memory in place, GPU memory with
+//!   the checksum kernel) and counts it verified when the sum matches. The first mismatch
+//!   stops the fetch (`corrupt`). `DONE` tells the source how many blocks were taken; it then
+//!   unpins them (or after its transfer deadline, when no `DONE` comes).
+//! - **When a fetch ends early** (failure, cancel, deadline) with READs still posted, each gets
+//!   [`GRACE`] to finish or fail. One that still runs cannot be proven stopped, so the
+//!   destination blocks after the verified ones are **withheld**: the completion reports them
+//!   (`FetchResult::withheld`), the runtime must not reuse them, and the agent hands them back
+//!   through [`super::BlockHolder::returned`] once their READs are over (checked by the fetch
+//!   workers every 50 ms, and at shutdown after the NIXL agent is gone), counted in
+//!   `blocks_withheld` and `blocks_returned`. Nothing is lost and nothing is reused under a write.
+//! - **Staged transfers** (a GPU pool read through pinned host slots) are not part of the agent:
+//!   UCX moves VRAM itself (CUDA IPC on one host, GPUDirect RDMA across hosts).
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
+use nixl_sys::{XferRequest, XferStatus};
+
+use super::wire::{self, Conn};
+use super::{FailReason, Inner, Stats};
+use crate::copy::KvLayout;
+
+/// Bytes per NIXL request into host memory: the READs of a run are cut into requests of about
+/// this size, all posted at once, verified in order while the later ones are in flight.
+pub const REQUEST_BYTES: usize = 64 << 20;
+/// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
+/// a setup and a checksum kernel launch, so fewer, larger ones.
+pub const REQUEST_BYTES_GPU: usize = 256 << 20;
+/// Time a READ still posted when its fetch ends has to finish or fail before its destination
+/// blocks are withheld.
+pub const GRACE: Duration = Duration::from_secs(1);
+/// Largest NIXL agent metadata an offer may carry.
+pub const MAX_METADATA: usize = 1 << 20;
+
+/// Every C entry point of `libnixl_capi.so` that `nixl-sys` 1.5.1 may call, one per line (its
+/// stubs resolve each on first use and abort the process when one is missing, so all are
+/// checked before the first call).
+const ENTRY_POINTS: &str = include_str!("nixl_entry_points.txt");
+
+/// Open `libnixl_capi.so` (from `dir` when given, else the loader's search path) and check its
+/// entry points. The library stays loaded for the life of the process; `nixl-sys` then finds it
+/// by its soname. Called by [`super::Agent::new`]; cheap after the first time.
+pub fn load_library(dir: Option<&std::path::Path>) -> Result<(), String> {
+    let path = match dir {
+        Some(d) => d.join("libnixl_capi.so"),
+        None => "libnixl_capi.so".into(),
+    };
+    let c = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| "the NIXL library folder holds a NUL byte")?;
+    // SAFETY: `c` is a NUL-terminated path; dlopen has no other precondition. Loading runs the
+    // library's initializers, which is what using it means.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if h.is_null() {
+        return Err(format!(
+            "NIXL: cannot load {}: {} (install the NIXL libraries, e.g. with scripts/nixl-env.sh, and name their \
+             folder or put it on LD_LIBRARY_PATH)",
+            path.display(),
+            dlerror()
+        ));
+    }
+    for name in ENTRY_POINTS.lines().filter(|l| !l.is_empty()) {
+        let c = CString::new(name).map_err(|_| "an entry point name with a NUL byte")?;
+        // SAFETY: `h` is a live handle from dlopen (never closed); `c` is NUL-terminated.
+        if unsafe { libc::dlsym(h, c.as_ptr()) }.is_null() {
+            return Err(format!(
+                "NIXL: {} lacks `{name}`: a NIXL C API other than 1.5.1 (the version kvrelay was built against)",
+                path.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn dlerror() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl call on
+    // this thread; it is copied at once.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        return "unknown error".into();
+    }
+    // SAFETY: non-NULL, NUL-terminated (above).
+    unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
+}
+
+/// NIXL's memory type and device id of memory on `device` (`None`: host memory).
+fn kind_of(device: Option<i32>) -> (MemType, u64) {
+    match device {
+        Some(d) => (MemType::Vram, d as u64),
+        None => (MemType::Dram, 0),
+    }
+}
+
+/// A memory extent to register.
+#[derive(Debug)]
+struct Extent {
+    base: u64,
+    len: usize,
+    device: Option<i32>,
+}
+
+impl MemoryRegion for Extent {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.base as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Extent {
+    fn mem_type(&self) -> MemType {
+        kind_of(self.device).0
+    }
+    fn device_id(&self) -> u64 {
+        kind_of(self.device).1
+    }
+}
+
+/// The extents of `layout`'s segments, merged where they touch or overlap, as `(base, len)`.
+pub(super) fn extents(layout: &KvLayout) -> Vec<(u64, u64)> {
+    let n = u64::from(layout.num_blocks());
+    let mut v: Vec<(u64, u64)> =
+        layout.segments().iter().map(|s| (s.base, s.base + s.block_stride * (n - 1) + s.bytes_per_block)).collect();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out.into_iter().map(|(a, b)| (a, b - a)).collect()
+}
+
+/// Destination blocks whose READs could not be proven stopped, with those READs.
+struct Withheld {
+    reqs: Vec<XferRequest>,
+    ids: Vec<u32>,
+}
+
+/// This instance's NIXL agent with its pool registered.
+pub(super) struct Nixl {
+    // Field order is drop order: the withheld requests and the registrations go before the
+    // agent (each also keeps the agent's inner state alive until it is gone).
+    withheld: Mutex<Vec<Withheld>>,
+    _registrations: Vec<RegistrationHandle>,
+    agent: nixl_sys::Agent,
+    name: String,
+    metadata: Vec<u8>,
+    device: Option<i32>,
+    /// Remote agents whose metadata is loaded, with that metadata.
+    loaded: Mutex<HashMap<String, Vec<u8>>>,
+}
+
+impl Nixl {
+    /// Load the library, create a NIXL agent with the UCX backend and register `layout`'s pool.
+    ///
+    /// # Safety
+    /// As [`super::Agent::new`]: the layout's blocks are memory of `device` (host memory when
+    /// `None`), valid for the agent's life.
+    pub(super) unsafe fn new(
+        layout: &KvLayout,
+        device: Option<i32>,
+        lib_dir: Option<&std::path::Path>,
+    ) -> Result<Nixl, String> {
+        load_library(lib_dir)?;
+        let name = format!(
+            "kvrelay-{}-{:x}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+        );
+        // no progress or listen thread: metadata travels on the agent's own connection, and
+        // the fetch workers drive their requests by polling
+        let cfg = nixl_sys::AgentConfig {
+            thread_sync: ThreadSync::Strict,
+            enable_listen_thread: false,
+            ..Default::default()
+        };
+        let agent = nixl_sys::Agent::new_configured(&name, &cfg).map_err(|e| format!("NIXL agent: {e:?}"))?;
+        let (_, params) = agent
+            .get_plugin_params("UCX")
+            .map_err(|e| format!("NIXL: no UCX plugin ({e:?}); are the NIXL plugins beside libnixl.so?"))?;
+        agent.create_backend("UCX", &params).map_err(|e| format!("NIXL: the UCX backend did not start: {e:?}"))?;
+        let mut registrations = Vec::new();
+        for (base, len) in extents(layout) {
+            let len = usize::try_from(len).map_err(|_| "a pool extent larger than the address space")?;
+            let r = agent
+                .register_memory(&Extent { base, len, device }, None)
+                .map_err(|e| format!("NIXL: registering the KV pool ({len} bytes, {:?}): {e:?}", kind_of(device).0))?;
+            registrations.push(r);
+        }
+        let metadata = agent.get_local_md().map_err(|e| format!("NIXL: local metadata: {e:?}"))?;
+        if metadata.len() > MAX_METADATA {
+            return Err(format!("NIXL: local metadata of {} bytes (at most {MAX_METADATA})", metadata.len()));
+        }
+        Ok(Nixl {
+            withheld: Mutex::new(Vec::new()),
+            _registrations: registrations,
+            agent,
+            name,
+            metadata,
+            device,
+            loaded: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Load the metadata of source agent `name` unless the same is loaded already.
+    fn ensure_remote(&self, name: &str, md: &[u8]) -> Result<(), Failure> {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if loaded.get(name).is_some_and(|m| m == md) {
+            return Ok(());
+        }
+        if loaded.remove(name).is_some() {
+            let _ = self.agent.invalidate_remote_md(name);
+        }
+        let got = self
+            .agent
+            .load_remote_md(md)
+            .map_err(|e| (FailReason::Connect, format!("NIXL: the source's metadata: {e:?}")))?;
+        if got != name {
+            let _ = self.agent.invalidate_remote_md(&got);
+            return Err((FailReason::Corrupt, "the source's NIXL metadata names another agent".into()));
+        }
+        loaded.insert(got, md.to_vec());
+        Ok(())
+    }
+
+    /// Forget a source agent after a failure (the next fetch loads it afresh).
+    fn forget_remote(&self, name: &str) {
+        if self.loaded.lock().unwrap_or_else(|e| e.into_inner()).remove(name).is_some() {
+            let _ = self.agent.invalidate_remote_md(name);
+        }
+    }
+
+    /// Whether blocks are withheld now.
+    pub(super) fn has_withheld(&self) -> bool {
+        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    /// Hand back every withheld run whose READs are all over (done or failed). Cheap when none.
+    pub(super) fn reap(&self, inner: &Inner) {
+        let done: Vec<Withheld> = {
+            let mut w = self.withheld.lock().unwrap_or_else(|e| e.into_inner());
+            if w.is_empty() {
+                return;
+            }
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < w.len() {
+                let over =
+                    w[i].reqs.iter().all(|r| !matches!(self.agent.get_xfer_status(r), Ok(XferStatus::InProgress)));
+                if over {
+                    done.push(w.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            done
+        };
+        for d in done {
+            drop(d.reqs);
+            give_back(inner, &d.ids);
+        }
+    }
+
+    /// Tear the NIXL agent down (at the agent's shutdown, after every thread stopped) and return
+    /// the ids of blocks still withheld: with the UCX backend gone nothing writes into them.
+    pub(super) fn teardown(self) -> Vec<u32> {
+        let withheld = std::mem::take(&mut *self.withheld.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut ids = Vec::new();
+        let mut reqs = Vec::new();
+        for w in withheld {
+            ids.extend_from_slice(&w.ids);
+            reqs.extend(w.reqs);
+        }
+        drop(reqs);
+        drop(self);
+        ids
+    }
+}
+
+/// Return withheld blocks to the runtime, counted.
+pub(super) fn give_back(inner: &Inner, ids: &[u32]) {
+    if ids.is_empty() {
+        return;
+    }
+    inner.holder.returned(ids);
+    Stats::add(&inner.stats.blocks_returned, ids.len() as u64);
+}
+
+type Failure = (FailReason, String);
+
+/// An offer of blocks in place: `count` blocks of `block_bytes`; the source's NIXL agent; its
+/// segments `(base, stride, bytes)`; its pool's block count, device, and per block
+/// `(id, recorded checksum)`.
+#[derive(Debug, Default, PartialEq)]
+pub struct InPlaceOffer {
+    /// The source's NIXL agent name.
+    pub agent: String,
+    /// Its metadata.
+    pub metadata: Vec<u8>,
+    /// Bytes of one block.
+    pub block_bytes: u64,
+    /// The source's CUDA device (`None`: host memory).
+    pub device: Option<i32>,
+    /// Blocks in the source's pool.
+    pub num_blocks: u32,
+    /// The source's segments: base, stride, bytes per block.
+    pub segments: Vec<(u64, u64, u64)>,
+    /// Offered blocks: id in the source's pool, recorded checksum.
+    pub blocks: Vec<(u32, u64)>,
+}
+
+/// Fixed part of an encoded offer.
+const OFFER_HEAD: usize = 36;
+
+/// Encode an offer: count u32, segment count u32, block bytes u64, device i32 (-1: host), the
+/// source's block count u32, agent-name length u32, metadata length u32, 4 zero bytes; then per
+/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32 and
+/// checksum u64.
+pub fn encode_offer(o: &InPlaceOffer) -> Vec<u8> {
+    let mut p =
+        Vec::with_capacity(OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + 12 * o.blocks.len());
+    p.extend_from_slice(&(o.blocks.len() as u32).to_le_bytes());
+    p.extend_from_slice(&(o.segments.len() as u32).to_le_bytes());
+    p.extend_from_slice(&o.block_bytes.to_le_bytes());
+    p.extend_from_slice(&o.device.unwrap_or(-1).to_le_bytes());
+    p.extend_from_slice(&o.num_blocks.to_le_bytes());
+    p.extend_from_slice(&(o.agent.len() as u32).to_le_bytes());
+    p.extend_from_slice(&(o.metadata.len() as u32).to_le_bytes());
+    p.extend_from_slice(&[0u8; 4]);
+    for &(b, s, n) in &o.segments {
+        for v in [b, s, n] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    p.extend_from_slice(o.agent.as_bytes());
+    p.extend_from_slice(&o.metadata);
+    for &(id, sum) in &o.blocks {
+        p.extend_from_slice(&id.to_le_bytes());
+        p.extend_from_slice(&sum.to_le_bytes());
+    }
+    p
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Decode an offer; `None` when it does not decode exactly.
+pub fn decode_offer(p: &[u8]) -> Option<InPlaceOffer> {
+    if p.len() < OFFER_HEAD || p[32..36] != [0; 4] {
+        return None;
+    }
+    let count = u32_at(p, 0) as usize;
+    let nseg = u32_at(p, 4) as usize;
+    let device = i32::from_le_bytes(p[16..20].try_into().ok()?);
+    let (name_len, md_len) = (u32_at(p, 24) as usize, u32_at(p, 28) as usize);
+    if nseg == 0 || nseg > 1 << 16 || name_len > 255 || md_len > MAX_METADATA || device < -1 {
+        return None;
+    }
+    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(12)?;
+    if p.len() != need {
+        return None;
+    }
+    let mut at = OFFER_HEAD;
+    let mut segments = Vec::with_capacity(nseg);
+    for _ in 0..nseg {
+        segments.push((wire::u64_at(p, at), wire::u64_at(p, at + 8), wire::u64_at(p, at + 16)));
+        at += 24;
+    }
+    let agent = std::str::from_utf8(&p[at..at + name_len]).ok()?.to_string();
+    at += name_len;
+    let metadata = p[at..at + md_len].to_vec();
+    at += md_len;
+    let blocks = (0..count).map(|i| (u32_at(p, at + 12 * i), wire::u64_at(p, at + 12 * i + 4))).collect();
+    Some(InPlaceOffer {
+        agent,
+        metadata,
+        block_bytes: wire::u64_at(p, 8),
+        device: (device >= 0).then_some(device),
+        num_blocks: u32_at(p, 20),
+        segments,
+        blocks,
+    })
+}
+
+/// The largest offer a destination reads for `asked` names over `nseg` segments.
+pub(super) fn max_offer(asked: usize, nseg: usize) -> usize {
+    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + 12 * asked
+}
+
+/// Serve pinned blocks `ids` in place: offer them, then wait for the reader's `DONE` (at most
+/// `end`). The blocks stay pinned until this returns.
+pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) {
+    let layout = &inner.layout;
+    let offer = InPlaceOffer {
+        agent: nx.name.clone(),
+        metadata: nx.metadata.clone(),
+        block_bytes: inner.block_bytes as u64,
+        device: nx.device,
+        num_blocks: layout.num_blocks(),
+        segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
+        blocks: ids
+            .iter()
+            .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
+            .collect(),
+    };
+    if wire::write_frame(c, wire::NIXL_OFFER, &encode_offer(&offer), inner.io_deadline()).is_err() {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return;
+    }
+    if ids.is_empty() {
+        return;
+    }
+    // the reader READs at its own pace; its DONE (or the transfer deadline) ends the pin
+    let mut done = [0u8; 8];
+    let got = wire::read_header(c, wire::MAX_CONTROL, end)
+        .ok()
+        .filter(|&(k, len)| k == wire::DONE && len == 8)
+        .and_then(|_| c.read_by(&mut done, end).ok());
+    match got {
+        Some(()) => {
+            let n = u64::from_le_bytes(done).min(ids.len() as u64);
+            Stats::add(&inner.stats.blocks_sent, n);
+            Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
+        }
+        None => Stats::add(&inner.stats.serve_aborted, 1),
+    }
+}
+
+/// A posted READ of blocks `range` of the offer.
+struct Pending {
+    range: std::ops::Range<usize>,
+    req: XferRequest,
+    /// Posted and not seen finished (successfully or not).
+    in_flight: bool,
+}
+
+fn nixl_err(what: &str, e: nixl_sys::NixlError) -> Failure {
+    (FailReason::Truncated, format!("NIXL {what}: {e:?}"))
+}
+
+/// Wait for `p` until `deadline` (spin briefly, then poll every 20 us); `stopped` is checked
+/// between polls.
+fn wait(
+    nx: &Nixl,
+    p: &mut Pending,
+    deadline: Instant,
+    stopped: &dyn Fn() -> Result<(), Failure>,
+) -> Result<(), Failure> {
+    let mut spins = 0u32;
+    while p.in_flight {
+        match nx.agent.get_xfer_status(&p.req) {
+            Ok(XferStatus::Success) => p.in_flight = false,
+            Ok(XferStatus::InProgress) => {
+                if Instant::now() >= deadline {
+                    return Err((FailReason::Timeout, "a NIXL READ ran past the deadline".into()));
+                }
+                stopped()?;
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+            Err(e) => {
+                p.in_flight = false; // finished, with an error
+                return Err(nixl_err("READ", e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fetch over NIXL after the handshake: `asked` names went out in a `NIXL_HELLO` on `c`. Reads
+/// the offer, READs the blocks into `dst`, verifies them in order; `blocks` grows with the
+/// verified count, `first` is set at the first verified block.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pull(
+    inner: &Inner,
+    nx: &Nixl,
+    c: &mut dyn Conn,
+    asked: &[u64],
+    dst: &[u32],
+    deadline: Instant,
+    stopped: &dyn Fn() -> Result<(), Failure>,
+    blocks: &mut usize,
+    first: &mut Option<Instant>,
+    withheld: &mut usize,
+) -> Result<(), Failure> {
+    let layout = &inner.layout;
+    let by = || inner.io_deadline().min(deadline);
+    let max = max_offer(asked.len(), layout.segments().len());
+    let (kind, len) = wire::read_header(c, max, by()).map_err(|e| super::fetch::frame_fail(e, "the offer"))?;
+    let mut buf = vec![0u8; len];
+    c.read_by(&mut buf, by()).map_err(|e| super::fetch::io_fail(&e, "the offer"))?;
+    if kind == wire::REFUSE {
+        return Err(super::fetch::refusal(&buf));
+    }
+    let offer = match (kind, decode_offer(&buf)) {
+        (wire::NIXL_OFFER, Some(o)) => o,
+        _ => return Err((FailReason::Corrupt, "expected an in-place offer".into())),
+    };
+    let count = offer.blocks.len();
+    if count > asked.len() || offer.block_bytes != inner.block_bytes as u64 {
+        return Err((FailReason::Corrupt, "the offer does not match the request".into()));
+    }
+    let mine = layout.segments();
+    if offer.segments.len() != mine.len() || offer.segments.iter().zip(mine).any(|(o, m)| o.2 != m.bytes_per_block) {
+        return Err((FailReason::FingerprintMismatch, "the two pools cut a block into other segments".into()));
+    }
+    // with ids below `num_blocks`, no address computed from the source's table overflows
+    let spans_ok = offer.segments.iter().all(|&(base, stride, len)| {
+        stride
+            .checked_mul(u64::from(offer.num_blocks.saturating_sub(1)))
+            .and_then(|x| x.checked_add(len))
+            .and_then(|x| x.checked_add(base))
+            .is_some()
+    });
+    if offer.num_blocks == 0 || !spans_ok {
+        return Err((FailReason::Corrupt, "the offer's segment table does not describe a pool".into()));
+    }
+    if let Some(&(id, _)) = offer.blocks.iter().find(|&&(id, _)| id >= offer.num_blocks) {
+        return Err((FailReason::Corrupt, format!("the offer names block {id}, past the source's pool")));
+    }
+    let done = |c: &mut dyn Conn, n: usize| {
+        let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
+    };
+    if count == 0 {
+        done(c, 0);
+        return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+    }
+    if let Err(e) = nx.ensure_remote(&offer.agent, &offer.metadata) {
+        done(c, 0);
+        return Err(e);
+    }
+    let mut reqs = Vec::new();
+    let r = read_into(inner, nx, &offer, dst, deadline, stopped, blocks, first, &mut reqs);
+    if r.is_err() {
+        nx.forget_remote(&offer.agent);
+    }
+    // every READ must be over before the blocks after the verified ones go back
+    let grace = Instant::now() + GRACE;
+    let mut running = false;
+    for p in reqs.iter_mut().filter(|p| p.in_flight) {
+        let _ = wait(nx, p, grace, &|| Ok(()));
+        running |= p.in_flight;
+    }
+    if running {
+        let ids = dst[*blocks..count].to_vec();
+        *withheld = ids.len();
+        Stats::add(&inner.stats.blocks_withheld, ids.len() as u64);
+        let reqs = reqs.into_iter().map(|p| p.req).collect();
+        nx.withheld.lock().unwrap_or_else(|e| e.into_inner()).push(Withheld { reqs, ids });
+    }
+    done(c, *blocks);
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn read_into(
+    inner: &Inner,
+    nx: &Nixl,
+    offer: &InPlaceOffer,
+    dst: &[u32],
+    deadline: Instant,
+    stopped: &dyn Fn() -> Result<(), Failure>,
+    blocks: &mut usize,
+    first: &mut Option<Instant>,
+    reqs: &mut Vec<Pending>,
+) -> Result<(), Failure> {
+    let bb = inner.block_bytes;
+    let count = offer.blocks.len();
+    let per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
+    let (lk, ld) = kind_of(nx.device);
+    let (rk, rd) = kind_of(offer.device);
+    let segs = inner.layout.segments();
+    // post every request first: UCX moves them while the earlier ones are verified
+    for start in (0..count).step_by(per) {
+        let end = (start + per).min(count);
+        let mut local = XferDescList::new(lk).map_err(|e| nixl_err("descriptor list", e))?;
+        let mut far = XferDescList::new(rk).map_err(|e| nixl_err("descriptor list", e))?;
+        for (&(src, _), &d) in offer.blocks[start..end].iter().zip(&dst[start..end]) {
+            let (src, d) = (u64::from(src), u64::from(d));
+            for (s, &(rbase, rstride, len)) in segs.iter().zip(&offer.segments) {
+                local.add_desc((s.base + d * s.block_stride) as usize, len as usize, ld);
+                far.add_desc((rbase + src * rstride) as usize, len as usize, rd);
+            }
+        }
+        let req = nx
+            .agent
+            .create_xfer_req(XferOp::Read, &local, &far, &offer.agent, None)
+            .map_err(|e| nixl_err("transfer request", e))?;
+        let mut p = Pending { range: start..end, req, in_flight: true };
+        let posted = nx.agent.post_xfer_req(&p.req, None);
+        match posted {
+            Ok(in_flight) => {
+                p.in_flight = in_flight;
+                reqs.push(p);
+            }
+            Err(e) => {
+                // a request that failed to post moves nothing
+                p.in_flight = false;
+                reqs.push(p);
+                return Err(nixl_err("posting a READ", e));
+            }
+        }
+    }
+    let device_pool = nx.device.is_some();
+    let mut mover = if device_pool {
+        // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover only reads
+        // this fetch's destination blocks (the checksum kernel).
+        Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?)
+    } else {
+        None
+    };
+    let mut sums = Vec::new();
+    let r = (|| {
+        for p in reqs.iter_mut() {
+            wait(nx, p, deadline, stopped)?;
+            let ids = &dst[p.range.clone()];
+            sums.clear();
+            sums.resize(ids.len(), 0);
+            match mover.as_mut() {
+                Some(m) => m.device_checksums(ids, &mut sums).map_err(|e| (FailReason::Corrupt, e))?,
+                None => super::sum_host(inner, ids, &mut sums),
+            }
+            for (j, i) in p.range.clone().enumerate() {
+                if sums[j] != offer.blocks[i].1 {
+                    return Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")));
+                }
+                inner.sums.set(ids[j], sums[j]);
+                first.get_or_insert_with(Instant::now);
+                *blocks = i + 1;
+            }
+        }
+        Ok(())
+    })();
+    if let Some(m) = mover {
+        // the checksum kernel waited for its own stream inside: nothing of it is in flight
+        inner.movers.put(m);
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_round_trip_and_garbage_is_refused() {
+        let o = InPlaceOffer {
+            agent: "a".into(),
+            metadata: vec![1, 2, 3],
+            block_bytes: 4096,
+            device: Some(0),
+            num_blocks: 9,
+            segments: vec![(0x1000, 4096, 2048), (0x9000, 4096, 2048)],
+            blocks: vec![(3, 77), (8, 99)],
+        };
+        let p = encode_offer(&o);
+        assert_eq!(decode_offer(&p), Some(o));
+        assert_eq!(decode_offer(&p[..p.len() - 1]), None);
+        let mut bad = p.clone();
+        bad[33] = 1;
+        assert_eq!(decode_offer(&bad), None);
+        let mut bad = p;
+        bad[4] = 0; // no segments
+        assert_eq!(decode_offer(&bad), None);
+    }
+
+    #[test]
+    fn extents_merge_where_segments_touch_or_overlap() {
+        use crate::copy::{KvLayout, Segment};
+        // K and V interleaved in one allocation: one extent
+        let l = KvLayout::new(
+            4,
+            vec![
+                Segment { base: 0x10000, block_stride: 256, bytes_per_block: 128 },
+                Segment { base: 0x10080, block_stride: 256, bytes_per_block: 128 },
+                Segment { base: 0x90000, block_stride: 64, bytes_per_block: 64 },
+            ],
+            &[],
+        )
+        .expect("a valid layout");
+        assert_eq!(extents(&l), vec![(0x10000, 1024), (0x90000, 256)]);
+    }
+}
