@@ -17,6 +17,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "nixl")]
+#[path = "common/bare_nixl.rs"]
+mod bare;
 #[path = "common/loopback.rs"]
 mod loopback;
 use loopback::loopback_copy;
@@ -70,7 +73,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Set in the NIXL source's process.
+const SOURCE_ENV: &str = "KVRELAY_BENCH_AGENT_SOURCE";
+
 fn main() {
+    #[cfg(feature = "nixl")]
+    if let Ok(spec) = std::env::var(bare::PEER_ENV) {
+        bare::peer(&spec);
+        return;
+    }
     let reps: usize =
         std::env::var("KVRELAY_BENCH_REPS").ok().filter(|s| !s.is_empty()).and_then(|s| s.parse().ok()).unwrap_or(10);
     let fp = Fingerprint { block_tokens: 32, layers: LAYERS, kv_heads: 8, head_dim: 128, dtype_bytes: 2, naming: 1 };
@@ -79,26 +90,66 @@ fn main() {
         .filter(|s| !s.is_empty() && s != "cpu")
         .map(|s| s.trim_start_matches("cuda:").parse().expect("KVRELAY_BENCH_DEVICE=cuda:N"));
     let dev = device.map(|d| kvrelay::copy::CudaDevice::open(d).expect("the bench's GPU"));
-    let (_src_mem, src_layout) = pool(dev.as_ref());
-    let (_dst_mem, dst_layout) = pool(dev.as_ref());
+    let nixl = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "nixl");
+    let transport = if nixl {
+        if !cfg!(feature = "nixl") {
+            panic!("KVRELAY_BENCH_TRANSPORT=nixl needs --features nixl");
+        }
+        let lib_dir = std::env::var_os("KVRELAY_NIXL_LIB_DIR").filter(|d| !d.is_empty()).map(Into::into);
+        kvrelay::agent::Transport::Nixl { lib_dir }
+    } else {
+        kvrelay::agent::Transport::Tcp
+    };
+    // with NIXL the source runs in a process of its own (as between two instances: UCX moves
+    // VRAM with CUDA IPC only across processes); over TCP both agents share this one
     let names: Vec<u64> = (1..=u64::from(BLOCKS)).collect();
-    let held = Held(Mutex::new(names.iter().enumerate().map(|(i, &n)| (n, i as u32)).collect()));
-    let mut src_cfg = AgentConfig::new(fp.clone());
-    src_cfg.device = device;
-    // SAFETY: both pools (host or device memory, as configured) live until the end of main,
-    // after the agents are dropped.
-    let src = unsafe { Agent::new(src_cfg, src_layout, Box::new(held)) }.unwrap();
+    let source_role = std::env::var_os(SOURCE_ENV).is_some();
+    let mut child = None;
+    let mut _source = None;
+    let (ep, record) = if nixl && !source_role {
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap())
+            .env(SOURCE_ENV, "1")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(c.stdout.take().unwrap()), &mut line).unwrap();
+        let (ep, rec) = line.trim().split_once(' ').expect("the source process's endpoint and timing");
+        child = Some(c);
+        (ep.to_string(), rec.parse::<f64>().unwrap())
+    } else {
+        let (mem, layout) = pool(dev.as_ref());
+        let held = Held(Mutex::new(names.iter().enumerate().map(|(i, &n)| (n, i as u32)).collect()));
+        let mut src_cfg = AgentConfig::new(fp.clone());
+        src_cfg.device = device;
+        src_cfg.transport = transport.clone();
+        // SAFETY: the pool (host or device memory, as configured) lives in `_source` until the
+        // end of main, and the agent is dropped first (it comes first in the tuple).
+        let src = unsafe { Agent::new(src_cfg, layout, Box::new(held)) }.unwrap();
+        let ids: Vec<u32> = (0..BLOCKS).collect();
+        let t = Instant::now();
+        src.record_checksums(&ids).unwrap();
+        let record = t.elapsed().as_secs_f64();
+        let ep = src.endpoint().unwrap().to_string();
+        _source = Some((src, mem));
+        (ep, record)
+    };
+    if source_role {
+        println!("{ep} {record}");
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        return;
+    }
+    let (_dst_mem, dst_layout) = pool(dev.as_ref());
     let mut cfg = AgentConfig::new(fp);
     cfg.listen = None;
     cfg.device = device;
-    // SAFETY: as above.
+    cfg.transport = transport;
+    // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
     let ids: Vec<u32> = (0..BLOCKS).collect();
-    let t = Instant::now();
-    src.record_checksums(&ids).unwrap();
-    let record = t.elapsed().as_secs_f64();
-    let bytes = BLOCKS as usize * src.block_bytes();
-    let ep = src.endpoint().unwrap().to_string();
+    let bytes = BLOCKS as usize * dst.block_bytes();
     let req = || FetchRequest {
         endpoint: ep.clone(),
         names: names.clone(),
@@ -109,8 +160,16 @@ fn main() {
     // warm-up
     let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
     assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
+    #[cfg(feature = "nixl")]
+    let bare = nixl.then(|| bare::Bare::new(bytes, device, device));
     let (mut agent, mut anchor, mut ratio) = (vec![], vec![], vec![]);
+    #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
+    let mut bare_rates: Vec<f64> = vec![];
     for _ in 0..reps {
+        #[cfg(feature = "nixl")]
+        if let Some(b) = &bare {
+            bare_rates.push(b.read());
+        }
         let a = bytes as f64 / loopback_copy(bytes);
         let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
         assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
@@ -119,7 +178,8 @@ fn main() {
         ratio.push(a / r.seconds);
     }
     let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
-    println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, {pools}, loopback TCP:");
+    let how = if nixl { "NIXL (UCX) from a source process" } else { "loopback TCP" };
+    println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, {pools}, {how}:");
     println!(
         "  agent            median {:.2} GB/s (min {:.2}, max {:.2})",
         median(agent.clone()),
@@ -127,6 +187,17 @@ fn main() {
         agent.iter().cloned().fold(0.0, f64::max)
     );
     println!("  plain TCP copy   median {:.2} GB/s (anchor, same repetitions)", median(anchor));
+    if !bare_rates.is_empty() {
+        let fetch: Vec<f64> = agent.iter().map(|g| g * 1e9).collect();
+        let r: Vec<f64> = fetch.iter().zip(&bare_rates).map(|(f, b)| f / b).collect();
+        println!(
+            "  bare NIXL READ   median {:.2} GB/s (anchor, same repetitions, between two processes); agent / bare READ median {:.0}% (per repetition {:.0}-{:.0}%)",
+            median(bare_rates.clone()) / 1e9,
+            100.0 * median(r.clone()),
+            100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
+            100.0 * r.iter().cloned().fold(0.0, f64::max)
+        );
+    }
     println!(
         "  agent / anchor   median {:.0}% (per repetition {:.0}-{:.0}%)",
         100.0 * median(ratio.clone()),
@@ -161,4 +232,9 @@ fn main() {
         "  submit           {:.2} us per call (8 names, 1 destination block; includes building the request)",
         per * 1e6
     );
+    drop(dst);
+    if let Some(mut c) = child {
+        drop(c.stdin.take()); // the source process ends at EOF
+        let _ = c.wait();
+    }
 }

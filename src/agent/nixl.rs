@@ -603,12 +603,29 @@ fn read_into(
         let end = (start + per).min(count);
         let mut local = XferDescList::new(lk).map_err(|e| nixl_err("descriptor list", e))?;
         let mut far = XferDescList::new(rk).map_err(|e| nixl_err("descriptor list", e))?;
+        // pieces that continue the previous one at both ends become one descriptor (the
+        // segments of a block-major pool, consecutive blocks on both sides)
+        let mut run: Option<(u64, u64, u64)> = None;
+        let mut flush = |run: (u64, u64, u64)| {
+            local.add_desc(run.0 as usize, run.2 as usize, ld);
+            far.add_desc(run.1 as usize, run.2 as usize, rd);
+        };
         for (&(src, _), &d) in offer.blocks[start..end].iter().zip(&dst[start..end]) {
             let (src, d) = (u64::from(src), u64::from(d));
             for (s, &(rbase, rstride, len)) in segs.iter().zip(&offer.segments) {
-                local.add_desc((s.base + d * s.block_stride) as usize, len as usize, ld);
-                far.add_desc((rbase + src * rstride) as usize, len as usize, rd);
+                let (l, r) = (s.base + d * s.block_stride, rbase + src * rstride);
+                run = match run {
+                    Some((rl, rr, n)) if rl + n == l && rr + n == r => Some((rl, rr, n + len)),
+                    Some(prev) => {
+                        flush(prev);
+                        Some((l, r, len))
+                    }
+                    None => Some((l, r, len)),
+                };
             }
+        }
+        if let Some(last) = run {
+            flush(last);
         }
         let req = nx
             .agent
