@@ -184,6 +184,30 @@ impl BlockCache {
         Lease { cache: self.clone(), ids, hits }
     }
 
+    /// [`pin_prefix`](Self::pin_prefix) without a lease, for the KV agent's holder: reference
+    /// the leading cached run of `names`, write its ids to `ids`, return its length. Each id is
+    /// released by one [`unpin`](Self::unpin).
+    pub fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        let mut s = self.lock();
+        let mut n = 0;
+        for (name, id) in names.iter().zip(ids.iter_mut()) {
+            let Some(&b) = s.by_name.get(name) else { break };
+            let m = s.meta[b as usize];
+            if m.refs == 0 {
+                s.lru.remove(&m.tick);
+            }
+            s.meta[b as usize].refs += 1;
+            *id = b;
+            n += 1;
+        }
+        n
+    }
+
+    /// Drop one reference of each of `ids` (taken by [`pin`](Self::pin), or kept from a lease).
+    pub fn unpin(&self, ids: &[u32]) {
+        self.release(ids);
+    }
+
     /// Counts for metrics.
     pub fn stats(&self) -> CacheStats {
         let s = self.lock();

@@ -110,8 +110,8 @@ pub struct ServeArgs {
     /// request fails with 502 `kv_load_failed`).
     #[arg(long, env = "KVRELAY_KV_LOAD_FAILURE_POLICY", default_value = "recompute")]
     pub kv_load_failure_policy: String,
-    /// Fault the KV service injects (tests; needs --debug-endpoints): none, corrupt, truncate,
-    /// stall, die.
+    /// Fault the KV service injects (tests; needs --debug-endpoints): none, corrupt (a pinned
+    /// block goes bad in memory), stall, die.
     #[arg(long, env = "KVRELAY_KV_FAULT", default_value = "none")]
     pub kv_fault: String,
     /// Source base URLs `/v1/kv_transfer` may pull from (`http://HOST:PORT`, comma-separated);
@@ -124,16 +124,12 @@ pub struct ServeArgs {
     /// `/v1/kv_transfer` jobs running at once (`skipped_busy` beyond).
     #[arg(long, env = "KV_TRANSFER_MAX_INFLIGHT", default_value_t = 4)]
     pub kv_transfer_max_inflight: usize,
-    /// How this instance fetches KV blocks: `tcp` (the embedded transport) or `nixl` (NIXL over
-    /// UCX; builds with the `nixl` feature; the pool is registered with NIXL at startup and
-    /// this instance also serves NIXL readers). Control always runs on the KV service.
+    /// How this instance fetches KV blocks, through the library's KV agent: `tcp` (the
+    /// embedded transport) or `nixl` (NIXL over UCX; builds with the `nixl` feature; the pool,
+    /// VRAM with --device cuda:N, is registered with NIXL at startup and this instance serves
+    /// NIXL and TCP readers). Control always runs on the KV service.
     #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
     pub kv_transport: String,
-    /// What NIXL registers and reads: `pool` (the KV pool itself: VRAM with --device cuda:N) or
-    /// `staging` (pinned host slots filled and drained by the copy engines; GPU pools only).
-    /// Both instances of a transfer must agree.
-    #[arg(long, env = "KVRELAY_KV_NIXL_MEMORY", default_value = "pool")]
-    pub kv_nixl_memory: String,
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
     #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
     pub nixl_lib_dir: Option<std::path::PathBuf>,
@@ -149,7 +145,6 @@ pub struct Server {
     /// Its state (for in-process inspection).
     pub state: Arc<AppState>,
     task: tokio::task::JoinHandle<()>,
-    kv_task: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
@@ -162,35 +157,16 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.task.abort();
-        self.kv_task.abort();
     }
 }
 
-/// What `--kv-transport` selects: the fetching side, and the in-place source service.
-type Transports = (Arc<dyn transfer::Transport>, Option<Arc<dyn transfer::tcp::InPlaceSource>>);
-
-fn transports(
-    args: &ServeArgs,
-    engine: &Arc<Engine>,
-    fingerprint: &transfer::Fingerprint,
-    block_bytes: usize,
-) -> Result<Transports, String> {
+/// The transport name `--kv-transport` selects (checked here, so that a typo or a build
+/// without NIXL fails the start with a message).
+fn transport(args: &ServeArgs) -> Result<&'static str, String> {
     match args.kv_transport.as_str() {
-        "tcp" => Ok((Arc::new(transfer::tcp::TcpTransport::new(fingerprint.clone(), block_bytes)), None)),
-        #[cfg(feature = "nixl")]
-        "nixl" => {
-            let memory = transfer::nixl::Memory::parse(&args.kv_nixl_memory)?;
-            transfer::nixl::load_library(args.nixl_lib_dir.as_deref())?;
-            let mem = transfer::nixl::NixlMem::new(engine, memory)?;
-            let source = transfer::nixl::NixlSource::new(mem.clone(), engine.clone());
-            let t = transfer::nixl::NixlTransport::new(fingerprint.clone(), mem, engine.clone());
-            Ok((Arc::new(t), Some(Arc::new(source))))
-        }
-        #[cfg(not(feature = "nixl"))]
-        "nixl" => {
-            let _ = (engine, &args.nixl_lib_dir, &args.kv_nixl_memory);
-            Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into())
-        }
+        "tcp" => Ok("tcp"),
+        "nixl" if cfg!(feature = "nixl") => Ok("nixl"),
+        "nixl" => Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into()),
         t => Err(format!("--kv-transport {t}: expected tcp or nixl")),
     }
 }
@@ -235,7 +211,6 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         Arc::new(transfer::KvProvider),
     )
     .map_err(|e| format!("{e} (is every --trusted-endpoint of the form tcp://HOST:PORT?)"))?;
-    let block_bytes = store.block_bytes();
     let engine = Arc::new(Engine::new(
         EngineConfig { shape, prefill_tokens_per_s: args.prefill_tokens_per_s },
         BlockCache::new(args.kv_blocks),
@@ -246,11 +221,10 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         "fail" => true,
         p => return Err(format!("--kv-load-failure-policy {p}: expected recompute or fail")),
     };
-    let fault = transfer::tcp::Fault::parse(&args.kv_fault)?;
-    if fault != transfer::tcp::Fault::None && !args.debug_endpoints {
+    let fault = transfer::Fault::parse(&args.kv_fault)?;
+    if fault != transfer::Fault::None && !args.debug_endpoints {
         return Err("--kv-fault needs --debug-endpoints".into());
     }
-    let allow = transfer::tcp::PeerAllow::parse(&args.kv_peer_allow)?;
     let mut source_allow = Vec::new();
     for s in &args.kv_transfer_source_allow {
         source_allow.push(
@@ -258,33 +232,49 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
                 .ok_or_else(|| format!("KV_TRANSFER_SOURCE_ALLOW: `{s}` is not a base URL like http://HOST:PORT"))?,
         );
     }
-    let kv_listener = tokio::net::TcpListener::bind(args.kv_listen)
-        .await
-        .map_err(|e| format!("--kv-listen {}: {e}", args.kv_listen))?;
-    let kv_addr = kv_listener.local_addr().map_err(|e| e.to_string())?;
     let fingerprint = transfer::Fingerprint::of(shape);
-    let (transport, in_place) = transports(args, &engine, &fingerprint, block_bytes)?;
-    let kv_stats = Arc::new(transfer::tcp::ServiceStats::default());
-    let kv_task = tokio::spawn(transfer::tcp::serve(
-        kv_listener,
-        engine.clone(),
-        fingerprint.clone(),
-        allow,
-        fault,
-        kv_stats.clone(),
-        in_place,
-    ));
-    let transfer_state = transfer::TransferState {
+    let transport = transport(args)?;
+    let kv_listen = args.kv_listen.to_string();
+    let settings = abi::AgentSettings {
+        fingerprint: fingerprint.for_agent(),
+        listen: &kv_listen,
+        allow: &args.kv_peer_allow,
+        device: engine.store.region().device,
         transport,
-        // the documented default of this instance's transport before the first transfer
-        estimator: transfer::Estimator::new(match (args.kv_transport.as_str(), args.kv_nixl_memory.as_str()) {
-            ("nixl", "pool") if args.device != "cpu" => transfer::NIXL_VRAM_DEFAULT,
-            ("nixl", _) => transfer::NIXL_HOST_DEFAULT,
-            _ => transfer::DEFAULT_SPEED,
-        }),
+        nixl_lib_dir: args.nixl_lib_dir.as_deref(),
+    };
+    let holder = transfer::CacheHolder { cache: engine.cache.clone(), engine: Arc::downgrade(&engine), fault };
+    // SAFETY: the pool's memory lives in `engine`, which `TransferState` keeps alive until after
+    // the agent (its field order); the holder's pins keep blocks referenced, so the engine
+    // neither evicts nor rewrites them while they are sent; a fetch's destination blocks are
+    // fresh blocks of its own lease, touched by nothing else until it completes.
+    let agent = unsafe { abi::KvAgent::new(&settings, engine.store.layout(), Arc::new(holder)) }.map_err(|e| {
+        let e = e.replace("kvrelay_agent_new failed: ", "");
+        if transport == "nixl" {
+            format!("--kv-transport nixl: {e}")
+        } else {
+            format!("--kv-listen {}: {e}", args.kv_listen)
+        }
+    })?;
+    let agent = Arc::new(agent);
+    {
+        // a block a prefill completed gets its checksum before it is published
+        let weak = Arc::downgrade(&agent);
+        let _ = engine.on_reusable.set(Box::new(move |ids: &[u32]| {
+            if let Some(a) = weak.upgrade() {
+                if let Err(e) = a.record_checksums(ids) {
+                    tracing::warn!("recording KV checksums: {e}");
+                }
+            }
+        }));
+    }
+    let transfer_state = transfer::TransferState {
+        endpoint: agent.endpoint(),
+        agent,
+        transport,
         fingerprint,
-        endpoint: format!("tcp://{kv_addr}"),
         fail_on_load_error,
+        pool: engine.clone(),
     };
     let state = AppState::new(
         admission,
@@ -306,7 +296,6 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             max_inflight: args.kv_transfer_max_inflight,
             trusted_endpoints: args.trusted_endpoints.clone(),
         },
-        kv_stats,
     );
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.map_err(|e| format!("listen on {}: {e}", args.listen))?;
@@ -317,7 +306,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             tracing::error!("server stopped: {e}");
         }
     });
-    Ok(Server { addr, state, task, kv_task })
+    Ok(Server { addr, state, task })
 }
 
 /// A setting's environment variable set to the empty string means "not set" (clap would take
@@ -369,7 +358,7 @@ async fn serve(args: ServeArgs) -> i32 {
         block_bytes = server.state.engine.store.block_bytes(),
         "serving"
     );
-    tracing::info!(kv_endpoint = %server.kv_endpoint(), transport = server.state.transfer.transport.name(), "kv service");
+    tracing::info!(kv_endpoint = %server.kv_endpoint(), transport = server.state.transfer.transport, "kv service");
     println!("listening on {}", server.addr);
     use std::io::Write as _;
     let _ = std::io::stdout().flush();

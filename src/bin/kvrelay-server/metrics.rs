@@ -144,7 +144,7 @@ impl Metrics {
         registry.register("kv_blocks_evicted", "KV blocks evicted from the reuse cache", m.evicted.clone());
         registry.register(
             "kv_blocks_quarantined",
-            "KV blocks taken out of the pool for good: a NIXL READ into them could not be proven stopped",
+            "KV blocks the KV agent withheld (a NIXL READ into them not proven stopped); they return when it is",
             m.quarantined.clone(),
         );
         registry.register("kv_transfers", "KV fetches from other instances by outcome and reason", m.transfers.clone());
@@ -165,7 +165,7 @@ impl Metrics {
     }
 
     /// Record the pool's state and the KV service's sent blocks (called at scrape time).
-    pub fn set_blocks(&self, s: CacheStats, sent_blocks: u64, block_bytes: u64) {
+    pub fn set_blocks(&self, s: CacheStats, sent_blocks: u64, withheld_blocks: u64, block_bytes: u64) {
         let sent = DirectionLabel { direction: "sent".into() };
         let d = advance(&self.published_sent, sent_blocks);
         if d > 0 {
@@ -179,13 +179,9 @@ impl Metrics {
         if d > 0 {
             self.evicted.inc_by(d);
         }
-        #[cfg(feature = "nixl")]
-        {
-            let q = crate::transfer::nixl::QUARANTINED_BLOCKS.load(Ordering::Relaxed);
-            let d = advance(&self.published_quarantined, q);
-            if d > 0 {
-                self.quarantined.inc_by(d);
-            }
+        let d = advance(&self.published_quarantined, withheld_blocks);
+        if d > 0 {
+            self.quarantined.inc_by(d);
         }
     }
 

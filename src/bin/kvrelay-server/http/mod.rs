@@ -36,7 +36,6 @@ mod bodies;
 mod generate;
 
 use crate::transfer::api::{TransferConfig, TransferJobs};
-use crate::transfer::tcp::ServiceStats;
 use crate::transfer::{fetch_into_cache, FetchOutcome, FetchPlan, PlanSlot, TransferState};
 use bodies::*;
 pub use bodies::{parse, prompt_tokens, read_body};
@@ -80,8 +79,6 @@ pub struct AppState {
     pub transfer_config: TransferConfig,
     /// `/v1/kv_transfer` counters and dedup table.
     pub transfer_jobs: TransferJobs,
-    /// The KV service's counters.
-    pub kv_service: Arc<ServiceStats>,
     slots: Arc<Semaphore>,
     waiting: AtomicUsize,
     next_id: AtomicU64,
@@ -100,7 +97,6 @@ impl AppState {
         config: HttpConfig,
         transfer: TransferState,
         transfer_config: TransferConfig,
-        kv_service: Arc<ServiceStats>,
     ) -> Shared {
         Arc::new(AppState {
             admission,
@@ -110,7 +106,6 @@ impl AppState {
             transfer,
             transfer_config,
             transfer_jobs: TransferJobs::default(),
-            kv_service,
             slots: Arc::new(Semaphore::new(config.max_concurrency.max(1))),
             waiting: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
@@ -403,13 +398,16 @@ async fn health() -> Json<Value> {
 
 async fn metrics(State(st): State<Shared>) -> Response {
     st.metrics.waiting.set(st.waiting.load(Ordering::Relaxed) as i64);
+    let agent = st.transfer.agent.stats();
     st.metrics.set_blocks(
         st.engine.cache.stats(),
-        st.kv_service.blocks_sent.load(Ordering::Relaxed),
+        agent.blocks_sent,
+        agent.blocks_withheld,
         st.engine.store.block_bytes() as u64,
     );
     let mut text = st.admission.prometheus();
     text.push_str(&st.orchestrator.prometheus());
+    text.push_str(&st.transfer.agent.prometheus());
     st.metrics.encode(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

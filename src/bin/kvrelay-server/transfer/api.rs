@@ -100,7 +100,7 @@ pub fn endpoint_allowed(endpoint: &str, source: &str, trusted: &[String]) -> boo
 pub async fn kv_info(State(st): State<Shared>) -> Json<Value> {
     Json(json!({
         "kv_endpoint": st.transfer.endpoint,
-        "transport": st.transfer.transport.name(),
+        "transport": st.transfer.transport,
         "fingerprint": st.transfer.fingerprint,
         "block_bytes": st.engine.store.block_bytes(),
     }))
@@ -305,9 +305,7 @@ async fn run_transfer(
     if look["blocks_held"].as_u64().unwrap_or(0) < names.len() as u64 {
         call_source(addr, "POST", "/v1/kv/prefill", Some(q)).await?;
     }
-    let out =
-        fetch_into_cache(&st.engine, &*st.transfer.transport, &st.transfer.estimator, &endpoint, &names, &names, true)
-            .await;
+    let out = fetch_into_cache(&st.engine, &st.transfer.agent, &endpoint, &names, &names, true).await;
     st.record_fetch(&out);
     match out.error {
         Some(e) => Err(e),

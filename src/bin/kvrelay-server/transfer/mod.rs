@@ -1,32 +1,27 @@
-//! Cross-instance KV transfer (SPEC section 8): the layout fingerprint, the `Transport` seam,
-//! the destination's fetch into its reuse cache, the fetch-only-when-it-pays estimate, and the
-//! reasons a fetch fails.
+//! Cross-instance KV transfer (SPEC section 8), on the library's KV agent (SPEC section 9)
+//! through the C ABI, as any embedder uses it: the layout fingerprint, the agent's holder over
+//! this server's reuse cache, the destination's fetch into its reuse cache, the
+//! fetch-only-when-it-pays estimate, and the reasons a fetch fails.
 //!
 //! A destination fetches the consecutive run of blocks, starting at the first block it does
 //! not hold, whose own names appear among the hint's hashes (membership, not position: both
-//! root-aligned and suffix-only lists work; a different naming scheme fetches nothing). Over
-//! TCP ([`tcp`]) each block arrives with its name and XXH3-64 checksum; over NIXL (`nixl`,
-//! feature `nixl`) the destination reads blocks in place and checks the `kvsum` the source
-//! recorded. Either way a block is committed to the reuse cache only when its length, name and
-//! checksum check out, in prefix order. Whatever is partial is released. On any failure the
-//! request prefills what it lacks and answers as a cold run.
+//! root-aligned and suffix-only lists work; a different naming scheme fetches nothing). The
+//! agent moves the blocks (TCP, or NIXL with `--kv-transport nixl`) and verifies each against
+//! the checksum the source recorded when the block became reusable; this module commits the
+//! verified leading blocks to the reuse cache in prefix order and releases the rest. On any
+//! failure the request prefills what it lacks and answers as a cold run.
 
 pub mod api;
-#[cfg(feature = "nixl")]
-pub mod nixl;
-pub mod tcp;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abi::{FetchCall, FetchProvider};
-use crate::cache::Lease;
+use crate::abi::{FetchCall, FetchProvider, Holder, KvAgent};
+use crate::cache::{BlockCache, Lease};
 use crate::engine::{Engine, Shape, MODEL_SEED, NAME_SEED};
 
 /// What both sides compare before any data moves.
@@ -58,6 +53,18 @@ impl Fingerprint {
             naming: format!("xxh3-chain/v1/{NAME_SEED:016x}/{MODEL_SEED:016x}"),
         }
     }
+
+    /// The agent's form: the same shape, the naming scheme as a 64-bit id.
+    pub fn for_agent(&self) -> kvrelay::ffi::agent::kvrelay_agent_fingerprint {
+        kvrelay::ffi::agent::kvrelay_agent_fingerprint {
+            block_tokens: self.block_tokens,
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype_bytes: self.dtype_bytes,
+            naming: xxhash_rust::xxh3::xxh3_64(self.naming.as_bytes()),
+        }
+    }
 }
 
 /// Why a fetch failed (a metric label each).
@@ -79,11 +86,15 @@ pub enum FailReason {
     SourceMiss,
     /// A source advertised a KV endpoint off the trusted registry and off its own host.
     EndpointNotAllowed,
+    /// The two instances' keys differ, or one side has none.
+    AuthFailed,
+    /// The fetch was cancelled, or the agent shut down.
+    Cancelled,
 }
 
 impl FailReason {
     /// Every reason.
-    pub const ALL: [FailReason; 8] = [
+    pub const ALL: [FailReason; 10] = [
         FailReason::Connect,
         FailReason::Timeout,
         FailReason::Refused,
@@ -92,6 +103,8 @@ impl FailReason {
         FailReason::Truncated,
         FailReason::SourceMiss,
         FailReason::EndpointNotAllowed,
+        FailReason::AuthFailed,
+        FailReason::Cancelled,
     ];
 
     /// The metric label.
@@ -105,6 +118,16 @@ impl FailReason {
             FailReason::Truncated => "truncated",
             FailReason::SourceMiss => "source_miss",
             FailReason::EndpointNotAllowed => "endpoint_not_allowed",
+            FailReason::AuthFailed => "auth_failed",
+            FailReason::Cancelled => "cancelled",
+        }
+    }
+
+    /// The reason of an agent's `kvrelay_fetch_failure` value (by its label).
+    pub fn of_agent(code: i32) -> FailReason {
+        match crate::abi::fetch_failure_name(code) {
+            "shutdown" => FailReason::Cancelled,
+            name => FailReason::ALL.into_iter().find(|r| r.as_str() == name).unwrap_or(FailReason::Refused),
         }
     }
 }
@@ -129,49 +152,6 @@ impl FetchError {
     pub fn new(reason: FailReason, detail: impl Into<String>) -> FetchError {
         FetchError { reason, detail: detail.into() }
     }
-}
-
-/// Receives verified blocks in prefix order: `(position in the run, bytes)`. A transport may
-/// call it from a blocking thread, overlapped with reading the next block; never two calls at
-/// once, always in order.
-pub type BlockSink = Arc<dyn Fn(usize, &[u8]) -> Result<(), FetchError> + Send + Sync>;
-
-/// Publishes block `i` of the run, which a transport wrote in place into `lease.ids[i]` and
-/// verified. Never two calls at once, always in order.
-pub type CommitFn = Arc<dyn Fn(usize) + Send + Sync>;
-
-/// Where a fetched run goes: fresh blocks of the destination's pool, one per name, and the two
-/// ways in. A transport that carries bytes hands each verified block to `sink` (which writes
-/// it through the copy engine, then commits); one that writes into the pool in place (NIXL)
-/// verifies `lease.ids[i]` where it lies, then calls `commit`. Either way, a block is
-/// published only when complete and checked, in prefix order.
-#[derive(Clone)]
-pub struct Destination {
-    /// The fresh blocks. A transport that cannot prove a write into them has stopped keeps a
-    /// clone alive forever (the blocks leave the pool rather than risk reuse).
-    pub lease: Arc<Lease>,
-    /// Verified bytes of block `i`.
-    pub sink: BlockSink,
-    /// Block `i` is complete and verified in place.
-    pub commit: CommitFn,
-}
-
-/// A boxed future (the seam is object-safe).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// How block bytes move between instances. The embedded default is [`tcp::TcpTransport`].
-pub trait Transport: Send + Sync {
-    /// Name for logs and `/v1/kv/info`.
-    fn name(&self) -> &'static str;
-    /// Ask `endpoint` for the blocks `names` (a consecutive run) and deliver every verified
-    /// block into `dest`, in order. Returns how many blocks were delivered; fewer than asked
-    /// when the source holds only a leading part.
-    fn fetch<'a>(
-        &'a self,
-        endpoint: &'a str,
-        names: &'a [u64],
-        dest: Destination,
-    ) -> BoxFuture<'a, Result<usize, FetchError>>;
 }
 
 /// What a validated `kv.fetch` asks for.
@@ -259,57 +239,74 @@ pub fn run_to_fetch(names: &[u64], held: usize, hashes: &[u64]) -> Vec<u64> {
     names[held..].iter().take_while(|n| set.contains(n)).copied().collect()
 }
 
-/// Per-source transfer speed: setup latency and throughput, moving averages.
-#[derive(Clone, Copy, Debug)]
-pub struct SourceSpeed {
-    /// Seconds before the first byte.
-    pub setup_s: f64,
-    /// Bytes per second after it.
-    pub bytes_per_s: f64,
+/// The deadline of a whole fetch of `bytes`: 10 s plus 1 s per 100 MB.
+pub fn total_deadline(bytes: usize) -> Duration {
+    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
 }
 
-/// The estimate before the first transfer from a source: 2 ms setup, 1 GB/s (a loopback or
-/// datacenter TCP stream; replaced by measurements after one transfer).
-pub const DEFAULT_SPEED: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 1e9 };
-
-/// The NIXL estimate before the first transfer from a source, GPU pools: 5 ms setup, 100 GB/s
-/// (VRAM READs over CUDA IPC measured 90-155 GB/s on the H200, `benches/RESULTS.md`).
-pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 100e9 };
-/// The NIXL estimate before the first transfer, host pools or pinned staging: 5 ms, 3 GB/s
-/// (UCX's host-memory READ and the staged path measured 3.2-4.6 GB/s there).
-pub const NIXL_HOST_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 3e9 };
-
-/// Moving averages per source.
-pub struct Estimator {
-    default: SourceSpeed,
-    by_source: Mutex<HashMap<String, SourceSpeed>>,
+/// Fault injection for tests (`--kv-fault`, only with `--debug-endpoints`), in the source's
+/// holder: what the agent then finds in the pool, or a source that stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Serve correctly.
+    None,
+    /// The second pinned block's bytes go bad in memory after its checksum was recorded.
+    Corrupt,
+    /// The source stops answering once it pinned the blocks (the reader's deadline must fire).
+    Stall,
+    /// The source's process exits once it pinned the blocks (a source killed mid-transfer).
+    Die,
 }
 
-impl Default for Estimator {
-    fn default() -> Estimator {
-        Estimator::new(DEFAULT_SPEED)
+impl Fault {
+    /// Parse a `--kv-fault` value.
+    pub fn parse(s: &str) -> Result<Fault, String> {
+        Ok(match s {
+            "none" => Fault::None,
+            "corrupt" => Fault::Corrupt,
+            "stall" => Fault::Stall,
+            "die" => Fault::Die,
+            _ => return Err(format!("--kv-fault {s}: expected none|corrupt|stall|die")),
+        })
     }
 }
 
-impl Estimator {
-    /// Sources start at `default` (the transport's documented default).
-    pub fn new(default: SourceSpeed) -> Estimator {
-        Estimator { default, by_source: Mutex::new(HashMap::new()) }
-    }
+/// The agent's view of this server's reuse cache: pins take a reference on cached blocks (no
+/// eviction while they are sent), unpins drop it; withheld destination blocks come back here.
+pub struct CacheHolder {
+    /// The block table.
+    pub cache: Arc<BlockCache>,
+    /// The engine, for `--kv-fault corrupt` (which writes a pinned block).
+    pub engine: std::sync::Weak<Engine>,
+    /// The fault to inject.
+    pub fault: Fault,
+}
 
-    /// The current estimate for `source`.
-    pub fn speed(&self, source: &str) -> SourceSpeed {
-        self.by_source.lock().unwrap_or_else(|e| e.into_inner()).get(source).copied().unwrap_or(self.default)
-    }
-
-    /// Fold in a measured transfer (weight 1/4 for the new sample).
-    pub fn record(&self, source: &str, setup: Duration, bytes: usize, data_time: Duration) {
-        let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
-        let e = m.entry(source.to_string()).or_insert(self.default);
-        e.setup_s = 0.75 * e.setup_s + 0.25 * setup.as_secs_f64();
-        if bytes > 0 && data_time > Duration::ZERO {
-            e.bytes_per_s = 0.75 * e.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());
+impl Holder for CacheHolder {
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        let n = self.cache.pin(names, ids);
+        match self.fault {
+            Fault::None => {}
+            Fault::Corrupt if n > 1 => {
+                if let Some(e) = self.engine.upgrade() {
+                    let _ = e.corrupt_block_id(ids[1]);
+                }
+            }
+            Fault::Corrupt => {}
+            Fault::Stall => std::thread::sleep(Duration::from_secs(60)),
+            Fault::Die => {
+                eprintln!("kvrelay-server: --kv-fault die: exiting mid-transfer");
+                std::process::exit(3);
+            }
         }
+        n
+    }
+    fn unpin(&self, ids: &[u32]) {
+        self.cache.unpin(ids);
+    }
+    fn returned(&self, ids: &[u32]) {
+        // the fetch kept these references for the agent; they are free blocks again
+        self.cache.unpin(ids);
     }
 }
 
@@ -348,12 +345,12 @@ pub struct FetchOutcome {
     pub hold: PrefixHold,
 }
 
-/// Fetch the run of `names` that `hashes` covers from `endpoint` into `engine`'s reuse cache.
-/// Unless `force`, skip it when local prefill of those tokens is estimated faster.
+/// Fetch the run of `names` that `hashes` covers from `endpoint` into `engine`'s reuse cache,
+/// through `agent`. Unless `force`, skip it when local prefill of those tokens is estimated
+/// faster. Never blocks a runtime thread: the agent's completion arrives by callback.
 pub async fn fetch_into_cache(
     engine: &Arc<Engine>,
-    transport: &dyn Transport,
-    estimator: &Estimator,
+    agent: &KvAgent,
     endpoint: &str,
     names: &[u64],
     hashes: &[u64],
@@ -367,8 +364,7 @@ pub async fn fetch_into_cache(
         return out;
     }
     let bb = engine.store.block_bytes();
-    let speed = estimator.speed(endpoint);
-    out.estimate_s = speed.setup_s + (run.len() * bb) as f64 / speed.bytes_per_s;
+    out.estimate_s = agent.estimate(endpoint, run.len());
     let rate = engine.config.prefill_tokens_per_s;
     out.local_s = if rate > 0.0 { (run.len() * engine.config.shape.block_tokens) as f64 / rate } else { f64::INFINITY };
     if !force && rate > 0.0 && out.local_s < out.estimate_s {
@@ -376,7 +372,7 @@ pub async fn fetch_into_cache(
         return out;
     }
     // Fresh blocks for the whole run, all or none (waits while the pool is full).
-    let lease = match tokio::time::timeout(Duration::from_secs(10), engine.cache.acquire(&[], run.len())).await {
+    let mut lease = match tokio::time::timeout(Duration::from_secs(10), engine.cache.acquire(&[], run.len())).await {
         Ok(Ok(l)) => l,
         Ok(Err(n)) => {
             out.error = Some(FetchError::new(
@@ -390,64 +386,52 @@ pub async fn fetch_into_cache(
             return out;
         }
     };
-    let started = Instant::now();
-    let first_byte = Arc::new(std::sync::OnceLock::<Duration>::new());
-    let committed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let lease = Arc::new(lease);
-    let run = Arc::new(run);
-    let commit: CommitFn = {
-        let (lease, run, committed, first_byte) = (lease.clone(), run.clone(), committed.clone(), first_byte.clone());
-        Arc::new(move |i: usize| {
-            first_byte.get_or_init(|| started.elapsed());
-            lease.commit(i, run[i]);
-            committed.store(i + 1, std::sync::atomic::Ordering::Release);
-        })
+    let deadline_ms = total_deadline(run.len() * bb).as_millis().min(u128::from(u32::MAX)) as u32;
+    let pending = match agent.fetch(endpoint, names, held, &lease.ids, deadline_ms) {
+        Ok(p) => p,
+        Err(e) => {
+            out.error = Some(FetchError::new(FailReason::Refused, e));
+            return out;
+        }
     };
-    let sink: BlockSink = {
-        let (engine, lease, commit) = (engine.clone(), lease.clone(), commit.clone());
-        Arc::new(move |i: usize, bytes: &[u8]| -> Result<(), FetchError> {
-            if let Err(e) = engine.store.write(&lease.ids[i..i + 1], bytes) {
-                return Err(FetchError::new(FailReason::Corrupt, format!("writing a received block: {e}")));
-            }
-            commit(i);
-            Ok(())
-        })
-    };
-    let dest = Destination { lease: lease.clone(), sink, commit };
-    let result = transport.fetch(endpoint, &run, dest).await;
-    let committed = committed.load(std::sync::atomic::Ordering::Acquire);
+    let (r, detail) = pending.done().await;
+    // the agent wrote and verified exactly the leading `r.blocks`: commit those, in order
+    let committed = r.blocks.min(run.len());
+    for (i, &name) in run.iter().enumerate().take(committed) {
+        lease.commit(i, name);
+    }
     out.blocks = committed;
     out.bytes = committed * bb;
-    out.seconds = started.elapsed().as_secs_f64();
-    match result {
-        Ok(0) => out.error = Some(FetchError::new(FailReason::SourceMiss, "the source holds none of the blocks")),
-        Ok(_) => {
-            let setup = first_byte.get().copied().unwrap_or_default();
-            estimator.record(endpoint, setup, out.bytes, started.elapsed().saturating_sub(setup));
-        }
-        Err(e) => out.error = Some(e),
+    out.seconds = r.seconds;
+    if r.failure != 0 {
+        out.error = Some(FetchError::new(FailReason::of_agent(r.failure), detail));
     }
+    // Destination blocks the agent withheld (a NIXL READ not proven stopped) keep their
+    // reference until the holder's `returned`; the rest of the lease goes back on drop.
+    let tail = lease.ids.split_off(committed);
+    let withheld = r.withheld.min(tail.len());
+    lease.ids.extend_from_slice(&tail[withheld..]);
     // Pin the prefix now held (committed blocks included) while the fetch's lease still
     // references them: no eviction can slip in before generation takes its own lease.
     if committed > 0 {
         out.hold = PrefixHold(Some(engine.cache.pin_prefix(names)));
     }
-    // Committed blocks stay cached; the rest go back to the free list when the last holder of
-    // the lease (this function, or a transport's blocking stage still unwinding) drops it.
     drop(lease);
     out
 }
 
 /// Shared transfer state of an instance.
 pub struct TransferState {
-    /// The transport.
-    pub transport: Arc<dyn Transport>,
-    /// Per-source speed.
-    pub estimator: Estimator,
+    /// The KV agent: serves this instance's blocks, fetches from others.
+    pub agent: Arc<KvAgent>,
+    /// `tcp` or `nixl`.
+    pub transport: &'static str,
     /// This instance's fingerprint.
     pub fingerprint: Fingerprint,
     /// The KV service's endpoint (`tcp://host:port`).
     pub endpoint: String,
     /// `recompute` (false) or `fail` (true) on a failed load.
     pub fail_on_load_error: bool,
+    /// The engine whose pool the agent serves and fills: dropped after the agent (field order).
+    pub pool: Arc<Engine>,
 }
