@@ -703,3 +703,35 @@ fn nixl_gpu_pools_read_in_place_verified() {
     eventually("every pin released", || src_cache.pinned() == 0);
     eprintln!("{test}: ran on CUDA device 0");
 }
+
+/// A source whose stream ends halfway through a block: the fetch fails as `truncated`, and
+/// nothing of the cut block is reported written.
+#[test]
+fn a_stream_that_ends_inside_a_block_is_truncated() {
+    use kvrelay::agent::wire;
+    let b = instance();
+    let bb = b.pool.block_bytes();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", l.local_addr().unwrap());
+    let source = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let (kind, len) = wire::read_header(&mut s, 1 << 20, end).unwrap();
+        assert_eq!(kind, wire::HELLO);
+        let mut hello = vec![0u8; len];
+        wire::Conn::read_by(&mut s, &mut hello, end).unwrap();
+        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(2, bb as u64), end).unwrap();
+        let block = content(NAMES[0], bb);
+        let mut head = wire::header(wire::BLOCK, 16 + bb).to_vec();
+        head.extend_from_slice(&NAMES[0].to_le_bytes());
+        head.extend_from_slice(&kv_checksum(&block).to_le_bytes());
+        s.write_all(&head).unwrap();
+        s.write_all(&block[..bb / 2]).unwrap();
+        // and the stream ends
+    });
+    let r = b.fetch(&ep, &NAMES, 0, vec![0, 1]);
+    source.join().unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Truncated), 0), "{}", r.detail);
+    assert_eq!(b.agent.recorded_checksum(0), None);
+    assert_eq!(b.agent.stats().fetch_failed_truncated, 1);
+}
