@@ -10,6 +10,9 @@
 //!
 //! `KVRELAY_BENCH_DEVICE=cuda:N` puts both pools in the memory of GPU N (both agents on one
 //! GPU, the bytes still crossing loopback TCP through each agent's pinned slots).
+//! `KVRELAY_BENCH_STREAMS=N` fetches over N TCP streams (`Limits::streams`; default 1), against
+//! N loopback copies at once. `KVRELAY_BENCH_TRANSPORT=nixl` (feature `nixl`) runs the source
+//! in a process of its own and adds a bare NIXL READ between two processes as the anchor.
 //!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
@@ -22,7 +25,7 @@ use std::time::{Duration, Instant};
 mod bare;
 #[path = "common/loopback.rs"]
 mod loopback;
-use loopback::loopback_copy;
+use loopback::loopback_copy_streams;
 
 use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, Fingerprint};
 use kvrelay::copy::KvLayout;
@@ -142,10 +145,14 @@ fn main() {
         return;
     }
     let (_dst_mem, dst_layout) = pool(dev.as_ref());
+    // TCP streams per fetch (`KVRELAY_BENCH_STREAMS`, default 1); the anchor then copies over
+    // as many loopback streams at once
+    let streams: usize = std::env::var("KVRELAY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
     let mut cfg = AgentConfig::new(fp);
     cfg.listen = None;
     cfg.device = device;
     cfg.transport = transport;
+    cfg.limits.streams = streams as u32;
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
     let ids: Vec<u32> = (0..BLOCKS).collect();
@@ -170,7 +177,7 @@ fn main() {
         if let Some(b) = &bare {
             bare_rates.push(b.read());
         }
-        let a = bytes as f64 / loopback_copy(bytes);
+        let a = bytes as f64 / loopback_copy_streams(bytes, streams);
         let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
         assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
         agent.push(bytes as f64 / r.seconds / 1e9);
@@ -178,7 +185,11 @@ fn main() {
         ratio.push(a / r.seconds);
     }
     let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
-    let how = if nixl { "NIXL (UCX) from a source process" } else { "loopback TCP" };
+    let how = if nixl {
+        "NIXL (UCX) from a source process".to_string()
+    } else {
+        format!("loopback TCP, {streams} stream(s)")
+    };
     println!("agent fetch, 1 GiB (256 blocks of 4 MiB), {reps} repetitions, {pools}, {how}:");
     println!(
         "  agent            median {:.2} GB/s (min {:.2}, max {:.2})",
@@ -186,7 +197,7 @@ fn main() {
         agent.iter().cloned().fold(f64::MAX, f64::min),
         agent.iter().cloned().fold(0.0, f64::max)
     );
-    println!("  plain TCP copy   median {:.2} GB/s (anchor, same repetitions)", median(anchor));
+    println!("  plain TCP copy   median {:.2} GB/s (anchor, same repetitions, {streams} stream(s))", median(anchor));
     if !bare_rates.is_empty() {
         let fetch: Vec<f64> = agent.iter().map(|g| g * 1e9).collect();
         let r: Vec<f64> = fetch.iter().zip(&bare_rates).map(|(f, b)| f / b).collect();

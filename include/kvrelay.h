@@ -26,26 +26,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Bytes per NIXL request into host memory: the READs of a run are cut into requests of about
-// this size, all posted at once, verified in order while the later ones are in flight.
-#define REQUEST_BYTES (64 << 20)
-
-// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
-// a setup and a checksum kernel launch, so fewer, larger ones.
-#define REQUEST_BYTES_GPU (256 << 20)
-
-// Largest NIXL agent metadata an offer may carry.
-#define MAX_METADATA (1 << 20)
-
-// Frame kind: a hello asking for blocks in place (NIXL READs).
-#define NIXL_HELLO 8
-
-// Frame kind: where the pinned blocks lie, for NIXL READs.
-#define NIXL_OFFER 9
-
-// Frame kind: the reader took this many blocks (NIXL).
-#define DONE 10
-
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -392,7 +372,8 @@ typedef struct kvrelay_counters {
 typedef struct kvrelay_agent_limits {
   // Connections serving transfers at once, all peers together (64).
   uint32_t max_connections;
-  // Connections from one peer address, serving or in their handshake (8).
+  // Connections from one peer address, serving or in their handshake (16: a peer's
+  // `fetch_threads` times its `streams`).
   uint32_t max_per_peer;
   // Connections that have not sent a valid first message yet (32); they never hold a
   // serving slot.
@@ -409,6 +390,11 @@ typedef struct kvrelay_agent_limits {
   uint32_t fetch_threads;
   // Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
   uint32_t max_queued_fetches;
+  // TCP connections one fetch spreads its run over, each with a contiguous part of at least
+  // `min_stream_bytes` (4; NIXL fetches use one).
+  uint32_t streams;
+  // Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
+  uint64_t min_stream_bytes;
 } kvrelay_agent_limits;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -733,10 +719,6 @@ typedef struct kvrelay_action {
   // Canonical JSON bytes of the whole action object.
   struct kvrelay_bytes canonical;
 } kvrelay_action;
-
-
-
-
 
 
 

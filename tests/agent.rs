@@ -735,3 +735,35 @@ fn a_stream_that_ends_inside_a_block_is_truncated() {
     assert_eq!(b.agent.recorded_checksum(0), None);
     assert_eq!(b.agent.stats().fetch_failed_truncated, 1);
 }
+
+/// One fetch over several TCP streams (each a contiguous part of the run on its own
+/// connection): byte-exact, the leading run reported in prefix order when the source holds only
+/// part of it, and a corrupt block in a later part stops the count there.
+#[test]
+fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
+    let limits = Limits { streams: 4, min_stream_bytes: 1, ..Limits::default() };
+    let mut a = instance();
+    let names: Vec<u64> = (201..213).collect(); // 12 blocks
+    a.hold(&names, 2);
+    let b = instance_with(|c| c.limits = limits.clone());
+    let bb = b.pool.block_bytes();
+    let dst: Vec<u32> = vec![15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+    let r = b.fetch(&a.endpoint(), &names, 0, dst.clone());
+    assert_eq!((r.failure, r.blocks), (None, 12), "{}", r.detail);
+    for (i, &id) in dst.iter().enumerate() {
+        assert_eq!(b.pool.read(id), content(names[i], bb), "block {i}");
+    }
+    assert_eq!(a.agent.stats().served, 4, "four streams, four connections");
+    eventually("every pin released", || a.cache.pinned() == 0);
+    // the source holds the first 5 of 8 asked: parts of 2 blocks; the third stops short, the
+    // fourth finds nothing (a partial run, not a failure)
+    let longer = [&names[4..], &[301, 302, 303][..]].concat(); // 8 held, then 3 unknown
+    let r = b.fetch(&a.endpoint(), &longer[3..], 0, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!((r.failure, r.blocks), (None, 5), "{}", r.detail);
+    assert_eq!(b.pool.read(4), content(longer[7], bb));
+    // memory gone bad at the source in the third part
+    a.pool.corrupt(2 + 6, 9);
+    let r = b.fetch(&a.endpoint(), &names, 0, dst);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 6), "{}", r.detail);
+    eventually("every pin released", || a.cache.pinned() == 0);
+}

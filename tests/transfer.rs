@@ -334,7 +334,7 @@ fn failure_policy_fail_turns_a_failed_load_into_a_request_error() {
     assert_eq!(blocks(&dst, "held"), 0.0);
 }
 
-/// Idle connections from one peer cannot starve the KV service: a peer holds at most 8, those
+/// Idle connections from one peer cannot starve the KV service: a peer holds at most 16, those
 /// hold no serving slot, and each is dropped when its hello does not come within 2 s.
 #[test]
 fn idle_connections_from_one_peer_do_not_starve_a_fetch() {

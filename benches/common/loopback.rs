@@ -32,3 +32,53 @@ pub fn loopback_copy(bytes: usize) -> f64 {
     w.join().unwrap();
     bytes as f64 / secs
 }
+
+/// `n` plain loopback TCP copies at once, `bytes / n` each (the anchor of a fetch over `n`
+/// streams): bytes per second, from the first read until the last stream is done.
+#[allow(dead_code)] // the transfer bench uses one stream only
+pub fn loopback_copy_streams(bytes: usize, n: usize) -> f64 {
+    if n <= 1 {
+        return loopback_copy(bytes);
+    }
+    let per = bytes / n;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let writers: Vec<_> = (0..n)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                let buf = vec![7u8; 4 << 20];
+                let mut left = per;
+                while left > 0 {
+                    let k = left.min(buf.len());
+                    s.write_all(&buf[..k]).unwrap();
+                    left -= k;
+                }
+            })
+        })
+        .collect();
+    let conns: Vec<TcpStream> = (0..n).map(|_| l.accept().unwrap().0).collect();
+    let t = Instant::now();
+    let readers: Vec<_> = conns
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 4 << 20];
+                let mut got = 0;
+                while got < per {
+                    let k = s.read(&mut buf).unwrap();
+                    assert!(k > 0);
+                    got += k;
+                }
+            })
+        })
+        .collect();
+    for r in readers {
+        r.join().unwrap();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    for w in writers {
+        w.join().unwrap();
+    }
+    (per * n) as f64 / secs
+}

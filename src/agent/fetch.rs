@@ -116,7 +116,7 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
     let mut withheld = 0usize;
     let mut first: Option<Instant> = None;
     let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first, &mut withheld);
-    *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    state.sock.lock().unwrap_or_else(|e| e.into_inner()).clear();
     if r.is_err() && state.cancel.load(Ordering::Acquire) {
         // a cancel shuts the socket down: whatever the read then said, the fetch was cancelled
         r = Err(cancelled());
@@ -147,6 +147,26 @@ impl Drop for Registered<'_> {
             self.0.unregister(id);
         }
     }
+}
+
+/// What one stream of a fetch did: verified blocks of its part, when its first one was.
+struct Part {
+    blocks: usize,
+    first: Option<Instant>,
+    withheld: usize,
+    result: Result<(), Failure>,
+}
+
+/// Streams a fetch of `blocks` blocks uses: `Limits::streams`, but each stream moves at least
+/// `Limits::min_stream_bytes` (small fetches use one); NIXL fetches use one (UCX spreads a READ
+/// itself).
+fn streams_for(inner: &Inner, blocks: usize) -> usize {
+    #[cfg(feature = "nixl")]
+    if inner.nixl.is_some() {
+        return 1;
+    }
+    let by_size = ((blocks * inner.block_bytes) as u64 / inner.limits.min_stream_bytes).max(1) as usize;
+    (inner.limits.streams as usize).min(by_size).min(blocks).max(1)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -182,6 +202,104 @@ fn pull(
         .map_err(|e| (FailReason::Connect, format!("the endpoint does not resolve: {e}")))?
         .next()
         .ok_or_else(|| (FailReason::Connect, "the endpoint resolves to no address".to_string()))?;
+    let asked = &req.names[req.held..req.held + req.dst.len()];
+    let dst = &req.dst[..asked.len()];
+    let n = streams_for(inner, asked.len());
+    if n == 1 {
+        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
+        p.result = stream(inner, state, addr, asked, dst, deadline, &stopped, &mut w.mover, &mut w.buf, &mut p);
+        (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
+        return p.result;
+    }
+    // N streams, each a connection of its own for a contiguous part of the run (the source
+    // pins each part's leading run): the first on this worker, the others on helper threads
+    let per = asked.len().div_ceil(n);
+    let parts: Vec<(usize, usize)> = (0..asked.len()).step_by(per).map(|s| (s, (s + per).min(asked.len()))).collect();
+    let mut results: Vec<Part> = Vec::with_capacity(parts.len());
+    std::thread::scope(|sc| {
+        let helpers: Vec<_> = parts[1..]
+            .iter()
+            .map(|&(lo, hi)| {
+                let stopped = &stopped;
+                sc.spawn(move || {
+                    let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
+                    let (mut mover, mut buf) = (None, Vec::new());
+                    p.result = stream(
+                        inner,
+                        state,
+                        addr,
+                        &asked[lo..hi],
+                        &dst[lo..hi],
+                        deadline,
+                        stopped,
+                        &mut mover,
+                        &mut buf,
+                        &mut p,
+                    );
+                    if let Some(m) = mover {
+                        inner.movers.put(m);
+                    }
+                    p
+                })
+            })
+            .collect();
+        let (lo, hi) = parts[0];
+        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
+        p.result = stream(
+            inner,
+            state,
+            addr,
+            &asked[lo..hi],
+            &dst[lo..hi],
+            deadline,
+            &stopped,
+            &mut w.mover,
+            &mut w.buf,
+            &mut p,
+        );
+        results.push(p);
+        for h in helpers {
+            results.push(h.join().unwrap_or_else(|_| Part {
+                blocks: 0,
+                first: None,
+                withheld: 0,
+                result: Err((FailReason::Corrupt, "a stream's thread panicked".into())),
+            }));
+        }
+    });
+    // the leading verified blocks in prefix order: whole parts, then the first part that
+    // stopped short (a later part's blocks after a gap are written but not reported)
+    for (k, (p, &(lo, hi))) in results.iter().zip(&parts).enumerate() {
+        *withheld += p.withheld;
+        if let Some(f) = p.first {
+            *first = Some(first.map_or(f, |g| g.min(f)));
+        }
+        *blocks = lo + p.blocks;
+        match &p.result {
+            // the source's leading run ended inside an earlier part's successor: a partial run
+            Err((FailReason::SourceMiss, _)) if k > 0 => return Ok(()),
+            Err(e) => return Err(e.clone()),
+            Ok(()) if lo + p.blocks < hi => return Ok(()),
+            Ok(()) => {}
+        }
+    }
+    Ok(())
+}
+
+/// One connection of a fetch: connect, authenticate, ask for `asked`, receive into `dst`.
+#[allow(clippy::too_many_arguments)]
+fn stream(
+    inner: &Inner,
+    state: &FetchState,
+    addr: std::net::SocketAddr,
+    asked: &[u64],
+    dst: &[u32],
+    deadline: Instant,
+    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
+    mover_slot: &mut Option<Mover>,
+    buf: &mut Vec<u8>,
+    part: &mut Part,
+) -> Result<(), Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
     let mut s = TcpStream::connect_timeout(
         &addr,
@@ -199,26 +317,25 @@ fn pull(
     }
     let _ = s.set_nodelay(true);
     if let Ok(clone) = s.try_clone() {
-        *state.sock.lock().unwrap_or_else(|e| e.into_inner()) = Some(clone);
+        state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
     }
     // a cancel that came before the socket was published
     stopped()?;
     let c: &mut dyn Conn = &mut s;
     let by = || inner.io_deadline().min(deadline);
-    let asked = &req.names[req.held..req.held + req.dst.len()];
     if let Some(key) = &inner.key {
         let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
         wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
-        let kind = read_reply(c, &mut w.buf, "authentication", by())?;
-        if kind != wire::AUTH_CHALLENGE || w.buf.len() != 2 * auth::NONCE {
+        let kind = read_reply(c, buf, "authentication", by())?;
+        if kind != wire::AUTH_CHALLENGE || buf.len() != 2 * auth::NONCE {
             return Err((FailReason::AuthFailed, "the source did not answer with a challenge".into()));
         }
-        let server: [u8; auth::NONCE] = w.buf[..auth::NONCE].try_into().expect("32 bytes");
+        let server: [u8; auth::NONCE] = buf[..auth::NONCE].try_into().expect("32 bytes");
         // the proof goes first so that a source with another key counts the refusal too; it
         // is bound to this connection's fresh nonces, so it is of no use to anyone else
         wire::write_frame(c, wire::AUTH_PROOF, &key.client_proof(&client, &server), by())
             .map_err(|e| io_fail(&e, "authentication"))?;
-        if !key.check_server(&client, &server, &w.buf[auth::NONCE..]) {
+        if !key.check_server(&client, &server, &buf[auth::NONCE..]) {
             return Err((FailReason::AuthFailed, "the source does not prove it holds the key".into()));
         }
     }
@@ -226,18 +343,16 @@ fn pull(
     if let Some(nx) = &inner.nixl {
         wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
             .map_err(|e| io_fail(&e, "the hello"))?;
-        let dst = &req.dst[..asked.len()];
-        super::nixl::pull(inner, nx, c, asked, dst, deadline, &stopped, blocks, first, withheld)?;
+        let (blocks, first, withheld) = (&mut part.blocks, &mut part.first, &mut part.withheld);
+        super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld)?;
         drop(reg);
         return Ok(());
     }
-    #[cfg(not(feature = "nixl"))]
-    let _ = withheld;
     wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
         .map_err(|e| io_fail(&e, "the hello"))?;
-    let kind = read_reply(c, &mut w.buf, "the offer", by())?;
+    let kind = read_reply(c, buf, "the offer", by())?;
     let bb = inner.block_bytes;
-    let (count, offered_bb) = match (kind, wire::decode_offer(&w.buf)) {
+    let (count, offered_bb) = match (kind, wire::decode_offer(buf)) {
         (wire::OFFER, Some(o)) => o,
         _ => return Err((FailReason::Corrupt, "expected an offer".into())),
     };
@@ -247,20 +362,20 @@ fn pull(
     if count == 0 {
         return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
     }
-    if w.mover.is_none() {
+    if mover_slot.is_none() {
         // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
         // contract); the mover writes only this fetch's destination blocks, which the runtime
         // leaves alone until the fetch completes.
-        w.mover = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
+        *mover_slot = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
     }
-    let mover = w.mover.as_mut().expect("set above");
-    let r = receive(inner, c, req, asked, count as usize, mover, &stopped, &by, blocks, first);
+    let mover = mover_slot.as_mut().expect("set above");
+    let r = receive(inner, c, dst, asked, count as usize, mover, stopped, &by, &mut part.blocks, &mut part.first);
     // every scatter into the destination blocks has finished before the completion is
     // delivered; a mover whose stream cannot be waited for is dropped, never reused
     if let Err(e) = mover.finish() {
-        w.mover = None;
+        *mover_slot = None;
         // nothing can be shown to have landed: commit none of it
-        *blocks = 0;
+        part.blocks = 0;
         return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
     }
     r?;
@@ -270,13 +385,13 @@ fn pull(
 
 /// Read the offered blocks, pipelined over the mover's two slots: this thread reads block `i`
 /// into a free slot while a helper thread verifies block `i - 1` in the other and scatters it
-/// into `req.dst[i - 1]`; a slot goes back to the reader only after its block was written. The
+/// into `dst[i - 1]`; a slot goes back to the reader only after its block was written. The
 /// verified count grows in order; the earliest failure in block order is the answer.
 #[allow(clippy::too_many_arguments)]
 fn receive(
     inner: &Inner,
     c: &mut dyn Conn,
-    req: &FetchRequest,
+    dst: &[u32],
     asked: &[u64],
     count: usize,
     mover: &mut Mover,
@@ -298,7 +413,7 @@ fn receive(
                 if kv_checksum(mover.slot(k)) != sum {
                     return (done, first, Err((FailReason::Corrupt, format!("block {i}: checksum mismatch"))));
                 }
-                let dst = req.dst[i];
+                let dst = dst[i];
                 if let Err(e) = mover.scatter(k, dst) {
                     return (done, first, Err((FailReason::Corrupt, format!("block {i}: writing it: {e}"))));
                 }

@@ -88,7 +88,8 @@ pub struct Fingerprint {
 pub struct Limits {
     /// Connections serving transfers at once, all peers together (64).
     pub max_connections: u32,
-    /// Connections from one peer address, serving or in their handshake (8).
+    /// Connections from one peer address, serving or in their handshake (16: what one peer
+    /// with the default `fetch_threads` and `streams` opens at most).
     pub max_per_peer: u32,
     /// Connections that have not yet sent a valid first message (32): they never take a
     /// serving slot.
@@ -105,13 +106,18 @@ pub struct Limits {
     pub fetch_threads: u32,
     /// Fetches waiting for a worker before a submission is refused as busy (1,024).
     pub max_queued_fetches: u32,
+    /// TCP connections one fetch spreads its run over, each carrying a contiguous part of at
+    /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4).
+    pub streams: u32,
+    /// Least bytes each stream of a multi-stream fetch carries (32 MiB).
+    pub min_stream_bytes: u64,
 }
 
 impl Default for Limits {
     fn default() -> Limits {
         Limits {
             max_connections: 64,
-            max_per_peer: 8,
+            max_per_peer: 16,
             max_pending: 32,
             handshake_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(5),
@@ -119,6 +125,8 @@ impl Default for Limits {
             max_names: 65_536,
             fetch_threads: 4,
             max_queued_fetches: 1024,
+            streams: 4,
+            min_stream_bytes: 32 << 20,
         }
     }
 }
@@ -138,10 +146,14 @@ impl Limits {
             ("max_names", self.max_names, 1 << 22),
             ("fetch_threads", self.fetch_threads, 256),
             ("max_queued_fetches", self.max_queued_fetches, 1 << 20),
+            ("streams", self.streams, 16),
         ] {
             if v == 0 || v > max {
                 return Err(format!("limit {name} = {v}: expected 1..={max}"));
             }
+        }
+        if self.min_stream_bytes == 0 {
+            return Err("limit min_stream_bytes = 0: expected at least 1".into());
         }
         for (name, d) in [
             ("handshake_timeout", self.handshake_timeout),
@@ -387,7 +399,7 @@ struct FetchState {
     on_done: Mutex<Option<OnDone>>,
     submitted: Instant,
     /// The fetch's connection while it runs: `cancel` shuts it down so a blocked read returns.
-    sock: Mutex<Option<TcpStream>>,
+    sock: Mutex<Vec<TcpStream>>,
 }
 
 impl FetchState {
@@ -432,7 +444,7 @@ impl Fetch {
     /// progress (blocks verified before stay reported), or normally if it was about to.
     pub fn cancel(&self) {
         self.0.cancel.store(true, Ordering::Release);
-        if let Some(s) = self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        for s in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -691,7 +703,7 @@ impl Agent {
             cancel: AtomicBool::new(false),
             on_done: Mutex::new(on_done),
             submitted: Instant::now(),
-            sock: Mutex::new(None),
+            sock: Mutex::new(Vec::new()),
         });
         {
             let mut q = self.inner.jobs.lock().unwrap_or_else(|e| e.into_inner());

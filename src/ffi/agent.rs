@@ -39,7 +39,8 @@ pub struct kvrelay_agent_fingerprint {
 pub struct kvrelay_agent_limits {
     /// Connections serving transfers at once, all peers together (64).
     pub max_connections: u32,
-    /// Connections from one peer address, serving or in their handshake (8).
+    /// Connections from one peer address, serving or in their handshake (16: a peer's
+    /// `fetch_threads` times its `streams`).
     pub max_per_peer: u32,
     /// Connections that have not sent a valid first message yet (32); they never hold a
     /// serving slot.
@@ -56,6 +57,11 @@ pub struct kvrelay_agent_limits {
     pub fetch_threads: u32,
     /// Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
     pub max_queued_fetches: u32,
+    /// TCP connections one fetch spreads its run over, each with a contiguous part of at least
+    /// `min_stream_bytes` (4; NIXL fetches use one).
+    pub streams: u32,
+    /// Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
+    pub min_stream_bytes: u64,
 }
 
 impl From<&Limits> for kvrelay_agent_limits {
@@ -71,6 +77,8 @@ impl From<&Limits> for kvrelay_agent_limits {
             max_names: l.max_names,
             fetch_threads: l.fetch_threads,
             max_queued_fetches: l.max_queued_fetches,
+            streams: l.streams,
+            min_stream_bytes: l.min_stream_bytes,
         }
     }
 }
@@ -88,6 +96,8 @@ impl From<&kvrelay_agent_limits> for Limits {
             max_names: l.max_names,
             fetch_threads: l.fetch_threads,
             max_queued_fetches: l.max_queued_fetches,
+            streams: l.streams,
+            min_stream_bytes: l.min_stream_bytes,
         }
     }
 }
