@@ -300,7 +300,10 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
 #[cfg_attr(not(feature = "nixl"), ignore = "needs a server built with the nixl feature")]
 fn nixl_and_tcp_instances_meet() {
     // UCX over TCP on loopback, as the NIXL run of the test command has it
-    let ucx: &[(&str, &str)] = &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
+    // (with GPU pools UCX picks its own transports: NIXL refuses `UCX_TLS=tcp` alone where a
+    // GPU is present)
+    let gpu = std::env::var("KVRELAY_DEVICE").is_ok_and(|d| d.starts_with("cuda"));
+    let ucx: &[(&str, &str)] = if gpu { &[] } else { &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")] };
     let tcp_src = start(true, &["--kv-transport", "tcp"]);
     let ep = kv_endpoint(&tcp_src);
     let dst = start_env(true, &["--trusted-endpoint", ep.as_str(), "--kv-transport", "nixl"], ucx);

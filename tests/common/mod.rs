@@ -57,7 +57,12 @@ pub fn start_env(trusted: bool, args: &[&str], env: &[(&str, &str)]) -> Server {
     let addr = line
         .trim()
         .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .unwrap_or_else(|| {
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: String =
+                said.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+            panic!("unexpected first line {line:?}; the server's log ends:\n{tail}")
+        })
         .parse()
         .unwrap();
     Server { child, addr, log }
