@@ -765,23 +765,34 @@ impl CudaEngine {
         Ok(CudaEngine(NonNull::new(out).expect("OK with NULL")))
     }
 
-    /// Enqueue a copy of blocks `ids` into `staging` on the legacy default stream.
-    pub fn gather(&mut self, ids: &[u32], staging: &Pinned) -> Result<(), AbiError> {
-        // SAFETY: live engine and staging; `ids` readable; NULL stream and event.
+    /// Enqueue a copy of blocks `ids` into `staging` on `stream`.
+    pub fn gather(
+        &mut self,
+        ids: &[u32],
+        staging: &Pinned,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), AbiError> {
+        // SAFETY: live engine and staging; `ids` readable; a live stream of the device's primary
+        // context (cudarc's context is the primary one, as the engine's); no event.
         check("kvrelay_cuda_gather", unsafe {
             kvrelay_cuda_gather(
                 self.0.as_ptr(),
                 ids.as_ptr(),
                 ids.len(),
                 staging.0.as_ptr(),
-                ptr::null_mut(),
+                stream.cu_stream().cast(),
                 ptr::null_mut(),
             )
         })
     }
 
-    /// Enqueue a copy of `staging` into blocks `ids` on the legacy default stream.
-    pub fn scatter(&mut self, staging: &Pinned, ids: &[u32]) -> Result<(), AbiError> {
+    /// Enqueue a copy of `staging` into blocks `ids` on `stream`.
+    pub fn scatter(
+        &mut self,
+        staging: &Pinned,
+        ids: &[u32],
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), AbiError> {
         // SAFETY: as `gather`.
         check("kvrelay_cuda_scatter", unsafe {
             kvrelay_cuda_scatter(
@@ -789,7 +800,7 @@ impl CudaEngine {
                 staging.0.as_ptr(),
                 ids.as_ptr(),
                 ids.len(),
-                ptr::null_mut(),
+                stream.cu_stream().cast(),
                 ptr::null_mut(),
             )
         })

@@ -122,20 +122,19 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Where the pool's bytes live; every access goes through the kvrelay copy engine.
-enum Store {
-    Host {
-        engine: CpuEngine,
-        // Dropped after the engine (field order), which addresses it.
-        _mem: HostPool,
-    },
-    Cuda {
-        engine: CudaEngine,
-        staging: Pinned,
-        ctx: std::sync::Arc<cudarc::driver::CudaContext>,
-        // Dropped after the engine (field order), which addresses it.
-        _mem: DevicePool,
-    },
+/// One lane of the pool's copy engine: an engine of its own (and, for a GPU pool, pinned
+/// staging and a stream of its own), so that requests copy in parallel and a GPU copy waits for
+/// its own stream only (never for the whole context: the KV agent's and UCX's work, or other
+/// requests' copies).
+enum Lane {
+    Host { engine: CpuEngine },
+    Cuda { engine: CudaEngine, staging: Pinned, stream: std::sync::Arc<cudarc::driver::CudaStream> },
+}
+
+/// The pool's memory, owned by the store and freed after every lane (field order).
+enum PoolMemory {
+    Host(#[allow(dead_code)] HostPool),
+    Cuda(#[allow(dead_code)] DevicePool),
 }
 
 /// A GPU pool allocated with `cuMemAlloc` (not the stream-ordered allocator: memory from its
@@ -181,13 +180,21 @@ impl Drop for DevicePool {
 /// Blocks per staged GPU copy (the pinned staging holds this many).
 const STAGE_BLOCKS: usize = 16;
 
-/// The KV pool's bytes behind the copy engine. One copy at a time (the engines take `&mut`).
+/// Copy lanes per store: copies of different requests run in parallel up to this many.
+const LANES: usize = 8;
+
+/// The KV pool's bytes behind the copy engine, in [`LANES`] lanes (each engine takes `&mut`;
+/// a call takes a free lane). Two calls never touch one block at once: a block is written only
+/// by the lease that owns it fresh, and committed blocks are only read.
 pub struct KvStore {
-    store: Mutex<Store>,
+    lanes: Vec<Mutex<Lane>>,
+    next: std::sync::atomic::AtomicUsize,
     block_bytes: usize,
     region: Region,
     /// The pool's layout (what the KV agent is created over).
     layout: KvLayout,
+    // Dropped after the lanes (field order), which address it.
+    _mem: PoolMemory,
 }
 
 /// Where a pool lives: its base address and length, and the CUDA device (`None`: host memory).
@@ -208,12 +215,16 @@ impl KvStore {
         let mem = HostPool::new(blocks * block_bytes);
         let layout = KvLayout::contiguous(mem.addr(), blocks as u32, block_bytes as u64)?;
         debug_assert_eq!(layout.stage_block_bytes() as usize, block_bytes);
-        // SAFETY: the layout covers exactly `mem`, which this store owns for as long as the
-        // engine lives (field order) and which nothing else touches: all access is through the
-        // engine under the store's lock.
-        let engine = unsafe { CpuEngine::new(&layout)? };
+        let mut lanes = Vec::with_capacity(LANES);
+        for _ in 0..LANES {
+            // SAFETY: the layout covers exactly `mem`, which this store owns for as long as the
+            // engines live (field order); each call touches only the blocks it names, and the
+            // cache's leases keep a block's writer alone with it (see `KvStore`).
+            let engine = unsafe { CpuEngine::new(&layout)? };
+            lanes.push(Mutex::new(Lane::Host { engine }));
+        }
         let region = Region { base: mem.addr(), len: blocks * block_bytes, device: None };
-        Ok(KvStore { store: Mutex::new(Store::Host { engine, _mem: mem }), block_bytes, region, layout })
+        Ok(KvStore { lanes, next: Default::default(), block_bytes, region, layout, _mem: PoolMemory::Host(mem) })
     }
 
     /// A pool of `blocks` blocks in the memory of CUDA device `device`, allocated here (the
@@ -225,12 +236,17 @@ impl KvStore {
         let mem = DevicePool::alloc(&ctx, blocks * block_bytes)?;
         let base = mem.ptr;
         let layout = KvLayout::contiguous(base, blocks as u32, block_bytes as u64).map_err(|e| e.to_string())?;
-        // SAFETY: the layout covers exactly `mem`, device memory of `device` that the store owns
-        // for as long as the engine lives (field order).
-        let engine = unsafe { CudaEngine::new(device, &layout) }.map_err(|e| e.to_string())?;
-        let staging = Pinned::alloc(device, STAGE_BLOCKS * block_bytes).map_err(|e| e.to_string())?;
+        let mut lanes = Vec::with_capacity(LANES);
+        for _ in 0..LANES {
+            // SAFETY: the layout covers exactly `mem`, device memory of `device` that the store
+            // owns for as long as the engines live (field order); blocks as in `host`.
+            let engine = unsafe { CudaEngine::new(device, &layout) }.map_err(|e| e.to_string())?;
+            let staging = Pinned::alloc(device, STAGE_BLOCKS * block_bytes).map_err(|e| e.to_string())?;
+            let stream = ctx.new_stream().map_err(|e| format!("cuda:{device}: a stream: {e:?}"))?;
+            lanes.push(Mutex::new(Lane::Cuda { engine, staging, stream }));
+        }
         let region = Region { base, len: blocks * block_bytes, device: Some(device) };
-        Ok(KvStore { store: Mutex::new(Store::Cuda { engine, staging, ctx, _mem: mem }), block_bytes, region, layout })
+        Ok(KvStore { lanes, next: Default::default(), block_bytes, region, layout, _mem: PoolMemory::Cuda(mem) })
     }
 
     /// Bytes per block.
@@ -248,16 +264,31 @@ impl KvStore {
         &self.layout
     }
 
+    /// A free lane, or (all busy) the next one in turn, waiting for it.
+    fn lane(&self) -> std::sync::MutexGuard<'_, Lane> {
+        use std::sync::TryLockError;
+        let n = self.lanes.len();
+        let start = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for k in 0..n {
+            match self.lanes[(start + k) % n].try_lock() {
+                Ok(g) => return g,
+                // a panic mid-copy leaves nothing half-kept in a lane: still usable
+                Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        self.lanes[start % n].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
     pub fn read(&self, ids: &[u32], out: &mut [u8]) -> Result<(), AbiError> {
         let bb = self.block_bytes;
-        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        match &mut *s {
-            Store::Host { engine, .. } => engine.gather(ids, out),
-            Store::Cuda { engine, staging, ctx, .. } => {
+        match &mut *self.lane() {
+            Lane::Host { engine } => engine.gather(ids, out),
+            Lane::Cuda { engine, staging, stream } => {
                 for (ids, out) in ids.chunks(STAGE_BLOCKS).zip(out.chunks_mut(STAGE_BLOCKS * bb)) {
-                    engine.gather(ids, staging)?;
-                    ctx.synchronize().map_err(cuda_sync_error)?;
+                    engine.gather(ids, staging, stream)?;
+                    stream.synchronize().map_err(cuda_sync_error)?;
                     out.copy_from_slice(&staging.bytes_mut()[..out.len()]);
                 }
                 Ok(())
@@ -268,14 +299,13 @@ impl KvStore {
     /// Copy `data` into blocks `ids`.
     pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
         let bb = self.block_bytes;
-        let mut s = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        match &mut *s {
-            Store::Host { engine, .. } => engine.scatter(data, ids),
-            Store::Cuda { engine, staging, ctx, .. } => {
+        match &mut *self.lane() {
+            Lane::Host { engine } => engine.scatter(data, ids),
+            Lane::Cuda { engine, staging, stream } => {
                 for (ids, data) in ids.chunks(STAGE_BLOCKS).zip(data.chunks(STAGE_BLOCKS * bb)) {
                     staging.bytes_mut()[..data.len()].copy_from_slice(data);
-                    engine.scatter(staging, ids)?;
-                    ctx.synchronize().map_err(cuda_sync_error)?;
+                    engine.scatter(staging, ids, stream)?;
+                    stream.synchronize().map_err(cuda_sync_error)?;
                 }
                 Ok(())
             }
@@ -284,7 +314,7 @@ impl KvStore {
 }
 
 fn cuda_sync_error(_: cudarc::driver::DriverError) -> AbiError {
-    AbiError { call: "cuCtxSynchronize", status: kvrelay::ffi::kvrelay_status::KVRELAY_ERR_CUDA as i32 }
+    AbiError { call: "cuStreamSynchronize", status: kvrelay::ffi::kvrelay_status::KVRELAY_ERR_CUDA as i32 }
 }
 
 /// Blocks per bulk copy through a host buffer: about 8 MiB (at least one block), so that a
