@@ -368,7 +368,7 @@ typedef struct kvrelay_counters {
 } kvrelay_counters;
 
 // The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
-// milliseconds; every value must be at least 1.
+// milliseconds; every value must be at least 1, except `idle_timeout_ms` (0 turns reuse off).
 typedef struct kvrelay_agent_limits {
   // Connections serving transfers at once, all peers together (64).
   uint32_t max_connections;
@@ -395,6 +395,9 @@ typedef struct kvrelay_agent_limits {
   uint32_t streams;
   // Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
   uint64_t min_stream_bytes;
+  // How long a connection stays open after a transfer for the next one between the same two
+  // agents (5000; 0: one transfer per connection).
+  uint32_t idle_timeout_ms;
 } kvrelay_agent_limits;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -565,6 +568,10 @@ typedef struct kvrelay_agent_stats {
   uint64_t blocks_withheld;
   // Withheld blocks handed back to the runtime (`BlockHolder::returned`).
   uint64_t blocks_returned;
+  // Served: transfers that came on a kept-alive connection (no new connect or handshake).
+  uint64_t reused;
+  // Fetched: streams that went over a kept-alive connection.
+  uint64_t streams_reused;
 } kvrelay_agent_stats;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,

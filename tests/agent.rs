@@ -316,6 +316,8 @@ fn idle_and_garbage_connections_cannot_starve_real_peers() {
     assert_eq!((r.failure, r.blocks), (None, 3), "{}", r.detail);
     // the idle ones are dropped at their handshake deadline
     eventually("idle connections closed", || a.agent.stats().handshake_timeouts >= 2);
+    // (the real peer's connection stays open for its next fetch until it goes)
+    drop(b);
     eventually("gauges back to zero", || {
         let s = a.agent.stats();
         s.pending_now == 0 && s.serving_now == 0
@@ -766,4 +768,44 @@ fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
     let r = b.fetch(&a.endpoint(), &names, 0, dst);
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 6), "{}", r.detail);
     eventually("every pin released", || a.cache.pinned() == 0);
+}
+
+/// A connection whose transfer ended cleanly carries the next fetch between the same two agents
+/// (no new connect, no new handshake); one the source closed meanwhile is replaced on the spot.
+#[test]
+fn kept_alive_connections_carry_the_next_fetch() {
+    let a = instance_with(|c| c.key = key("the two agents' shared secret"));
+    a.hold(&NAMES, 0);
+    let b = instance_with(|c| c.key = key("the two agents' shared secret"));
+    for dst in [vec![3, 4], vec![5, 6, 7]] {
+        let r = b.fetch(&a.endpoint(), &NAMES, 0, dst);
+        assert_eq!(r.failure, None, "{}", r.detail);
+    }
+    let s = a.agent.stats();
+    assert_eq!((s.accepted, s.served, s.reused), (1, 2, 1), "one connection, two transfers");
+    assert_eq!(b.agent.stats().streams_reused, 1);
+    eventually("every pin released", || a.cache.pinned() == 0);
+    // a source that keeps idle connections for 100 ms only: the destination (5 s) still holds
+    // its connection, finds it closed and opens a new one, within the same fetch
+    let short = Limits { idle_timeout: Duration::from_millis(100), ..Limits::default() };
+    let c = instance_with(|c| {
+        c.limits = short;
+        c.key = key("the two agents' shared secret");
+    });
+    c.hold(&NAMES, 0);
+    let r = b.fetch(&c.endpoint(), &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, None, "{}", r.detail);
+    eventually("the source closed its idle connection", || c.agent.stats().pending_now == 0);
+    let r = b.fetch(&c.endpoint(), &NAMES, 0, vec![1, 2]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(c.agent.stats().accepted, 2, "a new connection replaced the closed one");
+    // no reuse at all with an idle timeout of zero
+    let off = Limits { idle_timeout: Duration::ZERO, ..Limits::default() };
+    let d = instance_with(|c| c.limits = off.clone());
+    d.hold(&NAMES, 0);
+    let e = instance_with(|c| c.limits = off);
+    for dst in [vec![0], vec![1]] {
+        assert_eq!(e.fetch(&d.endpoint(), &NAMES, 0, dst).failure, None);
+    }
+    assert_eq!((d.agent.stats().accepted, d.agent.stats().reused), (2, 0));
 }

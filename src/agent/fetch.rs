@@ -286,20 +286,8 @@ fn pull(
     Ok(())
 }
 
-/// One connection of a fetch: connect, authenticate, ask for `asked`, receive into `dst`.
-#[allow(clippy::too_many_arguments)]
-fn stream(
-    inner: &Inner,
-    state: &FetchState,
-    addr: std::net::SocketAddr,
-    asked: &[u64],
-    dst: &[u32],
-    deadline: Instant,
-    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
-    mover_slot: &mut Option<Mover>,
-    buf: &mut Vec<u8>,
-    part: &mut Part,
-) -> Result<(), Failure> {
+/// A new connection to `addr`, authenticated when a key is set.
+fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut Vec<u8>) -> Result<TcpStream, Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
     let mut s = TcpStream::connect_timeout(
         &addr,
@@ -311,19 +299,10 @@ fn stream(
         }
         _ => (FailReason::Connect, format!("connect: {e}")),
     })?;
-    let reg = Registered(inner, inner.register(&s));
-    if reg.1.is_none() {
-        return Err(shutting_down());
-    }
     let _ = s.set_nodelay(true);
-    if let Ok(clone) = s.try_clone() {
-        state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
-    }
-    // a cancel that came before the socket was published
-    stopped()?;
-    let c: &mut dyn Conn = &mut s;
     let by = || inner.io_deadline().min(deadline);
     if let Some(key) = &inner.key {
+        let c: &mut dyn Conn = &mut s;
         let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
         wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
         let kind = read_reply(c, buf, "authentication", by())?;
@@ -339,34 +318,123 @@ fn stream(
             return Err((FailReason::AuthFailed, "the source does not prove it holds the key".into()));
         }
     }
+    Ok(s)
+}
+
+/// How one exchange on a connection ended.
+enum Exchange {
+    /// Done; the connection can carry the next request.
+    Reusable,
+    /// Done or failed; the connection is closed.
+    Close(Result<(), Failure>),
+    /// A kept-alive connection failed before the source answered anything: the source had
+    /// closed it. Try again on a new one.
+    Stale,
+}
+
+/// One stream of a fetch: ask for `asked` on a kept-alive connection to `addr` (or a new,
+/// authenticated one), receive into `dst`; keep the connection for the next fetch when the
+/// exchange ended cleanly.
+#[allow(clippy::too_many_arguments)]
+fn stream(
+    inner: &Inner,
+    state: &FetchState,
+    addr: std::net::SocketAddr,
+    asked: &[u64],
+    dst: &[u32],
+    deadline: Instant,
+    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
+    mover_slot: &mut Option<Mover>,
+    buf: &mut Vec<u8>,
+    part: &mut Part,
+) -> Result<(), Failure> {
+    let mut kept = inner.take_idle(addr);
+    loop {
+        let reused = kept.is_some();
+        let mut s = match kept.take() {
+            Some(s) => s,
+            None => open(inner, addr, deadline, buf)?,
+        };
+        let reg = Registered(inner, inner.register(&s));
+        if reg.1.is_none() {
+            return Err(shutting_down());
+        }
+        if let Ok(clone) = s.try_clone() {
+            state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
+        }
+        // a cancel that came before the socket was published
+        stopped()?;
+        match exchange(inner, &mut s, reused, asked, dst, deadline, stopped, mover_slot, buf, part) {
+            Exchange::Stale => continue,
+            Exchange::Close(r) => return r,
+            Exchange::Reusable => {
+                if reused {
+                    Stats::add(&inner.stats.streams_reused, 1);
+                }
+                drop(reg);
+                inner.put_idle(addr, s);
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn exchange(
+    inner: &Inner,
+    s: &mut TcpStream,
+    reused: bool,
+    asked: &[u64],
+    dst: &[u32],
+    deadline: Instant,
+    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
+    mover_slot: &mut Option<Mover>,
+    buf: &mut Vec<u8>,
+    part: &mut Part,
+) -> Exchange {
+    let c: &mut dyn Conn = s;
+    let by = || inner.io_deadline().min(deadline);
+    let close = |r: Result<(), Failure>| Exchange::Close(r);
     #[cfg(feature = "nixl")]
     if let Some(nx) = &inner.nixl {
-        wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
-            .map_err(|e| io_fail(&e, "the hello"))?;
+        if let Err(e) = wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
+            return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
+        }
         let (blocks, first, withheld) = (&mut part.blocks, &mut part.first, &mut part.withheld);
-        super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld)?;
-        drop(reg);
-        return Ok(());
+        return match super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld) {
+            Ok(()) => Exchange::Reusable,
+            // the offer never came on a kept-alive connection: the source had closed it
+            Err((FailReason::Truncated, _)) if reused && *blocks == 0 && first.is_none() => Exchange::Stale,
+            Err(e) => close(Err(e)),
+        };
     }
-    wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
-        .map_err(|e| io_fail(&e, "the hello"))?;
-    let kind = read_reply(c, buf, "the offer", by())?;
+    if let Err(e) = wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
+        return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
+    }
+    let kind = match read_reply(c, buf, "the offer", by()) {
+        Ok(k) => k,
+        Err((FailReason::Truncated, _)) if reused => return Exchange::Stale,
+        Err(e) => return close(Err(e)),
+    };
     let bb = inner.block_bytes;
     let (count, offered_bb) = match (kind, wire::decode_offer(buf)) {
         (wire::OFFER, Some(o)) => o,
-        _ => return Err((FailReason::Corrupt, "expected an offer".into())),
+        _ => return close(Err((FailReason::Corrupt, "expected an offer".into()))),
     };
     if count as usize > asked.len() || offered_bb != bb as u64 {
-        return Err((FailReason::Corrupt, "the offer does not match the request".into()));
+        return close(Err((FailReason::Corrupt, "the offer does not match the request".into())));
     }
     if count == 0 {
-        return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+        return close(Err((FailReason::SourceMiss, "the source holds none of the blocks".into())));
     }
     if mover_slot.is_none() {
         // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
         // contract); the mover writes only this fetch's destination blocks, which the runtime
         // leaves alone until the fetch completes.
-        *mover_slot = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
+        match unsafe { inner.movers.take(&inner.layout) } {
+            Ok(m) => *mover_slot = Some(m),
+            Err(e) => return close(Err((FailReason::Corrupt, e))),
+        }
     }
     let mover = mover_slot.as_mut().expect("set above");
     let r = receive(inner, c, dst, asked, count as usize, mover, stopped, &by, &mut part.blocks, &mut part.first);
@@ -376,11 +444,13 @@ fn stream(
         *mover_slot = None;
         // nothing can be shown to have landed: commit none of it
         part.blocks = 0;
-        return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
+        return close(Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}"))));
     }
-    r?;
-    drop(reg);
-    Ok(())
+    match r {
+        // every offered block was read: the stream is at a frame boundary again
+        Ok(()) if part.blocks == count as usize => Exchange::Reusable,
+        r => close(r),
+    }
 }
 
 /// Read the offered blocks, pipelined over the mover's two slots: this thread reads block `i`

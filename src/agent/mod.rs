@@ -24,6 +24,13 @@
 //! On a GPU pool the agent's copies run on streams of its own and it waits on those streams
 //! and their events only (never on the runtime's work), with no lock held across a wait.
 //!
+//! **Connections.** A fetch of at least two times `min_stream_bytes` is spread over up to
+//! `streams` TCP connections, each carrying a contiguous part of the run. A connection whose
+//! transfer ended cleanly stays open for the next transfer between the same two agents, for
+//! `idle_timeout` on the serving side (holding a handshake slot, not a serving one, while it
+//! waits) and half of that on the fetching side; it is not authenticated again. A kept-alive
+//! connection the source closed meanwhile is replaced within the same fetch.
+//!
 //! **A fetch** asks the source for the request's names after the `held` leading ones it already
 //! has, as many as it reserved destination blocks for. The source answers with the leading run
 //! it holds, pinned; each block arrives with its name and recorded checksum, is verified, and
@@ -111,6 +118,11 @@ pub struct Limits {
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (32 MiB).
     pub min_stream_bytes: u64,
+    /// How long a connection stays open after a transfer for the next one between the same two
+    /// agents (5 s; zero: one transfer per connection). The serving side waits that long for
+    /// the next hello, holding a handshake slot, not a serving one; the fetching side reuses a
+    /// connection only within half of it.
+    pub idle_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -127,6 +139,7 @@ impl Default for Limits {
             max_queued_fetches: 1024,
             streams: 4,
             min_stream_bytes: 32 << 20,
+            idle_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -154,6 +167,9 @@ impl Limits {
         }
         if self.min_stream_bytes == 0 {
             return Err("limit min_stream_bytes = 0: expected at least 1".into());
+        }
+        if ms(self.idle_timeout) > 3_600_000 {
+            return Err(format!("limit idle_timeout = {} ms: expected 0..=3600000 ms", ms(self.idle_timeout)));
         }
         for (name, d) in [
             ("handshake_timeout", self.handshake_timeout),
@@ -476,12 +492,43 @@ struct Inner {
     conns_idle: Condvar,
     jobs: Mutex<VecDeque<Job>>,
     jobs_ready: Condvar,
+    /// Kept-alive fetch connections per source address, with when each went idle.
+    idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
     /// The NIXL agent with the pool registered, when the transport is NIXL.
     #[cfg(feature = "nixl")]
     nixl: Option<nixl::Nixl>,
 }
 
+/// Most kept-alive fetch connections per source address.
+const MAX_IDLE_PER_SOURCE: usize = 16;
+
 impl Inner {
+    /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
+    fn take_idle(&self, addr: SocketAddr) -> Option<TcpStream> {
+        let fresh = self.limits.idle_timeout / 2;
+        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = m.get_mut(&addr)?;
+        v.retain(|(_, since)| since.elapsed() < fresh);
+        let s = v.pop().map(|(s, _)| s);
+        if v.is_empty() {
+            m.remove(&addr);
+        }
+        s
+    }
+
+    /// Keep a connection whose last transfer ended cleanly for the next fetch from `addr`.
+    fn put_idle(&self, addr: SocketAddr, s: TcpStream) {
+        if self.limits.idle_timeout.is_zero() || self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = m.entry(addr).or_default();
+        v.retain(|(_, since)| since.elapsed() < self.limits.idle_timeout);
+        if v.len() < MAX_IDLE_PER_SOURCE {
+            v.push((s, Instant::now()));
+        }
+    }
+
     /// The deadline of one read or write that starts now.
     fn io_deadline(&self) -> Instant {
         Instant::now() + self.limits.io_timeout
@@ -595,6 +642,7 @@ impl Agent {
             conns_idle: Condvar::new(),
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
+            idle: Mutex::new(HashMap::new()),
             #[cfg(feature = "nixl")]
             nixl,
         });
@@ -772,6 +820,7 @@ impl Drop for Agent {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
         }
+        inner.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
         inner.jobs_ready.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -412,8 +412,8 @@ pub(super) fn max_offer(asked: usize, nseg: usize) -> usize {
 }
 
 /// Serve pinned blocks `ids` in place: offer them, then wait for the reader's `DONE` (at most
-/// `end`). The blocks stay pinned until this returns.
-pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) {
+/// `end`). The blocks stay pinned until this returns. Whether it ended cleanly.
+pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) -> bool {
     let layout = &inner.layout;
     let offer = InPlaceOffer {
         agent: nx.name.clone(),
@@ -429,10 +429,7 @@ pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end
     };
     if wire::write_frame(c, wire::NIXL_OFFER, &encode_offer(&offer), inner.io_deadline()).is_err() {
         Stats::add(&inner.stats.serve_aborted, 1);
-        return;
-    }
-    if ids.is_empty() {
-        return;
+        return false;
     }
     // the reader READs at its own pace; its DONE (or the transfer deadline) ends the pin
     let mut done = [0u8; 8];
@@ -445,8 +442,12 @@ pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end
             let n = u64::from_le_bytes(done).min(ids.len() as u64);
             Stats::add(&inner.stats.blocks_sent, n);
             Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
+            true
         }
-        None => Stats::add(&inner.stats.serve_aborted, 1),
+        None => {
+            Stats::add(&inner.stats.serve_aborted, 1);
+            false
+        }
     }
 }
 

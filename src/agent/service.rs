@@ -129,7 +129,12 @@ fn frame_err(e: FrameError) -> Hs {
 
 /// Authentication (when a key is set) and the hello; on success `scratch.names` holds the names.
 fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: Instant) -> Result<(), Hs> {
-    let hello_max = wire::FINGERPRINT_BYTES + 4 + 8 * inner.limits.max_names as usize;
+    authenticate(inner, c, deadline)?;
+    read_hello(inner, c, scratch, deadline)
+}
+
+/// The key's challenge-response (nothing without a key).
+fn authenticate(inner: &Inner, c: &mut dyn Conn, deadline: Instant) -> Result<(), Hs> {
     if let Some(key) = &inner.key {
         let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(frame_err)?;
         if kind == wire::HELLO {
@@ -155,6 +160,12 @@ fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: I
             return Err(Hs::Refuse(Refusal::AuthFailed, "authentication failed"));
         }
     }
+    Ok(())
+}
+
+/// A hello (`HELLO` or `NIXL_HELLO`) by `deadline`; on success `scratch.names` holds the names.
+fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: Instant) -> Result<(), Hs> {
+    let hello_max = wire::FINGERPRINT_BYTES + 4 + 8 * inner.limits.max_names as usize;
     let (kind, len) = wire::read_header(c, u32::MAX as usize, deadline).map_err(frame_err)?;
     if kind == wire::AUTH_HELLO && inner.key.is_none() {
         return Err(Hs::Refuse(Refusal::AuthFailed, "this service has no key"));
@@ -184,7 +195,9 @@ fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: I
 }
 
 /// Serve one connection; `peer` is `Some` when the connection holds a handshake slot (it is
-/// then promoted to a serving slot). Returns the slot it holds at the end.
+/// then promoted to a serving slot). After a transfer that ended cleanly the connection stays
+/// open for the peer's next hello (no new authentication) for up to `idle_timeout`, holding a
+/// handshake slot, never a serving one, while it waits. Returns the slot it holds at the end.
 pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> Slot {
     let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
     let hs = Instant::now() + inner.limits.handshake_timeout;
@@ -200,26 +213,52 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
             return slot;
         }
     }
-    if slot == Slot::Pending {
-        inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
+    loop {
+        if slot == Slot::Pending {
+            inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
+            slot = Slot::None;
+            // only the handshake threads race here; a compare-and-swap keeps the bound exact
+            let max = u64::from(inner.limits.max_connections);
+            let got = inner
+                .stats
+                .serving_now
+                .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
+                .is_ok();
+            if !got {
+                inner.stats.refused(Refusal::Busy);
+                wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
+                return slot;
+            }
+            slot = Slot::Serving;
+        }
+        Stats::add(&inner.stats.served, 1);
+        if !transfer(inner, c, scratch) || peer.is_none() || inner.limits.idle_timeout.is_zero() {
+            return slot;
+        }
+        // kept alive: back to a handshake slot while it waits, if one is free
+        inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
         slot = Slot::None;
-        // only the handshake threads race here; a compare-and-swap keeps the bound exact
-        let max = u64::from(inner.limits.max_connections);
+        let max = u64::from(inner.limits.max_pending);
         let got = inner
             .stats
-            .serving_now
+            .pending_now
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
             .is_ok();
         if !got {
-            inner.stats.refused(Refusal::Busy);
-            wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
             return slot;
         }
-        slot = Slot::Serving;
+        slot = Slot::Pending;
+        match read_hello(inner, c, scratch, Instant::now() + inner.limits.idle_timeout) {
+            Ok(()) => Stats::add(&inner.stats.reused, 1),
+            Err(Hs::Refuse(r, text)) => {
+                inner.stats.refused(r);
+                wire::refuse(c, r, text, inner.io_deadline());
+                return slot;
+            }
+            // the peer closed it, or it idled out: the normal end of a kept-alive connection
+            Err(Hs::Gone) => return slot,
+        }
     }
-    Stats::add(&inner.stats.served, 1);
-    transfer(inner, c, scratch);
-    slot
 }
 
 /// Unpins what it holds when dropped (whatever way the transfer ends).
@@ -236,7 +275,9 @@ impl Drop for Pinned<'_> {
     }
 }
 
-fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
+/// Pin, offer and send (or offer for NIXL reads); whether it ended cleanly (the connection can
+/// then carry the peer's next request).
+fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) -> bool {
     let n = scratch.names.len();
     let num_blocks = inner.layout.num_blocks();
     scratch.ids.clear();
@@ -247,7 +288,7 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
         inner.holder.unpin(&scratch.ids[..k.min(n)]);
         inner.stats.refused(Refusal::Internal);
         wire::refuse(c, Refusal::Internal, "the source's reuse cache answered an impossible pin", inner.io_deadline());
-        return;
+        return false;
     }
     // a block whose checksum was never recorded is not served: the offer stops before it
     let offered = scratch.ids[..k].iter().position(|&id| inner.sums.get(id).is_none()).unwrap_or(k);
@@ -261,16 +302,15 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     if scratch.nixl {
         if let Some(nx) = &inner.nixl {
             let end = Instant::now() + transfer_deadline((offered * bb) as u64);
-            super::nixl::serve(inner, nx, c, ids, end);
-            return;
+            return super::nixl::serve(inner, nx, c, ids, end);
         }
     }
     if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
         Stats::add(&inner.stats.serve_aborted, 1);
-        return;
+        return false;
     }
     if offered == 0 {
-        return;
+        return true;
     }
     let end = Instant::now() + transfer_deadline((offered * bb) as u64);
     let by = |inner: &Inner| inner.io_deadline().min(end);
@@ -279,7 +319,7 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     // while they are pinned.
     let Ok(mut mover) = (unsafe { inner.movers.take(&inner.layout) }) else {
         Stats::add(&inner.stats.serve_aborted, 1);
-        return;
+        return false;
     };
     let chunk = mover.slot_blocks;
     let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
@@ -336,11 +376,12 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) {
     if !gathered_ok {
         // a mover whose copy failed is not reused
         Stats::add(&inner.stats.serve_aborted, 1);
-        return;
+        return false;
     }
     // gathers are waited for inside `gather`: nothing of this mover is in flight
     inner.movers.put(mover);
     if !ok {
         Stats::add(&inner.stats.serve_aborted, 1);
     }
+    ok
 }

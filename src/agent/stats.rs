@@ -76,6 +76,10 @@ pub struct AgentStats {
     pub blocks_withheld: u64,
     /// Withheld blocks handed back to the runtime (`BlockHolder::returned`).
     pub blocks_returned: u64,
+    /// Served: transfers that came on a kept-alive connection (no new connect or handshake).
+    pub reused: u64,
+    /// Fetched: streams that went over a kept-alive connection.
+    pub streams_reused: u64,
 }
 
 macro_rules! stats {
@@ -100,7 +104,7 @@ stats! {
     fetch_failed_refused, fetch_failed_fingerprint_mismatch, fetch_failed_corrupt,
     fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
-    blocks_withheld, blocks_returned,
+    blocks_withheld, blocks_returned, reused, streams_reused,
 }
 
 impl Stats {
@@ -173,6 +177,8 @@ impl Stats {
                 s.blocks_withheld,
             ),
             ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
+            ("reused", "Served transfers that came on a kept-alive connection.", s.reused),
+            ("streams_reused", "Fetch streams that went over a kept-alive connection.", s.streams_reused),
         ] {
             let _ =
                 writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter\n{p}_{name}_total {v}");

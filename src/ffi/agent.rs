@@ -33,7 +33,7 @@ pub struct kvrelay_agent_fingerprint {
 }
 
 /// The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
-/// milliseconds; every value must be at least 1.
+/// milliseconds; every value must be at least 1, except `idle_timeout_ms` (0 turns reuse off).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_agent_limits {
@@ -62,6 +62,9 @@ pub struct kvrelay_agent_limits {
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
     pub min_stream_bytes: u64,
+    /// How long a connection stays open after a transfer for the next one between the same two
+    /// agents (5000; 0: one transfer per connection).
+    pub idle_timeout_ms: u32,
 }
 
 impl From<&Limits> for kvrelay_agent_limits {
@@ -79,6 +82,7 @@ impl From<&Limits> for kvrelay_agent_limits {
             max_queued_fetches: l.max_queued_fetches,
             streams: l.streams,
             min_stream_bytes: l.min_stream_bytes,
+            idle_timeout_ms: ms(l.idle_timeout),
         }
     }
 }
@@ -98,6 +102,7 @@ impl From<&kvrelay_agent_limits> for Limits {
             max_queued_fetches: l.max_queued_fetches,
             streams: l.streams,
             min_stream_bytes: l.min_stream_bytes,
+            idle_timeout: ms(l.idle_timeout_ms),
         }
     }
 }
