@@ -148,10 +148,10 @@ fn main() {
     // TCP streams per fetch (`KVRELAY_BENCH_STREAMS`, default 1); the anchor then copies over
     // as many loopback streams at once
     let streams: usize = std::env::var("KVRELAY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-    let mut cfg = AgentConfig::new(fp);
+    let mut cfg = AgentConfig::new(fp.clone());
     cfg.listen = None;
     cfg.device = device;
-    cfg.transport = transport;
+    cfg.transport = transport.clone();
     cfg.limits.streams = streams as u32;
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
@@ -220,6 +220,45 @@ fn main() {
         bytes as f64 / record / 1e9,
         record * 1e6 / f64::from(BLOCKS)
     );
+    // small fetches (1 and 8 blocks): time from submission to completion, over a kept-alive
+    // connection (this agent) and over a new connection each time (an agent with reuse off)
+    let mut cold_cfg = AgentConfig::new(fp);
+    cold_cfg.listen = None;
+    cold_cfg.device = device;
+    cold_cfg.transport = transport;
+    cold_cfg.limits.idle_timeout = Duration::ZERO;
+    let (_cold_mem, cold_layout) = pool(dev.as_ref());
+    // SAFETY: the pool lives until the end of main, after the agent is dropped.
+    let cold = unsafe { Agent::new(cold_cfg, cold_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
+    for k in [1usize, 8] {
+        let small = |a: &Agent| {
+            let mut t = Vec::new();
+            for _ in 0..50 {
+                let r = a
+                    .submit(
+                        FetchRequest {
+                            endpoint: ep.clone(),
+                            names: names.clone(),
+                            held: 0,
+                            dst: ids[..k].to_vec(),
+                            deadline: Duration::from_secs(10),
+                        },
+                        None,
+                    )
+                    .unwrap()
+                    .wait(Duration::from_secs(20))
+                    .unwrap();
+                assert_eq!((r.failure, r.blocks), (None, k), "{}", r.detail);
+                t.push(r.seconds * 1e6);
+            }
+            median(t)
+        };
+        let (warm, fresh) = (small(&dst), small(&cold));
+        println!(
+            "  {k}-block fetch   median {warm:.0} us on a kept-alive connection, {fresh:.0} us on a new one (50 each)"
+        );
+    }
+    drop(cold);
     // the cost of a submission on the caller's thread (queued to a source that refuses nothing:
     // an unroutable port, so each completes quickly with a connect failure)
     let n = 500;
