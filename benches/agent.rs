@@ -127,6 +127,8 @@ fn main() {
         let mut src_cfg = AgentConfig::new(fp.clone());
         src_cfg.device = device;
         src_cfg.transport = transport.clone();
+        src_cfg.limits.socket_buffer_bytes =
+            std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
         // SAFETY: the pool (host or device memory, as configured) lives in `_source` until the
         // end of main, and the agent is dropped first (it comes first in the tuple).
         let src = unsafe { Agent::new(src_cfg, layout, Box::new(held)) }.unwrap();
@@ -153,6 +155,9 @@ fn main() {
     cfg.device = device;
     cfg.transport = transport.clone();
     cfg.limits.streams = streams as u32;
+    // socket buffers of both sides (`KVRELAY_BENCH_SOCKET_BUFFER`, bytes; 0: the kernel's)
+    let sockbuf: u32 = std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    cfg.limits.socket_buffer_bytes = sockbuf;
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
     let ids: Vec<u32> = (0..BLOCKS).collect();

@@ -398,6 +398,9 @@ typedef struct kvrelay_agent_limits {
   // How long a connection stays open after a transfer for the next one between the same two
   // agents (5000; 0: one transfer per connection).
   uint32_t idle_timeout_ms;
+  // Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
+  // autotuning, the default).
+  uint32_t socket_buffer_bytes;
 } kvrelay_agent_limits;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

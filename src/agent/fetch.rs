@@ -300,6 +300,7 @@ fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut 
         _ => (FailReason::Connect, format!("connect: {e}")),
     })?;
     let _ = s.set_nodelay(true);
+    super::set_buffers(&s, inner.limits.socket_buffer_bytes);
     let by = || inner.io_deadline().min(deadline);
     if let Some(key) = &inner.key {
         let c: &mut dyn Conn = &mut s;

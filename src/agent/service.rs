@@ -74,6 +74,7 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
         let worker = inner.clone();
         let spawned = std::thread::Builder::new().name("kvrelay-serve".into()).stack_size(1 << 20).spawn(move || {
             let _ = s.set_nodelay(true);
+            super::set_buffers(&s, worker.limits.socket_buffer_bytes);
             let mut scratch = Scratch::default();
             let slot = serve(&worker, &mut s, &mut scratch, Some(ip));
             release(&worker, ip, slot);

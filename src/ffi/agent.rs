@@ -65,6 +65,9 @@ pub struct kvrelay_agent_limits {
     /// How long a connection stays open after a transfer for the next one between the same two
     /// agents (5000; 0: one transfer per connection).
     pub idle_timeout_ms: u32,
+    /// Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
+    /// autotuning, the default).
+    pub socket_buffer_bytes: u32,
 }
 
 impl From<&Limits> for kvrelay_agent_limits {
@@ -83,6 +86,7 @@ impl From<&Limits> for kvrelay_agent_limits {
             streams: l.streams,
             min_stream_bytes: l.min_stream_bytes,
             idle_timeout_ms: ms(l.idle_timeout),
+            socket_buffer_bytes: l.socket_buffer_bytes,
         }
     }
 }
@@ -103,6 +107,7 @@ impl From<&kvrelay_agent_limits> for Limits {
             streams: l.streams,
             min_stream_bytes: l.min_stream_bytes,
             idle_timeout: ms(l.idle_timeout_ms),
+            socket_buffer_bytes: l.socket_buffer_bytes,
         }
     }
 }
