@@ -71,6 +71,10 @@ int main() {
     CHECK(dst.at(1, 5 + i)[7] == 0x21 + i);
   }
   CHECK(f.detail().empty());
+  // the connection of a transfer that ended cleanly carries the next one (no new handshake)
+  auto again = dest.fetch(source.endpoint(), names, 0, {7}, 10000).wait(20000);
+  CHECK(again && again->failure == KVRELAY_FETCH_OK && again->blocks == 1);
+  CHECK(source.stats().accepted == 1 && source.stats().reused == 1 && dest.stats().streams_reused == 1);
   kvrelay::Agent wrong(kvrelay::AgentConfig(fp).listen("").key("not the example's shared key"), dst.layout, none);
   kvrelay::Fetch g = wrong.fetch(source.endpoint(), names, 0, {0}, 10000);
   auto w = g.wait(20000);
