@@ -19,8 +19,9 @@
 //! [`BlockHolder::unpin`] run on connection threads, several at once; a fetch's completion
 //! callback runs on a fetch worker. Nothing the agent does blocks the thread that submits a
 //! fetch: DNS, connect, reads, verification and the copy into the pool all run on workers.
-//! Each serving connection and each running fetch also starts one short-lived helper thread
-//! (the other half of its two-slot pipeline: gathering, or verifying and scattering).
+//! Each serving connection and each stream of a running fetch also starts one short-lived
+//! helper thread (the other half of its two-slot pipeline: gathering, or verifying and
+//! scattering); a fetch over N streams runs N - 1 of them on threads of their own.
 //! On a GPU pool the agent's copies run on streams of its own and it waits on those streams
 //! and their events only (never on the runtime's work), with no lock held across a wait.
 //!
