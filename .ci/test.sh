@@ -28,6 +28,8 @@ echo "== clippy and docs (warnings are errors), with and without the NIXL transp
 cargo clippy --locked --all-targets --features server,nixl -- -D warnings
 cargo clippy --locked --all-targets --features server -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server,nixl
+# the default features too (what a user of the library, and docs.rs, builds)
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps
 
 echo "== Rust tests (the library, and the test server over real HTTP on loopback)"
 cargo test --locked --features server,nixl

@@ -13,7 +13,7 @@
 //! - `BLOCK` (6, source -> destination): name (u64), the checksum recorded when the block
 //!   became reusable (u64), then exactly `block_bytes` bytes; one per offered block, in order;
 //! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text;
-//! - with the NIXL transport (feature `nixl`, [`super::nixl`]): `NIXL_HELLO` (8, destination ->
+//! - with the NIXL transport (feature `nixl`, module `nixl`): `NIXL_HELLO` (8, destination ->
 //!   source, the payload of a `HELLO`: the destination READs the blocks itself), `NIXL_OFFER`
 //!   (9, source -> destination: where the pinned blocks lie, with their recorded checksums) and
 //!   `DONE` (10, destination -> source: how many blocks it took, u64; the source unpins them).
