@@ -5,29 +5,38 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-/// A plain loopback TCP copy of `bytes` in 4 MiB writes: bytes per second.
-pub fn loopback_copy(bytes: usize) -> f64 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let w = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let buf = vec![7u8; 4 << 20];
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(buf.len());
-            s.write_all(&buf[..n]).unwrap();
-            left -= n;
-        }
-    });
-    let (mut s, _) = l.accept().unwrap();
+/// Write `bytes` to `s` in 4 MiB writes.
+fn send(mut s: TcpStream, bytes: usize) {
+    let buf = vec![7u8; 4 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(buf.len());
+        s.write_all(&buf[..n]).unwrap();
+        left -= n;
+    }
+}
+
+/// Read `bytes` from `s` (into a 4 MiB buffer).
+fn receive(mut s: TcpStream, bytes: usize) {
     let mut buf = vec![0u8; 4 << 20];
-    let t = Instant::now();
     let mut got = 0;
     while got < bytes {
         let n = s.read(&mut buf).unwrap();
         assert!(n > 0);
         got += n;
     }
+}
+
+/// A plain loopback TCP copy of `bytes` in 4 MiB writes: bytes per second.
+pub fn loopback_copy(bytes: usize) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let w = std::thread::spawn(move || {
+        send(TcpStream::connect(addr).unwrap(), bytes);
+    });
+    let (s, _) = l.accept().unwrap();
+    let t = Instant::now();
+    receive(s, bytes);
     let secs = t.elapsed().as_secs_f64();
     w.join().unwrap();
     bytes as f64 / secs
@@ -43,36 +52,11 @@ pub fn loopback_copy_streams(bytes: usize, n: usize) -> f64 {
     let per = bytes / n;
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    let writers: Vec<_> = (0..n)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let mut s = TcpStream::connect(addr).unwrap();
-                let buf = vec![7u8; 4 << 20];
-                let mut left = per;
-                while left > 0 {
-                    let k = left.min(buf.len());
-                    s.write_all(&buf[..k]).unwrap();
-                    left -= k;
-                }
-            })
-        })
-        .collect();
+    let writers: Vec<_> =
+        (0..n).map(|_| std::thread::spawn(move || send(TcpStream::connect(addr).unwrap(), per))).collect();
     let conns: Vec<TcpStream> = (0..n).map(|_| l.accept().unwrap().0).collect();
     let t = Instant::now();
-    let readers: Vec<_> = conns
-        .into_iter()
-        .map(|mut s| {
-            std::thread::spawn(move || {
-                let mut buf = vec![0u8; 4 << 20];
-                let mut got = 0;
-                while got < per {
-                    let k = s.read(&mut buf).unwrap();
-                    assert!(k > 0);
-                    got += k;
-                }
-            })
-        })
-        .collect();
+    let readers: Vec<_> = conns.into_iter().map(|s| std::thread::spawn(move || receive(s, per))).collect();
     for r in readers {
         r.join().unwrap();
     }

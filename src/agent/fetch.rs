@@ -11,7 +11,8 @@ use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 use crate::checksum::kv_checksum;
 
-type Failure = (FailReason, String);
+/// Why a fetch (or one of its streams) stopped, with the detail for logs.
+pub(super) type Failure = (FailReason, String);
 
 pub(super) fn io_fail(e: &std::io::Error, what: &str) -> Failure {
     match e.kind() {
@@ -204,38 +205,31 @@ fn pull(
         .ok_or_else(|| (FailReason::Connect, "the endpoint resolves to no address".to_string()))?;
     let asked = &req.names[req.held..req.held + req.dst.len()];
     let dst = &req.dst[..asked.len()];
+    // one stream of the fetch: a contiguous part of the run on a connection of its own
+    let part = |lo: usize, hi: usize, mover: &mut Option<Mover>, buf: &mut Vec<u8>| {
+        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
+        p.result = stream(inner, state, addr, &asked[lo..hi], &dst[lo..hi], deadline, &stopped, mover, buf, &mut p);
+        p
+    };
     let n = streams_for(inner, asked.len());
     if n == 1 {
-        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
-        p.result = stream(inner, state, addr, asked, dst, deadline, &stopped, &mut w.mover, &mut w.buf, &mut p);
+        let p = part(0, asked.len(), &mut w.mover, &mut w.buf);
         (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
         return p.result;
     }
-    // N streams, each a connection of its own for a contiguous part of the run (the source
-    // pins each part's leading run): the first on this worker, the others on helper threads
+    // N streams (the source pins each part's leading run): the first on this worker, the
+    // others on helper threads, each with a mover of its own
     let per = asked.len().div_ceil(n);
     let parts: Vec<(usize, usize)> = (0..asked.len()).step_by(per).map(|s| (s, (s + per).min(asked.len()))).collect();
     let mut results: Vec<Part> = Vec::with_capacity(parts.len());
     std::thread::scope(|sc| {
+        let part = &part;
         let helpers: Vec<_> = parts[1..]
             .iter()
             .map(|&(lo, hi)| {
-                let stopped = &stopped;
                 sc.spawn(move || {
-                    let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
                     let (mut mover, mut buf) = (None, Vec::new());
-                    p.result = stream(
-                        inner,
-                        state,
-                        addr,
-                        &asked[lo..hi],
-                        &dst[lo..hi],
-                        deadline,
-                        stopped,
-                        &mut mover,
-                        &mut buf,
-                        &mut p,
-                    );
+                    let p = part(lo, hi, &mut mover, &mut buf);
                     if let Some(m) = mover {
                         inner.movers.put(m);
                     }
@@ -244,20 +238,7 @@ fn pull(
             })
             .collect();
         let (lo, hi) = parts[0];
-        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
-        p.result = stream(
-            inner,
-            state,
-            addr,
-            &asked[lo..hi],
-            &dst[lo..hi],
-            deadline,
-            &stopped,
-            &mut w.mover,
-            &mut w.buf,
-            &mut p,
-        );
-        results.push(p);
+        results.push(part(lo, hi, &mut w.mover, &mut w.buf));
         for h in helpers {
             results.push(h.join().unwrap_or_else(|_| Part {
                 blocks: 0,

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
 use nixl_sys::{XferRequest, XferStatus};
 
+use super::fetch::Failure;
 use super::wire::{self, Conn};
 use super::{FailReason, Inner, Stats};
 use crate::copy::KvLayout;
@@ -308,8 +309,6 @@ pub(super) fn give_back(inner: &Inner, ids: &[u32]) {
     inner.holder.returned(ids);
     Stats::add(&inner.stats.blocks_returned, ids.len() as u64);
 }
-
-type Failure = (FailReason, String);
 
 /// An offer of blocks in place: `count` blocks of `block_bytes`; the source's NIXL agent; its
 /// segments `(base, stride, bytes)`; its pool's block count, device, and per block

@@ -195,6 +195,13 @@ fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: 
     Ok(())
 }
 
+/// Take one of `max` slots counted by `gauge`, if one is free. Connection threads race here; a
+/// compare-and-swap keeps the bound exact.
+fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
+    let max = u64::from(max);
+    gauge.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1)).is_ok()
+}
+
 /// Serve one connection; `peer` is `Some` when the connection holds a handshake slot (it is
 /// then promoted to a serving slot). After a transfer that ended cleanly the connection stays
 /// open for the peer's next hello (no new authentication) for up to `idle_timeout`, holding a
@@ -218,14 +225,7 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         if slot == Slot::Pending {
             inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
             slot = Slot::None;
-            // only the handshake threads race here; a compare-and-swap keeps the bound exact
-            let max = u64::from(inner.limits.max_connections);
-            let got = inner
-                .stats
-                .serving_now
-                .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
-                .is_ok();
-            if !got {
+            if !take_slot(&inner.stats.serving_now, inner.limits.max_connections) {
                 inner.stats.refused(Refusal::Busy);
                 wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
                 return slot;
@@ -239,13 +239,7 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         // kept alive: back to a handshake slot while it waits, if one is free
         inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
         slot = Slot::None;
-        let max = u64::from(inner.limits.max_pending);
-        let got = inner
-            .stats
-            .pending_now
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
-            .is_ok();
-        if !got {
+        if !take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
             return slot;
         }
         slot = Slot::Pending;
