@@ -6,7 +6,9 @@
 # C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build
 # of the library, and a consumer project that finds the installed package. The server is built
 # with its NIXL transport (feature `nixl`; .ci/ensure-nixl.sh installs the NIXL libraries and
-# libclang), and the cross-instance transfer tests run a second time over NIXL/UCX.
+# libclang), and the cross-instance transfer tests run a second time over NIXL/UCX. The server's
+# real-model engine (feature `llama`: llama.cpp, built once per profile by cargo) runs
+# SmolLM2-135M-Instruct, installed by .ci/ensure-llama.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -24,18 +26,23 @@ cargo fmt --all -- --check
 echo "== NIXL libraries and libclang (the nixl feature)"
 source .ci/ensure-nixl.sh
 
+echo "== CMake, and the real model (the llama feature)"
+source .ci/ensure-cmake.sh
+cmake --version | head -n 1
+source .ci/ensure-llama.sh
+
 echo "== clippy and docs (warnings are errors), with and without the NIXL transport"
-cargo clippy --locked --all-targets --features server,nixl -- -D warnings
+cargo clippy --locked --all-targets --features server,nixl,llama -- -D warnings
 cargo clippy --locked --all-targets --features server -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server,nixl
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps --features server,nixl,llama
 # the default features too (what a user of the library, and docs.rs, builds)
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps
 
-echo "== Rust tests (the library, and the test server over real HTTP on loopback)"
-cargo test --locked --features server,nixl
+echo "== Rust tests (the library, the test server over real HTTP on loopback, the real model)"
+cargo test --locked --features server,nixl,llama
 
 echo "== the cross-instance transfer tests again over NIXL (UCX over TCP on loopback)"
-KVRELAY_TEST_KV_TRANSPORT=nixl UCX_TLS=tcp UCX_NET_DEVICES=lo cargo test --locked --features server,nixl --test transfer
+KVRELAY_TEST_KV_TRANSPORT=nixl UCX_TLS=tcp UCX_NET_DEVICES=lo cargo test --locked --features server,nixl,llama --test transfer
 
 echo "== the portable scanner (what non-x86-64 hosts run): admission, property and conformance tests"
 RUSTFLAGS="--cfg kvrelay_portable" CARGO_TARGET_DIR="$root/target/portable" \
@@ -44,20 +51,18 @@ RUSTFLAGS="--cfg kvrelay_portable" CARGO_TARGET_DIR="$root/target/portable" \
 echo "== fuzz smoke (each target a few seconds; long runs: README \"Fuzzing\")"
 bash .ci/fuzz-smoke.sh
 
-echo "== the official openai Python client against kvrelay-server"
-cargo build --locked --release --features server,nixl --bin kvrelay-server
+echo "== the official openai Python client against kvrelay-server (reference engine, then the real model)"
+cargo build --locked --release --features server,nixl,llama --bin kvrelay-server
 oa="$root/target/ci-tools/openai"
 if ! PYTHONPATH="$oa" python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --target "$oa" openai
 fi
 PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server
+PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server --engine llama --model-file "$KVRELAY_MODEL_FILE"
 
 echo "== benches compile"
-cargo build --locked --release --benches --features server,nixl
+cargo build --locked --release --benches --features server,nixl,llama
 
-echo "== CMake"
-source .ci/ensure-cmake.sh
-cmake --version | head -n 1
 b=$root/target/ci-build
 rm -rf "$b"
 

@@ -1,8 +1,9 @@
 """The official `openai` Python client against kvrelay-server: completions, chat completions and
 responses, each with `extra_body={"kv_hints": ...}`, streaming and not.
 
-Usage: python3 tests/openai_client.py PATH/TO/kvrelay-server
-(the test command installs the client into target/ci-tools/openai when it is missing).
+Usage: python3 tests/openai_client.py PATH/TO/kvrelay-server [SERVE FLAGS...]
+(e.g. `--engine llama --model-file F.gguf` for the real model;
+the test command installs the client into target/ci-tools/openai when it is missing).
 """
 
 import json
@@ -39,7 +40,10 @@ def metric(client_base, name):
 def main():
     server = sys.argv[1]
     env = dict(os.environ, KVRELAY_TRUST_KV_HINTS="1", KVRELAY_PREFILL_TOKENS_PER_S="0", KVRELAY_LOG="warn")
-    proc = subprocess.Popen([server, "serve", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, env=env, text=True)
+    flags = sys.argv[2:]
+    proc = subprocess.Popen(
+        [server, "serve", "--listen", "127.0.0.1:0", *flags], stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("listening on "), line
@@ -85,7 +89,7 @@ def main():
 
         admitted = metric(base, "kvrelay_kv_hints_admitted_total")
         assert admitted == 7, f"every call's hint was admitted once: {admitted}"
-        print(json.dumps({"openai": openai.__version__, "calls": 7, "hints_admitted": admitted, "ok": True}))
+        print(json.dumps({"openai": openai.__version__, "model": model, "calls": 7, "hints_admitted": admitted, "ok": True}))
     finally:
         proc.kill()
         proc.wait()

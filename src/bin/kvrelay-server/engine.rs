@@ -20,6 +20,14 @@
 //!   hashes it; output token `j` is `XXH3-64(digest, j, token j-1)` mapped onto a fixed word
 //!   list. Reused KV that differs by one bit from what a cold prefill writes gives a different
 //!   answer.
+//!
+//! **The seam.** [`Engine`] is what the server talks to: a [`Model`] (tokenizer, chat template,
+//! block naming over its own token ids, the identity the KV fingerprint carries) and the KV
+//! backend over the pool and the reuse cache (which named blocks are held, run a request from
+//! its held prefix, export the blocks a prefill completed into the pool the KV agent serves,
+//! import fetched ones, which the transfer layer committed to the same cache). The reference
+//! model above is one implementation; llama.cpp (module [`llama`], feature `llama`) is the
+//! second.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,6 +36,9 @@ use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 use crate::abi::{cuda_available, AbiError, CpuEngine, CudaEngine, HostPool, KvLayout, Pinned};
 use crate::cache::{BlockCache, Lease, NeverFits};
+
+#[cfg(feature = "llama")]
+pub mod llama;
 
 /// Seed of the block-name chain (part of the layout fingerprint's naming scheme).
 pub const NAME_SEED: u64 = 0x6b76_7265_6c61_7931; // "kvrelay1"
@@ -90,8 +101,21 @@ pub fn render_chat(messages: &[(String, String)]) -> String {
     s
 }
 
-/// The names of the full blocks of `tokens`.
+/// The names of the full blocks of `tokens` under the reference model's seed [`NAME_SEED`].
+#[cfg(test)]
 pub fn block_names(tokens: &[u32], block_tokens: usize, lora_id: u64, salt: Option<&str>) -> Vec<u64> {
+    block_names_seeded(NAME_SEED, tokens, block_tokens, lora_id, salt)
+}
+
+/// The names of the full blocks of `tokens` under `seed` (each model names blocks over its own
+/// token ids with a seed of its own).
+pub fn block_names_seeded(
+    seed: u64,
+    tokens: &[u32],
+    block_tokens: usize,
+    lora_id: u64,
+    salt: Option<&str>,
+) -> Vec<u64> {
     let mut names = Vec::with_capacity(tokens.len() / block_tokens);
     let mut buf = Vec::with_capacity(24 + block_tokens * 4 + salt.map_or(0, str::len));
     let mut prev = 0u64;
@@ -108,7 +132,7 @@ pub fn block_names(tokens: &[u32], block_tokens: usize, lora_id: u64, salt: Opti
         for t in block {
             buf.extend_from_slice(&t.to_le_bytes());
         }
-        prev = xxh3_64_with_seed(&buf, NAME_SEED);
+        prev = xxh3_64_with_seed(&buf, seed);
         names.push(prev);
     }
     names
@@ -347,6 +371,23 @@ pub struct Generation {
     pub cached_tokens: usize,
     /// Prompt tokens prefilled here.
     pub prefilled_tokens: usize,
+    /// Generation ended at an end-of-generation token (`finish_reason: stop`), not at
+    /// `max_tokens` (`length`).
+    pub stopped: bool,
+    /// A real model's digest of every step's logits (the `x-kvrelay-logits` header with
+    /// `--debug-endpoints`); `None` for the reference model.
+    pub logits_digest: Option<u64>,
+}
+
+impl Generation {
+    /// The OpenAI `finish_reason`.
+    pub fn finish_reason(&self) -> &'static str {
+        if self.stopped {
+            "stop"
+        } else {
+            "length"
+        }
+    }
 }
 
 /// Why a generation failed.
@@ -358,6 +399,15 @@ pub enum EngineError {
     EmptyPrompt,
     /// The copy engine failed.
     Copy(AbiError),
+    /// The prompt and `max_tokens` exceed the model's context.
+    ContextLength {
+        /// Prompt tokens plus `max_tokens`.
+        needed: usize,
+        /// Tokens per context.
+        limit: usize,
+    },
+    /// The model's run failed.
+    Model(String),
 }
 
 impl std::fmt::Display for EngineError {
@@ -370,6 +420,11 @@ impl std::fmt::Display for EngineError {
             ),
             EngineError::EmptyPrompt => f.write_str("the prompt is empty"),
             EngineError::Copy(e) => write!(f, "KV copy failed: {e}"),
+            EngineError::ContextLength { needed, limit } => write!(
+                f,
+                "the prompt and max_tokens need {needed} tokens of context and the model's contexts hold {limit} (shorten the prompt, lower max_tokens, or raise --llama-ctx)"
+            ),
+            EngineError::Model(e) => write!(f, "the model failed: {e}"),
         }
     }
 }
@@ -390,10 +445,33 @@ pub fn detokenize(tokens: &[u32]) -> Vec<String> {
         .collect()
 }
 
-/// The reference engine: pool bytes, block table, model.
+/// The model behind the seam.
+pub enum Model {
+    /// The reference model (module docs).
+    Reference,
+    /// llama.cpp running a GGUF.
+    #[cfg(feature = "llama")]
+    Llama(llama::Llama),
+}
+
+/// Sets the flag when the request's future is dropped (a run on a blocking thread stops at its
+/// next decode call and gives its context back).
+#[cfg(feature = "llama")]
+struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+#[cfg(feature = "llama")]
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The engine: pool bytes, block table, model.
 pub struct Engine {
     /// Settings.
     pub config: EngineConfig,
+    /// The model.
+    pub model: Model,
     /// The block table and reuse cache.
     pub cache: Arc<BlockCache>,
     /// The bytes.
@@ -406,7 +484,86 @@ pub struct Engine {
 impl Engine {
     /// An engine over `store` with `store`'s block count in `cache`.
     pub fn new(config: EngineConfig, cache: Arc<BlockCache>, store: KvStore) -> Engine {
-        Engine { config, cache, store, on_reusable: std::sync::OnceLock::new() }
+        Engine::with_model(Model::Reference, config, cache, store)
+    }
+
+    /// An engine running `model` (its shape is `config.shape`).
+    pub fn with_model(model: Model, config: EngineConfig, cache: Arc<BlockCache>, store: KvStore) -> Engine {
+        Engine { config, model, cache, store, on_reusable: std::sync::OnceLock::new() }
+    }
+
+    /// The seed of this model's block names.
+    pub fn name_seed(&self) -> u64 {
+        match &self.model {
+            Model::Reference => NAME_SEED,
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => NAME_SEED ^ xxhash_rust::xxh3::xxh3_64(l.identity.as_bytes()),
+        }
+    }
+
+    /// The KV fingerprint's naming scheme: the naming function, its seed and the model's
+    /// identity (two instances agree on it only when their KV is interchangeable).
+    pub fn naming(&self) -> String {
+        match &self.model {
+            Model::Reference => format!("xxh3-chain/v1/{NAME_SEED:016x}/{MODEL_SEED:016x}"),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => format!("xxh3-chain/v1/{:016x}/{}", self.name_seed(), l.identity),
+        }
+    }
+
+    /// The names of the full blocks of `tokens` (SPEC section 8, this model's seed).
+    pub fn block_names(&self, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
+        block_names_seeded(self.name_seed(), tokens, self.config.shape.block_tokens, 0, salt)
+    }
+
+    /// Tokenize a text prompt.
+    pub fn tokenize(&self, text: &str) -> Vec<u32> {
+        match &self.model {
+            Model::Reference => tokenize(text),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => l.tokenize(text),
+        }
+    }
+
+    /// Render chat messages (role, content) into the prompt text, the assistant's turn opened.
+    pub fn render_chat(&self, messages: &[(String, String)]) -> Result<String, String> {
+        match &self.model {
+            Model::Reference => Ok(render_chat(messages)),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => l.render_chat(messages),
+        }
+    }
+
+    /// Output tokens as text pieces (one per token).
+    pub fn detokenize(&self, tokens: &[u32]) -> Vec<String> {
+        match &self.model {
+            Model::Reference => detokenize(tokens),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => l.detokenize(tokens),
+        }
+    }
+
+    /// Whether a token-id prompt is valid for this model (ids within the vocabulary).
+    #[cfg_attr(not(feature = "llama"), allow(unused_variables))]
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
+        match &self.model {
+            Model::Reference => Ok(()),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => match tokens.iter().find(|&&t| t as usize >= l.n_vocab()) {
+                Some(t) => Err(format!("token id {t} is outside the model's vocabulary of {}", l.n_vocab())),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Local prefill rate in tokens/s for the fetch-or-prefill estimate (the modeled rate of
+    /// the reference engine, the rate measured at load for a real model; 0: unknown).
+    pub fn prefill_rate(&self) -> f64 {
+        match &self.model {
+            Model::Reference => self.config.prefill_tokens_per_s,
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => l.prefill_tokens_per_s,
+        }
     }
 
     fn blocks_for(&self, tokens: usize) -> usize {
@@ -439,6 +596,10 @@ impl Engine {
     pub async fn generate(&self, tokens: &[u32], names: &[u64], max_tokens: usize) -> Result<Generation, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
+        }
+        #[cfg(feature = "llama")]
+        if let Model::Llama(l) = &self.model {
+            return self.generate_llama(l, tokens, names, max_tokens).await;
         }
         let sh = self.config.shape;
         let total = self.blocks_for(tokens.len());
@@ -484,7 +645,78 @@ impl Engine {
             prev = (xxh3_64_with_seed(&b, digest) % WORDS.len() as u64) as u32;
             out.push(prev);
         }
-        Ok(Generation { tokens: out, prompt_tokens: tokens.len(), cached_tokens, prefilled_tokens: prefilled })
+        Ok(Generation {
+            tokens: out,
+            prompt_tokens: tokens.len(),
+            cached_tokens,
+            prefilled_tokens: prefilled,
+            stopped: false,
+            logits_digest: None,
+        })
+    }
+
+    /// [`generate`](Self::generate) on llama.cpp: the leading held blocks (at most all but the
+    /// block of the last prompt token, whose logits the first output needs) are read from the
+    /// pool and imported in prefix order; the rest of the prompt is decoded; the full prompt
+    /// blocks this instance did not hold are exported into the lease's fresh blocks, their
+    /// checksums recorded, and committed; then greedy decoding. Cancel-safe: dropping the future
+    /// stops the run at its next decode call and releases every block.
+    #[cfg(feature = "llama")]
+    async fn generate_llama(
+        &self,
+        l: &llama::Llama,
+        tokens: &[u32],
+        names: &[u64],
+        max_tokens: usize,
+    ) -> Result<Generation, EngineError> {
+        let bt = self.config.shape.block_tokens;
+        let needed = tokens.len() + max_tokens;
+        if needed > l.n_ctx() {
+            return Err(EngineError::ContextLength { needed, limit: l.n_ctx() });
+        }
+        let full = names.len();
+        debug_assert_eq!(full, tokens.len() / bt);
+        let lease = self.cache.acquire(names, full).await.map_err(EngineError::NeverFits)?;
+        let import = lease.hits.min((tokens.len() - 1) / bt);
+        let bb = self.store.block_bytes();
+        let mut prefix = vec![0u8; import * bb];
+        if import > 0 {
+            self.store.read(&lease.ids[..import], &mut prefix).map_err(EngineError::Copy)?;
+        }
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let _cancel = CancelOnDrop(cancel.clone());
+        let out = l
+            .run(llama::RunRequest {
+                tokens: tokens.to_vec(),
+                prefix,
+                import_blocks: import,
+                export_from: lease.hits,
+                export_to: full,
+                max_tokens,
+                cancel,
+            })
+            .await
+            .map_err(EngineError::Model)?;
+        if full > lease.hits {
+            let fresh = &lease.ids[lease.hits..full];
+            self.store.write(fresh, &out.exported).map_err(EngineError::Copy)?;
+            if let Some(f) = self.on_reusable.get() {
+                f(fresh);
+            }
+            for (i, &name) in names.iter().enumerate().skip(lease.hits) {
+                lease.commit(i, name);
+            }
+        }
+        drop(lease);
+        let cached_tokens = import * bt;
+        Ok(Generation {
+            tokens: out.tokens,
+            prompt_tokens: tokens.len(),
+            cached_tokens,
+            prefilled_tokens: tokens.len() - cached_tokens,
+            stopped: out.stopped,
+            logits_digest: Some(out.logits_digest),
+        })
     }
 
     /// Read every valid KV byte of the prompt back through the copy engine and hash it.

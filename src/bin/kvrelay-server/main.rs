@@ -44,9 +44,32 @@ pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, env = "KVRELAY_LISTEN", default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
-    /// The model name served and reported by /v1/models.
-    #[arg(long, env = "KVRELAY_MODEL", default_value = "kvrelay-reference")]
-    pub model: String,
+    /// The model name served and reported by /v1/models (default: `kvrelay-reference`, or the
+    /// GGUF's `general.name` with `--engine llama`).
+    #[arg(long, env = "KVRELAY_MODEL")]
+    pub model: Option<String>,
+    /// The engine behind the endpoints: `reference` (the built-in model whose reuse can be
+    /// checked byte for byte) or `llama` (llama.cpp on the CPU running `--model-file`; builds
+    /// with the `llama` feature). With `llama` the KV shape comes from the model (the
+    /// `--layers`, `--kv-heads`, `--head-dim` and `--dtype-bytes` settings are not used), the
+    /// running requests are at most `--llama-contexts`, and decoding is greedy (sampling
+    /// parameters such as `temperature` are ignored, as they are by the reference engine).
+    #[arg(long, env = "KVRELAY_ENGINE", default_value = "reference")]
+    pub engine: String,
+    /// The GGUF model file of `--engine llama`.
+    #[arg(long, env = "KVRELAY_MODEL_FILE")]
+    pub model_file: Option<std::path::PathBuf>,
+    /// llama.cpp contexts (requests running at once) of `--engine llama`; each holds
+    /// `--llama-ctx` tokens of KV.
+    #[arg(long, env = "KVRELAY_LLAMA_CONTEXTS", default_value_t = 2)]
+    pub llama_contexts: usize,
+    /// Tokens per llama.cpp context (prompt plus output).
+    #[arg(long, env = "KVRELAY_LLAMA_CTX", default_value_t = 8192)]
+    pub llama_ctx: usize,
+    /// CPU threads per llama.cpp context (0: every core). Part of the KV fingerprint: two
+    /// instances exchange KV only when they run the same count.
+    #[arg(long, env = "KVRELAY_LLAMA_THREADS", default_value_t = 0)]
+    pub llama_threads: usize,
     /// Tokens per KV block (the unit of reuse and naming).
     #[arg(long, env = "KVRELAY_BLOCK_TOKENS", default_value_t = 32)]
     pub block_tokens: usize,
@@ -171,6 +194,43 @@ fn transport(args: &ServeArgs) -> Result<&'static str, String> {
     }
 }
 
+/// The engine's model and the KV shape (`--engine`).
+fn load_model(args: &ServeArgs) -> Result<(engine::Model, Shape), String> {
+    match args.engine.as_str() {
+        "reference" => Ok((
+            engine::Model::Reference,
+            Shape {
+                block_tokens: args.block_tokens,
+                layers: args.layers,
+                kv_heads: args.kv_heads,
+                head_dim: args.head_dim,
+                dtype_bytes: args.dtype_bytes,
+            },
+        )),
+        #[cfg(feature = "llama")]
+        "llama" => {
+            let file = args.model_file.clone().ok_or("--engine llama needs --model-file (a GGUF file)")?;
+            let settings = engine::llama::LlamaSettings {
+                model_file: file,
+                block_tokens: args.block_tokens,
+                contexts: args.llama_contexts,
+                n_ctx: args.llama_ctx,
+                threads: args.llama_threads,
+            };
+            let l = engine::llama::Llama::load(&settings)?;
+            let (layers, kv_heads, head_dim, dtype_bytes) = l.shape_parts();
+            let shape = Shape { block_tokens: args.block_tokens, layers, kv_heads, head_dim, dtype_bytes };
+            if shape.block_bytes() != l.schema().block_bytes() {
+                return Err("--engine llama: the model's KV layout does not fit the pool's block shape".into());
+            }
+            Ok((engine::Model::Llama(l), shape))
+        }
+        #[cfg(not(feature = "llama"))]
+        "llama" => Err("--engine llama: this build has no llama.cpp (build with `--features llama`)".into()),
+        e => Err(format!("--engine {e}: expected reference or llama")),
+    }
+}
+
 /// Build everything and start serving on `args.listen`. Hint trust comes from
 /// `KVRELAY_TRUST_KV_HINTS` unless `trust` forces it on or off.
 pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, String> {
@@ -183,12 +243,10 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     {
         return Err("--block-tokens, --kv-blocks and the KV shape must all be at least 1".into());
     }
-    let shape = Shape {
-        block_tokens: args.block_tokens,
-        layers: args.layers,
-        kv_heads: args.kv_heads,
-        head_dim: args.head_dim,
-        dtype_bytes: args.dtype_bytes,
+    // loading a model reads and hashes its file: off the async workers
+    let (model, shape) = {
+        let a = args.clone();
+        tokio::task::spawn_blocking(move || load_model(&a)).await.map_err(|e| format!("loading the model: {e}"))??
     };
     if shape.slice_bytes() % 16 != 0 {
         return Err(
@@ -211,7 +269,18 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         Arc::new(transfer::KvProvider),
     )
     .map_err(|e| format!("{e} (is every --trusted-endpoint of the form tcp://HOST:PORT?)"))?;
-    let engine = Arc::new(Engine::new(
+    let max_concurrency = match &model {
+        engine::Model::Reference => args.max_concurrency,
+        #[cfg(feature = "llama")]
+        engine::Model::Llama(l) => args.max_concurrency.min(l.contexts),
+    };
+    let served = args.model.clone().unwrap_or_else(|| match &model {
+        engine::Model::Reference => "kvrelay-reference".into(),
+        #[cfg(feature = "llama")]
+        engine::Model::Llama(l) => l.name.clone(),
+    });
+    let engine = Arc::new(Engine::with_model(
+        model,
         EngineConfig { shape, prefill_tokens_per_s: args.prefill_tokens_per_s },
         BlockCache::new(args.kv_blocks),
         store,
@@ -232,7 +301,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
                 .ok_or_else(|| format!("KV_TRANSFER_SOURCE_ALLOW: `{s}` is not a base URL like http://HOST:PORT"))?,
         );
     }
-    let fingerprint = transfer::Fingerprint::of(shape);
+    let fingerprint = transfer::Fingerprint::of(shape, engine.naming());
     let transport = transport(args)?;
     let kv_listen = args.kv_listen.to_string();
     let settings = abi::AgentSettings {
@@ -281,9 +350,9 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         orchestrator,
         engine,
         HttpConfig {
-            model: args.model.clone(),
+            model: served,
             max_body_bytes: args.max_body_bytes,
-            max_concurrency: args.max_concurrency,
+            max_concurrency,
             max_queue: args.max_queue,
             default_max_tokens: args.default_max_tokens,
             max_tokens_limit: args.max_tokens_limit,
@@ -352,7 +421,8 @@ async fn serve(args: ServeArgs) -> i32 {
     };
     tracing::info!(
         addr = %server.addr,
-        model = %args.model,
+        model = %server.state.config.model,
+        engine = %args.engine,
         kvrelay = abi::version(),
         kv_blocks = args.kv_blocks,
         block_bytes = server.state.engine.store.block_bytes(),

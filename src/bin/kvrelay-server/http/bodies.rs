@@ -189,10 +189,14 @@ pub(super) enum PromptIn {
 }
 
 impl PromptIn {
-    pub(super) fn tokens(&self) -> Vec<u32> {
+    /// The prompt's tokens under `e`'s tokenizer (token ids are checked against its vocabulary).
+    pub(super) fn tokens(&self, e: &Engine) -> Result<Vec<u32>, ApiError> {
         match self {
-            PromptIn::Text(t) => tokenize(t),
-            PromptIn::Tokens(t) => t.clone(),
+            PromptIn::Text(t) => Ok(e.tokenize(t)),
+            PromptIn::Tokens(t) => {
+                e.check_tokens(t).map_err(|m| ApiError::bad_request(m).with_code("invalid_prompt"))?;
+                Ok(t.clone())
+            }
         }
     }
 }
@@ -257,7 +261,11 @@ pub(super) fn content_text(raw: Option<&RawValue>) -> Result<String, ApiError> {
     }
 }
 
-pub(super) fn chat_text(messages: Option<&[Message<'_>]>, instructions: Option<&str>) -> Result<String, ApiError> {
+pub(super) fn chat_text(
+    e: &Engine,
+    messages: Option<&[Message<'_>]>,
+    instructions: Option<&str>,
+) -> Result<String, ApiError> {
     let messages = messages
         .filter(|m| !m.is_empty())
         .ok_or_else(|| ApiError::bad_request("the request has no messages").with_code("missing_prompt"))?;
@@ -268,20 +276,20 @@ pub(super) fn chat_text(messages: Option<&[Message<'_>]>, instructions: Option<&
     for m in messages {
         rendered.push((m.role.clone(), content_text(m.content)?));
     }
-    Ok(render_chat(&rendered))
+    e.render_chat(&rendered).map_err(|m| ApiError::bad_request(m).with_code("invalid_messages"))
 }
 
-pub(super) fn responses_text(b: &ResponsesBody<'_>) -> Result<String, ApiError> {
+pub(super) fn responses_text(e: &Engine, b: &ResponsesBody<'_>) -> Result<String, ApiError> {
     let missing = || ApiError::bad_request("the request has no input").with_code("missing_prompt");
     let raw = b.input.ok_or_else(missing)?;
     if let Ok(s) = serde_json::from_str::<String>(raw.get()) {
         let m = vec![Message { role: "user".into(), content: Some(raw) }];
         let _ = s;
-        return chat_text(Some(&m), b.instructions.as_deref());
+        return chat_text(e, Some(&m), b.instructions.as_deref());
     }
     let msgs: Vec<Message<'_>> = serde_json::from_str(raw.get())
         .map_err(|_| ApiError::bad_request("input must be a string or a list of messages"))?;
-    chat_text(Some(&msgs), b.instructions.as_deref())
+    chat_text(e, Some(&msgs), b.instructions.as_deref())
 }
 
 pub(super) fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
@@ -307,13 +315,13 @@ pub fn prompt_tokens(
     if let Some(m) = messages {
         let msgs: Vec<Message<'_>> = serde_json::from_str(m.get())
             .map_err(|_| ApiError::bad_request("messages must be a list of {role, content}"))?;
-        return Ok(tokenize(&chat_text(Some(&msgs), None)?));
+        return Ok(st.engine.tokenize(&chat_text(&st.engine, Some(&msgs), None)?));
     }
     let (p, batched) = completion_prompts(prompt)?;
     if batched {
         return Err(ApiError::bad_request("this endpoint takes one prompt"));
     }
-    Ok(p[0].tokens())
+    p[0].tokens(&st.engine)
 }
 
 pub(super) fn max_tokens(st: &AppState, n: Option<u64>) -> Result<usize, ApiError> {

@@ -119,7 +119,8 @@ pub fn engine_error(e: EngineError) -> ApiError {
     match e {
         EngineError::NeverFits(_) => ApiError::bad_request(e.to_string()).with_code("context_length_exceeded"),
         EngineError::EmptyPrompt => ApiError::bad_request(e.to_string()).with_code("missing_prompt"),
-        EngineError::Copy(_) => ApiError {
+        EngineError::ContextLength { .. } => ApiError::bad_request(e.to_string()).with_code("context_length_exceeded"),
+        EngineError::Copy(_) | EngineError::Model(_) => ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             kind: "server_error",
             code: None,
@@ -138,7 +139,7 @@ pub(super) async fn run_prompt(
     plan: Option<&FetchPlan>,
     fetch_log: &mut String,
 ) -> Result<Generation, ApiError> {
-    let names = block_names(prompt, st.engine.config.shape.block_tokens, 0, salt);
+    let names = st.engine.block_names(prompt, salt);
     // what a fetch committed stays pinned until the engine's own lease references it
     let mut _hold = crate::transfer::PrefixHold::default();
     if let Some(plan) = plan {
@@ -260,7 +261,7 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
         Api::Completions => json!({
             "id": job.id, "object": "text_completion", "created": now_secs(), "model": st.config.model,
             "choices": gens.iter().enumerate().map(|(i, g)| json!({
-                "index": i, "text": detokenize(&g.tokens).concat(), "logprobs": null, "finish_reason": "length"
+                "index": i, "text": st.engine.detokenize(&g.tokens).concat(), "logprobs": null, "finish_reason": g.finish_reason()
             })).collect::<Vec<_>>(),
             "usage": u,
         }),
@@ -268,17 +269,27 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
             "id": job.id, "object": "chat.completion", "created": now_secs(), "model": st.config.model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": detokenize(&gens[0].tokens).concat()},
+                "message": {"role": "assistant", "content": st.engine.detokenize(&gens[0].tokens).concat()},
                 "logprobs": null,
-                "finish_reason": "length",
+                "finish_reason": gens[0].finish_reason(),
             }],
             "usage": u,
         }),
-        Api::Responses => response_object(&st, &job, &detokenize(&gens[0].tokens).concat(), u, "completed"),
+        Api::Responses => response_object(&st, &job, &st.engine.detokenize(&gens[0].tokens).concat(), u, "completed"),
     };
     observe(&st.metrics.duration, job.api, started.elapsed().as_secs_f64());
     cancelled.answered = true;
-    with_facts(Json(body).into_response(), &job, &gens, &fetch_log)
+    let mut r = Json(body).into_response();
+    if st.config.debug_endpoints {
+        // a real model's logits digest per prompt (tests: bit-identical to a cold run)
+        let d: Vec<String> = gens.iter().filter_map(|g| g.logits_digest).map(|d| format!("{d:016x}")).collect();
+        if let Ok(v) = header::HeaderValue::from_str(&d.join(",")) {
+            if !d.is_empty() {
+                r.headers_mut().insert("x-kvrelay-logits", v);
+            }
+        }
+    }
+    with_facts(r, &job, &gens, &fetch_log)
 }
 
 pub(super) fn observe(
@@ -356,19 +367,20 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
             if i == 0 {
                 observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
             }
-            for (j, w) in detokenize(&g.tokens).into_iter().enumerate() {
+            let fin = json!(g.finish_reason());
+            for (j, w) in st.engine.detokenize(&g.tokens).into_iter().enumerate() {
                 let last = j + 1 == g.tokens.len();
                 let ev = match job.api {
                     Api::Completions => json!({
                         "id": job.id, "object": "text_completion", "created": created, "model": st.config.model,
-                        "choices": [{"index": i, "text": w, "logprobs": null, "finish_reason": if last { json!("length") } else { json!(null) }}],
+                        "choices": [{"index": i, "text": w, "logprobs": null, "finish_reason": if last { fin.clone() } else { json!(null) }}],
                     }),
                     Api::Chat => {
                         let delta =
                             if j == 0 { json!({"role": "assistant", "content": w}) } else { json!({"content": w}) };
                         json!({
                             "id": job.id, "object": "chat.completion.chunk", "created": created, "model": st.config.model,
-                            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": if last { json!("length") } else { json!(null) }}],
+                            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": if last { fin.clone() } else { json!(null) }}],
                         })
                     }
                     Api::Responses => json!({
@@ -388,7 +400,7 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
         let tail = match job.api {
             Api::Responses => Some(json!({
                 "type": "response.completed", "sequence_number": seq,
-                "response": response_object(&st, &job, &gens.first().map(|g| detokenize(&g.tokens).concat()).unwrap_or_default(), u, "completed"),
+                "response": response_object(&st, &job, &gens.first().map(|g| st.engine.detokenize(&g.tokens).concat()).unwrap_or_default(), u, "completed"),
             })),
             Api::Chat if job.include_usage => Some(json!({
                 "id": job.id, "object": "chat.completion.chunk", "created": created, "model": st.config.model, "choices": [], "usage": u,

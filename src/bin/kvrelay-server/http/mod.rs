@@ -28,7 +28,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::abi::{Admission, Decision, HintOutcome, Orchestrator};
-use crate::engine::{block_names, detokenize, render_chat, tokenize, Engine, EngineError, Generation};
+use crate::engine::{Engine, EngineError, Generation};
 use crate::metrics::{DirectionLabel, EndpointLabel, Metrics, RequestLabels, TransferLabels};
 
 #[macro_use]
@@ -290,11 +290,11 @@ struct Parsed<'a> {
     hint: HintFields<'a>,
 }
 
-fn parse_completion(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+fn parse_completion<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
     let b: CompletionBody<'_> = parse(bytes)?;
     let (prompts, batched) = completion_prompts(b.prompt)?;
     Ok(Parsed {
-        prompts: prompts.iter().map(PromptIn::tokens).collect(),
+        prompts: prompts.iter().map(|p| p.tokens(e)).collect::<Result<_, _>>()?,
         batched,
         max_tokens: b.max_tokens,
         include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
@@ -305,11 +305,11 @@ fn parse_completion(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
     })
 }
 
-fn parse_chat(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+fn parse_chat<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
     let b: ChatBody<'_> = parse(bytes)?;
-    let text = chat_text(b.messages.as_deref(), None)?;
+    let text = chat_text(e, b.messages.as_deref(), None)?;
     Ok(Parsed {
-        prompts: vec![tokenize(&text)],
+        prompts: vec![e.tokenize(&text)],
         batched: false,
         max_tokens: b.max_completion_tokens.or(b.max_tokens),
         include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
@@ -320,11 +320,11 @@ fn parse_chat(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
     })
 }
 
-fn parse_responses(bytes: &[u8]) -> Result<Parsed<'_>, ApiError> {
+fn parse_responses<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
     let b: ResponsesBody<'_> = parse(bytes)?;
-    let text = responses_text(&b)?;
+    let text = responses_text(e, &b)?;
     Ok(Parsed {
-        prompts: vec![tokenize(&text)],
+        prompts: vec![e.tokenize(&text)],
         batched: false,
         max_tokens: b.max_output_tokens,
         include_usage: true,
@@ -342,14 +342,14 @@ async fn generation(
     headers: HeaderMap,
     body: Body,
     api: Api,
-    parse_body: fn(&[u8]) -> Result<Parsed<'_>, ApiError>,
+    parse_body: for<'a> fn(&Engine, &'a [u8]) -> Result<Parsed<'a>, ApiError>,
 ) -> Response {
     let bytes = match read_body(&st, &headers, body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
     let job = (|| {
-        let p = parse_body(&bytes)?;
+        let p = parse_body(&st.engine, &bytes)?;
         check_model(&st, p.model.as_deref())?;
         let max_tokens = max_tokens(&st, p.max_tokens)?;
         let raw = p.hint.raw()?;
@@ -418,7 +418,7 @@ async fn kv_lookup(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
         let b: LookupBody<'_> = parse(&bytes)?;
         let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
         let bt = st.engine.config.shape.block_tokens;
-        let names = block_names(&tokens, bt, 0, b.cache_salt.as_deref());
+        let names = st.engine.block_names(&tokens, b.cache_salt.as_deref());
         let held = st.engine.cache.held_prefix(&names);
         Ok::<_, ApiError>(Json(json!({
             "block_tokens": bt,

@@ -29,7 +29,6 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::{fetch_into_cache, FailReason, Fingerprint};
 use crate::client;
-use crate::engine::block_names;
 use crate::http::{parse, prompt_tokens, read_body, ApiError, Shared};
 
 /// `/v1/kv_transfer` settings.
@@ -129,8 +128,7 @@ pub async fn kv_prefill(State(st): State<Shared>, headers: HeaderMap, body: Body
         let bytes = read_body(&st, &headers, body).await?;
         let b: PromptBody<'_> = parse(&bytes)?;
         let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
-        let bt = st.engine.config.shape.block_tokens;
-        let names = block_names(&tokens, bt, 0, b.cache_salt.as_deref());
+        let names = st.engine.block_names(&tokens, b.cache_salt.as_deref());
         st.engine.generate(&tokens, &names, 1).await.map_err(crate::http::engine_error)?;
         Ok::<_, ApiError>(Json(json!({
             "blocks_total": names.len(),
@@ -293,7 +291,7 @@ async fn run_transfer(
             "the source advertised a KV endpoint neither on the trusted registry nor on its own host",
         ));
     }
-    let names = block_names(tokens, st.engine.config.shape.block_tokens, 0, salt);
+    let names = st.engine.block_names(tokens, salt);
     if st.engine.cache.held_prefix(&names) == names.len() {
         return Ok((0, 0));
     }

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::abi::{FetchCall, FetchProvider, Holder, KvAgent};
 use crate::cache::{BlockCache, Lease};
-use crate::engine::{Engine, Shape, MODEL_SEED, NAME_SEED};
+use crate::engine::{Engine, Shape};
 
 /// What both sides compare before any data moves.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,15 +42,16 @@ pub struct Fingerprint {
 }
 
 impl Fingerprint {
-    /// The fingerprint of this instance's layout.
-    pub fn of(s: Shape) -> Fingerprint {
+    /// The fingerprint of this instance's layout under naming scheme `naming`
+    /// ([`Engine::naming`]: the model's identity is part of it).
+    pub fn of(s: Shape, naming: String) -> Fingerprint {
         Fingerprint {
             block_tokens: s.block_tokens as u32,
             layers: s.layers as u32,
             kv_heads: s.kv_heads as u32,
             head_dim: s.head_dim as u32,
             dtype_bytes: s.dtype_bytes as u32,
-            naming: format!("xxh3-chain/v1/{NAME_SEED:016x}/{MODEL_SEED:016x}"),
+            naming,
         }
     }
 
@@ -365,7 +366,7 @@ pub async fn fetch_into_cache(
     }
     let bb = engine.store.block_bytes();
     out.estimate_s = agent.estimate(endpoint, run.len());
-    let rate = engine.config.prefill_tokens_per_s;
+    let rate = engine.prefill_rate();
     out.local_s = if rate > 0.0 { (run.len() * engine.config.shape.block_tokens) as f64 / rate } else { f64::INFINITY };
     if !force && rate > 0.0 && out.local_s < out.estimate_s {
         out.not_worth_it = true;
