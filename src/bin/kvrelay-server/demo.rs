@@ -2,6 +2,11 @@
 //!
 //! A cold run is the same prompt with a `cache_salt` no other request uses: the salt changes the
 //! block names (so nothing is reused) but not the KV, so the answer must be the same.
+//!
+//! With `--engine llama` the demo runs a real model's story instead of the hint cases: a chat
+//! answer, the same from reused KV, from KV fetched from a second instance, and from a partial
+//! fetch, each time to first token (the server's `x-kvrelay-ttft-ms`) beside a cold prefill's;
+//! then the cross-instance steps of the reference demo.
 
 use std::net::SocketAddr;
 
@@ -26,7 +31,7 @@ impl Report {
 }
 
 fn completion(addr: SocketAddr, prompt: &str, extra: Value) -> Result<(String, u64, Value), String> {
-    let mut body = json!({"model": "kvrelay-reference", "prompt": prompt, "max_tokens": 12});
+    let mut body = json!({"prompt": prompt, "max_tokens": 12});
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
             b.insert(k.clone(), v.clone());
@@ -118,6 +123,127 @@ fn two_instances(x: &Addrs, rep: &mut Report) -> Result<(), String> {
         c > 0 && t == cold4,
         format!("a plain request on B for that prompt: cached_tokens {c}, answer equals the cold run"),
     );
+    Ok(())
+}
+
+/// A chat answer: text, cached tokens, prompt tokens, the server's time to first token (ms).
+struct Chat {
+    text: String,
+    cached: u64,
+    prompt_tokens: u64,
+    ttft_ms: f64,
+}
+
+fn chat(addr: SocketAddr, messages: &Value, extra: Value) -> Result<Chat, String> {
+    let mut body = json!({"messages": messages, "max_tokens": 48});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    let r = client::post(addr, "/v1/chat/completions", &body).map_err(|e| format!("request failed: {e}"))?;
+    let ttft_ms = r.header("x-kvrelay-ttft-ms").and_then(|t| t.parse().ok()).unwrap_or(f64::NAN);
+    let v = r.json();
+    if r.status != 200 {
+        return Err(format!("status {}: {}", r.status, v["error"]["message"]));
+    }
+    Ok(Chat {
+        text: v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string(),
+        cached: v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(u64::MAX),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        ttft_ms,
+    })
+}
+
+/// The notes the real-model demo's questions are about (the prompt is long enough that its
+/// prefill is most of the time to first token).
+const NOTES: &str = "Station log, North Reef light. The station stands on a rock two miles off the \
+coast. Its lamp burns every night from sunset to sunrise and can be seen from eighteen miles away in \
+clear weather. The keeper climbs one hundred and twelve steps to the lantern room. Each evening the \
+keeper cleans the lens with a soft cloth, trims the wick, fills the oil reservoir and winds the clockwork \
+that turns the lens once every thirty seconds. In fog the keeper also sounds the horn twice every minute. \
+The supply boat comes every second Tuesday with oil, food, water and letters; when the sea is too rough \
+the boat waits in the harbor and the keeper rations what is left. The log records the weather at dawn, \
+noon and dusk, every ship that passes close to the reef, and any fault in the lamp or the clockwork. \
+Last winter a storm broke two panes of the lantern room, and the keeper kept the lamp burning behind a \
+screen of sailcloth until the glazier arrived nine days later.";
+
+/// The real model's story: A answers a chat question, the same question again is answered from
+/// reused KV, B fetches A's prefix by a hint built from A's lookup and answers the same, and a
+/// partial prefix (B holds the first blocks) fetches only the rest; each time to first token is
+/// printed beside the cold prefill's.
+fn real_model(x: &Addrs, rep: &mut Report) -> Result<(), String> {
+    let ask = |q: &str| json!([{"role": "system", "content": NOTES}, {"role": "user", "content": q}]);
+    let q1 = ask("What does the keeper do every evening before the lamp is lit? Answer in two sentences.");
+    let cold = chat(x.a, &q1, json!({"cache_salt": "demo-cold-real"}))?;
+    rep.check(
+        cold.cached == 0 && !cold.text.is_empty(),
+        format!("instance A, cold prefill of {} prompt tokens: {:?}", cold.prompt_tokens, cold.text),
+    );
+    let first = chat(x.a, &q1, json!({}))?;
+    let again = chat(x.a, &q1, json!({}))?;
+    rep.check(
+        first.text == cold.text && again.cached > 0 && again.text == cold.text,
+        format!(
+            "the same question again on A: cached_tokens {} of {}, the same answer",
+            again.cached, again.prompt_tokens
+        ),
+    );
+    let look = client::post(x.a, "/v1/kv/lookup", &json!({"messages": q1})).map_err(|e| e.to_string())?.json();
+    let hashes = look["block_hashes"].as_array().cloned().unwrap_or_default();
+    let b_cold = chat(x.b, &q1, json!({"cache_salt": "demo-cold-real-b"}))?;
+    let before = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let fetched = chat(x.b, &q1, json!({"kv_hints": hint_to(&x.a_kv, "demo-real-fetch", "0.1", &hashes)}))?;
+    let after = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let moved =
+        metric(&after, "kvrelay_server_fetched_tokens_total") - metric(&before, "kvrelay_server_fetched_tokens_total");
+    rep.check(
+        fetched.cached > 0 && moved > 0.0 && fetched.text == cold.text && b_cold.text == cold.text,
+        format!(
+            "instance B with a kv.fetch hint from A's /v1/kv/lookup: {moved} tokens of KV fetched over TCP, cached_tokens {} of {}, the same answer",
+            fetched.cached, fetched.prompt_tokens
+        ),
+    );
+    // a partial prefix: B holds the notes and the first question; a longer conversation that
+    // starts the same way fetches only the blocks B lacks
+    let q2 = json!([
+        {"role": "system", "content": NOTES},
+        {"role": "user", "content": "What does the keeper do every evening before the lamp is lit? Answer in two sentences."},
+        {"role": "assistant", "content": cold.text},
+        {"role": "user", "content": "And what happened last winter, and how long did the repair take?"},
+    ]);
+    let cold2 = chat(x.b, &q2, json!({"cache_salt": "demo-cold-real-2"}))?;
+    chat(x.a, &q2, json!({"max_tokens": 1}))?;
+    let look2 = client::post(x.a, "/v1/kv/lookup", &json!({"messages": q2})).map_err(|e| e.to_string())?.json();
+    let hashes2 = look2["block_hashes"].as_array().cloned().unwrap_or_default();
+    let held_b = client::post(x.b, "/v1/kv/lookup", &json!({"messages": q2})).map_err(|e| e.to_string())?.json()
+        ["blocks_held"]
+        .as_u64()
+        .unwrap_or(0);
+    let before = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let partial = chat(x.b, &q2, json!({"kv_hints": hint_to(&x.a_kv, "demo-real-partial", "0.1", &hashes2)}))?;
+    let after = client::get(x.b, "/metrics").map_err(|e| e.to_string())?.text();
+    let moved2 =
+        metric(&after, "kvrelay_server_fetched_tokens_total") - metric(&before, "kvrelay_server_fetched_tokens_total");
+    let bt = look2["block_tokens"].as_u64().unwrap_or(32);
+    rep.check(
+        partial.text == cold2.text && held_b > 0 && moved2 as u64 == (hashes2.len() as u64 - held_b) * bt,
+        format!(
+            "a longer conversation on B, which held {held_b} of its {} blocks: fetched only the other {} blocks ({moved2} tokens), cached_tokens {} of {}, the same answer as its cold run",
+            hashes2.len(),
+            hashes2.len() as u64 - held_b,
+            partial.cached,
+            partial.prompt_tokens
+        ),
+    );
+    rep.lines.push(format!(
+        "     time to first token ({} prompt tokens): cold prefill {:.1} ms | local reuse {:.1} ms | fetched from A {:.1} ms",
+        cold.prompt_tokens, cold.ttft_ms, again.ttft_ms, fetched.ttft_ms
+    ));
+    rep.lines.push(format!(
+        "     time to first token ({} prompt tokens): cold prefill {:.1} ms | partial fetch {:.1} ms",
+        cold2.prompt_tokens, cold2.ttft_ms, partial.ttft_ms
+    ));
     Ok(())
 }
 
@@ -264,9 +390,14 @@ pub async fn run(mut args: ServeArgs) -> i32 {
         u.addr
     );
     let x = Addrs { a: a.addr, a_kv: a.kv_endpoint().to_string(), b: b.addr, u: u.addr };
+    let real = args.engine != "reference";
+    if real {
+        println!("engine: {} ({})", args.engine, a.state.config.model);
+    }
     let rep = tokio::task::spawn_blocking(move || {
         let mut rep = Report { lines: Vec::new(), failed: 0, cold_seq: 0 };
-        if let Err(e) = script(x.a, x.u, &mut rep).and_then(|()| two_instances(&x, &mut rep)) {
+        let run = if real { real_model(&x, &mut rep) } else { script(x.a, x.u, &mut rep) };
+        if let Err(e) = run.and_then(|()| two_instances(&x, &mut rep)) {
             rep.check(false, format!("the demo stopped: {e}"));
         }
         rep

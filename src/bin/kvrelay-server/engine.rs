@@ -377,6 +377,9 @@ pub struct Generation {
     /// A real model's digest of every step's logits (the `x-kvrelay-logits` header with
     /// `--debug-endpoints`); `None` for the reference model.
     pub logits_digest: Option<u64>,
+    /// Time to first token: from the request's start (its fetch included, once the HTTP layer
+    /// added it) to the first output token's logits (the `x-kvrelay-ttft-ms` header).
+    pub ttft: Duration,
 }
 
 impl Generation {
@@ -635,6 +638,7 @@ impl Engine {
             }
         }
         let digest = self.read_digest(&lease, tokens.len())?;
+        let ttft = started.elapsed();
         drop(lease);
         let mut out = Vec::with_capacity(max_tokens);
         let mut prev = 0u32;
@@ -652,6 +656,7 @@ impl Engine {
             prefilled_tokens: prefilled,
             stopped: false,
             logits_digest: None,
+            ttft,
         })
     }
 
@@ -669,6 +674,7 @@ impl Engine {
         names: &[u64],
         max_tokens: usize,
     ) -> Result<Generation, EngineError> {
+        let started = Instant::now();
         let bt = self.config.shape.block_tokens;
         let needed = tokens.len() + max_tokens;
         if needed > l.n_ctx() {
@@ -716,6 +722,7 @@ impl Engine {
             prefilled_tokens: tokens.len() - cached_tokens,
             stopped: out.stopped,
             logits_digest: Some(out.logits_digest),
+            ttft: out.first_token.saturating_duration_since(started),
         })
     }
 

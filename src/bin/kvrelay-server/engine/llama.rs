@@ -325,6 +325,8 @@ pub struct RunOutput {
     /// XXH3-64 of the logits of every step, as bits: equal only when every step's arithmetic
     /// was (tests compare it between a reused or fetched prefix and a cold run).
     pub logits_digest: u64,
+    /// When the first output token's logits were ready (the prefill done).
+    pub first_token: Instant,
 }
 
 /// One request for a context.
@@ -779,6 +781,7 @@ impl Context {
         }
         let first = req.import_blocks * bt;
         self.decode_prompt(&req.tokens[first..], first, bt, &req.cancel)?;
+        let first_token = Instant::now();
         let mut exported = Vec::new();
         if req.export_to > req.export_from {
             self.export_blob(req.export_to * bt)?;
@@ -818,7 +821,7 @@ impl Context {
                 return Err(format!("llama_decode failed ({r})"));
             }
         }
-        Ok(RunOutput { tokens, stopped, exported, logits_digest: digest.digest() })
+        Ok(RunOutput { tokens, stopped, exported, logits_digest: digest.digest(), first_token })
     }
 }
 

@@ -139,6 +139,7 @@ pub(super) async fn run_prompt(
     plan: Option<&FetchPlan>,
     fetch_log: &mut String,
 ) -> Result<Generation, ApiError> {
+    let started = Instant::now();
     let names = st.engine.block_names(prompt, salt);
     // what a fetch committed stays pinned until the engine's own lease references it
     let mut _hold = crate::transfer::PrefixHold::default();
@@ -160,7 +161,9 @@ pub(super) async fn run_prompt(
             });
         }
     }
-    let g = st.engine.generate(prompt, &names, max_tokens).await.map_err(engine_error)?;
+    let before_engine = started.elapsed();
+    let mut g = st.engine.generate(prompt, &names, max_tokens).await.map_err(engine_error)?;
+    g.ttft += before_engine;
     st.metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
     st.metrics.cached_tokens.inc_by(g.cached_tokens as u64);
     st.metrics.prefilled_tokens.inc_by(g.prefilled_tokens as u64);
@@ -280,6 +283,11 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
     observe(&st.metrics.duration, job.api, started.elapsed().as_secs_f64());
     cancelled.answered = true;
     let mut r = Json(body).into_response();
+    // each prompt's time to first token, fetch included (server side, milliseconds)
+    let ttft: Vec<String> = gens.iter().map(|g| format!("{:.3}", g.ttft.as_secs_f64() * 1e3)).collect();
+    if let Ok(v) = header::HeaderValue::from_str(&ttft.join(",")) {
+        r.headers_mut().insert("x-kvrelay-ttft-ms", v);
+    }
     if st.config.debug_endpoints {
         // a real model's logits digest per prompt (tests: bit-identical to a cold run)
         let d: Vec<String> = gens.iter().filter_map(|g| g.logits_digest).map(|d| format!("{d:016x}")).collect();
