@@ -105,4 +105,15 @@ cmake --build "$b/consumer" -j 2
 "$b/consumer/consumer"
 LD_LIBRARY_PATH="$b/prefix/lib" "$b/consumer/consumer_shared"
 
+echo "== the Python package: pip install ./python (cargo builds the library it carries), then its pytest suite"
+pyk="$root/target/ci-tools/pykvrelay"
+rm -rf "$pyk"
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$pyk" ./python
+pt="$root/target/ci-tools/pytest"
+if ! PYTHONPATH="$pt" python3 -c "import pytest" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$pt" pytest
+fi
+# from outside the clone's python/ so that the installed package (not its sources) is imported
+(cd "$root/target" && PYTHONPATH="$pyk:$pt" timeout 600 python3 -m pytest -q -p no:cacheprovider "$root/python/tests")
+
 echo "== all tests passed"

@@ -1,0 +1,1047 @@
+"""kvrelay for Python: admission of KV hint envelopes, immutable snapshots, candidate collection
+and orchestration with a Python provider, the KV copy engine, and the KV agent (serve a pool,
+fetch named blocks from another instance), all over libkvrelay's stable C ABI (ctypes: no
+compiler needed at install time).
+
+>>> import kvrelay
+>>> edge = kvrelay.Admission(trusted=True)
+>>> out = edge.admit(b'{"protocol_version":"0.1","message_id":"m","actions":[]}')
+>>> out.admitted, out.snapshot.message_id
+(True, 'm')
+
+Handles (``Admission``, ``Snapshot``, ``Orchestrator``, ``KvLayout``, ``CpuEngine``, ``Agent``,
+``Fetch``) free their C object on ``close()``, at the end of a ``with`` block, or when collected.
+Failures raise ``KvrelayError`` carrying the library's last-error text; bad Python arguments
+raise ``TypeError`` or ``ValueError`` before any C call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+from . import _lib as L
+from ._lib import lib
+
+__all__ = [
+    "Action",
+    "Admission",
+    "Agent",
+    "Binding",
+    "BlockHolder",
+    "Candidate",
+    "Capabilities",
+    "CpuEngine",
+    "Decision",
+    "Fetch",
+    "FetchRequest",
+    "FetchResult",
+    "Fingerprint",
+    "KvLayout",
+    "KvrelayError",
+    "Orchestrator",
+    "Outcome",
+    "Provider",
+    "Snapshot",
+    "cuda_available",
+    "kv_checksum",
+    "version",
+]
+
+OUTCOME_KINDS = {0: "absent", 1: "admitted", 2: "ignored"}
+
+
+class KvrelayError(RuntimeError):
+    """A kvrelay call failed: ``status`` is the C status code, the message the library's own
+    account of it (``kvrelay_last_error_message``)."""
+
+    def __init__(self, call: str, status: int, message: str):
+        super().__init__(f"{call}: {message}")
+        self.call = call
+        self.status = status
+
+
+def _last_error() -> str:
+    n = ctypes.c_size_t(0)
+    lib.kvrelay_last_error_message(None, 0, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value + 1)
+    lib.kvrelay_last_error_message(buf, len(buf), ctypes.byref(n))
+    return buf.value.decode("utf-8", "replace")
+
+
+def _check(call: str, status: int) -> None:
+    if status != L.OK:
+        msg = _last_error() or lib.kvrelay_status_message(status).decode()
+        raise KvrelayError(call, status, msg)
+
+
+def _sized(call: str, f: Callable[..., int], *args: Any) -> bytes:
+    """The size-query convention: ask for the size, then fill a buffer of that size."""
+    n = ctypes.c_size_t(0)
+    st = f(*args, None, 0, ctypes.byref(n))
+    if st not in (L.OK, L.ERR_BUFFER_TOO_SMALL):
+        _check(call, st)
+    buf = ctypes.create_string_buffer(max(n.value, 1))
+    _check(call, f(*args, buf, len(buf), ctypes.byref(n)))
+    return buf.raw[: n.value]
+
+
+def _text(call: str, f: Callable[..., int], *args: Any) -> str:
+    return _sized(call, f, *args).rstrip(b"\0").decode("utf-8")
+
+
+def _utf8(name: str, s: Any) -> bytes:
+    if not isinstance(s, str):
+        raise TypeError(f"{name} must be a str, not {type(s).__name__}")
+    return s.encode("utf-8")
+
+
+def _buffer(name: str, data: Any) -> tuple[Any, int]:
+    """A readable byte buffer: its address (kept alive by the returned object) and length."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        mv = memoryview(data).cast("B")
+    else:
+        try:
+            mv = memoryview(data).cast("B")
+        except TypeError:
+            raise TypeError(f"{name} must be bytes-like, not {type(data).__name__}") from None
+    if mv.readonly:
+        # a read-only buffer: copy into a ctypes array (admission reads it once)
+        arr = (ctypes.c_char * len(mv)).from_buffer_copy(mv)
+        return arr, len(mv)
+    arr = (ctypes.c_char * len(mv)).from_buffer(mv)
+    return arr, len(mv)
+
+
+def _u32s(name: str, xs: Iterable[int]) -> Any:
+    xs = list(xs)
+    for x in xs:
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"{name} must hold ints")
+        if not 0 <= x < 2**32:
+            raise ValueError(f"{name}: {x} is not a u32")
+    return (ctypes.c_uint32 * len(xs))(*xs)
+
+
+def _u64s(name: str, xs: Iterable[int]) -> Any:
+    xs = list(xs)
+    for x in xs:
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"{name} must hold ints")
+        if not 0 <= x < 2**64:
+            raise ValueError(f"{name}: {x} is not a u64")
+    return (ctypes.c_uint64 * len(xs))(*xs)
+
+
+def _view(owner: Any, ptr: Optional[int], n: int) -> memoryview:
+    """A read-only memoryview of ``n`` bytes at ``ptr`` that keeps ``owner`` alive."""
+    arr = (ctypes.c_char * n).from_address(ptr or 0) if n else (ctypes.c_char * 0)()
+    arr._owner = owner  # the view holds the array, the array holds the snapshot
+    return memoryview(arr).cast("B").toreadonly()
+
+
+def version() -> str:
+    """The library's version (``kvrelay_version``)."""
+    return lib.kvrelay_version().decode()
+
+
+def kv_checksum(data: Any) -> int:
+    """The KV block checksum the agent records and verifies (``kvrelay_kv_checksum``)."""
+    buf, n = _buffer("data", data)
+    out = ctypes.c_uint64()
+    _check("kvrelay_kv_checksum", lib.kvrelay_kv_checksum(buf, n, ctypes.byref(out)))
+    return out.value
+
+
+def cuda_available(device: int = 0) -> bool:
+    """Whether CUDA device ``device`` can be used (False without a driver or device)."""
+    return lib.kvrelay_cuda_available(int(device)) == L.OK
+
+
+class _Handle:
+    """Owns one C object; ``close()`` frees it once."""
+
+    _free: Callable[[Any], None]
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def close(self) -> None:
+        p, self._ptr = getattr(self, "_ptr", None), None
+        if p:
+            type(self)._free(p)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def _p(self) -> int:
+        if not self._ptr:
+            raise ValueError(f"this {type(self).__name__} is closed")
+        return self._ptr
+
+
+# --- snapshots ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """One action of a snapshot. ``payload`` and ``canonical`` are read-only views of the
+    snapshot's own bytes (no copy); they keep the snapshot alive."""
+
+    index: int
+    id: str
+    action_type: str
+    version: str
+    payload: memoryview
+    canonical: memoryview
+
+
+class Snapshot(_Handle):
+    """An admitted envelope, immutable: canonical bytes and zero-copy accessors. Share it with
+    ``retain()`` (another reference to the same snapshot: a child request, a queue, a rank)."""
+
+    _free = staticmethod(lib.kvrelay_snapshot_release)
+
+    def retain(self) -> "Snapshot":
+        """Another handle to the same snapshot (one atomic increment)."""
+        return Snapshot(lib.kvrelay_snapshot_retain(self._p))
+
+    @property
+    def canonical(self) -> memoryview:
+        """The canonical compact JSON bytes (a read-only view, no copy)."""
+        b = L.Bytes()
+        _check("kvrelay_snapshot_canonical", lib.kvrelay_snapshot_canonical(self._p, ctypes.byref(b)))
+        return _view(self, b.ptr, b.len)
+
+    @property
+    def protocol_version(self) -> str:
+        s = L.Str()
+        _check("kvrelay_snapshot_protocol_version", lib.kvrelay_snapshot_protocol_version(self._p, ctypes.byref(s)))
+        return s.text()
+
+    @property
+    def message_id(self) -> str:
+        s = L.Str()
+        _check("kvrelay_snapshot_message_id", lib.kvrelay_snapshot_message_id(self._p, ctypes.byref(s)))
+        return s.text()
+
+    def __len__(self) -> int:
+        n = ctypes.c_size_t()
+        _check("kvrelay_snapshot_action_count", lib.kvrelay_snapshot_action_count(self._p, ctypes.byref(n)))
+        return n.value
+
+    def action(self, index: int) -> Action:
+        """The action at ``index`` (producer order); ``IndexError`` past the end."""
+        if not isinstance(index, int):
+            raise TypeError("index must be an int")
+        if not 0 <= index < len(self):
+            raise IndexError(f"action {index} of {len(self)}")
+        a = L.Action()
+        _check("kvrelay_snapshot_action", lib.kvrelay_snapshot_action(self._p, index, ctypes.byref(a)))
+        return Action(
+            a.index,
+            a.id.text(),
+            a.action_type.text(),
+            a.version.text(),
+            _view(self, a.payload.ptr, a.payload.len),
+            _view(self, a.canonical.ptr, a.canonical.len),
+        )
+
+    @property
+    def actions(self) -> list[Action]:
+        return [self.action(i) for i in range(len(self))]
+
+    def to_json(self) -> bytes:
+        """An independent copy of the canonical document."""
+        return _sized("kvrelay_snapshot_decode", lib.kvrelay_snapshot_decode, self._p)
+
+    def to_msgpack(self) -> bytes:
+        """The envelope as MessagePack, for transport (``Admission.decode_msgpack`` reads it)."""
+        return _sized("kvrelay_snapshot_msgpack", lib.kvrelay_snapshot_msgpack, self._p)
+
+    def action_envelope(self, index: int) -> bytes:
+        """The canonical one-action envelope of action ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"action {index} of {len(self)}")
+        return _sized("kvrelay_snapshot_action_envelope", lib.kvrelay_snapshot_action_envelope, self._p, index)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "_ptr":
+            raise AttributeError("a Snapshot is immutable")
+        object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What admission did with one hint: ``kind`` is ``absent``, ``admitted`` or ``ignored``;
+    ``reason`` the metric label (``none``, ``untrusted``, ``unknown_version``, ``oversized``,
+    ``malformed``); ``detail`` what a malformed hint got wrong (never its bytes)."""
+
+    kind: str
+    reason: str
+    detail: str
+    snapshot: Optional[Snapshot]
+
+    @property
+    def admitted(self) -> bool:
+        return self.kind == "admitted"
+
+
+def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:
+    return Outcome(
+        OUTCOME_KINDS.get(o.kind, "unknown"),
+        lib.kvrelay_reason_name(o.reason).decode(),
+        o.detail.decode("utf-8", "replace"),
+        Snapshot(snap.value) if snap.value else None,
+    )
+
+
+class Admission(_Handle):
+    """The trusted edge (SPEC section 2). Trust is off unless ``trusted=True`` or the
+    environment variable ``trust_env`` says so (read once, here). Thread-safe."""
+
+    _free = staticmethod(lib.kvrelay_admission_free)
+
+    def __init__(
+        self,
+        *,
+        trusted: Optional[bool] = None,
+        trust_env: Optional[str] = None,
+        max_bytes: Optional[int] = None,
+        max_depth: Optional[int] = None,
+        max_raw_bytes: Optional[int] = None,
+        metric_prefix: Optional[str] = None,
+    ):
+        super().__init__(0)
+        cfg = ctypes.c_void_p()
+        _check("kvrelay_admission_config_new", lib.kvrelay_admission_config_new(ctypes.byref(cfg)))
+        try:
+            if trust_env is not None:
+                e = _utf8("trust_env", trust_env)
+                _check("kvrelay_admission_config_trust_from_env", lib.kvrelay_admission_config_trust_from_env(cfg, e, len(e)))
+            if trusted is not None:
+                if not isinstance(trusted, bool):
+                    raise TypeError("trusted must be a bool")
+                _check("kvrelay_admission_config_set_trusted", lib.kvrelay_admission_config_set_trusted(cfg, trusted))
+            for name, v, f in (
+                ("max_bytes", max_bytes, lib.kvrelay_admission_config_set_max_bytes),
+                ("max_depth", max_depth, lib.kvrelay_admission_config_set_max_depth),
+                ("max_raw_bytes", max_raw_bytes, lib.kvrelay_admission_config_set_max_raw_bytes),
+            ):
+                if v is not None:
+                    if not isinstance(v, int) or v < 0:
+                        raise ValueError(f"{name} must be a non-negative int")
+                    _check(f"kvrelay_admission_config_set_{name}", f(cfg, v))
+            if metric_prefix is not None:
+                p = _utf8("metric_prefix", metric_prefix)
+                _check("kvrelay_admission_config_set_metric_prefix", lib.kvrelay_admission_config_set_metric_prefix(cfg, p, len(p)))
+            out = ctypes.c_void_p()
+            _check("kvrelay_admission_new", lib.kvrelay_admission_new(cfg, ctypes.byref(out)))
+            self._ptr = out.value
+        finally:
+            lib.kvrelay_admission_config_free(cfg)
+
+    def admit(self, raw: Optional[Any]) -> Outcome:
+        """Admit one raw hint (bytes as received; ``None`` or empty: absent). Never raises for
+        a bad hint: it is ``ignored`` with its reason and inference goes on."""
+        o, snap = L.Outcome(), ctypes.c_void_p()
+        if raw is None:
+            buf, n = None, 0
+        else:
+            if isinstance(raw, str):
+                raise TypeError("raw must be bytes as received (encode text first)")
+            buf, n = _buffer("raw", raw)
+        _check("kvrelay_admit", lib.kvrelay_admit(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap)))
+        return _outcome(o, snap)
+
+    def decode_msgpack(self, data: Any) -> Outcome:
+        """Re-admit a snapshot that travelled as MessagePack (re-validated, counted)."""
+        buf, n = _buffer("data", data)
+        o, snap = L.Outcome(), ctypes.c_void_p()
+        _check(
+            "kvrelay_admission_decode_msgpack",
+            lib.kvrelay_admission_decode_msgpack(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap)),
+        )
+        return _outcome(o, snap)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        c = L.Counters()
+        _check("kvrelay_admission_counters", lib.kvrelay_admission_counters(self._p, ctypes.byref(c)))
+        return {n: getattr(c, n) for n, _ in L.Counters._fields_}
+
+    def prometheus(self) -> str:
+        """The counters as Prometheus text."""
+        return _text("kvrelay_admission_prometheus", lib.kvrelay_admission_prometheus, self._p)
+
+
+# --- candidates and orchestration ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A supported ``kv.fetch`` action: its position and the families (names) supporting it."""
+
+    action_index: int
+    families: tuple[str, ...]
+
+
+class Capabilities(_Handle):
+    """What the backend families support: ``[(family, action_type, action_version), ...]``."""
+
+    _free = staticmethod(lib.kvrelay_capabilities_free)
+
+    def __init__(self, entries: Sequence[tuple[str, str, str]]):
+        super().__init__(0)
+        b = ctypes.c_void_p()
+        _check("kvrelay_capabilities_builder_new", lib.kvrelay_capabilities_builder_new(ctypes.byref(b)))
+        self.families: list[str] = []
+        try:
+            for e in entries:
+                if not (isinstance(e, tuple) and len(e) == 3):
+                    raise TypeError("each capability is a (family, action_type, action_version) tuple")
+                f, t, v = (_utf8("capability", x) for x in e)
+                if e[0] not in self.families:
+                    self.families.append(e[0])
+                _check(
+                    "kvrelay_capabilities_builder_add",
+                    lib.kvrelay_capabilities_builder_add(b, f, len(f), t, len(t), v, len(v)),
+                )
+        except BaseException:
+            lib.kvrelay_capabilities_builder_free(b)
+            raise
+        out = ctypes.c_void_p()
+        _check("kvrelay_capabilities_build", lib.kvrelay_capabilities_build(b, ctypes.byref(out)))
+        self._ptr = out.value
+
+    def candidates(self, snapshot: Optional[Snapshot]) -> list[Candidate]:
+        """The candidates of ``snapshot`` in producer order (none for ``None``)."""
+        if snapshot is None:
+            return []
+        if not isinstance(snapshot, Snapshot):
+            raise TypeError("snapshot must be a Snapshot")
+        n = ctypes.c_size_t()
+        st = lib.kvrelay_collect_candidates(snapshot._p, self._p, None, 0, ctypes.byref(n), None)
+        if st not in (L.OK, L.ERR_BUFFER_TOO_SMALL):
+            _check("kvrelay_collect_candidates", st)
+        arr = (L.Candidate * max(n.value, 1))()
+        _check("kvrelay_collect_candidates", lib.kvrelay_collect_candidates(snapshot._p, self._p, arr, len(arr), ctypes.byref(n), None))
+        return [
+            Candidate(c.action_index, tuple(f for i, f in enumerate(self.families) if c.families >> i & 1))
+            for c in arr[: n.value]
+        ]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A backend binding of ``family``: ``named`` (fetches by content name) or request-paired,
+    ``authorized`` or not, and the ``(action_type, action_version)`` pairs it supports."""
+
+    id: str
+    family: str
+    named: bool = True
+    authorized: bool = True
+    supports: tuple[tuple[str, str], ...] = (("kv.fetch", "1.0"),)
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """What a provider is asked to validate, then to fetch (copies: safe to keep)."""
+
+    binding_id: str
+    family: str
+    action_index: int
+    action_type: str
+    action_version: str
+    payload: bytes
+    endpoint: str
+    envelope: bytes
+    context: Any
+
+
+class Provider(Protocol):
+    """A consumer's provider: ``validate`` then ``fetch`` return ``True``/``0`` to accept, or
+    ``False``/a non-zero int to refuse. An exception counts as a refusal (code -2), never a
+    crash; the orchestrator records it in ``Orchestrator.last_provider_error``."""
+
+    def validate(self, request: FetchRequest) -> bool | int: ...
+
+    def fetch(self, request: FetchRequest) -> bool | int: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``kind`` is ``named_fetch`` or ``keep_paired_path``; ``discard`` the reason label
+    (``none`` for a named fetch)."""
+
+    kind: str
+    discard: str
+    binding_id: Optional[str]
+    action_index: Optional[int]
+    provider_code: int
+
+
+class Orchestrator(_Handle):
+    """Candidate collection, binding resolution, the trusted endpoint registry and the
+    provider, for one request at a time (thread-safe). ``endpoints`` is the registry
+    (``tcp://HOST:PORT``)."""
+
+    _free = staticmethod(lib.kvrelay_orchestrator_free)
+
+    def __init__(
+        self,
+        capabilities: Capabilities,
+        bindings: Sequence[Binding],
+        endpoints: Sequence[str],
+        provider: Provider,
+        *,
+        metric_prefix: Optional[str] = None,
+    ):
+        super().__init__(0)
+        if not isinstance(capabilities, Capabilities):
+            raise TypeError("capabilities must be a Capabilities")
+        for m in ("validate", "fetch"):
+            if not callable(getattr(provider, m, None)):
+                raise TypeError(f"the provider has no {m}() method")
+        self._provider = provider
+        self._contexts: dict[int, Any] = {}
+        self._ctx_lock = threading.Lock()
+        self._next_ctx = 1
+        self.last_provider_error: Optional[BaseException] = None
+        cfg = ctypes.c_void_p()
+        _check("kvrelay_policy_config_new", lib.kvrelay_policy_config_new(ctypes.byref(cfg)))
+        try:
+            for b in bindings:
+                if not isinstance(b, Binding):
+                    raise TypeError("bindings must be Binding values")
+                i, f = _utf8("binding id", b.id), _utf8("family", b.family)
+                _check(
+                    "kvrelay_policy_config_add_binding",
+                    lib.kvrelay_policy_config_add_binding(cfg, i, len(i), f, len(f), 0 if b.named else 1, bool(b.authorized)),
+                )
+                for t, v in b.supports:
+                    t, v = _utf8("action_type", t), _utf8("action_version", v)
+                    _check(
+                        "kvrelay_policy_config_binding_support",
+                        lib.kvrelay_policy_config_binding_support(cfg, i, len(i), t, len(t), v, len(v)),
+                    )
+            for e in endpoints:
+                e = _utf8("endpoint", e)
+                _check("kvrelay_policy_config_add_endpoint", lib.kvrelay_policy_config_add_endpoint(cfg, e, len(e)))
+            if metric_prefix is not None:
+                p = _utf8("metric_prefix", metric_prefix)
+                _check("kvrelay_policy_config_set_metric_prefix", lib.kvrelay_policy_config_set_metric_prefix(cfg, p, len(p)))
+            self._validate = L.PROVIDER_CALL(lambda _u, r: self._call("validate", r))
+            self._fetch = L.PROVIDER_CALL(lambda _u, r: self._call("fetch", r))
+            prov = L.Provider(None, self._validate, self._fetch, L.DESTROY())
+            out = ctypes.c_void_p()
+            _check("kvrelay_orchestrator_new", lib.kvrelay_orchestrator_new(capabilities._p, cfg, ctypes.byref(prov), ctypes.byref(out)))
+            self._ptr = out.value
+        finally:
+            lib.kvrelay_policy_config_free(cfg)
+
+    def _call(self, which: str, r: Any) -> int:
+        try:
+            req = r.contents
+            with self._ctx_lock:
+                ctx = self._contexts.get(req.call_context or 0)
+            fr = FetchRequest(
+                req.binding_id.text(),
+                req.family.text(),
+                req.action_index,
+                req.action_type.text(),
+                req.action_version.text(),
+                ctypes.string_at(req.payload.ptr, req.payload.len),
+                req.endpoint.text(),
+                ctypes.string_at(req.envelope.ptr, req.envelope.len),
+                ctx,
+            )
+            answer = getattr(self._provider, which)(fr)
+            if answer is True or answer is None:
+                return 0
+            if answer is False:
+                return 1
+            return int(answer)
+        except BaseException as e:  # never unwind into C
+            self.last_provider_error = e
+            return -2
+
+    def decide(
+        self,
+        snapshot: Optional[Snapshot],
+        *,
+        generation_only: bool = True,
+        lora_adapter: bool = False,
+        context: Any = None,
+    ) -> Decision:
+        """Decide for one request; when every check passes the provider's ``validate`` then
+        ``fetch`` run here, on this thread, with ``context`` as ``FetchRequest.context``."""
+        if snapshot is not None and not isinstance(snapshot, Snapshot):
+            raise TypeError("snapshot must be a Snapshot or None")
+        with self._ctx_lock:
+            key = self._next_ctx
+            self._next_ctx += 1
+            self._contexts[key] = context
+        try:
+            info = L.RequestInfo(bool(generation_only), bool(lora_adapter))
+            d = L.Decision()
+            _check(
+                "kvrelay_orchestrate_with_context",
+                lib.kvrelay_orchestrate_with_context(
+                    self._p, ctypes.byref(info), snapshot._p if snapshot else None, key, ctypes.byref(d)
+                ),
+            )
+        finally:
+            with self._ctx_lock:
+                del self._contexts[key]
+        named = d.kind == 1
+        return Decision(
+            "named_fetch" if named else "keep_paired_path",
+            lib.kvrelay_discard_name(d.discard).decode(),
+            d.binding_id.text() if named else None,
+            d.action_index if named else None,
+            d.provider_code,
+        )
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        c = L.PolicyCounters()
+        _check("kvrelay_orchestrator_counters", lib.kvrelay_orchestrator_counters(self._p, ctypes.byref(c)))
+        discarded = {lib.kvrelay_discard_name(i).decode(): c.discarded[i] for i in range(1, L.DISCARD_SLOTS)}
+        discarded.pop("unknown", None)
+        return {
+            "named_fetch": c.named_fetch,
+            "discarded": discarded,
+            "unknown_type": c.unknown_type,
+            "no_matching_version": c.no_matching_version,
+        }
+
+    def prometheus(self) -> str:
+        return _text("kvrelay_orchestrator_prometheus", lib.kvrelay_orchestrator_prometheus, self._p)
+
+
+# --- KV layouts and the copy engine ---------------------------------------------------------
+
+
+class KvLayout(_Handle):
+    """Where every block of a KV pool lives: segments (one per layer and K/V, or one for the
+    whole block), block ``b`` of a segment at ``base + b * block_stride``. Build it from raw
+    addresses, from a writable buffer (``bytearray``, ``mmap``: kept alive by the layout) or
+    from tensor-like objects (``data_ptr()``, ``stride()``, ``element_size()``, ``shape``:
+    ``torch.Tensor`` among them)."""
+
+    _free = staticmethod(lib.kvrelay_kv_layout_free)
+
+    def __init__(self, num_blocks: int, segments: Sequence[tuple[int, int, int]], extents: Sequence[tuple[int, int]], keep: Any = None):
+        super().__init__(0)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError("num_blocks must be a positive int")
+        if not segments:
+            raise ValueError("a layout needs at least one segment")
+        segs = (L.KvSegment * len(segments))(*[L.KvSegment(*map(int, s)) for s in segments])
+        exts = (L.KvExtent * len(extents))(*[L.KvExtent(*map(int, e)) for e in extents])
+        out = ctypes.c_void_p()
+        _check("kvrelay_kv_layout_new", lib.kvrelay_kv_layout_new(num_blocks, segs, len(segments), exts, len(extents), ctypes.byref(out)))
+        self._ptr = out.value
+        self._keep = keep
+        self.num_blocks = num_blocks
+        self.block_bytes = int(lib.kvrelay_kv_layout_stage_block_bytes(self._ptr))
+
+    @classmethod
+    def contiguous(cls, base: int, num_blocks: int, block_bytes: int, keep: Any = None) -> "KvLayout":
+        """``num_blocks`` blocks of ``block_bytes`` one after another from address ``base``."""
+        return cls(num_blocks, [(base, block_bytes, block_bytes)], [(base, num_blocks * block_bytes)], keep)
+
+    @classmethod
+    def from_buffer(cls, buf: Any, num_blocks: int, block_bytes: int) -> "KvLayout":
+        """A contiguous pool over a writable buffer of ``num_blocks * block_bytes`` bytes."""
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError("block_bytes must be a positive int")
+        mv = memoryview(buf).cast("B")
+        if mv.readonly:
+            raise ValueError("the pool's buffer must be writable")
+        if len(mv) < num_blocks * block_bytes:
+            raise ValueError(f"the buffer holds {len(mv)} bytes, {num_blocks} blocks need {num_blocks * block_bytes}")
+        arr = (ctypes.c_char * len(mv)).from_buffer(mv)
+        return cls.contiguous(ctypes.addressof(arr), num_blocks, block_bytes, keep=(arr, buf))
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Any], num_blocks: Optional[int] = None) -> "KvLayout":
+        """One segment per tensor (e.g. each layer's K then V), block ``b`` being ``t[b]``: the
+        first dimension indexes blocks, the rest of a block must be contiguous. Each tensor's
+        extent is its storage from ``t[0]`` to the end of ``t[n-1]``."""
+        segs, exts = [], []
+        n = num_blocks
+        for t in tensors:
+            for m in ("data_ptr", "stride", "element_size"):
+                if not callable(getattr(t, m, None)):
+                    raise TypeError(f"a tensor must have {m}() (torch.Tensor-like)")
+            shape = tuple(t.shape)
+            if not shape:
+                raise ValueError("a tensor needs a block dimension")
+            el = t.element_size()
+            inner = 1
+            for d in shape[1:]:
+                inner *= d
+            strides = t.stride() if callable(t.stride) else t.stride
+            expect = 1
+            for d, s in zip(reversed(shape[1:]), reversed(tuple(strides)[1:])):
+                if d > 1 and s != expect:
+                    raise ValueError("each block of a tensor must be contiguous (t[b] of a contiguous tensor)")
+                expect *= d
+            blocks = shape[0] if n is None else n
+            if blocks > shape[0]:
+                raise ValueError(f"num_blocks {blocks} exceeds a tensor's {shape[0]} blocks")
+            n = blocks
+            stride = tuple(strides)[0] * el
+            per = inner * el
+            segs.append((t.data_ptr(), stride, per))
+            exts.append((t.data_ptr(), (blocks - 1) * stride + per))
+        if n is None:
+            raise ValueError("no tensors")
+        return cls(n, segs, exts, keep=list(tensors))
+
+
+class CpuEngine(_Handle):
+    """The CPU copy engine over a host-memory layout: gather blocks into a staging buffer, or
+    scatter one back (block-major, ``block_bytes`` per block)."""
+
+    _free = staticmethod(lib.kvrelay_cpu_engine_free)
+
+    def __init__(self, layout: KvLayout):
+        super().__init__(0)
+        if not isinstance(layout, KvLayout):
+            raise TypeError("layout must be a KvLayout")
+        out = ctypes.c_void_p()
+        _check("kvrelay_cpu_engine_new", lib.kvrelay_cpu_engine_new(layout._p, ctypes.byref(out)))
+        self._ptr = out.value
+        self._layout = layout
+        self._lock = threading.Lock()
+
+    def gather(self, ids: Sequence[int], out: Any) -> None:
+        """Copy blocks ``ids`` into ``out`` (writable, ``len(ids) * block_bytes``)."""
+        arr, n = _buffer("out", out)
+        if memoryview(out).readonly:
+            raise ValueError("out must be writable")
+        i = _u32s("ids", ids)
+        with self._lock:
+            _check("kvrelay_cpu_gather", lib.kvrelay_cpu_gather(self._p, i, len(i), arr, n))
+
+    def scatter(self, data: Any, ids: Sequence[int]) -> None:
+        """Copy ``data`` (``len(ids) * block_bytes``) into blocks ``ids``."""
+        arr, n = _buffer("data", data)
+        i = _u32s("ids", ids)
+        with self._lock:
+            _check("kvrelay_cpu_scatter", lib.kvrelay_cpu_scatter(self._p, arr, n, i, len(i)))
+
+
+# --- the KV agent ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What two agents compare before any block moves; ``naming`` is the runtime's 64-bit
+    naming-scheme id (equal ids must mean equal names for equal KV)."""
+
+    block_tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    naming: int
+
+
+class BlockHolder(Protocol):
+    """The runtime's reuse cache as the agent's service sees it. Called on agent threads:
+    ``pin(names)`` returns the ids of the leading held run, pinned; ``unpin(ids)`` releases
+    them; ``returned(ids)`` (optional) gets withheld destination blocks back. An exception in
+    ``pin`` serves nothing (0 blocks)."""
+
+    def pin(self, names: list[int]) -> Sequence[int]: ...
+
+    def unpin(self, ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """How a fetch ended: ``failure`` the label (``ok``, ``connect``, ``timeout``, ...),
+    ``blocks`` the leading destination blocks written and verified (commit exactly those),
+    ``withheld`` blocks after them still held by a NIXL READ, ``detail`` why it failed."""
+
+    failure: str
+    blocks: int
+    bytes: int
+    seconds: float
+    withheld: int
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.failure == "ok"
+
+
+_pending_lock = threading.Lock()
+_pending: dict[int, "Fetch"] = {}
+
+
+def _sweep() -> None:
+    """Drop finished fetches whose callback has returned (a poll that sees the result proves
+    it: the C library publishes the result after the callback)."""
+    with _pending_lock:
+        done = [k for k, f in _pending.items() if f._completed.is_set() and f._poll() is not None]
+        for k in done:
+            del _pending[k]
+
+
+class Fetch:
+    """A submitted fetch: ``result(timeout)`` waits, ``done()`` polls, ``cancel()`` stops it,
+    ``future`` is a ``concurrent.futures.Future`` resolved on the agent's thread."""
+
+    def __init__(self, agent: "Agent", callback: Optional[Callable[[FetchResult], None]]):
+        self._agent = agent  # the agent outlives its fetches
+        self._callback = callback
+        self._completed = threading.Event()
+        self.future: Future = Future()
+        self._handle = ctypes.c_void_p()
+        self._done_cb = L.FETCH_DONE(self._on_done)
+
+    def _on_done(self, _u: Any, r: Any) -> None:
+        try:
+            res = r.contents
+            self._raw = (res.failure, res.blocks, res.bytes, res.seconds, res.withheld)
+        except BaseException as e:  # never unwind into C
+            self._raw = (-1, 0, 0, 0.0, 0)
+            self.future.set_exception(e)
+        self._completed.set()
+        if self._callback is not None or not self.future.done():
+            threading.Thread(target=self._resolve, daemon=True).start()
+
+    def _resolve(self) -> None:
+        res = self.result(timeout=60)
+        if not self.future.done():
+            self.future.set_result(res)
+        if self._callback is not None:
+            try:
+                self._callback(res)
+            except BaseException:
+                pass
+
+    def _poll(self) -> Optional[L.FetchResult]:
+        if not self._handle.value:
+            return None
+        r = L.FetchResult()
+        return r if lib.kvrelay_fetch_poll(self._handle, ctypes.byref(r)) == L.OK else None
+
+    def done(self) -> bool:
+        return self._poll() is not None
+
+    def cancel(self) -> None:
+        if self._handle.value:
+            lib.kvrelay_fetch_cancel(self._handle)
+
+    def result(self, timeout: Optional[float] = None) -> FetchResult:
+        """Wait for the result (``TimeoutError`` after ``timeout`` seconds)."""
+        ms = 0xFFFFFFFF if timeout is None else max(0, int(timeout * 1000))
+        r = L.FetchResult()
+        st = lib.kvrelay_fetch_wait(self._handle, ms, ctypes.byref(r))
+        if st == L.ERR_PENDING:
+            raise TimeoutError("the fetch is still running")
+        _check("kvrelay_fetch_wait", st)
+        detail = _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._handle) if r.failure else ""
+        return FetchResult(lib.kvrelay_fetch_failure_name(r.failure).decode(), r.blocks, r.bytes, r.seconds, r.withheld, detail)
+
+    def __del__(self) -> None:
+        h = getattr(self, "_handle", None)
+        if h is not None and h.value:
+            lib.kvrelay_fetch_free(h)
+            self._handle = ctypes.c_void_p()
+
+
+class Agent(_Handle):
+    """The KV agent: serves the pool ``layout`` describes to other instances (through
+    ``holder``) and fetches named blocks from them into it. ``listen`` ``None`` makes a
+    fetch-only agent; ``allow`` the peers served (``loopback``, addresses, ``ADDR/PREFIX``);
+    ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it; ``transport``
+    ``tcp`` or ``nixl`` (with ``nixl_lib_dir``); ``limits`` overrides of the default limits
+    (``{"streams": 1, ...}``); ``device`` the CUDA device of a GPU pool."""
+
+    _free = staticmethod(lib.kvrelay_agent_free)
+
+    def __init__(
+        self,
+        fingerprint: Fingerprint,
+        layout: KvLayout,
+        holder: BlockHolder,
+        *,
+        listen: Optional[str] = "127.0.0.1:0",
+        allow: Sequence[str] = ("loopback",),
+        key: Optional[bytes] = None,
+        key_env: Optional[str] = None,
+        transport: str = "tcp",
+        nixl_lib_dir: Optional[str] = None,
+        limits: Optional[dict[str, int]] = None,
+        device: Optional[int] = None,
+    ):
+        super().__init__(0)
+        if not isinstance(fingerprint, Fingerprint):
+            raise TypeError("fingerprint must be a Fingerprint")
+        if not isinstance(layout, KvLayout):
+            raise TypeError("layout must be a KvLayout")
+        for m in ("pin", "unpin"):
+            if not callable(getattr(holder, m, None)):
+                raise TypeError(f"the holder has no {m}() method")
+        self._layout = layout
+        self._holder = holder
+        fp = L.AgentFingerprint(*(int(getattr(fingerprint, f)) for f, _ in L.AgentFingerprint._fields_))
+        cfg = ctypes.c_void_p()
+        _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
+        try:
+            lst = _utf8("listen", listen) if listen is not None else b""
+            _check("kvrelay_agent_config_set_listen", lib.kvrelay_agent_config_set_listen(cfg, lst, len(lst)))
+            for a in allow:
+                a = _utf8("allow", a)
+                _check("kvrelay_agent_config_allow_peer", lib.kvrelay_agent_config_allow_peer(cfg, a, len(a)))
+            t = _utf8("transport", transport)
+            d = _utf8("nixl_lib_dir", nixl_lib_dir) if nixl_lib_dir else None
+            _check("kvrelay_agent_config_set_transport", lib.kvrelay_agent_config_set_transport(cfg, t, len(t), d, len(d) if d else 0))
+            if key is not None:
+                if not isinstance(key, (bytes, bytearray)):
+                    raise TypeError("key must be bytes")
+                kb = bytes(key)
+                _check("kvrelay_agent_config_set_key", lib.kvrelay_agent_config_set_key(cfg, kb, len(kb)))
+            if key_env is not None:
+                e = _utf8("key_env", key_env)
+                _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, e, len(e)))
+            if limits:
+                lim = L.AgentLimits()
+                _check("kvrelay_agent_limits_default", lib.kvrelay_agent_limits_default(ctypes.byref(lim)))
+                names = {n for n, _ in L.AgentLimits._fields_}
+                for k, v in limits.items():
+                    if k not in names:
+                        raise ValueError(f"unknown limit {k!r} (one of {sorted(names)})")
+                    if not isinstance(v, int) or v < 0:
+                        raise ValueError(f"limit {k} must be a non-negative int")
+                    setattr(lim, k, v)
+                _check("kvrelay_agent_config_set_limits", lib.kvrelay_agent_config_set_limits(cfg, ctypes.byref(lim)))
+            if device is not None:
+                _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, int(device)))
+            self._pin = L.PIN(self._on_pin)
+            self._unpin = L.UNPIN(self._on_unpin)
+            self._returned = L.UNPIN(self._on_returned)
+            h = L.BlockHolder(None, self._pin, self._unpin, L.DESTROY(), self._returned)
+            out = ctypes.c_void_p()
+            _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, layout._p, ctypes.byref(h), ctypes.byref(out)))
+            self._ptr = out.value
+        finally:
+            lib.kvrelay_agent_config_free(cfg)
+
+    def _on_pin(self, _u: Any, names: Any, n: int, ids_out: Any) -> int:
+        try:
+            ids = list(self._holder.pin([names[i] for i in range(n)]))[:n]
+            for i, b in enumerate(ids):
+                ids_out[i] = int(b)
+            return len(ids)
+        except BaseException:
+            return 0
+
+    def _on_unpin(self, _u: Any, ids: Any, n: int) -> None:
+        try:
+            self._holder.unpin([ids[i] for i in range(n)])
+        except BaseException:
+            pass
+
+    def _on_returned(self, _u: Any, ids: Any, n: int) -> None:
+        f = getattr(self._holder, "returned", None)
+        if f is not None:
+            try:
+                f([ids[i] for i in range(n)])
+            except BaseException:
+                pass
+
+    def close(self) -> None:
+        """Stop serving, cancel running fetches (their callbacks run) and free the agent."""
+        super().close()
+        _sweep()
+
+    @property
+    def endpoint(self) -> str:
+        """This agent's ``source_control_endpoint`` (``tcp://ADDR:PORT``; empty: fetch-only)."""
+        return _text("kvrelay_agent_endpoint", lib.kvrelay_agent_endpoint, self._p)
+
+    def record_checksums(self, ids: Sequence[int]) -> None:
+        """Blocks ``ids`` just became reusable: sum them where they lie (O(bytes))."""
+        i = _u32s("ids", ids)
+        _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(self._p, i, len(i)))
+
+    def fetch(
+        self,
+        endpoint: str,
+        names: Sequence[int],
+        dst_blocks: Sequence[int],
+        *,
+        held: int = 0,
+        deadline_ms: int = 10_000,
+        callback: Optional[Callable[[FetchResult], None]] = None,
+    ) -> Fetch:
+        """Fetch blocks ``names[held:]`` from ``endpoint`` into ``dst_blocks`` (name
+        ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
+        the result on a helper thread once it completes."""
+        if not isinstance(held, int) or held < 0:
+            raise ValueError("held must be a non-negative int")
+        if not dst_blocks:
+            raise ValueError("a fetch needs at least one destination block")
+        if held + len(dst_blocks) > len(names):
+            raise ValueError("held + len(dst_blocks) exceeds the names")
+        if not isinstance(deadline_ms, int) or not 0 < deadline_ms < 2**32:
+            raise ValueError("deadline_ms must be a positive int")
+        _sweep()
+        e = _utf8("endpoint", endpoint)
+        ebuf = ctypes.create_string_buffer(e, len(e))
+        n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
+        p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
+        f = Fetch(self, callback)
+        with _pending_lock:
+            _pending[id(f)] = f  # alive until its callback has run
+        st = lib.kvrelay_agent_fetch(self._p, ctypes.byref(p), f._done_cb, None, ctypes.byref(f._handle))
+        if st != L.OK:
+            with _pending_lock:
+                _pending.pop(id(f), None)
+            _check("kvrelay_agent_fetch", st)
+        return f
+
+    def estimate(self, endpoint: str, blocks: int) -> float:
+        """Seconds a fetch of ``blocks`` blocks from ``endpoint`` is expected to take."""
+        e = _utf8("endpoint", endpoint)
+        out = ctypes.c_double()
+        _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(self._p, e, len(e), int(blocks), ctypes.byref(out)))
+        return out.value
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = L.AgentStats()
+        _check("kvrelay_agent_get_stats", lib.kvrelay_agent_get_stats(self._p, ctypes.byref(s)))
+        return {n: getattr(s, n) for n in L.AGENT_STATS}
+
+    def prometheus(self) -> str:
+        return _text("kvrelay_agent_prometheus", lib.kvrelay_agent_prometheus, self._p)
+
+
+def fetch_run_length(names: Sequence[int], held: int, hashes: Sequence[int]) -> int:
+    """How many blocks after ``held`` a hint's ``hashes`` cover (membership, SPEC section 8)."""
+    n, h = _u64s("names", names), _u64s("hashes", hashes)
+    out = ctypes.c_size_t()
+    _check("kvrelay_fetch_run_length", lib.kvrelay_fetch_run_length(n, len(n), int(held), h, len(h), ctypes.byref(out)))
+    return out.value

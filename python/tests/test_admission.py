@@ -1,0 +1,106 @@
+import json
+
+import pytest
+
+import kvrelay
+
+
+def envelope(version="0.1", endpoint="tcp://127.0.0.1:7000", hashes=(1, 2, 3), **extra):
+    env = {
+        "protocol_version": version,
+        "message_id": "m-1",
+        "actions": [
+            {
+                "action_id": "a1",
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {"source_control_endpoint": endpoint, "block_hashes": list(hashes)},
+            }
+        ],
+    }
+    env.update(extra)
+    return json.dumps(env, indent=1).encode()
+
+
+def test_every_outcome_and_reason_is_counted():
+    edge = kvrelay.Admission(trusted=True, max_bytes=4096)
+    assert edge.admit(None).kind == "absent"
+    assert edge.admit(b"null").kind == "absent"
+    ok = edge.admit(envelope())
+    assert ok.admitted and ok.reason == "none" and ok.snapshot is not None
+    assert edge.admit(envelope(version="9.9")).reason == "unknown_version"
+    assert edge.admit(envelope(hashes=range(2000))).reason == "oversized"
+    bad = edge.admit(b'{"protocol_version":"0.1","message_id":"m","actions":{}}')
+    assert (bad.kind, bad.reason) == ("ignored", "malformed") and bad.detail and bad.snapshot is None
+    assert edge.admit(b"{not json").reason == "malformed"
+    untrusted = kvrelay.Admission()  # trust off by default
+    assert untrusted.admit(envelope()).reason == "untrusted"
+    assert edge.counters == {"admitted": 1, "untrusted": 0, "unknown_version": 1, "oversized": 1, "malformed": 2}
+    assert untrusted.counters["untrusted"] == 1
+    text = edge.prometheus()
+    assert "kvrelay_kv_hints_admitted_total 1" in text
+    assert 'kvrelay_kv_hints_ignored_total{reason="malformed"} 2' in text
+
+
+def test_trust_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PY_KVRELAY_TRUST", "1")
+    assert kvrelay.Admission(trust_env="PY_KVRELAY_TRUST").admit(envelope()).admitted
+    monkeypatch.setenv("PY_KVRELAY_TRUST", "0")
+    assert kvrelay.Admission(trust_env="PY_KVRELAY_TRUST").admit(envelope()).reason == "untrusted"
+
+
+def test_snapshot_views_are_canonical_immutable_and_outlive_nothing():
+    edge = kvrelay.Admission(trusted=True)
+    snap = edge.admit(envelope(extra_root={"z": 1})).snapshot
+    canon = bytes(snap.canonical)
+    assert canon == json.dumps(json.loads(envelope(extra_root={"z": 1})), separators=(",", ":")).encode()
+    assert snap.to_json() == canon
+    assert (snap.protocol_version, snap.message_id, len(snap)) == ("0.1", "m-1", 1)
+    a = snap.action(0)
+    assert (a.index, a.id, a.action_type, a.version) == (0, "a1", "kv.fetch", "1.0")
+    assert json.loads(bytes(a.payload)) == {"block_hashes": [1, 2, 3], "source_control_endpoint": "tcp://127.0.0.1:7000"}
+    assert a.payload.readonly
+    with pytest.raises(TypeError):
+        a.payload[0] = 0
+    with pytest.raises(AttributeError):
+        snap.message_id = "other"
+    with pytest.raises(IndexError):
+        snap.action(1)
+    one = json.loads(snap.action_envelope(0))
+    assert one["actions"][0]["action_id"] == "a1" and one["extra_root"] == {"z": 1}
+    # a view keeps its snapshot alive after the handle is dropped
+    view = snap.action(0).canonical
+    child = snap.retain()
+    del snap
+    assert json.loads(bytes(view))["action_id"] == "a1"
+    assert child.message_id == "m-1"
+    child.close()
+    with pytest.raises(ValueError):
+        child.message_id
+
+
+def test_msgpack_round_trip_is_re_admitted():
+    edge = kvrelay.Admission(trusted=True)
+    snap = edge.admit(envelope()).snapshot
+    packed = snap.to_msgpack()
+    back = edge.decode_msgpack(packed)
+    assert back.admitted and bytes(back.snapshot.canonical) == bytes(snap.canonical)
+    assert edge.decode_msgpack(packed[:-3]).reason == "malformed"
+    assert edge.counters["admitted"] == 1, "a travelled snapshot is re-validated, not admitted again"
+
+
+def test_bad_arguments_are_python_errors():
+    edge = kvrelay.Admission(trusted=True)
+    with pytest.raises(TypeError):
+        edge.admit("a str is not the bytes received")
+    with pytest.raises(TypeError):
+        edge.admit(12)
+    with pytest.raises(TypeError):
+        kvrelay.Admission(trusted="yes")
+    with pytest.raises(ValueError):
+        kvrelay.Admission(max_bytes=-1)
+    with pytest.raises(kvrelay.KvrelayError) as e:
+        kvrelay.Admission(max_bytes=0)
+    assert e.value.status != 0 and str(e.value)
+    assert kvrelay.version() == "0.1.0"
+    assert isinstance(kvrelay.kv_checksum(b"x" * 64), int)
