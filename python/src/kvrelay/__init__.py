@@ -284,27 +284,34 @@ class Snapshot(_Handle):
         object.__setattr__(self, name, value)
 
 
-@dataclass(frozen=True)
 class Outcome:
     """What admission did with one hint: ``kind`` is ``absent``, ``admitted`` or ``ignored``;
     ``reason`` the metric label (``none``, ``untrusted``, ``unknown_version``, ``oversized``,
     ``malformed``); ``detail`` what a malformed hint got wrong (never its bytes)."""
 
-    kind: str
-    reason: str
-    detail: str
-    snapshot: Optional[Snapshot]
+    __slots__ = ("kind", "reason", "detail", "snapshot")
+
+    def __init__(self, kind: str, reason: str, detail: str, snapshot: Optional[Snapshot]):
+        self.kind, self.reason, self.detail, self.snapshot = kind, reason, detail, snapshot
 
     @property
     def admitted(self) -> bool:
         return self.kind == "admitted"
 
+    def __repr__(self) -> str:
+        return f"Outcome(kind={self.kind!r}, reason={self.reason!r}, detail={self.detail!r})"
+
+
+_REASONS = tuple(lib.kvrelay_reason_name(i).decode() for i in range(8))
+_MALFORMED = 4
+
 
 def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:
+    r = o.reason
     return Outcome(
         OUTCOME_KINDS.get(o.kind, "unknown"),
-        lib.kvrelay_reason_name(o.reason).decode(),
-        o.detail.decode("utf-8", "replace"),
+        _REASONS[r] if 0 <= r < len(_REASONS) else "unknown",
+        o.detail.decode("utf-8", "replace") if r == _MALFORMED else "",
         Snapshot(snap.value) if snap.value else None,
     )
 
@@ -360,11 +367,15 @@ class Admission(_Handle):
         o, snap = L.Outcome(), ctypes.c_void_p()
         if raw is None:
             buf, n = None, 0
+        elif type(raw) is bytes:
+            buf, n = raw, len(raw)  # passed as a pointer to its bytes, no copy
         else:
             if isinstance(raw, str):
                 raise TypeError("raw must be bytes as received (encode text first)")
             buf, n = _buffer("raw", raw)
-        _check("kvrelay_admit", lib.kvrelay_admit(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap)))
+        st = lib.kvrelay_admit(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap))
+        if st:
+            _check("kvrelay_admit", st)
         return _outcome(o, snap)
 
     def decode_msgpack(self, data: Any) -> Outcome:
@@ -795,49 +806,78 @@ class FetchResult:
 
 _pending_lock = threading.Lock()
 _pending: dict[int, "Fetch"] = {}
+_finished: list["Fetch"] = []
 
 
 def _sweep() -> None:
     """Drop finished fetches whose callback has returned (a poll that sees the result proves
-    it: the C library publishes the result after the callback)."""
+    it: the C library publishes the result after the callback). O(finished fetches)."""
     with _pending_lock:
-        done = [k for k, f in _pending.items() if f._completed.is_set() and f._poll() is not None]
-        for k in done:
-            del _pending[k]
+        if not _finished:
+            return
+        batch = _finished[:]
+        _finished.clear()
+    keep = []
+    for f in batch:
+        if f._poll() is not None:
+            with _pending_lock:
+                _pending.pop(id(f), None)
+        else:
+            keep.append(f)
+    if keep:
+        with _pending_lock:
+            _finished.extend(keep)
+
+
+def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
+    return FetchResult(lib.kvrelay_fetch_failure_name(r.failure).decode(), r.blocks, r.bytes, r.seconds, r.withheld, detail)
 
 
 class Fetch:
-    """A submitted fetch: ``result(timeout)`` waits, ``done()`` polls, ``cancel()`` stops it,
-    ``future`` is a ``concurrent.futures.Future`` resolved on the agent's thread."""
+    """A submitted fetch: ``result(timeout)`` waits, ``done()`` polls, ``cancel()`` stops it.
+    ``future`` is a ``concurrent.futures.Future``: with a ``callback`` given to
+    ``Agent.fetch`` it is resolved on the agent's fetch thread, right before the callback runs
+    there (keep both short); otherwise the first access starts a thread that waits for it. The
+    future's and the callback's ``FetchResult.detail`` is empty; ``result()`` and ``detail()``
+    give the failure's words. Without a callback nothing of Python runs on the agent's
+    threads (the cheapest submission)."""
+
+    __slots__ = ("_agent", "_callback", "_future", "_handle", "_done_cb", "__weakref__")
 
     def __init__(self, agent: "Agent", callback: Optional[Callable[[FetchResult], None]]):
         self._agent = agent  # the agent outlives its fetches
         self._callback = callback
-        self._completed = threading.Event()
-        self.future: Future = Future()
+        self._future: Optional[Future] = Future() if callback is not None else None
         self._handle = ctypes.c_void_p()
-        self._done_cb = L.FETCH_DONE(self._on_done)
+        self._done_cb = L.FETCH_DONE(self._on_done) if callback is not None else L.FETCH_DONE()
+
+    @property
+    def future(self) -> Future:
+        if self._future is None:
+            fut: Future = Future()
+            self._future = fut
+
+            def wait() -> None:
+                try:
+                    fut.set_result(self.result())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+            threading.Thread(target=wait, daemon=True).start()
+        return self._future
 
     def _on_done(self, _u: Any, r: Any) -> None:
         try:
-            res = r.contents
-            self._raw = (res.failure, res.blocks, res.bytes, res.seconds, res.withheld)
-        except BaseException as e:  # never unwind into C
-            self._raw = (-1, 0, 0, 0.0, 0)
-            self.future.set_exception(e)
-        self._completed.set()
-        if self._callback is not None or not self.future.done():
-            threading.Thread(target=self._resolve, daemon=True).start()
-
-    def _resolve(self) -> None:
-        res = self.result(timeout=60)
-        if not self.future.done():
-            self.future.set_result(res)
-        if self._callback is not None:
-            try:
+            res = _result_of(r.contents)
+            if self._future is not None:
+                self._future.set_result(res)
+            if self._callback is not None:
                 self._callback(res)
-            except BaseException:
-                pass
+        except BaseException:  # never unwind into C
+            pass
+        finally:
+            with _pending_lock:
+                _finished.append(self)
 
     def _poll(self) -> Optional[L.FetchResult]:
         if not self._handle.value:
@@ -852,16 +892,23 @@ class Fetch:
         if self._handle.value:
             lib.kvrelay_fetch_cancel(self._handle)
 
+    def detail(self) -> str:
+        """Why the completed fetch failed, in words (empty when it did not)."""
+        if not self._handle.value:
+            raise ValueError("this fetch handle is freed")
+        return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._handle)
+
     def result(self, timeout: Optional[float] = None) -> FetchResult:
         """Wait for the result (``TimeoutError`` after ``timeout`` seconds)."""
+        if not self._handle.value:
+            raise ValueError("this fetch handle is freed")
         ms = 0xFFFFFFFF if timeout is None else max(0, int(timeout * 1000))
         r = L.FetchResult()
         st = lib.kvrelay_fetch_wait(self._handle, ms, ctypes.byref(r))
         if st == L.ERR_PENDING:
             raise TimeoutError("the fetch is still running")
         _check("kvrelay_fetch_wait", st)
-        detail = _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._handle) if r.failure else ""
-        return FetchResult(lib.kvrelay_fetch_failure_name(r.failure).decode(), r.blocks, r.bytes, r.seconds, r.withheld, detail)
+        return _result_of(r, self.detail() if r.failure else "")
 
     def __del__(self) -> None:
         h = getattr(self, "_handle", None)
@@ -998,7 +1045,8 @@ class Agent(_Handle):
     ) -> Fetch:
         """Fetch blocks ``names[held:]`` from ``endpoint`` into ``dst_blocks`` (name
         ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
-        the result on a helper thread once it completes."""
+        the result on the agent's fetch thread once it completes (keep it short; it must not
+        close the agent)."""
         if not isinstance(held, int) or held < 0:
             raise ValueError("held must be a non-negative int")
         if not dst_blocks:
@@ -1013,8 +1061,9 @@ class Agent(_Handle):
         n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
         p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
         f = Fetch(self, callback)
-        with _pending_lock:
-            _pending[id(f)] = f  # alive until its callback has run
+        if callback is not None:
+            with _pending_lock:
+                _pending[id(f)] = f  # alive until its callback has run
         st = lib.kvrelay_agent_fetch(self._p, ctypes.byref(p), f._done_cb, None, ctypes.byref(f._handle))
         if st != L.OK:
             with _pending_lock:
