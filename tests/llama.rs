@@ -257,3 +257,31 @@ fn instances_of_another_engine_or_other_settings_refuse_each_others_kv() {
     assert_ne!(info(&a), info(&r));
     assert_eq!(sent(&a), 0.0, "no block left the source");
 }
+
+#[test]
+fn one_context_queues_refuses_beyond_the_queue_and_a_client_gone_frees_it() {
+    let _serial = serial();
+    let s = llama(&["--llama-contexts", "1", "--max-queue", "1", "--max-concurrency", "8"]);
+    // about 1,000 tokens: seconds of prefill on a small machine
+    let long = |tag: &str| json!({"prompt": story(tag, 700), "max_tokens": 4}).to_string();
+    let a = client::send(s.addr, "POST", "/v1/completions", Some(long("first").as_bytes())).unwrap();
+    common::wait_until("the first request to run", || blocks(&s, "held") > 0.0);
+    let b = client::send(s.addr, "POST", "/v1/completions", Some(long("second").as_bytes())).unwrap();
+    common::wait_until("the second to wait: the running slots are the contexts", || {
+        s.metric("kvrelay_server_requests_waiting") == 1.0
+    });
+    let r = s.post("/v1/completions", &json!({"prompt": "a third", "max_tokens": 1}));
+    assert_eq!(r.status, 429, "{}", r.text());
+    // both clients go away: their runs stop, their blocks and the context come back
+    drop((a, b));
+    common::wait_until("every block released after the disconnects", || blocks(&s, "held") == 0.0);
+    let ok = ask(&s, "/v1/completions", json!({"prompt": story("after", 30), "max_tokens": 4}));
+    let cold = ask(&s, "/v1/completions", json!({"prompt": story("after", 30), "max_tokens": 4, "cache_salt": "x"}));
+    assert_eq!(
+        (&ok.text, &ok.logits),
+        (&cold.text, &cold.logits),
+        "the context a cancelled run left answers as a fresh one"
+    );
+    let gone = s.logs().lines().filter(|l| l.contains("status=499") && l.contains("client_gone")).count();
+    assert_eq!(gone, 2, "{}", s.logs());
+}
