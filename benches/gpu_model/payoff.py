@@ -220,10 +220,21 @@ def main():
             f"of {args.max_len} tokens; KV {BLOCK_BYTES // BT // 1024} KiB/token; {args.gen} greedy tokens",
             flush=True,
         )
-        # warm-up: kernels, cuBLAS handles, the agents' first connection
+        # warm-up: kernels, cuBLAS handles, and each agent's movers at both ends (a mover
+        # compiles its copy kernel once and allocates pinned slots; a fetch of this size uses
+        # every stream), so the table measures fetches, not first-use setup
         cache.reset()
         forward(model, cache, prompt(1024, 1), 0)
         torch.cuda.synchronize()
+        wn = min(8192, max(lengths))
+        src.stdin.write(f"{wn} 7\n")
+        src.stdin.flush()
+        json.loads(src.stdout.readline())
+        wnames = names(prompt(wn, 7))
+        for agent in agents.values():
+            for _ in range(2):
+                r = agent.fetch(ep, wnames, list(range(len(wnames))), deadline_ms=300_000).result(timeout=400)
+                assert r.ok, r
         hdr = (
             f"{'tokens':>7} {'prefill ms':>11} {'transport':>9} {'fetch ms':>9} {'fetch GB/s':>10} {'TTFT ms':>8} "
             f"{'TTFT/prefill':>12} {'D2D GB/s':>9} {'H2D GB/s':>9} {'tokens eq':>10} {'logits eq':>9} "
