@@ -185,6 +185,7 @@ def main():
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--nixl-lib-dir", default=None)
     ap.add_argument("--check", action="store_true", help="compare the whole cache after each fetch (diagnostics)")
+    ap.add_argument("--no-warmup", action="store_true", help="measure first-use costs too (no warm-up fetches)")
     ap.add_argument("--max-len", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [n for n in LENGTHS if n <= args.max_tokens]
@@ -226,15 +227,16 @@ def main():
         cache.reset()
         forward(model, cache, prompt(1024, 1), 0)
         torch.cuda.synchronize()
-        wn = min(8192, max(lengths))
-        src.stdin.write(f"{wn} 7\n")
-        src.stdin.flush()
-        json.loads(src.stdout.readline())
-        wnames = names(prompt(wn, 7))
-        for agent in agents.values():
-            for _ in range(2):
-                r = agent.fetch(ep, wnames, list(range(len(wnames))), deadline_ms=300_000).result(timeout=400)
-                assert r.ok, r
+        wn = 0 if args.no_warmup else min(8192, max(lengths))
+        if wn:
+            src.stdin.write(f"{wn} 7\n")
+            src.stdin.flush()
+            json.loads(src.stdout.readline())
+            wnames = names(prompt(wn, 7))
+            for agent in agents.values():
+                for _ in range(2):
+                    r = agent.fetch(ep, wnames, list(range(len(wnames))), deadline_ms=300_000).result(timeout=400)
+                    assert r.ok, r
         hdr = (
             f"{'tokens':>7} {'prefill ms':>11} {'transport':>9} {'fetch ms':>9} {'fetch GB/s':>10} {'TTFT ms':>8} "
             f"{'TTFT/prefill':>12} {'D2D GB/s':>9} {'H2D GB/s':>9} {'tokens eq':>10} {'logits eq':>9} "

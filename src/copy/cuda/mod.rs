@@ -46,6 +46,28 @@ use crate::copy::layout::KvLayout;
 use crate::copy::plan::Checker;
 use crate::copy::CopyError;
 
+/// The copy kernel's PTX, compiled by NVRTC once per process (tens of milliseconds) and loaded
+/// into each engine's module from there: engines are made per agent connection and fetch
+/// stream, and the kernel source never changes.
+fn kernel_ptx() -> Result<&'static CString, CopyError> {
+    static PTX: std::sync::OnceLock<Result<CString, &'static str>> = std::sync::OnceLock::new();
+    PTX.get_or_init(|| {
+        // SAFETY: only probes for the NVRTC library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err("NVRTC library not found");
+        }
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            KERNEL,
+            cudarc::nvrtc::CompileOptions { arch: Some("compute_90"), ..Default::default() },
+        )
+        .or_else(|_| cudarc::nvrtc::compile_ptx(KERNEL))
+        .map_err(|_| "NVRTC could not compile the copy kernel")?;
+        CString::new(ptx.to_src()).map_err(|_| "PTX with NUL")
+    })
+    .as_ref()
+    .map_err(|e| CopyError::Unsupported(e))
+}
+
 /// How the engine moves bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyMethod {
@@ -297,17 +319,7 @@ impl CudaEngine {
     }
 
     fn setup_kernel(&mut self) -> Result<(), CopyError> {
-        // SAFETY: only probes for the NVRTC library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(CopyError::Unsupported("NVRTC library not found"));
-        }
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            KERNEL,
-            cudarc::nvrtc::CompileOptions { arch: Some("compute_90"), ..Default::default() },
-        )
-        .or_else(|_| cudarc::nvrtc::compile_ptx(KERNEL))
-        .map_err(|_| CopyError::Unsupported("NVRTC could not compile the copy kernel"))?;
-        let src = CString::new(ptx.to_src()).map_err(|_| CopyError::Unsupported("PTX with NUL"))?;
+        let src = kernel_ptx()?;
         let name = CString::new("kvrelay_copy").expect("no NUL");
         // SAFETY: loads the PTX just compiled into the current context and looks the kernel up.
         unsafe {
