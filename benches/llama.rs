@@ -20,8 +20,10 @@
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
+#[path = "common/server.rs"]
+mod server;
+use server::{listening_addr, server_bin};
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
@@ -38,10 +40,6 @@ impl Drop for Server {
     }
 }
 
-fn server_bin() -> std::path::PathBuf {
-    std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
-}
-
 fn start(model: &str, extra: &[&str]) -> Server {
     let mut child = Command::new(server_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--engine", "llama", "--model-file", model])
@@ -52,9 +50,7 @@ fn start(model: &str, extra: &[&str]) -> Server {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start kvrelay-server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("first line");
-    let addr = line.trim().strip_prefix("listening on ").expect("listening line").parse().expect("address");
+    let addr = listening_addr(&mut child);
     Server { child, addr }
 }
 

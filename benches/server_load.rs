@@ -12,9 +12,11 @@
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
+#[path = "common/server.rs"]
+mod server;
+use server::{listening_addr, server_bin};
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -262,9 +264,7 @@ fn main() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start kvrelay-server (built by cargo bench --features server)");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr: SocketAddr = line.trim().strip_prefix("listening on ").expect("listening line").parse().unwrap();
+    let addr = listening_addr(&mut child);
     let pid = child.id();
     let _server = Server(child);
 
@@ -355,10 +355,4 @@ fn main() {
     if !ok {
         std::process::exit(1);
     }
-}
-
-/// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
-/// another machine, e.g. the GPU machine).
-fn server_bin() -> std::path::PathBuf {
-    std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
 }

@@ -27,11 +27,13 @@
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
+#[path = "common/server.rs"]
+mod server;
+use server::{listening_addr, server_bin};
 #[path = "common/loopback.rs"]
 mod loopback;
 use loopback::loopback_copy;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
@@ -84,9 +86,7 @@ fn start(device: &str, extra: &[&str], rate: &str) -> Server {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start kvrelay-server");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr: SocketAddr = line.trim().strip_prefix("listening on ").expect("listening line").parse().unwrap();
+    let addr = listening_addr(&mut child);
     let kv = client::get(addr, "/v1/kv/info").unwrap().json()["kv_endpoint"].as_str().unwrap().to_string();
     Server { child, addr, kv }
 }
@@ -318,9 +318,3 @@ fn ceilings(device: i32, other: i32, bytes: usize) {
 #[cfg(feature = "nixl")]
 #[path = "common/bare_nixl.rs"]
 mod bare;
-
-/// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
-/// another machine, e.g. the GPU machine).
-fn server_bin() -> std::path::PathBuf {
-    std::env::var_os("KVRELAY_SERVER_BIN").map_or_else(|| env!("CARGO_BIN_EXE_kvrelay-server").into(), Into::into)
-}

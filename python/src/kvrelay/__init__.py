@@ -101,39 +101,34 @@ def _utf8(name: str, s: Any) -> bytes:
 
 def _buffer(name: str, data: Any) -> tuple[Any, int]:
     """A readable byte buffer: its address (kept alive by the returned object) and length."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
+    try:
         mv = memoryview(data).cast("B")
-    else:
-        try:
-            mv = memoryview(data).cast("B")
-        except TypeError:
-            raise TypeError(f"{name} must be bytes-like, not {type(data).__name__}") from None
+    except TypeError:
+        raise TypeError(f"{name} must be bytes-like, not {type(data).__name__}") from None
     if mv.readonly:
         # a read-only buffer: copy into a ctypes array (admission reads it once)
-        arr = (ctypes.c_char * len(mv)).from_buffer_copy(mv)
-        return arr, len(mv)
-    arr = (ctypes.c_char * len(mv)).from_buffer(mv)
-    return arr, len(mv)
+        return (ctypes.c_char * len(mv)).from_buffer_copy(mv), len(mv)
+    return (ctypes.c_char * len(mv)).from_buffer(mv), len(mv)
+
+
+def _ints(name: str, xs: Iterable[int], ctype: Any) -> Any:
+    """``xs`` as a C array of ``ctype`` (an unsigned ctypes integer), each value checked."""
+    xs = list(xs)
+    bits = ctypes.sizeof(ctype) * 8
+    for x in xs:
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"{name} must hold ints")
+        if not 0 <= x < 2**bits:
+            raise ValueError(f"{name}: {x} is not a u{bits}")
+    return (ctype * len(xs))(*xs)
 
 
 def _u32s(name: str, xs: Iterable[int]) -> Any:
-    xs = list(xs)
-    for x in xs:
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise TypeError(f"{name} must hold ints")
-        if not 0 <= x < 2**32:
-            raise ValueError(f"{name}: {x} is not a u32")
-    return (ctypes.c_uint32 * len(xs))(*xs)
+    return _ints(name, xs, ctypes.c_uint32)
 
 
 def _u64s(name: str, xs: Iterable[int]) -> Any:
-    xs = list(xs)
-    for x in xs:
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise TypeError(f"{name} must hold ints")
-        if not 0 <= x < 2**64:
-            raise ValueError(f"{name}: {x} is not a u64")
-    return (ctypes.c_uint64 * len(xs))(*xs)
+    return _ints(name, xs, ctypes.c_uint64)
 
 
 def _view(owner: Any, ptr: Optional[int], n: int) -> memoryview:

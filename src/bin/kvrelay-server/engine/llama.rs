@@ -472,7 +472,7 @@ impl Llama {
         let t0 = Instant::now();
         let ctx = &mut contexts[0];
         ctx.clear();
-        ctx.decode_prompt(&probe, 0, s.block_tokens, &AtomicBool::new(false))?;
+        ctx.decode_prompt(&probe, 0, &AtomicBool::new(false))?;
         let rate = probe.len() as f64 / t0.elapsed().as_secs_f64().max(1e-6);
         ctx.export_blob(probe.len())?;
         let parsed = parse(&ctx.blob, Some(probe.len()))?;
@@ -709,7 +709,7 @@ impl Context {
 
     /// Decode `tokens` at positions `first..` into sequence 0, in calls of `cap` tokens (block
     /// aligned when `first` is); logits only for the last token.
-    fn decode_prompt(&mut self, tokens: &[u32], first: usize, _bt: usize, cancel: &AtomicBool) -> Result<(), String> {
+    fn decode_prompt(&mut self, tokens: &[u32], first: usize, cancel: &AtomicBool) -> Result<(), String> {
         let n = tokens.len();
         let mut done = 0;
         while done < n {
@@ -780,7 +780,7 @@ impl Context {
             }
         }
         let first = req.import_blocks * bt;
-        self.decode_prompt(&req.tokens[first..], first, bt, &req.cancel)?;
+        self.decode_prompt(&req.tokens[first..], first, &req.cancel)?;
         let first_token = Instant::now();
         let mut exported = Vec::new();
         if req.export_to > req.export_from {
