@@ -5,8 +5,14 @@
 //! 1. Throughput: a 1 GiB run (256 blocks) fetched through the agent, against a plain loopback
 //!    TCP copy of the same bytes (one stream, 4 MiB writes) measured in the same run and
 //!    repetition; median of the repetitions.
-//! 2. The agent's own host cost: the time of one `submit` call (checks and copies, no I/O), and
-//!    of recording checksums per block (summed where the blocks lie).
+//!    A second anchor in the same repetition, pool to pool: the same bytes sent straight out
+//!    of one 1 GiB host buffer and read straight into another, each byte once, as between two
+//!    pools (the first anchor's 4 MiB buffers stay in the CPU caches; pools do not).
+//! 2. The agent's own host cost: the time of one `submit` call (checks and copies, no I/O), of
+//!    recording checksums per block (summed where the blocks lie), and the CPU time of the whole
+//!    process (both agents) per GB fetched, against the anchor's.
+//! 3. First use: the first fetch of two new agents (8 blocks) against warm 8-block fetches, and
+//!    the first 1 GiB fetch (every stream's first use) against the median one.
 //!
 //! `KVRELAY_BENCH_DEVICE=cuda:N` puts both pools in the memory of GPU N (both agents on one
 //! GPU, the bytes still crossing loopback TCP through each agent's pinned slots).
@@ -25,7 +31,7 @@ use std::time::{Duration, Instant};
 mod bare;
 #[path = "common/loopback.rs"]
 mod loopback;
-use loopback::loopback_copy_streams;
+use loopback::{loopback_copy_between, loopback_copy_streams};
 
 use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, Fingerprint};
 use kvrelay::copy::KvLayout;
@@ -69,6 +75,16 @@ fn pool(device: Option<&std::sync::Arc<kvrelay::copy::CudaDevice>>) -> (Mem, KvL
             (Mem::Device(d), layout)
         }
     }
+}
+
+/// CPU time of this whole process so far (every thread, ended ones included), seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes one `rusage` into the zeroed local.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer for RUSAGE_SELF.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -169,12 +185,28 @@ fn main() {
         dst: ids.clone(),
         deadline: Duration::from_secs(60),
     };
-    // warm-up
+    // the first fetch of two new agents (a connection, a handshake, a mover at each end): 8
+    // blocks, compared below with 8-block fetches once warm
+    let r = dst
+        .submit(FetchRequest { dst: ids[..8].to_vec(), ..req() }, None)
+        .unwrap()
+        .wait(Duration::from_secs(90))
+        .unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 8), "{}", r.detail);
+    let first_small = r.seconds;
+    // warm-up: the first 1 GiB fetch (every stream's connection and movers)
     let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
     assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
+    let first = r.seconds;
     #[cfg(feature = "nixl")]
     let bare = nixl.then(|| bare::Bare::new(bytes, device, device));
-    let (mut agent, mut anchor, mut ratio) = (vec![], vec![], vec![]);
+    let (mut agent, mut anchor, mut ratio, mut fetch_s) = (vec![], vec![], vec![], vec![]);
+    // CPU seconds and wall seconds: anchor, then agent (this process holds both ends of both)
+    let mut cpu = (0.0, 0.0, 0.0, 0.0);
+    // the second anchor's two host buffers of the fetch's size, touched before use
+    let mut between = (vec![3u8; bytes], vec![0u8; bytes]);
+    between.1.fill(1);
+    let (mut between_rates, mut between_ratio) = (vec![], vec![]);
     #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut bare_rates: Vec<f64> = vec![];
     for _ in 0..reps {
@@ -182,12 +214,23 @@ fn main() {
         if let Some(b) = &bare {
             bare_rates.push(b.read());
         }
+        let p = bytes as f64 / loopback_copy_between(&between.0, &mut between.1, streams);
+        let c0 = cpu_seconds();
         let a = bytes as f64 / loopback_copy_streams(bytes, streams);
+        let c1 = cpu_seconds();
         let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
+        let c2 = cpu_seconds();
+        cpu.0 += c1 - c0;
+        cpu.1 += a;
+        cpu.2 += c2 - c1;
+        cpu.3 += r.seconds;
         assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
         agent.push(bytes as f64 / r.seconds / 1e9);
+        fetch_s.push(r.seconds);
         anchor.push(bytes as f64 / a / 1e9);
         ratio.push(a / r.seconds);
+        between_rates.push(bytes as f64 / p / 1e9);
+        between_ratio.push(p / r.seconds);
     }
     let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
     let how = if nixl {
@@ -215,10 +258,31 @@ fn main() {
         );
     }
     println!(
+        "  first 1 GiB      {:.1} ms (its streams' first use), {:.2}x the median fetch's {:.1} ms",
+        first * 1e3,
+        first / median(fetch_s.clone()),
+        median(fetch_s.clone()) * 1e3
+    );
+    println!(
         "  agent / anchor   median {:.0}% (per repetition {:.0}-{:.0}%)",
         100.0 * median(ratio.clone()),
         100.0 * ratio.iter().cloned().fold(f64::MAX, f64::min),
         100.0 * ratio.iter().cloned().fold(0.0, f64::max)
+    );
+    println!(
+        "  pool-to-pool TCP median {:.2} GB/s (second anchor: sent from and read into two 1 GiB buffers, {streams} stream(s)); agent / it median {:.0}% (per repetition {:.0}-{:.0}%)",
+        median(between_rates),
+        100.0 * median(between_ratio.clone()),
+        100.0 * between_ratio.iter().cloned().fold(f64::MAX, f64::min),
+        100.0 * between_ratio.iter().cloned().fold(0.0, f64::max)
+    );
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "  CPU, both ends   agent {:.2} core-s per GB ({:.1} cores busy), anchor {:.2} core-s per GB ({:.1} cores busy), of {cores} cores",
+        cpu.2 / (reps as f64 * bytes as f64 / 1e9),
+        cpu.2 / cpu.3,
+        cpu.0 / (reps as f64 * bytes as f64 / 1e9),
+        cpu.0 / cpu.1
     );
     println!(
         "  record_checksums {:.2} GB/s ({:.0} us per 4 MiB block, summed in place)",
@@ -259,6 +323,13 @@ fn main() {
             median(t)
         };
         let (warm, fresh) = (small(&dst), small(&cold));
+        if k == 8 {
+            println!(
+                "  first fetch      {:.0} us (8 blocks, two new agents), {:.2}x a warm 8-block fetch",
+                first_small * 1e6,
+                first_small * 1e6 / warm
+            );
+        }
         println!(
             "  {k}-block fetch   median {warm:.0} us on a kept-alive connection, {fresh:.0} us on a new one (50 each)"
         );

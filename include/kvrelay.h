@@ -391,7 +391,8 @@ typedef struct kvrelay_agent_limits {
   // Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
   uint32_t max_queued_fetches;
   // TCP connections one fetch spreads its run over, each with a contiguous part of at least
-  // `min_stream_bytes` (4; NIXL fetches use one).
+  // `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
+  // 4 MiB staging slots each, pinned for a GPU pool) when it starts.
   uint32_t streams;
   // Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
   uint64_t min_stream_bytes;

@@ -1,29 +1,53 @@
-//! The anchor of the transfer benchmarks (`benches/transfer.rs`, `benches/agent.rs`): a plain
-//! loopback TCP copy of the same bytes, one stream, 4 MiB writes.
+//! The anchors of the transfer benchmarks (`benches/transfer.rs`, `benches/agent.rs`): plain
+//! loopback TCP copies of the same bytes in 4 MiB writes, over one stream or several at once.
+//! - [`loopback_copy`] and [`loopback_copy_streams`] send one 4 MiB buffer over and over and
+//!   read into one 4 MiB buffer: both ends stay in the CPU caches.
+//! - [`loopback_copy_between`] sends out of one large buffer and reads into another, each byte
+//!   once, as a transfer between two pools does: the bytes come from DRAM and go to DRAM.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-/// Write `bytes` to `s` in 4 MiB writes.
+const CHUNK: usize = 4 << 20;
+
+/// Write `data` to `s` in 4 MiB writes.
+fn send_from(s: &mut TcpStream, data: &[u8]) {
+    for c in data.chunks(CHUNK) {
+        s.write_all(c).unwrap();
+    }
+}
+
+/// Fill `buf` from `s`, reading at most 4 MiB at a time.
+fn receive_into(s: &mut TcpStream, buf: &mut [u8]) {
+    let mut got = 0;
+    while got < buf.len() {
+        let end = buf.len().min(got + CHUNK);
+        let n = s.read(&mut buf[got..end]).unwrap();
+        assert!(n > 0);
+        got += n;
+    }
+}
+
+/// Write `bytes` to `s` out of one 4 MiB buffer.
 fn send(mut s: TcpStream, bytes: usize) {
-    let buf = vec![7u8; 4 << 20];
+    let buf = vec![7u8; CHUNK];
     let mut left = bytes;
     while left > 0 {
         let n = left.min(buf.len());
-        s.write_all(&buf[..n]).unwrap();
+        send_from(&mut s, &buf[..n]);
         left -= n;
     }
 }
 
-/// Read `bytes` from `s` (into a 4 MiB buffer).
+/// Read `bytes` from `s` into one 4 MiB buffer.
 fn receive(mut s: TcpStream, bytes: usize) {
-    let mut buf = vec![0u8; 4 << 20];
-    let mut got = 0;
-    while got < bytes {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0);
-        got += n;
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(buf.len());
+        receive_into(&mut s, &mut buf[..n]);
+        left -= n;
     }
 }
 
@@ -65,4 +89,32 @@ pub fn loopback_copy_streams(bytes: usize, n: usize) -> f64 {
         w.join().unwrap();
     }
     (per * n) as f64 / secs
+}
+
+/// `src` copied into `dst` (the same length, a multiple of `n`) over `n` loopback TCP streams
+/// at once, each carrying one contiguous part, every byte sent straight from `src` and read
+/// straight into `dst`: bytes per second, from the first read until the last stream is done.
+#[allow(dead_code)] // the transfer bench uses the cache-resident anchor only
+pub fn loopback_copy_between(src: &[u8], dst: &mut [u8], n: usize) -> f64 {
+    let n = n.max(1);
+    assert!(src.len() == dst.len() && src.len() % n == 0, "equal parts");
+    let per = src.len() / n;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::scope(|sc| {
+        for part in src.chunks(per) {
+            sc.spawn(move || send_from(&mut TcpStream::connect(addr).unwrap(), part));
+        }
+        // connections are accepted in any order; the parts are all as long, so any pairing of
+        // a connection with a destination part moves every byte once
+        let parts: Vec<&mut [u8]> = dst.chunks_mut(per).collect();
+        let conns: Vec<TcpStream> = (0..parts.len()).map(|_| l.accept().unwrap().0).collect();
+        let t = Instant::now();
+        std::thread::scope(|rs| {
+            for (mut s, part) in conns.into_iter().zip(parts) {
+                rs.spawn(move || receive_into(&mut s, part));
+            }
+        });
+        src.len() as f64 / t.elapsed().as_secs_f64()
+    })
 }

@@ -115,7 +115,8 @@ pub struct Limits {
     /// Fetches waiting for a worker before a submission is refused as busy (1,024).
     pub max_queued_fetches: u32,
     /// TCP connections one fetch spreads its run over, each carrying a contiguous part of at
-    /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4).
+    /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4). The agent
+    /// makes this many movers when it starts (see [`Agent::new`]).
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (32 MiB).
     pub min_stream_bytes: u64,
@@ -603,6 +604,14 @@ impl Agent {
     /// device `config.device` (then the agent copies through its own streams and pinned slots,
     /// and sums checksums with a kernel).
     ///
+    /// Cost: binds the listener, starts the threads, and makes `limits.streams` movers up front
+    /// so that a first fetch or a first served connection does not make them. A mover holds
+    /// two 4 MiB staging slots (host memory for a host pool; pinned memory, a stream and two
+    /// events for a device pool). On a device, the first agent of a process also compiles the
+    /// copy kernel with NVRTC and loads it into the context (tens of milliseconds, once).
+    /// More movers are made later only when more connections or streams run at once than
+    /// were ever running before.
+    ///
     /// # Safety
     /// Every block of `layout` must be host memory (or device memory of `config.device`) valid
     /// for reads and writes for the agent's whole life. The runtime must not write a block between pinning it for the agent and
@@ -647,10 +656,10 @@ impl Agent {
             (Transport::Nixl { .. }, None) => NIXL_HOST_DEFAULT,
             (Transport::Nixl { .. }, Some(_)) => NIXL_VRAM_DEFAULT,
         };
-        // one mover now: a device pool's kernel compiles here, and a failure shows at once
+        // one mover per stream of a fetch, made now rather than on a first fetch's critical
+        // path (a device pool's kernel compiles and loads here, and a failure shows at once)
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-        let first = unsafe { movers.take(&layout) }.map_err(AgentError::Io)?;
-        movers.put(first);
+        unsafe { movers.warm(config.limits.streams.max(1) as usize, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
             sums: SumTable::new(layout.num_blocks() as usize),
             fingerprint: config.fingerprint,

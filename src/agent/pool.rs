@@ -56,6 +56,17 @@ pub(super) struct Mover {
     block_bytes: usize,
 }
 
+/// A zeroed host slot whose pages are already mapped: a zeroed allocation this large is mapped
+/// lazily, and its first use would otherwise take a page fault per page.
+fn touched(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    for i in (0..n).step_by(4096) {
+        // SAFETY: `i < n`, inside the vector; a volatile write so the store is not elided.
+        unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 0) };
+    }
+    v
+}
+
 fn cuda(e: CopyError) -> String {
     format!("CUDA: {e}")
 }
@@ -72,7 +83,7 @@ impl Mover {
             Memory::Host => Kind::Host {
                 // SAFETY: forwarded contract.
                 engine: unsafe { CpuEngine::new(layout.clone()) },
-                slots: [vec![0u8; slot_blocks * bb], vec![0u8; slot_blocks * bb]],
+                slots: [touched(slot_blocks * bb), touched(slot_blocks * bb)],
             },
             Memory::Device(dev) => {
                 // SAFETY: forwarded contract.
@@ -188,6 +199,20 @@ impl Movers {
         }
         // SAFETY: forwarded contract.
         unsafe { Mover::new(&self.mem, layout) }
+    }
+
+    /// Make movers until `n` are idle (at least), so that the first transfers do not make them.
+    ///
+    /// # Safety
+    /// As [`Mover::new`].
+    pub(super) unsafe fn warm(&self, n: usize, layout: &KvLayout) -> Result<(), String> {
+        let have = self.idle.lock().unwrap_or_else(|e| e.into_inner()).len();
+        for _ in have..n {
+            // SAFETY: forwarded contract.
+            let m = unsafe { Mover::new(&self.mem, layout) }?;
+            self.put(m);
+        }
+        Ok(())
     }
 
     /// Give a mover back (only one whose copies all finished).

@@ -58,7 +58,8 @@ pub struct kvrelay_agent_limits {
     /// Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
     pub max_queued_fetches: u32,
     /// TCP connections one fetch spreads its run over, each with a contiguous part of at least
-    /// `min_stream_bytes` (4; NIXL fetches use one).
+    /// `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
+    /// 4 MiB staging slots each, pinned for a GPU pool) when it starts.
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
     pub min_stream_bytes: u64,

@@ -1,7 +1,7 @@
 //! The CUDA driver wrappers: device and primary context, pinned and device memory, streams,
 //! events. Each owns its resource and frees it once.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 
@@ -28,6 +28,23 @@ pub struct CudaDevice {
     ctx: sys::CUcontext,
     dev: sys::CUdevice,
     pub(super) ordinal: i32,
+    /// The copy kernels, loaded into the context by the first engine that needs them and kept
+    /// until this value drops: every engine of the device shares them.
+    kernels: Mutex<Option<Kernels>>,
+}
+
+/// The copy kernels' module in a device's primary context and the functions engines launch.
+/// Loading JIT-compiles the PTX for the device (milliseconds), so it happens once per
+/// [`CudaDevice`], not once per engine.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Kernels {
+    pub(super) module: sys::CUmodule,
+    /// `kvrelay_copy`: ids in the parameter block.
+    pub(super) copy: sys::CUfunction,
+    /// `kvrelay_copy_ring`: ids in the pinned ring.
+    pub(super) ring: sys::CUfunction,
+    /// `kvrelay_sum`: block checksums.
+    pub(super) sum: sys::CUfunction,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (each call makes it current first).
@@ -55,7 +72,7 @@ impl CudaDevice {
             check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
             let mut ctx = std::ptr::null_mut();
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            let d = CudaDevice { ctx, dev, ordinal };
+            let d = CudaDevice { ctx, dev, ordinal, kernels: Mutex::new(None) };
             let _ctx = d.bind()?;
             Ok(Arc::new(d))
         }
@@ -81,6 +98,19 @@ impl CudaDevice {
     pub fn ordinal(&self) -> i32 {
         self.ordinal
     }
+
+    /// The copy kernels, loaded by `load` (with this device's context current) the first time
+    /// they are asked for; a failed load is not kept, so the next engine tries again.
+    pub(super) fn kernels(&self, load: impl FnOnce() -> Result<Kernels, CopyError>) -> Result<Kernels, CopyError> {
+        let mut k = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = *k {
+            return Ok(k);
+        }
+        let _ctx = self.bind()?;
+        let loaded = load()?;
+        *k = Some(loaded);
+        Ok(loaded)
+    }
 }
 
 /// Restores the calling thread's previous CUDA context on drop (see [`CudaDevice::bind`]).
@@ -101,6 +131,13 @@ impl Drop for CtxGuard {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        if let Some(k) = self.kernels.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Ok(_ctx) = self.bind() {
+                // SAFETY: the module was loaded into this context by `kernels`, once; every
+                // engine that launched from it held an `Arc` of this device, so none is left.
+                unsafe { sys::cuModuleUnload(k.module) };
+            }
+        }
         // SAFETY: releases the reference retained in `open`, once.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
     }

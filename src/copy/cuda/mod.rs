@@ -10,12 +10,13 @@
 //! The driver is loaded at run time (no CUDA needed to build or to run without a GPU): every
 //! entry point first checks that `libcuda` is present and returns [`CopyError::NoDriver`]
 //! otherwise. Methods, chosen at setup:
-//! - [`CopyMethod::Kernel`] (default): a zero-copy kernel, compiled once per engine with NVRTC,
-//!   reads and writes mapped pinned host memory directly. Block ids travel in the kernel's
-//!   parameter block (up to [`IDS_PER_LAUNCH`] per launch, within the 4 KiB parameter limit),
-//!   or, for larger calls, through a pinned ring whose slots the kernel releases; a call is one
-//!   driver call, no allocation, no lock. One warp copies one (block, segment) chunk with
-//!   16-byte accesses, eight in flight per lane; the grid is the CTA budget (default 16).
+//! - [`CopyMethod::Kernel`] (default): a zero-copy kernel, compiled once per process with NVRTC
+//!   and loaded once per [`CudaDevice`], reads and writes mapped pinned host memory directly.
+//!   Block ids travel in the kernel's parameter block (up to [`IDS_PER_LAUNCH`] per launch,
+//!   within the 4 KiB parameter limit), or, for larger calls, through a pinned ring whose slots
+//!   the kernel releases; a call is one driver call, no allocation, no lock. One warp copies
+//!   one (block, segment) chunk with 16-byte accesses, eight in flight per lane; the grid is
+//!   the CTA budget (default 16).
 //! - [`CopyMethod::Staged`]: HBM gather into a device scratch, then contiguous copies on the
 //!   copy engines, pipelined over two halves on an internal stream, ordered with the caller's
 //!   stream by events.
@@ -47,8 +48,8 @@ use crate::copy::plan::Checker;
 use crate::copy::CopyError;
 
 /// The copy kernel's PTX, compiled by NVRTC once per process (tens of milliseconds) and loaded
-/// into each engine's module from there: engines are made per agent connection and fetch
-/// stream, and the kernel source never changes.
+/// once per device from there ([`CudaDevice`] keeps the module): engines are made per agent
+/// connection and fetch stream, and the kernel source never changes.
 fn kernel_ptx() -> Result<&'static CString, CopyError> {
     static PTX: std::sync::OnceLock<Result<CString, &'static str>> = std::sync::OnceLock::new();
     PTX.get_or_init(|| {
@@ -68,10 +69,33 @@ fn kernel_ptx() -> Result<&'static CString, CopyError> {
     .map_err(|e| CopyError::Unsupported(e))
 }
 
+/// Load the copy kernels' module into the current context (called once per device by
+/// [`CudaDevice::kernels`]).
+fn load_kernels() -> Result<driver::Kernels, CopyError> {
+    let src = kernel_ptx()?;
+    let mut module = std::ptr::null_mut();
+    // SAFETY: loads the compiled PTX into the current context (the caller bound it).
+    check(unsafe { sys::cuModuleLoadData(&mut module, src.as_ptr().cast()) }, "cuModuleLoadData")?;
+    let func = |name: &str| {
+        let name = CString::new(name).expect("no NUL");
+        let mut f = std::ptr::null_mut();
+        // SAFETY: looks a kernel up in the module just loaded, into a local.
+        check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction").map(|_| f)
+    };
+    match (func("kvrelay_copy"), func("kvrelay_copy_ring"), func("kvrelay_sum")) {
+        (Ok(copy), Ok(ring), Ok(sum)) => Ok(driver::Kernels { module, copy, ring, sum }),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            // SAFETY: the module loaded above, unloaded once; nothing was launched from it.
+            unsafe { sys::cuModuleUnload(module) };
+            Err(e)
+        }
+    }
+}
+
 /// How the engine moves bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyMethod {
-    /// Zero-copy kernel (NVRTC, once per engine).
+    /// Zero-copy kernel (NVRTC once per process, loaded once per [`CudaDevice`]).
     Kernel,
     /// Through a device scratch buffer reserved at setup, in two halves: the kernel gathers a
     /// piece of blocks into one half at HBM speed while the copy engines move the previous piece
@@ -163,7 +187,6 @@ pub struct CudaEngine {
     layout: KvLayout,
     opts: EngineOptions,
     checker: Checker,
-    module: sys::CUmodule,
     func: sys::CUfunction,
     seg_table: Option<DeviceBuffer>,
     batch: Option<BatchFn>,
@@ -247,7 +270,6 @@ impl CudaEngine {
             dev: dev.clone(),
             checker: Checker::new(&layout),
             opts,
-            module: std::ptr::null_mut(),
             func: std::ptr::null_mut(),
             seg_table: None,
             batch: None,
@@ -319,20 +341,8 @@ impl CudaEngine {
     }
 
     fn setup_kernel(&mut self) -> Result<(), CopyError> {
-        let src = kernel_ptx()?;
-        let name = CString::new("kvrelay_copy").expect("no NUL");
-        // SAFETY: loads the PTX just compiled into the current context and looks the kernel up.
-        unsafe {
-            check(sys::cuModuleLoadData(&mut self.module, src.as_ptr().cast()), "cuModuleLoadData")?;
-            check(sys::cuModuleGetFunction(&mut self.func, self.module, name.as_ptr()), "cuModuleGetFunction")?;
-            let ring_name = CString::new("kvrelay_copy_ring").expect("no NUL");
-            check(
-                sys::cuModuleGetFunction(&mut self.ring_func, self.module, ring_name.as_ptr()),
-                "cuModuleGetFunction",
-            )?;
-            let sum_name = CString::new("kvrelay_sum").expect("no NUL");
-            check(sys::cuModuleGetFunction(&mut self.sum_func, self.module, sum_name.as_ptr()), "cuModuleGetFunction")?;
-        }
+        let k = self.dev.kernels(load_kernels)?;
+        (self.func, self.ring_func, self.sum_func) = (k.copy, k.ring, k.sum);
         if self.opts.ids != IdTransport::Params {
             self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
             let mut done = PinnedBuffer::alloc(&self.dev, RING_SLOTS * 8)?;
@@ -545,10 +555,6 @@ impl Drop for CudaEngine {
         // The kernels still running may read the id ring and write the flags: wait for them.
         for slot in 0..self.ring_gen.len() {
             self.wait_slot(slot);
-        }
-        if !self.module.is_null() {
-            // SAFETY: unloads the module loaded in `setup_kernel`, once.
-            unsafe { sys::cuModuleUnload(self.module) };
         }
     }
 }
