@@ -980,8 +980,11 @@ kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *c
 // Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
 // `kvrelay_agent_config_set_device` named a device), with the runtime's
 // `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
-// Binds the listen address and starts the agent's threads. `KVRELAY_ERR_IO` when the address
-// cannot be bound.
+// Binds the listen address, starts the agent's threads and makes one mover per stream of a
+// fetch (`limits.streams`: two 4 MiB staging slots each, pinned for a device pool; on a device
+// the first agent of a process also compiles the copy kernel, tens of milliseconds), so that
+// first transfers make none. `KVRELAY_ERR_IO` when the address cannot
+// be bound.
 //
 // # Safety
 // `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every

@@ -608,7 +608,8 @@ impl Agent {
     /// so that a first fetch or a first served connection does not make them. A mover holds
     /// two 4 MiB staging slots (host memory for a host pool; pinned memory, a stream and two
     /// events for a device pool). On a device, the first agent of a process also compiles the
-    /// copy kernel with NVRTC and loads it into the context (tens of milliseconds, once).
+    /// copy kernel with NVRTC (tens of milliseconds, once per process), and each agent loads it
+    /// into the context once (milliseconds).
     /// More movers are made later only when more connections or streams run at once than
     /// were ever running before.
     ///
