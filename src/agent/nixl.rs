@@ -663,7 +663,7 @@ fn read_into(
             sums.resize(ids.len(), 0);
             match mover.as_mut() {
                 Some(m) => m.device_checksums(ids, &mut sums).map_err(|e| (FailReason::Corrupt, e))?,
-                None => super::sum_host(inner, ids, &mut sums),
+                None => super::sums::sum_host(inner, ids, &mut sums),
             }
             for (j, i) in p.range.clone().enumerate() {
                 if sums[j] != offer.blocks[i].1 {

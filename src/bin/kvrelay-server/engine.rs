@@ -26,7 +26,7 @@
 //! backend over the pool and the reuse cache (which named blocks are held, run a request from
 //! its held prefix, export the blocks a prefill completed into the pool the KV agent serves,
 //! import fetched ones, which the transfer layer committed to the same cache). The reference
-//! model above is one implementation; llama.cpp (module [`llama`], feature `llama`) is the
+//! model above is one implementation; llama.cpp (module `llama`, feature `llama`) is the
 //! second.
 
 use std::sync::{Arc, Mutex};

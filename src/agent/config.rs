@@ -1,0 +1,176 @@
+//! How an agent is set up: the layout [`Fingerprint`] two instances compare, the [`Limits`]
+//! every connection and fetch runs under, the [`Transport`] and the [`AgentConfig`] that holds
+//! them.
+
+use std::time::Duration;
+
+use super::{PeerAllow, Psk};
+
+/// What two instances compare before any block moves: a mismatch refuses the transfer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Fingerprint {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Layers.
+    pub layers: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head size.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+    /// The runtime's naming-scheme id (its choice: a hash of the name seed, the model, the
+    /// settings that change KV bytes); equal ids must mean equal names for equal KV.
+    pub naming: u64,
+}
+
+/// The agent's limits. [`Limits::default`] gives the documented defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections serving transfers at once, all peers together (64).
+    pub max_connections: u32,
+    /// Connections from one peer address, serving or in their handshake (16: what one peer
+    /// with the default `fetch_threads` and `streams` opens at most).
+    pub max_per_peer: u32,
+    /// Connections that have not yet sent a valid first message (32): they never take a
+    /// serving slot.
+    pub max_pending: u32,
+    /// Time a new connection has to complete its handshake (authentication and hello): 2 s.
+    pub handshake_timeout: Duration,
+    /// Deadline of every other read and write: 5 s.
+    pub io_timeout: Duration,
+    /// Connect deadline of a fetch: 2 s.
+    pub connect_timeout: Duration,
+    /// Most names in one request, served or fetched (65,536: a 2M-token prompt of 32-token blocks).
+    pub max_names: u32,
+    /// Fetch worker threads (4).
+    pub fetch_threads: u32,
+    /// Fetches waiting for a worker before a submission is refused as busy (1,024).
+    pub max_queued_fetches: u32,
+    /// TCP connections one fetch spreads its run over, each carrying a contiguous part of at
+    /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4). The agent
+    /// makes this many movers when it starts (see [`Agent::new`](super::Agent::new)).
+    pub streams: u32,
+    /// Least bytes each stream of a multi-stream fetch carries (32 MiB).
+    pub min_stream_bytes: u64,
+    /// How long a connection stays open after a transfer for the next one between the same two
+    /// agents (5 s; zero: one transfer per connection). The serving side waits that long for
+    /// the next hello, holding a handshake slot, not a serving one; the fetching side reuses a
+    /// connection only within half of it.
+    pub idle_timeout: Duration,
+    /// Socket send and receive buffer size of every agent connection, bytes (0, the default:
+    /// the kernel's own sizing, which autotunes; measured no slower on loopback).
+    pub socket_buffer_bytes: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_connections: 64,
+            max_per_peer: 16,
+            max_pending: 32,
+            handshake_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            max_names: 65_536,
+            fetch_threads: 4,
+            max_queued_fetches: 1024,
+            streams: 4,
+            min_stream_bytes: 32 << 20,
+            idle_timeout: Duration::from_secs(5),
+            socket_buffer_bytes: 0,
+        }
+    }
+}
+
+/// Check limits as [`Agent::new`](super::Agent::new) does.
+pub(crate) fn check_limits(l: &Limits) -> Result<(), String> {
+    l.check()
+}
+
+impl Limits {
+    pub(super) fn check(&self) -> Result<(), String> {
+        let ms = |d: Duration| d.as_millis();
+        for (name, v, max) in [
+            ("max_connections", self.max_connections, 4096),
+            ("max_per_peer", self.max_per_peer, 4096),
+            ("max_pending", self.max_pending, 4096),
+            ("max_names", self.max_names, 1 << 22),
+            ("fetch_threads", self.fetch_threads, 256),
+            ("max_queued_fetches", self.max_queued_fetches, 1 << 20),
+            ("streams", self.streams, 16),
+        ] {
+            if v == 0 || v > max {
+                return Err(format!("limit {name} = {v}: expected 1..={max}"));
+            }
+        }
+        if self.min_stream_bytes == 0 {
+            return Err("limit min_stream_bytes = 0: expected at least 1".into());
+        }
+        if ms(self.idle_timeout) > 3_600_000 {
+            return Err(format!("limit idle_timeout = {} ms: expected 0..=3600000 ms", ms(self.idle_timeout)));
+        }
+        for (name, d) in [
+            ("handshake_timeout", self.handshake_timeout),
+            ("io_timeout", self.io_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if ms(d) == 0 || ms(d) > 3_600_000 {
+                return Err(format!("limit {name} = {} ms: expected 1..=3600000 ms", ms(d)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How an agent is set up.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// This instance's layout fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Where the KV service listens (`host:port`, port 0 picks one); `None` serves nothing
+    /// (a fetch-only agent).
+    pub listen: Option<String>,
+    /// Peers the service accepts (default: loopback).
+    pub allow: PeerAllow,
+    /// Limits.
+    pub limits: Limits,
+    /// A pre-shared key both sides must prove they hold; `None`: no authentication.
+    pub key: Option<Psk>,
+    /// The CUDA device whose memory the pool is (`None`: host memory).
+    pub device: Option<i32>,
+    /// How block bytes move ([`Transport::Tcp`] by default).
+    pub transport: Transport,
+}
+
+/// How block bytes move between agents. Control (the handshake, authentication, offers) always
+/// runs on the agent's TCP connection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Blocks travel on the TCP connection (the embedded default: one host, CI, any network).
+    #[default]
+    Tcp,
+    /// Blocks move with NIXL over UCX, read by the destination straight out of the source's
+    /// pool into its own ([`nixl`](crate::agent) module, cargo feature `nixl`). The service
+    /// then serves both NIXL and TCP readers; fetches read over NIXL. `lib_dir` is the folder
+    /// of `libnixl_capi.so` (`None`: the loader's search path).
+    Nixl {
+        /// Folder of the NIXL libraries.
+        lib_dir: Option<std::path::PathBuf>,
+    },
+}
+
+impl AgentConfig {
+    /// Defaults: listen on `127.0.0.1:0`, loopback peers, default limits, no key.
+    pub fn new(fingerprint: Fingerprint) -> AgentConfig {
+        AgentConfig {
+            fingerprint,
+            listen: Some("127.0.0.1:0".into()),
+            allow: PeerAllow::loopback(),
+            limits: Limits::default(),
+            key: None,
+            device: None,
+            transport: Transport::Tcp,
+        }
+    }
+}
