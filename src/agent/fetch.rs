@@ -207,8 +207,9 @@ fn pull(
     let dst = &req.dst[..asked.len()];
     // one stream of the fetch: a contiguous part of the run on a connection of its own
     let part = |lo: usize, hi: usize, mover: &mut Option<Mover>, buf: &mut Vec<u8>| {
+        let job = Stream { inner, state, addr, asked: &asked[lo..hi], dst: &dst[lo..hi], deadline, stopped: &stopped };
         let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
-        p.result = stream(inner, state, addr, &asked[lo..hi], &dst[lo..hi], deadline, &stopped, mover, buf, &mut p);
+        p.result = job.run(mover, buf, &mut p);
         p
     };
     let n = streams_for(inner, asked.len());
@@ -314,124 +315,125 @@ enum Exchange {
     Stale,
 }
 
-/// One stream of a fetch: ask for `asked` on a kept-alive connection to `addr` (or a new,
-/// authenticated one), receive into `dst`; keep the connection for the next fetch when the
-/// exchange ended cleanly.
-#[allow(clippy::too_many_arguments)]
-fn stream(
-    inner: &Inner,
-    state: &FetchState,
+/// One stream of a fetch: what it asks `addr` for and where the blocks go, under the fetch's
+/// deadline and stop check.
+struct Stream<'a> {
+    inner: &'a Inner,
+    state: &'a FetchState,
     addr: std::net::SocketAddr,
-    asked: &[u64],
-    dst: &[u32],
+    asked: &'a [u64],
+    dst: &'a [u32],
     deadline: Instant,
-    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
-    mover_slot: &mut Option<Mover>,
-    buf: &mut Vec<u8>,
-    part: &mut Part,
-) -> Result<(), Failure> {
-    let mut kept = inner.take_idle(addr);
-    loop {
-        let reused = kept.is_some();
-        let mut s = match kept.take() {
-            Some(s) => s,
-            None => open(inner, addr, deadline, buf)?,
-        };
-        let reg = Registered(inner, inner.register(&s));
-        if reg.1.is_none() {
-            return Err(shutting_down());
-        }
-        if let Ok(clone) = s.try_clone() {
-            state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
-        }
-        // a cancel that came before the socket was published
-        stopped()?;
-        match exchange(inner, &mut s, reused, asked, dst, deadline, stopped, mover_slot, buf, part) {
-            Exchange::Stale => continue,
-            Exchange::Close(r) => return r,
-            Exchange::Reusable => {
-                if reused {
-                    Stats::add(&inner.stats.streams_reused, 1);
+    stopped: &'a (dyn Fn() -> Result<(), Failure> + Sync),
+}
+
+impl Stream<'_> {
+    /// Ask for `asked` on a kept-alive connection to `addr` (or a new, authenticated one),
+    /// receive into `dst` with the stream's mover (taken from the agent's when `None`) and
+    /// buffer; keep the connection for the next fetch when the exchange ended cleanly.
+    fn run(&self, mover: &mut Option<Mover>, buf: &mut Vec<u8>, part: &mut Part) -> Result<(), Failure> {
+        let (inner, addr) = (self.inner, self.addr);
+        let mut kept = inner.take_idle(addr);
+        loop {
+            let reused = kept.is_some();
+            let mut s = match kept.take() {
+                Some(s) => s,
+                None => open(inner, addr, self.deadline, buf)?,
+            };
+            let reg = Registered(inner, inner.register(&s));
+            if reg.1.is_none() {
+                return Err(shutting_down());
+            }
+            if let Ok(clone) = s.try_clone() {
+                self.state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
+            }
+            // a cancel that came before the socket was published
+            (self.stopped)()?;
+            match self.exchange(&mut s, reused, mover, buf, part) {
+                Exchange::Stale => continue,
+                Exchange::Close(r) => return r,
+                Exchange::Reusable => {
+                    if reused {
+                        Stats::add(&inner.stats.streams_reused, 1);
+                    }
+                    drop(reg);
+                    inner.put_idle(addr, s);
+                    return Ok(());
                 }
-                drop(reg);
-                inner.put_idle(addr, s);
-                return Ok(());
             }
         }
     }
-}
 
-#[allow(clippy::too_many_arguments)]
-fn exchange(
-    inner: &Inner,
-    s: &mut TcpStream,
-    reused: bool,
-    asked: &[u64],
-    dst: &[u32],
-    deadline: Instant,
-    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
-    mover_slot: &mut Option<Mover>,
-    buf: &mut Vec<u8>,
-    part: &mut Part,
-) -> Exchange {
-    let c: &mut dyn Conn = s;
-    let by = || inner.io_deadline().min(deadline);
-    let close = |r: Result<(), Failure>| Exchange::Close(r);
-    #[cfg(feature = "nixl")]
-    if let Some(nx) = &inner.nixl {
-        if let Err(e) = wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
+    /// One request and its answer on connection `s` (`reused`: a kept-alive one).
+    fn exchange(
+        &self,
+        s: &mut TcpStream,
+        reused: bool,
+        mover_slot: &mut Option<Mover>,
+        buf: &mut Vec<u8>,
+        part: &mut Part,
+    ) -> Exchange {
+        let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
+        let c: &mut dyn Conn = s;
+        let by = || inner.io_deadline().min(deadline);
+        let close = |r: Result<(), Failure>| Exchange::Close(r);
+        #[cfg(feature = "nixl")]
+        if let Some(nx) = &inner.nixl {
+            if let Err(e) = wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
+            {
+                return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
+            }
+            let (blocks, first, withheld) = (&mut part.blocks, &mut part.first, &mut part.withheld);
+            return match super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld) {
+                Ok(()) => Exchange::Reusable,
+                // the offer never came on a kept-alive connection: the source had closed it
+                Err((FailReason::Truncated, _)) if reused && *blocks == 0 && first.is_none() => Exchange::Stale,
+                Err(e) => close(Err(e)),
+            };
+        }
+        if let Err(e) = wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
             return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
         }
-        let (blocks, first, withheld) = (&mut part.blocks, &mut part.first, &mut part.withheld);
-        return match super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld) {
-            Ok(()) => Exchange::Reusable,
-            // the offer never came on a kept-alive connection: the source had closed it
-            Err((FailReason::Truncated, _)) if reused && *blocks == 0 && first.is_none() => Exchange::Stale,
-            Err(e) => close(Err(e)),
+        let kind = match read_reply(c, buf, "the offer", by()) {
+            Ok(k) => k,
+            Err((FailReason::Truncated, _)) if reused => return Exchange::Stale,
+            Err(e) => return close(Err(e)),
         };
-    }
-    if let Err(e) = wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
-        return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
-    }
-    let kind = match read_reply(c, buf, "the offer", by()) {
-        Ok(k) => k,
-        Err((FailReason::Truncated, _)) if reused => return Exchange::Stale,
-        Err(e) => return close(Err(e)),
-    };
-    let bb = inner.block_bytes;
-    let (count, offered_bb) = match (kind, wire::decode_offer(buf)) {
-        (wire::OFFER, Some(o)) => o,
-        _ => return close(Err((FailReason::Corrupt, "expected an offer".into()))),
-    };
-    if count as usize > asked.len() || offered_bb != bb as u64 {
-        return close(Err((FailReason::Corrupt, "the offer does not match the request".into())));
-    }
-    if count == 0 {
-        return close(Err((FailReason::SourceMiss, "the source holds none of the blocks".into())));
-    }
-    if mover_slot.is_none() {
-        // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
-        // contract); the mover writes only this fetch's destination blocks, which the runtime
-        // leaves alone until the fetch completes.
-        match unsafe { inner.movers.take(&inner.layout) } {
-            Ok(m) => *mover_slot = Some(m),
-            Err(e) => return close(Err((FailReason::Corrupt, e))),
+        let bb = inner.block_bytes;
+        let (count, offered_bb) = match (kind, wire::decode_offer(buf)) {
+            (wire::OFFER, Some(o)) => o,
+            _ => return close(Err((FailReason::Corrupt, "expected an offer".into()))),
+        };
+        if count as usize > asked.len() || offered_bb != bb as u64 {
+            return close(Err((FailReason::Corrupt, "the offer does not match the request".into())));
         }
-    }
-    let mover = mover_slot.as_mut().expect("set above");
-    let r = receive(inner, c, dst, asked, count as usize, mover, stopped, &by, &mut part.blocks, &mut part.first);
-    // every scatter into the destination blocks has finished before the completion is
-    // delivered; a mover whose stream cannot be waited for is dropped, never reused
-    if let Err(e) = mover.finish() {
-        *mover_slot = None;
-        // nothing can be shown to have landed: commit none of it
-        part.blocks = 0;
-        return close(Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}"))));
-    }
-    match r {
-        // every offered block was read: the stream is at a frame boundary again
-        Ok(()) if part.blocks == count as usize => Exchange::Reusable,
-        r => close(r),
+        if count == 0 {
+            return close(Err((FailReason::SourceMiss, "the source holds none of the blocks".into())));
+        }
+        if mover_slot.is_none() {
+            // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
+            // contract); the mover writes only this fetch's destination blocks, which the runtime
+            // leaves alone until the fetch completes.
+            match unsafe { inner.movers.take(&inner.layout) } {
+                Ok(m) => *mover_slot = Some(m),
+                Err(e) => return close(Err((FailReason::Corrupt, e))),
+            }
+        }
+        let mover = mover_slot.as_mut().expect("set above");
+        let r = receive(inner, c, dst, asked, count as usize, mover, stopped, &by, &mut part.blocks, &mut part.first);
+        // every scatter into the destination blocks has finished before the completion is
+        // delivered; a mover whose stream cannot be waited for is dropped, never reused
+        if let Err(e) = mover.finish() {
+            *mover_slot = None;
+            // nothing can be shown to have landed: commit none of it
+            part.blocks = 0;
+            return close(Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}"))));
+        }
+        match r {
+            // every offered block was read: the stream is at a frame boundary again
+            Ok(()) if part.blocks == count as usize => Exchange::Reusable,
+            r => close(r),
+        }
     }
 }
 
