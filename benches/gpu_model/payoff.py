@@ -22,7 +22,7 @@ prefill of the whole prompt too, with that prefill's top-two logit margin (bf16 
 
 Usage (PYTHONPATH holding the kvrelay package, KVRELAY_LIBRARY its library, built with the
 `nixl` feature for `--nixl-lib-dir`):
-    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR]
+    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR] [--streams N]
 Bounded: fixed lengths, each fetch has a deadline, the source exits when B closes its stdin.
 """
 
@@ -142,7 +142,9 @@ def source(args):
             pass
 
     transport = "nixl" if args.nixl_lib_dir else "tcp"
-    agent = kvrelay.Agent(FP, layout, Holder(), device=0, transport=transport, nixl_lib_dir=args.nixl_lib_dir)
+    agent = kvrelay.Agent(
+        FP, layout, Holder(), device=0, transport=transport, nixl_lib_dir=args.nixl_lib_dir, limits=limits(args)
+    )
     print(json.dumps({"endpoint": agent.endpoint, "allocator": torch.cuda.get_allocator_backend()}), flush=True)
     for line in sys.stdin:
         n, seed = map(int, line.split())
@@ -178,6 +180,11 @@ def ceilings(nbytes):
     return nbytes / best_d2d / 1e9, nbytes / best_h2d / 1e9
 
 
+def limits(args):
+    """The agents' limits: the defaults, or ``--streams`` streams per fetch."""
+    return {"streams": args.streams} if args.streams else None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", action="store_true", help=argparse.SUPPRESS)
@@ -186,6 +193,7 @@ def main():
     ap.add_argument("--nixl-lib-dir", default=None)
     ap.add_argument("--check", action="store_true", help="compare the whole cache after each fetch (diagnostics)")
     ap.add_argument("--no-warmup", action="store_true", help="measure first-use costs too (no warm-up fetches)")
+    ap.add_argument("--streams", type=int, default=0, help="TCP streams per fetch (0: the library's default)")
     ap.add_argument("--max-len", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [n for n in LENGTHS if n <= args.max_tokens]
@@ -195,6 +203,7 @@ def main():
         return source(args)
 
     cmd = [sys.executable, os.path.abspath(__file__), "--source", "--max-len", str(args.max_len)]
+    cmd += ["--streams", str(args.streams)]
     if args.nixl_lib_dir:
         cmd += ["--nixl-lib-dir", args.nixl_lib_dir]
     src = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -210,7 +219,7 @@ def main():
             def unpin(self, ids):
                 pass
 
-        agents = {"tcp": kvrelay.Agent(FP, layout, NoHolder(), listen=None, device=0)}
+        agents = {"tcp": kvrelay.Agent(FP, layout, NoHolder(), listen=None, device=0, limits=limits(args))}
         if args.nixl_lib_dir:
             agents["nixl"] = kvrelay.Agent(
                 FP, layout, NoHolder(), listen=None, device=0, transport="nixl", nixl_lib_dir=args.nixl_lib_dir
@@ -218,12 +227,13 @@ def main():
         print(
             f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, allocator {torch.cuda.get_allocator_backend()} "
             f"(source: {hello['allocator']}); kvrelay {kvrelay.version()}; Llama-3-8B shape, bf16, SDPA, static cache "
-            f"of {args.max_len} tokens; KV {BLOCK_BYTES // BT // 1024} KiB/token; {args.gen} greedy tokens",
+            f"of {args.max_len} tokens; KV {BLOCK_BYTES // BT // 1024} KiB/token; {args.gen} greedy tokens; "
+            f"TCP streams per fetch: {args.streams or 'the default'}",
             flush=True,
         )
-        # warm-up: kernels, cuBLAS handles, and each agent's movers at both ends (a mover
-        # compiles its copy kernel once and allocates pinned slots; a fetch of this size uses
-        # every stream), so the table measures fetches, not first-use setup
+        # warm-up: kernels, cuBLAS handles, and the agents' connections at both ends (the
+        # agents make their movers when they start), so the table measures fetches, not
+        # first-use setup
         cache.reset()
         forward(model, cache, prompt(1024, 1), 0)
         torch.cuda.synchronize()
