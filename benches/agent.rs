@@ -17,7 +17,8 @@
 //! `KVRELAY_BENCH_DEVICE=cuda:N` puts both pools in the memory of GPU N (both agents on one
 //! GPU, the bytes still crossing loopback TCP through each agent's pinned slots).
 //! `KVRELAY_BENCH_STREAMS=N` fetches over N TCP streams (`Limits::streams`; default 1), against
-//! N loopback copies at once. `KVRELAY_BENCH_TRANSPORT=nixl` (feature `nixl`) runs the source
+//! N loopback copies at once; `KVRELAY_BENCH_MIN_STREAM_BYTES` sets `Limits::min_stream_bytes`
+//! of the fetching agent (how small a fetch may be and still use several streams). `KVRELAY_BENCH_TRANSPORT=nixl` (feature `nixl`) runs the source
 //! in a process of its own and adds a bare NIXL READ between two processes as the anchor.
 //!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
@@ -174,6 +175,12 @@ fn main() {
     // socket buffers of both sides (`KVRELAY_BENCH_SOCKET_BUFFER`, bytes; 0: the kernel's)
     let sockbuf: u32 = std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     cfg.limits.socket_buffer_bytes = sockbuf;
+    // least bytes per stream (`KVRELAY_BENCH_MIN_STREAM_BYTES`; default: the library's)
+    let min_stream: u64 = std::env::var("KVRELAY_BENCH_MIN_STREAM_BYTES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(cfg.limits.min_stream_bytes);
+    cfg.limits.min_stream_bytes = min_stream;
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
     let ids: Vec<u32> = (0..BLOCKS).collect();
@@ -296,6 +303,8 @@ fn main() {
     cold_cfg.device = device;
     cold_cfg.transport = transport;
     cold_cfg.limits.idle_timeout = Duration::ZERO;
+    cold_cfg.limits.streams = streams as u32;
+    cold_cfg.limits.min_stream_bytes = min_stream;
     let (_cold_mem, cold_layout) = pool(dev.as_ref());
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let cold = unsafe { Agent::new(cold_cfg, cold_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
@@ -331,7 +340,8 @@ fn main() {
             );
         }
         println!(
-            "  {k}-block fetch   median {warm:.0} us on a kept-alive connection, {fresh:.0} us on a new one (50 each)"
+            "  {k}-block fetch   median {warm:.0} us on kept-alive connections, {fresh:.0} us on new ones (50 each; {} stream(s), min_stream_bytes {min_stream})",
+            streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k)
         );
     }
     drop(cold);

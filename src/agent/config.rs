@@ -51,7 +51,8 @@ pub struct Limits {
     /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4). The agent
     /// makes this many movers when it starts (see [`Agent::new`](super::Agent::new)).
     pub streams: u32,
-    /// Least bytes each stream of a multi-stream fetch carries (32 MiB).
+    /// Least bytes each stream of a multi-stream fetch carries (8 MiB: a 32 MiB fetch of 4 MiB
+    /// blocks already uses 4 streams, 2.2-2.5x faster than over one on the H200).
     pub min_stream_bytes: u64,
     /// How long a connection stays open after a transfer for the next one between the same two
     /// agents (5 s; zero: one transfer per connection). The serving side waits that long for
@@ -76,7 +77,7 @@ impl Default for Limits {
             fetch_threads: 4,
             max_queued_fetches: 1024,
             streams: 4,
-            min_stream_bytes: 32 << 20,
+            min_stream_bytes: 8 << 20,
             idle_timeout: Duration::from_secs(5),
             socket_buffer_bytes: 0,
         }

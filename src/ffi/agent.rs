@@ -61,7 +61,7 @@ pub struct kvrelay_agent_limits {
     /// `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
     /// 4 MiB staging slots each, pinned for a GPU pool) when it starts.
     pub streams: u32,
-    /// Least bytes each stream of a multi-stream fetch carries (33554432: 32 MiB).
+    /// Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
     pub min_stream_bytes: u64,
     /// How long a connection stays open after a transfer for the next one between the same two
     /// agents (5000; 0: one transfer per connection).
