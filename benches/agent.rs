@@ -192,8 +192,8 @@ fn main() {
         dst: ids.clone(),
         deadline: Duration::from_secs(60),
     };
-    // the first fetch of two new agents (a connection, a handshake, a mover at each end): 8
-    // blocks, compared below with 8-block fetches once warm
+    // the first fetch of two new agents (connections and handshakes; the movers were made
+    // when the agents started): 8 blocks, compared below with 8-block fetches once warm
     let r = dst
         .submit(FetchRequest { dst: ids[..8].to_vec(), ..req() }, None)
         .unwrap()
@@ -285,7 +285,8 @@ fn main() {
     );
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "  CPU, both ends   agent {:.2} core-s per GB ({:.1} cores busy), anchor {:.2} core-s per GB ({:.1} cores busy), of {cores} cores",
+        "  CPU, {}   agent {:.2} core-s per GB ({:.1} cores busy), anchor {:.2} core-s per GB ({:.1} cores busy), of {cores} cores",
+        if nixl { "this process (not the NIXL source's)" } else { "both ends" },
         cpu.2 / (reps as f64 * bytes as f64 / 1e9),
         cpu.2 / cpu.3,
         cpu.0 / (reps as f64 * bytes as f64 / 1e9),
@@ -341,7 +342,7 @@ fn main() {
         }
         println!(
             "  {k}-block fetch   median {warm:.0} us on kept-alive connections, {fresh:.0} us on new ones (50 each; {} stream(s), min_stream_bytes {min_stream})",
-            streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k)
+            if nixl { 1 } else { streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k) }
         );
     }
     drop(cold);

@@ -376,7 +376,8 @@ typedef struct kvrelay_agent_limits {
   // `fetch_threads` times its `streams`).
   uint32_t max_per_peer;
   // Connections that have not sent a valid first message yet (32); they never hold a
-  // serving slot.
+  // serving slot. Kept-alive connections waiting for their next hello count here too, up to
+  // half of it only, so that new peers always find handshake slots.
   uint32_t max_pending;
   // Time a new connection has for its handshake (2000).
   uint32_t handshake_timeout_ms;
@@ -392,7 +393,7 @@ typedef struct kvrelay_agent_limits {
   uint32_t max_queued_fetches;
   // TCP connections one fetch spreads its run over, each with a contiguous part of at least
   // `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
-  // 4 MiB staging slots each, pinned for a GPU pool) when it starts.
+  // staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
   uint32_t streams;
   // Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
   uint64_t min_stream_bytes;
@@ -981,10 +982,10 @@ kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *c
 // `kvrelay_agent_config_set_device` named a device), with the runtime's
 // `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
 // Binds the listen address, starts the agent's threads and makes one mover per stream of a
-// fetch (`limits.streams`: two 4 MiB staging slots each, pinned for a device pool; on a device
-// the first agent of a process also compiles the copy kernel, tens of milliseconds), so that
-// first transfers make none. `KVRELAY_ERR_IO` when the address cannot
-// be bound.
+// fetch (`limits.streams`, one for NIXL: two staging slots of 4 MiB or one block each, pinned
+// for a device pool; on a device the first agent of a process also compiles the copy kernel,
+// tens of milliseconds), so that the first transfers make none. `KVRELAY_ERR_IO` when the
+// address cannot be bound or the movers' memory cannot be allocated.
 //
 // # Safety
 // `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
@@ -1316,8 +1317,9 @@ kvrelay_status kvrelay_cuda_scatter(struct kvrelay_cuda_engine *engine,
                                     void *stream,
                                     void *done_event);
 
-// Free a CUDA engine (waits for its launches to finish reading their block ids). NULL does
-// nothing.
+// Free a CUDA engine (waits for its launches to finish reading their block ids). The copies it
+// enqueued on the caller's streams must be complete (synchronize them or wait on their
+// events first): its device tables are freed here. NULL does nothing.
 //
 // # Safety
 // `engine` NULL or live.

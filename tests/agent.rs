@@ -770,6 +770,32 @@ fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
     eventually("every pin released", || a.cache.pinned() == 0);
 }
 
+/// Kept-alive connections wait in at most half of the source's `max_pending`: however many a
+/// busy peer leaves open, a new peer's handshake still finds a slot.
+#[test]
+fn kept_alive_connections_leave_handshake_slots_for_new_peers() {
+    // the source keeps idle connections for a minute: they would not time out during the test
+    let a = instance_with(|c| {
+        c.limits = Limits { max_pending: 4, idle_timeout: Duration::from_secs(60), ..Limits::default() }
+    });
+    a.hold(&NAMES, 0);
+    let b = instance_with(|c| c.limits = Limits { streams: 4, min_stream_bytes: 1, ..Limits::default() });
+    let r = b.fetch(&a.endpoint(), &NAMES[..4], 0, vec![0, 1, 2, 3]);
+    assert_eq!((r.failure, r.blocks), (None, 4), "{}", r.detail);
+    assert_eq!(a.agent.stats().served, 4, "four streams, four connections");
+    // two of the four wait for a next hello; the other two were closed
+    eventually("the kept-alive connections settled", || {
+        let s = a.agent.stats();
+        s.serving_now == 0 && s.pending_now == 2
+    });
+    // another peer (a new agent, no connection of its own yet) is served, not refused as busy
+    let c = instance();
+    let r = c.fetch(&a.endpoint(), &NAMES, 0, vec![5]);
+    assert_eq!((r.failure, r.blocks), (None, 1), "{}", r.detail);
+    assert_eq!(a.agent.stats().refused_busy, 0);
+    eventually("every pin released", || a.cache.pinned() == 0);
+}
+
 /// A connection whose transfer ended cleanly carries the next fetch between the same two agents
 /// (no new connect, no new handshake); one the source closed meanwhile is replaced on the spot.
 #[test]

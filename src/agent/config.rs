@@ -33,7 +33,8 @@ pub struct Limits {
     /// with the default `fetch_threads` and `streams` opens at most).
     pub max_per_peer: u32,
     /// Connections that have not yet sent a valid first message (32): they never take a
-    /// serving slot.
+    /// serving slot. Kept-alive connections waiting for their next hello count here too, but
+    /// only up to half of it, so that new peers always find handshake slots.
     pub max_pending: u32,
     /// Time a new connection has to complete its handshake (authentication and hello): 2 s.
     pub handshake_timeout: Duration,
@@ -49,7 +50,8 @@ pub struct Limits {
     pub max_queued_fetches: u32,
     /// TCP connections one fetch spreads its run over, each carrying a contiguous part of at
     /// least `min_stream_bytes` (so small fetches use one); NIXL fetches use one (4). The agent
-    /// makes this many movers when it starts (see [`Agent::new`](super::Agent::new)).
+    /// makes this many movers when it starts (see [`Agent::new`](super::Agent::new)); a fetch
+    /// from a peer uses this many of that peer's `max_per_peer` connections at the source.
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (8 MiB: a 32 MiB fetch of 4 MiB
     /// blocks already uses 4 streams, 2.2-2.5x faster than over one on the H200).

@@ -100,6 +100,11 @@ pub(super) fn worker(inner: &Arc<Inner>) {
         };
         let Some(Job { req, state }) = job else { return };
         let r = run(inner, &req, &state, &mut w);
+        // the first stream's mover goes back to the agent's idle movers, so that the movers
+        // made at start serve whichever worker or connection runs next
+        if let Some(m) = w.mover.take() {
+            inner.movers.put(m);
+        }
         match r.failure {
             None => Stats::add(&inner.stats.fetches_ok, 1),
             Some(f) => inner.stats.failed(f),

@@ -418,9 +418,11 @@ impl Agent {
     /// and sums checksums with a kernel).
     ///
     /// Cost: binds the listener, starts the threads, and makes `limits.streams` movers up front
-    /// so that a first fetch or a first served connection does not make them. A mover holds
-    /// two 4 MiB staging slots (host memory for a host pool; pinned memory, a stream and two
-    /// events for a device pool). On a device, the first agent of a process also compiles the
+    /// (one with the NIXL transport, whose fetches use one stream) so that the first fetches
+    /// and served connections do not make them. A mover holds two staging slots of 4 MiB or
+    /// one block, whichever is larger (host memory for a host pool; pinned memory, two streams
+    /// and a few events for a device pool). Movers go back to the agent after each fetch or
+    /// connection. On a device, the first agent of a process also compiles the
     /// copy kernel with NVRTC (tens of milliseconds, once per process), and each agent loads it
     /// into the context once (milliseconds).
     /// More movers are made later only when more connections or streams run at once than
@@ -470,10 +472,12 @@ impl Agent {
             (Transport::Nixl { .. }, None) => NIXL_HOST_DEFAULT,
             (Transport::Nixl { .. }, Some(_)) => NIXL_VRAM_DEFAULT,
         };
-        // one mover per stream of a fetch, made now rather than on a first fetch's critical
-        // path (a device pool's kernel compiles and loads here, and a failure shows at once)
+        // one mover per stream of a fetch (NIXL fetches use one), made now rather than on a
+        // first fetch's critical path (a device pool's kernel compiles and loads here, and a
+        // failure shows at once)
+        let warm = if config.transport == Transport::Tcp { config.limits.streams.max(1) as usize } else { 1 };
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-        unsafe { movers.warm(config.limits.streams.max(1) as usize, &layout) }.map_err(AgentError::Io)?;
+        unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
             sums: SumTable::new(layout.num_blocks() as usize),
             fingerprint: config.fingerprint,

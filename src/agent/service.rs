@@ -205,7 +205,8 @@ fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
 /// Serve one connection; `peer` is `Some` when the connection holds a handshake slot (it is
 /// then promoted to a serving slot). After a transfer that ended cleanly the connection stays
 /// open for the peer's next hello (no new authentication) for up to `idle_timeout`, holding a
-/// handshake slot, never a serving one, while it waits. Returns the slot it holds at the end.
+/// handshake slot, never a serving one, while it waits, and only while at most half of
+/// `max_pending` are taken. Returns the slot it holds at the end.
 pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> Slot {
     let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
     let hs = Instant::now() + inner.limits.handshake_timeout;
@@ -236,10 +237,13 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         if !transfer(inner, c, scratch) || peer.is_none() || inner.limits.idle_timeout.is_zero() {
             return slot;
         }
-        // kept alive: back to a handshake slot while it waits, if one is free
+        // kept alive: back to a handshake slot while it waits, if one of the first half is
+        // free (connections waiting for a next hello never hold more than half of
+        // `max_pending`, so however many a busy peer leaves open, a new peer's handshake
+        // still finds a slot); otherwise the connection closes
         inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
         slot = Slot::None;
-        if !take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
+        if !take_slot(&inner.stats.pending_now, inner.limits.max_pending / 2) {
             return slot;
         }
         slot = Slot::Pending;

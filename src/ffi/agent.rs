@@ -43,7 +43,8 @@ pub struct kvrelay_agent_limits {
     /// `fetch_threads` times its `streams`).
     pub max_per_peer: u32,
     /// Connections that have not sent a valid first message yet (32); they never hold a
-    /// serving slot.
+    /// serving slot. Kept-alive connections waiting for their next hello count here too, up to
+    /// half of it only, so that new peers always find handshake slots.
     pub max_pending: u32,
     /// Time a new connection has for its handshake (2000).
     pub handshake_timeout_ms: u32,
@@ -59,7 +60,7 @@ pub struct kvrelay_agent_limits {
     pub max_queued_fetches: u32,
     /// TCP connections one fetch spreads its run over, each with a contiguous part of at least
     /// `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
-    /// 4 MiB staging slots each, pinned for a GPU pool) when it starts.
+    /// staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
     pub streams: u32,
     /// Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
     pub min_stream_bytes: u64,
@@ -549,10 +550,10 @@ pub unsafe extern "C" fn kvrelay_agent_config_key_from_file(
 /// `kvrelay_agent_config_set_device` named a device), with the runtime's
 /// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
 /// Binds the listen address, starts the agent's threads and makes one mover per stream of a
-/// fetch (`limits.streams`: two 4 MiB staging slots each, pinned for a device pool; on a device
-/// the first agent of a process also compiles the copy kernel, tens of milliseconds), so that
-/// first transfers make none. `KVRELAY_ERR_IO` when the address cannot
-/// be bound.
+/// fetch (`limits.streams`, one for NIXL: two staging slots of 4 MiB or one block each, pinned
+/// for a device pool; on a device the first agent of a process also compiles the copy kernel,
+/// tens of milliseconds), so that the first transfers make none. `KVRELAY_ERR_IO` when the
+/// address cannot be bound or the movers' memory cannot be allocated.
 ///
 /// # Safety
 /// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every

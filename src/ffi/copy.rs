@@ -491,8 +491,9 @@ pub unsafe extern "C" fn kvrelay_cuda_scatter(
     })
 }
 
-/// Free a CUDA engine (waits for its launches to finish reading their block ids). NULL does
-/// nothing.
+/// Free a CUDA engine (waits for its launches to finish reading their block ids). The copies it
+/// enqueued on the caller's streams must be complete (synchronize them or wait on their
+/// events first): its device tables are freed here. NULL does nothing.
 ///
 /// # Safety
 /// `engine` NULL or live.

@@ -49,7 +49,8 @@ pub(super) struct Kernels {
 
 // SAFETY: a CUcontext handle may be used from any thread (each call makes it current first).
 unsafe impl Send for CudaDevice {}
-// SAFETY: as above; the handle itself is never mutated after creation.
+// SAFETY: as above; the context handle is never mutated after creation, and the kernels'
+// module and function handles (driver handles usable from any thread) sit behind a Mutex.
 unsafe impl Sync for CudaDevice {}
 
 impl CudaDevice {
@@ -133,8 +134,10 @@ impl Drop for CudaDevice {
     fn drop(&mut self) {
         if let Some(k) = self.kernels.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             if let Ok(_ctx) = self.bind() {
-                // SAFETY: the module was loaded into this context by `kernels`, once; every
-                // engine that launched from it held an `Arc` of this device, so none is left.
+                // SAFETY: the module was loaded into this context by `kernels`, once. Every
+                // engine that launches from it holds an `Arc` of this device, so none is left;
+                // a freed engine's launches have finished (`kvrelay_cuda_engine_free`'s
+                // contract: the work it enqueued on the caller's streams is complete).
                 unsafe { sys::cuModuleUnload(k.module) };
             }
         }
