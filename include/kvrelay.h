@@ -373,7 +373,8 @@ typedef struct kvrelay_agent_limits {
   // Connections serving transfers at once, all peers together (64).
   uint32_t max_connections;
   // Connections from one peer address, serving or in their handshake (16: a peer's
-  // `fetch_threads` times its `streams`).
+  // `fetch_threads` times its `streams`); a kept-alive connection waiting for its next hello
+  // counts again only when that hello comes.
   uint32_t max_per_peer;
   // Connections that have not sent a valid first message yet (32); they never hold a
   // serving slot. Kept-alive connections waiting for their next hello count here too, up to

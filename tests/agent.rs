@@ -796,6 +796,35 @@ fn kept_alive_connections_leave_handshake_slots_for_new_peers() {
     eventually("every pin released", || a.cache.pinned() == 0);
 }
 
+/// A kept-alive connection waiting for its next hello does not count against its peer's
+/// `max_per_peer` (one the peer closes must not hold a place its replacement needs); it counts
+/// again when its next hello comes.
+#[test]
+fn kept_alive_connections_count_against_their_peer_only_when_used() {
+    let a = instance_with(|c| {
+        c.limits = Limits { max_per_peer: 4, idle_timeout: Duration::from_secs(60), ..Limits::default() }
+    });
+    a.hold(&NAMES, 0);
+    let four = |c: &mut AgentConfig| c.limits = Limits { streams: 4, min_stream_bytes: 1, ..Limits::default() };
+    let b = instance_with(four);
+    let r = b.fetch(&a.endpoint(), &NAMES[..4], 0, vec![0, 1, 2, 3]);
+    assert_eq!((r.failure, r.blocks), (None, 4), "{}", r.detail);
+    eventually("four connections wait for a next hello", || {
+        let s = a.agent.stats();
+        s.serving_now == 0 && s.pending_now == 4
+    });
+    // the same address (loopback) opens a fifth connection: served, not refused
+    let c = instance();
+    let r = c.fetch(&a.endpoint(), &NAMES, 0, vec![5]);
+    assert_eq!((r.failure, r.blocks), (None, 1), "{}", r.detail);
+    // the four come back with their next hellos while the fifth waits: four in use again
+    let r = b.fetch(&a.endpoint(), &NAMES[..4], 0, vec![4, 5, 6, 7]);
+    assert_eq!((r.failure, r.blocks), (None, 4), "{}", r.detail);
+    let s = a.agent.stats();
+    assert_eq!((s.accepted, s.reused, s.refused_per_peer_limit), (5, 4, 0));
+    eventually("every pin released", || a.cache.pinned() == 0);
+}
+
 /// A connection whose transfer ended cleanly carries the next fetch between the same two agents
 /// (no new connect, no new handshake); one the source closed meanwhile is replaced on the spot.
 #[test]

@@ -30,7 +30,8 @@ pub struct Limits {
     /// Connections serving transfers at once, all peers together (64).
     pub max_connections: u32,
     /// Connections from one peer address, serving or in their handshake (16: what one peer
-    /// with the default `fetch_threads` and `streams` opens at most).
+    /// with the default `fetch_threads` and `streams` opens at most). A kept-alive connection
+    /// waiting for its next hello does not count until that hello comes.
     pub max_per_peer: u32,
     /// Connections that have not yet sent a valid first message (32): they never take a
     /// serving slot. Kept-alive connections waiting for their next hello count here too, but

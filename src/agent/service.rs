@@ -76,8 +76,11 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             let _ = s.set_nodelay(true);
             super::set_buffers(&s, worker.limits.socket_buffer_bytes);
             let mut scratch = Scratch::default();
-            let slot = serve(&worker, &mut s, &mut scratch, Some(ip));
-            release(&worker, ip, slot);
+            let (slot, counted) = serve(&worker, &mut s, &mut scratch, Some(ip));
+            release_slot(&worker, slot);
+            if counted {
+                release_peer(&worker, ip);
+            }
             drop(s);
             worker.unregister(id);
         });
@@ -97,6 +100,12 @@ pub(super) enum Slot {
 }
 
 fn release(inner: &Inner, ip: IpAddr, slot: Slot) {
+    release_slot(inner, slot);
+    release_peer(inner, ip);
+}
+
+/// Give back the gauge slot a connection holds.
+fn release_slot(inner: &Inner, slot: Slot) {
     match slot {
         Slot::Pending => {
             inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
@@ -106,6 +115,21 @@ fn release(inner: &Inner, ip: IpAddr, slot: Slot) {
         }
         Slot::None => {}
     }
+}
+
+/// Take one of `ip`'s `max_per_peer` connections; false when it holds all of them.
+fn take_peer(inner: &Inner, ip: IpAddr) -> bool {
+    let mut peers = inner.peers.lock().unwrap_or_else(|e| e.into_inner());
+    let n = peers.entry(ip).or_insert(0);
+    if *n >= inner.limits.max_per_peer {
+        return false;
+    }
+    *n += 1;
+    true
+}
+
+/// Give back one of `ip`'s connections.
+fn release_peer(inner: &Inner, ip: IpAddr) {
     let mut peers = inner.peers.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(n) = peers.get_mut(&ip) {
         *n -= 1;
@@ -202,24 +226,29 @@ fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
     gauge.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < max).then_some(n + 1)).is_ok()
 }
 
-/// Serve one connection; `peer` is `Some` when the connection holds a handshake slot (it is
-/// then promoted to a serving slot). After a transfer that ended cleanly the connection stays
-/// open for the peer's next hello (no new authentication) for up to `idle_timeout`, holding a
-/// handshake slot, never a serving one, while it waits, and only while at most half of
-/// `max_pending` are taken. Returns the slot it holds at the end.
-pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> Slot {
+/// Serve one connection; `peer` is `Some` when the connection holds a handshake slot and one
+/// of its peer's `max_per_peer` connections (it is then promoted to a serving slot). After a
+/// transfer that ended cleanly the connection stays open for the peer's next hello (no new
+/// authentication) for up to `idle_timeout`, holding a handshake slot, never a serving one,
+/// while it waits, and only while at most half of `max_pending` are taken. While it waits it
+/// does not count against its peer's `max_per_peer`: a kept-alive connection the peer closes
+/// must not hold a place its replacement needs. It takes one again with the next hello (or
+/// refuses it with `per_peer_limit`). Returns the slot it holds at the end and whether it still
+/// counts against its peer.
+pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> (Slot, bool) {
     let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
+    let mut counted = peer.is_some();
     let hs = Instant::now() + inner.limits.handshake_timeout;
     match handshake(inner, c, scratch, hs) {
         Ok(()) => {}
         Err(Hs::Refuse(r, text)) => {
             inner.stats.refused(r);
             wire::refuse(c, r, text, inner.io_deadline());
-            return slot;
+            return (slot, counted);
         }
         Err(Hs::Gone) => {
             Stats::add(&inner.stats.handshake_timeouts, 1);
-            return slot;
+            return (slot, counted);
         }
     }
     loop {
@@ -229,13 +258,17 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
             if !take_slot(&inner.stats.serving_now, inner.limits.max_connections) {
                 inner.stats.refused(Refusal::Busy);
                 wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
-                return slot;
+                return (slot, counted);
             }
             slot = Slot::Serving;
         }
         Stats::add(&inner.stats.served, 1);
-        if !transfer(inner, c, scratch) || peer.is_none() || inner.limits.idle_timeout.is_zero() {
-            return slot;
+        let Some(ip) = peer else {
+            transfer(inner, c, scratch);
+            return (slot, counted);
+        };
+        if !transfer(inner, c, scratch) || inner.limits.idle_timeout.is_zero() {
+            return (slot, counted);
         }
         // kept alive: back to a handshake slot while it waits, if one of the first half is
         // free (connections waiting for a next hello never hold more than half of
@@ -244,19 +277,28 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
         slot = Slot::None;
         if !take_slot(&inner.stats.pending_now, inner.limits.max_pending / 2) {
-            return slot;
+            return (slot, counted);
         }
         slot = Slot::Pending;
+        release_peer(inner, ip);
+        counted = false;
         match read_hello(inner, c, scratch, Instant::now() + inner.limits.idle_timeout) {
-            Ok(()) => Stats::add(&inner.stats.reused, 1),
+            Ok(()) => {}
             Err(Hs::Refuse(r, text)) => {
                 inner.stats.refused(r);
                 wire::refuse(c, r, text, inner.io_deadline());
-                return slot;
+                return (slot, counted);
             }
             // the peer closed it, or it idled out: the normal end of a kept-alive connection
-            Err(Hs::Gone) => return slot,
+            Err(Hs::Gone) => return (slot, counted),
         }
+        if !take_peer(inner, ip) {
+            inner.stats.refused(Refusal::PerPeerLimit);
+            wire::refuse(c, Refusal::PerPeerLimit, "this peer holds its limit of connections", inner.io_deadline());
+            return (slot, counted);
+        }
+        counted = true;
+        Stats::add(&inner.stats.reused, 1);
     }
 }
 
