@@ -30,8 +30,8 @@
 //! transfer ended cleanly stays open for the next transfer between the same two agents, for
 //! `idle_timeout` on the serving side (holding a handshake slot, not a serving one, while it
 //! waits, within half of `max_pending`, and not counting against its peer's `max_per_peer`
-//! until its next hello) and half of that on the fetching side; it is not authenticated again. A kept-alive
-//! connection the source closed meanwhile is replaced within the same fetch.
+//! until its next hello) and half of that on the fetching side; it is not authenticated again.
+//! A kept-alive connection the source closed meanwhile is replaced within the same fetch.
 //!
 //! **A fetch** asks the source for the request's names after the `held` leading ones it already
 //! has, as many as it reserved destination blocks for. The source answers with the leading run

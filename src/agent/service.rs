@@ -47,24 +47,18 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             wire::refuse(&mut s, Refusal::PeerNotAllowed, "this peer is not on the KV service's allowlist", quick);
             continue;
         }
-        {
-            let mut peers = inner.peers.lock().unwrap_or_else(|e| e.into_inner());
-            let n = peers.get(&ip).copied().unwrap_or(0);
-            let refusal = if n >= inner.limits.max_per_peer {
-                Some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
-            } else if inner.stats.pending_now.load(Ordering::Relaxed) >= u64::from(inner.limits.max_pending) {
-                Some((Refusal::Busy, "too many connections are in their handshake"))
-            } else {
-                None
-            };
-            if let Some((r, text)) = refusal {
-                drop(peers);
-                inner.stats.refused(r);
-                wire::refuse(&mut s, r, text, quick);
-                continue;
-            }
-            *peers.entry(ip).or_insert(0) += 1;
-            Stats::add(&inner.stats.pending_now, 1);
+        let refusal = if !take_peer(inner, ip) {
+            Some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
+        } else if !take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
+            release_peer(inner, ip);
+            Some((Refusal::Busy, "too many connections are in their handshake"))
+        } else {
+            None
+        };
+        if let Some((r, text)) = refusal {
+            inner.stats.refused(r);
+            wire::refuse(&mut s, r, text, quick);
+            continue;
         }
         Stats::add(&inner.stats.accepted, 1);
         let Some(id) = inner.register(&s) else {
