@@ -609,10 +609,31 @@ class AgentConfig {
   detail::Handle<kvrelay_agent_config, kvrelay_agent_config_free> h_;
 };
 
-/// A submitted fetch (kvrelay_fetch): poll, wait, cancel. Freeing it neither cancels the fetch
-/// nor suppresses its completion callback. Movable, not copyable.
+/// A submitted fetch (kvrelay_fetch): poll, wait, cancel. The fetch owns its destination blocks
+/// until it completes, so destroying (or assigning over) a `Fetch` whose fetch still runs
+/// cancels it and waits for its completion: when the destructor returns, nothing writes the
+/// destination blocks any more and the result says which of them were committed (blocks
+/// withheld by NIXL still come back through the holder's `returned`). The wait is bounded by
+/// the block in progress and the agent's I/O timeout; never destroy a running `Fetch` on a
+/// thread that must not block. `release()` lets a fetch go on without its handle. Movable, not
+/// copyable.
 class Fetch {
  public:
+  Fetch() noexcept = default;
+  Fetch(Fetch &&) noexcept = default;
+  Fetch &operator=(Fetch &&o) noexcept {
+    if (this != &o) {
+      settle();
+      h_ = std::move(o.h_);
+    }
+    return *this;
+  }
+  Fetch(const Fetch &) = delete;
+  Fetch &operator=(const Fetch &) = delete;
+  ~Fetch() { settle(); }
+  /// Give up the handle and let the fetch run on (its completion callback, if any, still runs);
+  /// the destination blocks stay the fetch's until it completes.
+  void release() noexcept { h_.reset(); }
   /// The result once complete; std::nullopt while it runs. Never blocks.
   std::optional<kvrelay_fetch_result> poll() const { return wait(0); }
   /// Wait up to `timeout_ms` (blocks the calling thread: not for a scheduler's thread).
@@ -633,6 +654,15 @@ class Fetch {
 
  private:
   friend class Agent;
+  /// Cancel a fetch that still runs and wait until it completed.
+  void settle() noexcept {
+    if (!h_.get()) return;
+    kvrelay_fetch_result r;
+    if (kvrelay_fetch_poll(h_.get(), &r) != KVRELAY_ERR_PENDING) return;
+    kvrelay_fetch_cancel(h_.get());
+    while (kvrelay_fetch_wait(h_.get(), 1000, &r) == KVRELAY_ERR_PENDING) {
+    }
+  }
   detail::Handle<kvrelay_fetch, kvrelay_fetch_free> h_;
 };
 

@@ -359,3 +359,58 @@ fn idle_connections_from_one_peer_do_not_starve_a_fetch() {
         );
     }
 }
+
+/// Every completed fetch of `s`'s agent, whatever its outcome.
+fn agent_fetches_completed(s: &Server) -> f64 {
+    let p = "kvrelay_kv_agent_fetches_total";
+    let failed: f64 = [
+        "connect",
+        "timeout",
+        "refused",
+        "fingerprint_mismatch",
+        "corrupt",
+        "truncated",
+        "source_miss",
+        "auth_failed",
+        "cancelled",
+        "shutdown",
+    ]
+    .iter()
+    .map(|r| s.metric(&format!("{p}{{outcome=\"failed\",reason=\"{r}\"}}")))
+    .sum();
+    failed + s.metric(&format!("{p}{{outcome=\"ok\",reason=\"none\"}}"))
+}
+
+/// A request that goes away while its hinted fetch runs cancels the fetch, and its destination
+/// blocks go back to the pool only once the fetch completed: the source answers late (below the
+/// I/O timeout), the pool is filled with other prompts meanwhile, and every one of them,
+/// answered again from the cache, equals its cold answer (blocks handed out while the fetch
+/// still wrote them would hold the fetched prefix's KV instead).
+#[test]
+fn a_request_that_goes_away_mid_fetch_cancels_it_and_keeps_its_blocks_until_it_ends() {
+    let src = start(true, &["--debug-endpoints", "--kv-fault", "slow"]);
+    let dst = destination(&src, &["--kv-blocks", "24"]);
+    let p = blocks_text("gone", 8) + "and a tail";
+    src.complete(json!({"prompt": p}));
+    let h = hashes(&src, &p);
+    let body = json!({"prompt": p, "max_tokens": 2, "kv_hints": fetch_hint(&kv_endpoint(&src), &h)}).to_string();
+    let conn = client::send(dst.addr, "POST", "/v1/completions", Some(body.as_bytes())).unwrap();
+    wait_until("the fetch to hold its destination blocks", || blocks(&dst, "held") >= 8.0);
+    drop(conn);
+    // other prompts take whatever blocks are free while the source is still slow
+    let others: Vec<String> = (0..4).map(|i| blocks_text(&format!("other{i}"), 3) + "x").collect();
+    let first: Vec<String> =
+        others.iter().map(|q| text(&dst.complete(json!({"prompt": q, "max_tokens": 4})))).collect();
+    wait_until("the fetch to complete", || agent_fetches_completed(&dst) >= 1.0);
+    assert_eq!(
+        dst.metric("kvrelay_kv_agent_fetches_total{outcome=\"failed\",reason=\"cancelled\"}"),
+        1.0,
+        "the request's going away cancelled its fetch"
+    );
+    wait_until("every block released", || blocks(&dst, "held") == 0.0);
+    for (q, want) in others.iter().zip(&first) {
+        let v = dst.complete(json!({"prompt": q, "max_tokens": 4}));
+        assert!(cached(&v) > 0, "answered from the cache");
+        assert_eq!(&text(&v), want, "a cached answer equals its cold answer");
+    }
+}

@@ -99,7 +99,20 @@ pub(super) fn worker(inner: &Arc<Inner>) {
             }
         };
         let Some(Job { req, state }) = job else { return };
-        let r = run(inner, &req, &state, &mut w);
+        // a panic anywhere in the fetch is contained here: the fetch completes as failed and
+        // the worker goes on (its mover, in an unknown state, is dropped, never reused; a
+        // mover's drop waits for its own copies)
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(inner, &req, &state, &mut w)))
+            .unwrap_or_else(|_| {
+                w = Worker::default();
+                state.sock.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                FetchResult {
+                    failure: Some(FailReason::Corrupt),
+                    seconds: state.submitted.elapsed().as_secs_f64(),
+                    detail: "the fetch panicked inside the agent; nothing of it is reported written".into(),
+                    ..FetchResult::default()
+                }
+            });
         // the first stream's mover goes back to the agent's idle movers, so that the movers
         // made at start serve whichever worker or connection runs next
         if let Some(m) = w.mover.take() {
@@ -152,6 +165,14 @@ impl Drop for Registered<'_> {
         if let Some(id) = self.1 {
             self.0.unregister(id);
         }
+    }
+}
+
+/// Takes a stream's connection out of its fetch's list when dropped.
+struct Published<'a>(&'a FetchState, u64);
+impl Drop for Published<'_> {
+    fn drop(&mut self) {
+        self.0.unpublish(self.1);
     }
 }
 
@@ -211,15 +232,37 @@ fn pull(
     let asked = &req.names[req.held..req.held + req.dst.len()];
     let dst = &req.dst[..asked.len()];
     // one stream of the fetch: a contiguous part of the run on a connection of its own
-    let part = |lo: usize, hi: usize, mover: &mut Option<Mover>, buf: &mut Vec<u8>| {
-        let job = Stream { inner, state, addr, asked: &asked[lo..hi], dst: &dst[lo..hi], deadline, stopped: &stopped };
+    // a part that ends short (failed, or the source's run ended inside it) makes every later
+    // part useless: those stop at once (their connections are shut down) instead of moving
+    // blocks that could never be reported
+    let part = |k: usize, lo: usize, hi: usize, mover: &mut Option<Mover>, buf: &mut Vec<u8>| {
+        let stopped_k = || -> Result<(), Failure> {
+            stopped()?;
+            if state.stop_after.load(Ordering::Acquire) < k {
+                return Err((FailReason::Cancelled, "an earlier part of the fetch ended short".into()));
+            }
+            Ok(())
+        };
+        let job = Stream {
+            inner,
+            state,
+            part: k,
+            addr,
+            asked: &asked[lo..hi],
+            dst: &dst[lo..hi],
+            deadline,
+            stopped: &stopped_k,
+        };
         let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
         p.result = job.run(mover, buf, &mut p);
+        if p.result.is_err() || p.blocks < hi - lo {
+            state.stop_parts_after(k);
+        }
         p
     };
     let n = streams_for(inner, asked.len());
     if n == 1 {
-        let p = part(0, asked.len(), &mut w.mover, &mut w.buf);
+        let p = part(0, 0, asked.len(), &mut w.mover, &mut w.buf);
         (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
         return p.result;
     }
@@ -232,10 +275,11 @@ fn pull(
         let part = &part;
         let helpers: Vec<_> = parts[1..]
             .iter()
-            .map(|&(lo, hi)| {
+            .enumerate()
+            .map(|(k, &(lo, hi))| {
                 sc.spawn(move || {
                     let (mut mover, mut buf) = (None, Vec::new());
-                    let p = part(lo, hi, &mut mover, &mut buf);
+                    let p = part(k + 1, lo, hi, &mut mover, &mut buf);
                     if let Some(m) = mover {
                         inner.movers.put(m);
                     }
@@ -244,7 +288,7 @@ fn pull(
             })
             .collect();
         let (lo, hi) = parts[0];
-        results.push(part(lo, hi, &mut w.mover, &mut w.buf));
+        results.push(part(0, lo, hi, &mut w.mover, &mut w.buf));
         for h in helpers {
             results.push(h.join().unwrap_or_else(|_| Part {
                 blocks: 0,
@@ -325,6 +369,8 @@ enum Exchange {
 struct Stream<'a> {
     inner: &'a Inner,
     state: &'a FetchState,
+    /// Which part of the fetch (0 for the first).
+    part: usize,
     addr: std::net::SocketAddr,
     asked: &'a [u64],
     dst: &'a [u32],
@@ -345,14 +391,13 @@ impl Stream<'_> {
                 Some(s) => s,
                 None => open(inner, addr, self.deadline, buf)?,
             };
-            let reg = Registered(inner, inner.register(&s));
-            if reg.1.is_none() {
-                return Err(shutting_down());
-            }
-            if let Ok(clone) = s.try_clone() {
-                self.state.sock.lock().unwrap_or_else(|e| e.into_inner()).push(clone);
-            }
-            // a cancel that came before the socket was published
+            let Some(id) = inner.register(&s) else { return Err(shutting_down()) };
+            let reg = Registered(inner, Some(id));
+            // published for cancels and sibling stops while this stream uses it; unpublished
+            // (the clone closed) whatever way the stream ends with it
+            self.state.publish(self.part, id, &s);
+            let published = Published(self.state, id);
+            // a cancel (or a sibling's stop) that came before the socket was published
             (self.stopped)()?;
             match self.exchange(&mut s, reused, mover, buf, part) {
                 Exchange::Stale => continue,
@@ -361,8 +406,13 @@ impl Stream<'_> {
                     if reused {
                         Stats::add(&inner.stats.streams_reused, 1);
                     }
+                    drop(published);
                     drop(reg);
-                    inner.put_idle(addr, s);
+                    // from here the pool alone owns the connection; one that a cancel may have
+                    // shut down in the meantime is closed instead
+                    if (self.stopped)().is_ok() {
+                        inner.put_idle(addr, s);
+                    }
                     return Ok(());
                 }
             }

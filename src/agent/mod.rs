@@ -62,7 +62,7 @@ pub mod wire;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -234,20 +234,61 @@ struct FetchState {
     cancel: AtomicBool,
     on_done: Mutex<Option<OnDone>>,
     submitted: Instant,
-    /// The fetch's connection while it runs: `cancel` shuts it down so a blocked read returns.
-    sock: Mutex<Vec<TcpStream>>,
+    /// The connections this fetch's streams use right now, each with its part and its
+    /// registration id: `cancel` shuts them down so that blocked reads return, and a part that
+    /// ends short shuts down the parts after it. A stream removes its entry before its
+    /// connection goes to the idle pool (which then owns it alone) or closes, so a cancel never
+    /// reaches a connection another fetch took from the pool.
+    sock: Mutex<Vec<(usize, u64, TcpStream)>>,
+    /// Parts after this one are of no use (an earlier part ended short): they stop.
+    stop_after: AtomicUsize,
 }
 
 impl FetchState {
+    fn new(on_done: Option<OnDone>) -> FetchState {
+        FetchState {
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            cancel: AtomicBool::new(false),
+            on_done: Mutex::new(on_done),
+            submitted: Instant::now(),
+            sock: Mutex::new(Vec::new()),
+            stop_after: AtomicUsize::new(usize::MAX),
+        }
+    }
+
     /// The callback first, then the result for pollers: once a poll sees the result, the
-    /// callback no longer uses what it captured.
+    /// callback no longer uses what it captured. A callback that panics is contained here (the
+    /// result is published all the same and the worker goes on).
     fn complete(&self, r: FetchResult) {
         let cb = self.on_done.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(cb) = cb {
-            cb(&r);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(&r)));
         }
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         self.done.notify_all();
+    }
+
+    /// Publish part `part`'s connection `s` (registration `id`) for cancels and sibling stops.
+    fn publish(&self, part: usize, id: u64, s: &TcpStream) {
+        if let Ok(clone) = s.try_clone() {
+            self.sock.lock().unwrap_or_else(|e| e.into_inner()).push((part, id, clone));
+        }
+    }
+
+    /// Forget the connection registered as `id` (its clone closes here).
+    fn unpublish(&self, id: u64) {
+        self.sock.lock().unwrap_or_else(|e| e.into_inner()).retain(|(_, i, _)| *i != id);
+    }
+
+    /// Part `part` ended short: the parts after it stop (their connections are shut down).
+    fn stop_parts_after(&self, part: usize) {
+        self.stop_after.fetch_min(part, Ordering::AcqRel);
+        for (p, _, s) in self.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            if *p > part {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 }
 
@@ -280,7 +321,7 @@ impl Fetch {
     /// progress (blocks verified before stay reported), or normally if it was about to.
     pub fn cancel(&self) {
         self.0.cancel.store(true, Ordering::Release);
-        for s in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for (_, _, s) in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -439,8 +480,16 @@ impl Agent {
         holder: Box<dyn BlockHolder>,
     ) -> Result<Agent, AgentError> {
         config.limits.check().map_err(AgentError::Config)?;
+        // a block travels in one frame whose u32 length covers 16 bytes of name and checksum
         let block_bytes = usize::try_from(layout.stage_block_bytes())
-            .map_err(|_| AgentError::Config("a block larger than the address space".into()))?;
+            .ok()
+            .filter(|&b| b as u64 + 16 <= u64::from(u32::MAX))
+            .ok_or_else(|| {
+                AgentError::Config(format!(
+                    "blocks of {} bytes: the agent moves blocks of at most 4 GiB - 16 bytes",
+                    layout.stage_block_bytes()
+                ))
+            })?;
         let listener = match &config.listen {
             None => None,
             Some(a) => {
@@ -600,14 +649,7 @@ impl Agent {
         if req.deadline.is_zero() {
             return arg("a fetch needs a deadline above zero".into());
         }
-        let state = Arc::new(FetchState {
-            result: Mutex::new(None),
-            done: Condvar::new(),
-            cancel: AtomicBool::new(false),
-            on_done: Mutex::new(on_done),
-            submitted: Instant::now(),
-            sock: Mutex::new(Vec::new()),
-        });
+        let state = Arc::new(FetchState::new(on_done));
         {
             let mut q = self.inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
             if q.len() >= self.inner.limits.max_queued_fetches as usize {
@@ -627,8 +669,11 @@ impl Agent {
 
     /// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take; compare it with
     /// the runtime's own prefill time for those tokens (SPEC section 8, "fetch only when it pays").
+    /// Any `blocks` is taken (the byte count saturates: an absurd count gives an absurdly long
+    /// estimate, never a wrapped short one).
     pub fn estimate(&self, endpoint: &str, blocks: usize) -> f64 {
-        self.inner.estimator.seconds(endpoint, (blocks * self.inner.block_bytes) as u64)
+        let bytes = (blocks as u64).saturating_mul(self.inner.block_bytes as u64);
+        self.inner.estimator.seconds(endpoint, bytes)
     }
 
     /// The counters.
@@ -649,7 +694,7 @@ impl Agent {
     #[doc(hidden)]
     pub fn serve_connection(&self, conn: &mut dyn Conn) {
         let mut scratch = service::Scratch::default();
-        service::serve(&self.inner, conn, &mut scratch, None);
+        service::serve(&self.inner, conn, &mut scratch, None, &mut service::Held::default());
     }
 }
 

@@ -56,6 +56,15 @@ pub(super) struct Mover {
     block_bytes: usize,
 }
 
+impl Drop for Mover {
+    /// A device mover waits for its stream before its slots and engine go, so that no copy of
+    /// its own still reads a slot or writes a pool block after it is gone (also when a thread
+    /// unwinds with it).
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
 /// A zeroed host slot whose pages are already mapped: a zeroed allocation this large is mapped
 /// lazily, and its first use would otherwise take a page fault per page.
 fn touched(n: usize) -> Vec<u8> {

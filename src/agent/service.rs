@@ -70,9 +70,18 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             let _ = s.set_nodelay(true);
             super::set_buffers(&s, worker.limits.socket_buffer_bytes);
             let mut scratch = Scratch::default();
-            let (slot, counted) = serve(&worker, &mut s, &mut scratch, Some(ip));
-            release_slot(&worker, slot);
-            if counted {
+            // what it holds is given back on every path: a panic in serving (a holder callback
+            // that unwinds, say) ends this connection only, never leaks a slot or the count
+            // that the agent's drop waits on
+            let mut held = Held { slot: Slot::Pending, counted: true };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                serve(&worker, &mut s, &mut scratch, Some(ip), &mut held)
+            }));
+            if r.is_err() {
+                Stats::add(&worker.stats.serve_aborted, 1);
+            }
+            release_slot(&worker, held.slot);
+            if held.counted {
                 release_peer(&worker, ip);
             }
             drop(s);
@@ -82,6 +91,22 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             release(inner, ip, Slot::Pending);
             inner.unregister(id);
         }
+    }
+}
+
+/// What a connection holds while it is served: kept up to date by [`serve`] so that the
+/// connection's thread gives everything back also when serving panicked.
+#[derive(Clone, Copy)]
+pub(super) struct Held {
+    /// Its gauge slot.
+    pub(super) slot: Slot,
+    /// Whether it counts against its peer's `max_per_peer`.
+    pub(super) counted: bool,
+}
+
+impl Default for Held {
+    fn default() -> Held {
+        Held { slot: Slot::None, counted: false }
     }
 }
 
@@ -227,71 +252,70 @@ fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
 /// while it waits, and only while at most half of `max_pending` are taken. While it waits it
 /// does not count against its peer's `max_per_peer`: a kept-alive connection the peer closes
 /// must not hold a place its replacement needs. It takes one again with the next hello (or
-/// refuses it with `per_peer_limit`). Returns the slot it holds at the end and whether it still
-/// counts against its peer.
-pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>) -> (Slot, bool) {
-    let mut slot = if peer.is_some() { Slot::Pending } else { Slot::None };
-    let mut counted = peer.is_some();
+/// refuses it with `per_peer_limit`). `held` says at every moment which slot it holds and
+/// whether it counts against its peer (what the caller gives back when it ends, or panics).
+pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>, held: &mut Held) {
+    *held = Held { slot: if peer.is_some() { Slot::Pending } else { Slot::None }, counted: peer.is_some() };
     let hs = Instant::now() + inner.limits.handshake_timeout;
     match handshake(inner, c, scratch, hs) {
         Ok(()) => {}
         Err(Hs::Refuse(r, text)) => {
             inner.stats.refused(r);
             wire::refuse(c, r, text, inner.io_deadline());
-            return (slot, counted);
+            return;
         }
         Err(Hs::Gone) => {
             Stats::add(&inner.stats.handshake_timeouts, 1);
-            return (slot, counted);
+            return;
         }
     }
     loop {
-        if slot == Slot::Pending {
+        if held.slot == Slot::Pending {
             inner.stats.pending_now.fetch_sub(1, Ordering::Relaxed);
-            slot = Slot::None;
+            held.slot = Slot::None;
             if !take_slot(&inner.stats.serving_now, inner.limits.max_connections) {
                 inner.stats.refused(Refusal::Busy);
                 wire::refuse(c, Refusal::Busy, "every serving slot is taken", inner.io_deadline());
-                return (slot, counted);
+                return;
             }
-            slot = Slot::Serving;
+            held.slot = Slot::Serving;
         }
         Stats::add(&inner.stats.served, 1);
         let Some(ip) = peer else {
             transfer(inner, c, scratch);
-            return (slot, counted);
+            return;
         };
         if !transfer(inner, c, scratch) || inner.limits.idle_timeout.is_zero() {
-            return (slot, counted);
+            return;
         }
         // kept alive: back to a handshake slot while it waits, if one of the first half is
         // free (connections waiting for a next hello never hold more than half of
         // `max_pending`, so however many a busy peer leaves open, a new peer's handshake
         // still finds a slot); otherwise the connection closes
         inner.stats.serving_now.fetch_sub(1, Ordering::Relaxed);
-        slot = Slot::None;
+        held.slot = Slot::None;
         if !take_slot(&inner.stats.pending_now, inner.limits.max_pending / 2) {
-            return (slot, counted);
+            return;
         }
-        slot = Slot::Pending;
+        held.slot = Slot::Pending;
         release_peer(inner, ip);
-        counted = false;
+        held.counted = false;
         match read_hello(inner, c, scratch, Instant::now() + inner.limits.idle_timeout) {
             Ok(()) => {}
             Err(Hs::Refuse(r, text)) => {
                 inner.stats.refused(r);
                 wire::refuse(c, r, text, inner.io_deadline());
-                return (slot, counted);
+                return;
             }
             // the peer closed it, or it idled out: the normal end of a kept-alive connection
-            Err(Hs::Gone) => return (slot, counted),
+            Err(Hs::Gone) => return,
         }
         if !take_peer(inner, ip) {
             inner.stats.refused(Refusal::PerPeerLimit);
             wire::refuse(c, Refusal::PerPeerLimit, "this peer holds its limit of connections", inner.io_deadline());
-            return (slot, counted);
+            return;
         }
-        counted = true;
+        held.counted = true;
         Stats::add(&inner.stats.reused, 1);
     }
 }
@@ -305,7 +329,8 @@ struct Pinned<'a> {
 impl Drop for Pinned<'_> {
     fn drop(&mut self) {
         if !self.ids.is_empty() {
-            self.inner.holder.unpin(self.ids);
+            // contained: this may run while a panic unwinds, where a second one would abort
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.inner.holder.unpin(self.ids)));
         }
     }
 }

@@ -184,12 +184,16 @@ impl Conn for TcpStream {
 }
 
 /// A frame header.
+///
+/// `len` must fit a frame's u32 length (every caller bounds it: a block frame is 16 bytes plus
+/// one block, and `Agent::new` refuses blocks that would not fit); a longer one is written as
+/// `u32::MAX`, never wrapped into a short length ([`write_frame`] refuses it outright).
 pub fn header(kind: u8, len: usize) -> [u8; 12] {
     let mut h = [0u8; 12];
     h[..4].copy_from_slice(MAGIC);
     h[4] = VERSION;
     h[5] = kind;
-    h[8..].copy_from_slice(&(len as u32).to_le_bytes());
+    h[8..].copy_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
     h
 }
 
@@ -224,6 +228,9 @@ pub fn read_header(c: &mut dyn Conn, max: usize, deadline: Instant) -> Result<(u
 
 /// Write one frame (header and payload in one write).
 pub fn write_frame(c: &mut dyn Conn, kind: u8, payload: &[u8], deadline: Instant) -> io::Result<()> {
+    if u32::try_from(payload.len()).is_err() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a frame longer than 4 GiB"));
+    }
     let mut f = Vec::with_capacity(12 + payload.len());
     f.extend_from_slice(&header(kind, payload.len()));
     f.extend_from_slice(payload);

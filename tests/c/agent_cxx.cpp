@@ -1,9 +1,18 @@
 // The KV agent through the C++ wrappers (kvrelay.hpp): a source and a destination in one
-// process on loopback, host pools; the fetched bytes are checked, and a wrong key is refused.
+// process on loopback, host pools; the fetched bytes are checked, a wrong key is refused, and
+// destroying a running `kvrelay::Fetch` cancels it and waits for its completion.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "kvrelay.hpp"
@@ -101,7 +110,29 @@ int main() {
     CHECK(transport_status == (t[0] == 'c' ? KVRELAY_ERR_INVALID_CONFIG : KVRELAY_ERR_UNSUPPORTED));
   }
   CHECK(dest.estimate(source.endpoint(), 2) > 0);
+  // the fetch side saw the refusal, but the source counts it on its own thread: wait for the
+  // counter (bounded), never for a time
+  for (int i = 0; i < 2000 && source.stats().refused_auth_failed == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   CHECK(source.prometheus().find("kvrelay_kv_agent_refused_total{reason=\"auth_failed\"} 1\n") != std::string::npos);
+  // a source that accepts and never answers: the fetch blocks on its offer until destroyed
+  int stall = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t sl = sizeof sa;
+  CHECK(stall >= 0 && bind(stall, reinterpret_cast<sockaddr *>(&sa), sizeof sa) == 0 && listen(stall, 4) == 0 &&
+        getsockname(stall, reinterpret_cast<sockaddr *>(&sa), &sl) == 0);
+  const std::string stall_ep = "tcp://127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  kvrelay::Agent plain(kvrelay::AgentConfig(fp).listen(""), dst.layout, none);
+  {
+    kvrelay::Fetch running = plain.fetch(stall_ep, names, 0, {3}, 60000);
+    CHECK(!running.poll());
+  }
+  // the destructor returned: the fetch completed (cancelled), its block is the runtime's again
+  CHECK(plain.stats().fetch_failed_cancelled == 1);
+  close(stall);
   std::printf("agent_cxx: %s\n", failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }

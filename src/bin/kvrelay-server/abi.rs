@@ -939,19 +939,40 @@ unsafe impl Send for KvAgent {}
 // SAFETY: as above.
 unsafe impl Sync for KvAgent {}
 
-/// A submitted fetch, with its completion on the way.
+/// A fetch handle (`kvrelay_fetch`), freed when the last holder lets go.
+struct FetchHandle(NonNull<kvrelay_fetch>);
+
+// SAFETY: a fetch handle is thread-safe (header): poll, wait, detail and cancel may be called
+// from any thread at once; it is freed once, by the drop below.
+unsafe impl Send for FetchHandle {}
+// SAFETY: as above.
+unsafe impl Sync for FetchHandle {}
+
+impl Drop for FetchHandle {
+    fn drop(&mut self) {
+        // SAFETY: from `kvrelay_agent_fetch`, freed once (the last `Arc` goes here).
+        unsafe { kvrelay_fetch_free(self.0.as_ptr()) };
+    }
+}
+
+/// A submitted fetch, with its completion on the way. Whoever owns the fetch's destination
+/// blocks must keep them until [`PendingFetch::done`] answers: the agent writes them until
+/// then. [`PendingFetch::canceller`] lets another task (a request that goes away) ask it to stop.
 pub struct PendingFetch {
-    fetch: NonNull<kvrelay_fetch>,
+    fetch: Arc<FetchHandle>,
     done: tokio::sync::oneshot::Receiver<kvrelay_fetch_result>,
 }
 
-// SAFETY: a fetch handle is thread-safe (header).
-unsafe impl Send for PendingFetch {}
+/// Asks a fetch to stop (`kvrelay_fetch_cancel`); its completion still comes through
+/// [`PendingFetch::done`], after which nothing writes its destination blocks.
+#[derive(Clone)]
+pub struct FetchCanceller(Arc<FetchHandle>);
 
-impl Drop for PendingFetch {
-    fn drop(&mut self) {
-        // SAFETY: from `kvrelay_agent_fetch`, freed once (neither cancels nor loses the callback).
-        unsafe { kvrelay_fetch_free(self.fetch.as_ptr()) };
+impl FetchCanceller {
+    /// Ask the fetch to stop (never blocks; a completed fetch is unaffected).
+    pub fn cancel(&self) {
+        // SAFETY: a live handle (held by this `Arc`).
+        let _ = unsafe { kvrelay_fetch_cancel(self.0 .0.as_ptr()) };
     }
 }
 
@@ -963,6 +984,11 @@ unsafe extern "C" fn fetch_done(ud: *mut c_void, r: *const kvrelay_fetch_result)
 }
 
 impl PendingFetch {
+    /// A handle that cancels this fetch.
+    pub fn canceller(&self) -> FetchCanceller {
+        FetchCanceller(self.fetch.clone())
+    }
+
     /// Wait for the completion without blocking a runtime thread; the result and its detail.
     pub async fn done(mut self) -> (kvrelay_fetch_result, String) {
         let r = match (&mut self.done).await {
@@ -970,15 +996,19 @@ impl PendingFetch {
             // the callback always runs; a dropped sender means the agent is gone
             Err(_) => kvrelay_fetch_result { failure: 10, blocks: 0, bytes: 0, seconds: 0.0, withheld: 0 },
         };
-        // the result is stored for pollers right after the callback returns: wait for it (at
-        // most a moment), then read the detail
-        let mut stored = r;
-        // SAFETY: live fetch; `stored` writable.
-        let _ = unsafe { kvrelay_fetch_wait(self.fetch.as_ptr(), 1000, &mut stored) };
-        // SAFETY: live fetch; a size query and a fill.
-        let detail =
-            fill_text("kvrelay_fetch_detail", |b, c, l| unsafe { kvrelay_fetch_detail(self.fetch.as_ptr(), b, c, l) })
-                .unwrap_or_default();
+        // the result is published for pollers right after the callback returns: the detail is
+        // read once it is, on a blocking thread (never an async worker)
+        let fetch = self.fetch.clone();
+        let detail = tokio::task::spawn_blocking(move || {
+            let mut stored = r;
+            // SAFETY: live fetch (held by the `Arc`); `stored` writable.
+            let _ = unsafe { kvrelay_fetch_wait(fetch.0.as_ptr(), 1000, &mut stored) };
+            // SAFETY: live fetch; a size query and a fill.
+            fill_text("kvrelay_fetch_detail", |b, c, l| unsafe { kvrelay_fetch_detail(fetch.0.as_ptr(), b, c, l) })
+                .unwrap_or_default()
+        })
+        .await
+        .unwrap_or_default();
         (r, detail)
     }
 }
@@ -1088,7 +1118,7 @@ impl KvAgent {
             drop(unsafe { Box::from_raw(ud as *mut tokio::sync::oneshot::Sender<kvrelay_fetch_result>) });
             return Err(e);
         }
-        Ok(PendingFetch { fetch: NonNull::new(out).expect("OK with NULL"), done: rx })
+        Ok(PendingFetch { fetch: Arc::new(FetchHandle(NonNull::new(out).expect("OK with NULL"))), done: rx })
     }
 
     /// Expected seconds to fetch `blocks` blocks from `endpoint`.

@@ -134,7 +134,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVRELAY_KV_LOAD_FAILURE_POLICY", default_value = "recompute")]
     pub kv_load_failure_policy: String,
     /// Fault the KV service injects (tests; needs --debug-endpoints): none, corrupt (a pinned
-    /// block goes bad in memory), stall, die.
+    /// block goes bad in memory), stall, die, slow (answers 2 s late).
     #[arg(long, env = "KVRELAY_KV_FAULT", default_value = "none")]
     pub kv_fault: String,
     /// Source base URLs `/v1/kv_transfer` may pull from (`http://HOST:PORT`, comma-separated);

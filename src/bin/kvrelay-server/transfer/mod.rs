@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abi::{FetchCall, FetchProvider, Holder, KvAgent};
+use crate::abi::{FetchCall, FetchCanceller, FetchProvider, Holder, KvAgent};
 use crate::cache::{BlockCache, Lease};
 use crate::engine::{Engine, Shape};
 
@@ -257,6 +257,9 @@ pub enum Fault {
     Stall,
     /// The source's process exits once it pinned the blocks (a source killed mid-transfer).
     Die,
+    /// The source answers 2 s late, once it pinned the blocks (below the readers' I/O timeout:
+    /// the transfer then goes on), so that a destination's request can go away mid-fetch.
+    Slow,
 }
 
 impl Fault {
@@ -267,7 +270,8 @@ impl Fault {
             "corrupt" => Fault::Corrupt,
             "stall" => Fault::Stall,
             "die" => Fault::Die,
-            _ => return Err(format!("--kv-fault {s}: expected none|corrupt|stall|die")),
+            "slow" => Fault::Slow,
+            _ => return Err(format!("--kv-fault {s}: expected none|corrupt|stall|die|slow")),
         })
     }
 }
@@ -295,6 +299,7 @@ impl Holder for CacheHolder {
             }
             Fault::Corrupt => {}
             Fault::Stall => std::thread::sleep(Duration::from_secs(60)),
+            Fault::Slow => std::thread::sleep(Duration::from_secs(2)),
             Fault::Die => {
                 eprintln!("kvrelay-server: --kv-fault die: exiting mid-transfer");
                 std::process::exit(3);
@@ -395,30 +400,61 @@ pub async fn fetch_into_cache(
             return out;
         }
     };
-    let (r, detail) = pending.done().await;
-    // the agent wrote and verified exactly the leading `r.blocks`: commit those, in order
-    let committed = r.blocks.min(run.len());
-    for (i, &name) in run.iter().enumerate().take(committed) {
-        lease.commit(i, name);
-    }
+    // The fetch owns its destination blocks until its completion: the lease goes to a task of
+    // its own that waits for the completion, commits what was verified and only then lets go,
+    // whether or not this request still waits for it. A request that goes away (this future
+    // dropped) cancels the fetch; the blocks come back once nothing writes them.
+    let cancel = CancelOnDrop(Some(pending.canceller()));
+    let (engine, names, run) = (engine.clone(), names.to_vec(), run.to_vec());
+    let completion = tokio::spawn(async move {
+        let (r, detail) = pending.done().await;
+        // the agent wrote and verified exactly the leading `r.blocks`: commit those, in order
+        let committed = r.blocks.min(run.len());
+        for (i, &name) in run.iter().enumerate().take(committed) {
+            lease.commit(i, name);
+        }
+        // Destination blocks the agent withheld (a NIXL READ not proven stopped) keep their
+        // reference until the holder's `returned`; the rest of the lease goes back on drop.
+        let tail = lease.ids.split_off(committed);
+        let withheld = r.withheld.min(tail.len());
+        lease.ids.extend_from_slice(&tail[withheld..]);
+        // Pin the prefix now held (committed blocks included) while the fetch's lease still
+        // references them: no eviction can slip in before generation takes its own lease.
+        let hold = if committed > 0 { PrefixHold(Some(engine.cache.pin_prefix(&names))) } else { PrefixHold(None) };
+        drop(lease);
+        (r, detail, committed, hold)
+    });
+    let done = completion.await;
+    cancel.disarm();
+    let Ok((r, detail, committed, hold)) = done else {
+        out.error = Some(FetchError::new(FailReason::Cancelled, "the fetch's completion task ended early"));
+        return out;
+    };
     out.blocks = committed;
     out.bytes = committed * bb;
     out.seconds = r.seconds;
+    out.hold = hold;
     if r.failure != 0 {
         out.error = Some(FetchError::new(FailReason::of_agent(r.failure), detail));
     }
-    // Destination blocks the agent withheld (a NIXL READ not proven stopped) keep their
-    // reference until the holder's `returned`; the rest of the lease goes back on drop.
-    let tail = lease.ids.split_off(committed);
-    let withheld = r.withheld.min(tail.len());
-    lease.ids.extend_from_slice(&tail[withheld..]);
-    // Pin the prefix now held (committed blocks included) while the fetch's lease still
-    // references them: no eviction can slip in before generation takes its own lease.
-    if committed > 0 {
-        out.hold = PrefixHold(Some(engine.cache.pin_prefix(names)));
-    }
-    drop(lease);
     out
+}
+
+/// Cancels a fetch when the future that waits for it is dropped before its completion.
+struct CancelOnDrop(Option<FetchCanceller>);
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
+    }
 }
 
 /// Shared transfer state of an instance.
