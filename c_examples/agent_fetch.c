@@ -195,10 +195,9 @@ static kvrelay_agent *agent_new(pool *p, cache *c, const char *listen, const cha
   kvrelay_agent_config *cfg = NULL;
   kvrelay_agent *a = NULL;
   if (kvrelay_agent_config_new(&f, &cfg) != KVRELAY_OK) return NULL;
-  kvrelay_agent_limits lim;
-  kvrelay_agent_limits_default(&lim);
-  lim.handshake_timeout_ms = 300; /* idle connections go quickly */
-  CHECK(kvrelay_agent_config_set_limits(cfg, &lim) == KVRELAY_OK);
+  /* limits by name: a library with more limits than this program knows still takes these */
+  CHECK(kvrelay_agent_config_set_limit(cfg, KVRELAY_LIMIT_HANDSHAKE_TIMEOUT_MS, 300) == KVRELAY_OK); /* idle go quickly */
+  CHECK(kvrelay_agent_config_set_limit(cfg, KVRELAY_LIMIT_STREAMS, 1ull << 40) == KVRELAY_ERR_INVALID_CONFIG);
   CHECK(kvrelay_agent_config_set_listen(cfg, listen, strlen(listen)) == KVRELAY_OK);
   if (key) CHECK(kvrelay_agent_config_set_key(cfg, (const uint8_t *)key, strlen(key)) == KVRELAY_OK);
   CHECK(kvrelay_agent_config_set_device(cfg, device) == KVRELAY_OK);
@@ -259,7 +258,7 @@ static int run_source(int out_fd, pid_t child) {
     nanosleep(&ts, NULL);
   }
   CHECK(cache_pinned(&c) == 0 && cache_pinned(&ck) == 0);
-  CHECK(kvrelay_agent_get_stats(a, &s) == KVRELAY_OK);
+  CHECK(kvrelay_agent_read_stats(a, &s, sizeof s) == KVRELAY_OK);
   printf("source: %llu blocks sent, refused: %llu bad request, %llu fingerprint; %llu idle closed\n",
          (unsigned long long)s.blocks_sent, (unsigned long long)s.refused_bad_request,
          (unsigned long long)s.refused_fingerprint_mismatch, (unsigned long long)s.handshake_timeouts);
@@ -267,7 +266,7 @@ static int run_source(int out_fd, pid_t child) {
   CHECK(s.refused_bad_request == 1);
   CHECK(s.refused_fingerprint_mismatch == 1);
   CHECK(s.handshake_timeouts >= 1);
-  CHECK(kvrelay_agent_get_stats(k, &s) == KVRELAY_OK);
+  CHECK(kvrelay_agent_read_stats(k, &s, sizeof s) == KVRELAY_OK);
   printf("keyed source: %llu blocks sent, %llu refused for authentication\n", (unsigned long long)s.blocks_sent,
          (unsigned long long)s.refused_auth_failed);
   CHECK(s.blocks_sent == 2);

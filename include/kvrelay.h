@@ -34,7 +34,7 @@
 #define KVRELAY_VERSION_MAJOR 0
 
 // Minor version.
-#define KVRELAY_VERSION_MINOR 1
+#define KVRELAY_VERSION_MINOR 2
 
 // Patch version.
 #define KVRELAY_VERSION_PATCH 0
@@ -294,6 +294,58 @@ typedef int32_t kvrelay_fetch_failure;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
+// name, so that limits can be added without changing a struct a caller compiled in). Fixed
+// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
+// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS` and `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`.
+enum kvrelay_agent_limit
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Connections serving transfers at once, all peers together (64; at most 4096).
+  KVRELAY_LIMIT_MAX_CONNECTIONS = 1,
+  // Connections from one peer address, serving or in their handshake (16: a peer's
+  // `fetch_threads` times its `streams`; at most 4096); a kept-alive connection waiting for
+  // its next hello counts again only when that hello comes.
+  KVRELAY_LIMIT_MAX_PER_PEER = 2,
+  // Connections that have not sent a valid first message yet (32; at most 4096); they never
+  // hold a serving slot. Kept-alive connections waiting for their next hello count here too,
+  // up to half of it only, so that new peers always find handshake slots.
+  KVRELAY_LIMIT_MAX_PENDING = 3,
+  // Time a new connection has for its handshake (2000 ms; at most one hour).
+  KVRELAY_LIMIT_HANDSHAKE_TIMEOUT_MS = 4,
+  // Deadline of every other read and write (5000 ms; at most one hour).
+  KVRELAY_LIMIT_IO_TIMEOUT_MS = 5,
+  // Connect deadline of a fetch (2000 ms; at most one hour).
+  KVRELAY_LIMIT_CONNECT_TIMEOUT_MS = 6,
+  // Most names in one request, served or fetched (65536; at most 4194304).
+  KVRELAY_LIMIT_MAX_NAMES = 7,
+  // Fetch worker threads (4; at most 256).
+  KVRELAY_LIMIT_FETCH_THREADS = 8,
+  // Fetches waiting for a worker before submission answers `KVRELAY_ERR_BUSY` (1024).
+  KVRELAY_LIMIT_MAX_QUEUED_FETCHES = 9,
+  // TCP connections one fetch spreads its run over, each with a contiguous part of at least
+  // `min_stream_bytes` (4; at most 16; NIXL fetches use one). The agent makes this many
+  // movers (two staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
+  KVRELAY_LIMIT_STREAMS = 10,
+  // Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
+  KVRELAY_LIMIT_MIN_STREAM_BYTES = 11,
+  // How long a connection stays open after a transfer for the next one between the same two
+  // agents (5000 ms; 0: one transfer per connection).
+  KVRELAY_LIMIT_IDLE_TIMEOUT_MS = 12,
+  // Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
+  // autotuning, the default).
+  KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_agent_limit kvrelay_agent_limit;
+#else
+typedef int32_t kvrelay_agent_limit;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
 typedef struct kvrelay_admission kvrelay_admission;
@@ -366,45 +418,6 @@ typedef struct kvrelay_counters {
   // `ignored_total{reason="malformed"}`
   uint64_t malformed;
 } kvrelay_counters;
-
-// The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
-// milliseconds; every value must be at least 1, except `idle_timeout_ms` (0 turns reuse off).
-typedef struct kvrelay_agent_limits {
-  // Connections serving transfers at once, all peers together (64).
-  uint32_t max_connections;
-  // Connections from one peer address, serving or in their handshake (16: a peer's
-  // `fetch_threads` times its `streams`); a kept-alive connection waiting for its next hello
-  // counts again only when that hello comes.
-  uint32_t max_per_peer;
-  // Connections that have not sent a valid first message yet (32); they never hold a
-  // serving slot. Kept-alive connections waiting for their next hello count here too, up to
-  // half of it only, so that new peers always find handshake slots.
-  uint32_t max_pending;
-  // Time a new connection has for its handshake (2000).
-  uint32_t handshake_timeout_ms;
-  // Deadline of every other read and write (5000).
-  uint32_t io_timeout_ms;
-  // Connect deadline of a fetch (2000).
-  uint32_t connect_timeout_ms;
-  // Most names in one request, served or fetched (65536).
-  uint32_t max_names;
-  // Fetch worker threads (4).
-  uint32_t fetch_threads;
-  // Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
-  uint32_t max_queued_fetches;
-  // TCP connections one fetch spreads its run over, each with a contiguous part of at least
-  // `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
-  // staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
-  uint32_t streams;
-  // Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
-  uint64_t min_stream_bytes;
-  // How long a connection stays open after a transfer for the next one between the same two
-  // agents (5000; 0: one transfer per connection).
-  uint32_t idle_timeout_ms;
-  // Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
-  // autotuning, the default).
-  uint32_t socket_buffer_bytes;
-} kvrelay_agent_limits;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
 typedef struct kvrelay_agent_fingerprint {
@@ -497,6 +510,28 @@ typedef struct kvrelay_fetch_result {
   size_t withheld;
 } kvrelay_fetch_result;
 
+// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
+// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
+//   threads, when the fetch completes (also when it was cancelled or the agent is being
+//   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
+//   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
+//   `detail` are valid during the call. It must not unwind and must not free the agent; it
+//   may free the fetch handle.
+// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
+//   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
+//   is refused, before `kvrelay_agent_submit` returns.
+typedef struct kvrelay_fetch_callbacks {
+  // `sizeof(kvrelay_fetch_callbacks)`.
+  size_t size;
+  // Passed back to both callbacks.
+  void *user_data;
+  // The completion.
+  void (*done)(void *user_data, const struct kvrelay_fetch_result *result, struct kvrelay_str detail);
+  // Releases `user_data`.
+  void (*destroy)(void *user_data);
+} kvrelay_fetch_callbacks;
+
 // A source's speed estimate.
 typedef struct kvrelay_source_speed {
   // Seconds before the first verified block.
@@ -578,6 +613,9 @@ typedef struct kvrelay_agent_stats {
   uint64_t reused;
   // Fetched: streams that went over a kept-alive connection.
   uint64_t streams_reused;
+  // Connections closed, before their first valid message, to make room for a newer one
+  // (the handshake slots or their address's `max_per_peer` were all taken).
+  uint64_t handshake_evicted;
 } kvrelay_agent_stats;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
@@ -737,8 +775,6 @@ typedef struct kvrelay_action {
 
 
 
-
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -882,12 +918,6 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             size_t cap,
                                             size_t *len_out);
 
-// The documented default limits.
-//
-// # Safety
-// `out` NULL or writable.
-kvrelay_status kvrelay_agent_limits_default(struct kvrelay_agent_limits *out);
-
 // A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
 // default limits, no key.
 //
@@ -943,13 +973,28 @@ kvrelay_status kvrelay_agent_config_allow_peer(struct kvrelay_agent_config *conf
 // `config` NULL or live.
 kvrelay_status kvrelay_agent_config_set_device(struct kvrelay_agent_config *config, int32_t device);
 
-// Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
-// ceiling).
+// Set one limit (`kvrelay_agent_limit`), checked here: `KVRELAY_ERR_INVALID_CONFIG` for an
+// unknown limit or a value out of its range (nothing changed then). A new configuration holds
+// the documented defaults.
 //
 // # Safety
-// `config` NULL or live; `limits` NULL or readable.
-kvrelay_status kvrelay_agent_config_set_limits(struct kvrelay_agent_config *config,
-                                               const struct kvrelay_agent_limits *limits);
+// `config` NULL or live.
+kvrelay_status kvrelay_agent_config_set_limit(struct kvrelay_agent_config *config,
+                                              int32_t limit,
+                                              uint64_t value);
+
+// The value of one limit (`kvrelay_agent_limit`) in `config`: the documented default until it
+// is set. `KVRELAY_ERR_INVALID_ARGUMENT` for an unknown limit.
+//
+// # Safety
+// `config` NULL or live; `out` NULL or writable.
+kvrelay_status kvrelay_agent_config_get_limit(const struct kvrelay_agent_config *config,
+                                              int32_t limit,
+                                              uint64_t *out);
+
+// The label of a `kvrelay_agent_limit` value (`"max_connections"`, ...; `"unknown"` for other
+// values). Static, NUL-terminated, never NULL.
+const char *kvrelay_agent_limit_name(int32_t limit);
 
 // Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
 // whitespace trimmed). Both sides of a transfer must have the same key. The key is copied and
@@ -1038,7 +1083,8 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
 // poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 // block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
 // deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
-// an error nothing was submitted and `done` is never called.
+// an error nothing was submitted and `done` is never called. `kvrelay_agent_submit` is the
+// same with the failure detail passed to the callback and a destroy function for `user_data`.
 //
 // # Safety
 // `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
@@ -1049,6 +1095,20 @@ kvrelay_status kvrelay_agent_fetch(const struct kvrelay_agent *agent,
                                                 const struct kvrelay_fetch_result *result),
                                    void *user_data,
                                    struct kvrelay_fetch **out);
+
+// Submit a fetch with the completion of `callbacks` (may be NULL: poll or wait instead): as
+// `kvrelay_agent_fetch`, but the callback also receives the failure detail (no round trip to
+// `kvrelay_fetch_detail`), and `callbacks->destroy` releases `user_data` exactly once on
+// every path, including a refused submission (`KVRELAY_ERR_INVALID_ARGUMENT` also for a
+// `callbacks->size` smaller than this header's struct).
+//
+// # Safety
+// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+// `callbacks` NULL or readable for `callbacks->size` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_agent_submit(const struct kvrelay_agent *agent,
+                                    const struct kvrelay_fetch_params *params,
+                                    const struct kvrelay_fetch_callbacks *callbacks,
+                                    struct kvrelay_fetch **out);
 
 // The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
 // (nothing written) while it runs. Never blocks.
@@ -1112,12 +1172,17 @@ kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
                                           size_t len,
                                           struct kvrelay_source_speed *out);
 
-// A copy of the agent's counters.
+// Copy the agent's counters into `out`, of which the caller knows `size` bytes: pass
+// `sizeof(kvrelay_agent_stats)`. Fields are only ever appended to `kvrelay_agent_stats`, so a
+// caller built against an older header gets the fields it knows and nothing past them is
+// written; `size` must be a non-zero multiple of 8 (every field is a `uint64_t`), else
+// `KVRELAY_ERR_INVALID_ARGUMENT`. Fields this library lacks (a newer caller) are zeroed.
 //
 // # Safety
-// `agent` NULL or live; `out` NULL or writable.
-kvrelay_status kvrelay_agent_get_stats(const struct kvrelay_agent *agent,
-                                       struct kvrelay_agent_stats *out);
+// `agent` NULL or live; `out` NULL or writable for `size` bytes.
+kvrelay_status kvrelay_agent_read_stats(const struct kvrelay_agent *agent,
+                                        struct kvrelay_agent_stats *out,
+                                        size_t size);
 
 // The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
 // convention: `*len_out` gets the size; the text may grow between a size query and the fill,
@@ -1600,7 +1665,7 @@ kvrelay_status kvrelay_snapshot_action_envelope(const struct kvrelay_snapshot *s
 // double release or a use after release is detected rather than undefined.
 bool kvrelay_debug_checks(void);
 
-// The library's version as a static NUL-terminated string, e.g. `"0.1.0"`. Compare it with the
+// The library's version as a static NUL-terminated string, e.g. `"0.2.0"`. Compare it with the
 // `KVRELAY_VERSION_*` macros to detect a header/library mismatch.
 const char *kvrelay_version(void);
 

@@ -586,9 +586,16 @@ class AgentConfig {
     check(kvrelay_agent_config_set_transport(h_.get(), name.data(), name.size(), lib_dir.data(), lib_dir.size()));
     return *this;
   }
-  AgentConfig &limits(const kvrelay_agent_limits &l) {
-    check(kvrelay_agent_config_set_limits(h_.get(), &l));
+  /// Set one limit by name (kvrelay_agent_config_set_limit; times in milliseconds).
+  AgentConfig &limit(kvrelay_agent_limit which, uint64_t value) {
+    check(kvrelay_agent_config_set_limit(h_.get(), which, value));
     return *this;
+  }
+  /// The value of one limit (the documented default until set).
+  uint64_t limit(kvrelay_agent_limit which) const {
+    uint64_t v = 0;
+    check(kvrelay_agent_config_get_limit(h_.get(), which, &v));
+    return v;
   }
   /// A pre-shared key both sides must prove they hold.
   AgentConfig &key(std::string_view k) {
@@ -708,7 +715,7 @@ class Agent {
   }
   kvrelay_agent_stats stats() const {
     kvrelay_agent_stats s;
-    check(kvrelay_agent_get_stats(h_.get(), &s));
+    check(kvrelay_agent_read_stats(h_.get(), &s, sizeof s));
     return s;
   }
   const kvrelay_agent *get() const noexcept { return h_.get(); }

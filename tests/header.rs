@@ -136,3 +136,93 @@ fn c_enums_agree_with_the_rust_lists() {
     }
     assert!(statuses >= 16, "{statuses} statuses found in the header");
 }
+
+/// The agent's C enums are generated from nowhere but their Rust tables: every
+/// `KVRELAY_FETCH_X = n` is `FailReason` `n` with label `x` (0 is `ok`), every
+/// `KVRELAY_LIMIT_X = n` is `LimitKey` `n` with label `x`, and nothing is missing either way.
+#[cfg(feature = "agent")]
+#[test]
+fn agent_enums_agree_with_their_tables() {
+    use kvrelay::agent::{FailReason, LimitKey};
+    use kvrelay::ffi::agent::{kvrelay_agent_limit_name, kvrelay_fetch_failure_name};
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    // SAFETY: both name functions return static NUL-terminated strings for any value.
+    let c_str = |p: *const std::ffi::c_char| unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap();
+    let entries = |prefix: &str| -> Vec<(String, i32)> {
+        h.lines()
+            .map(str::trim)
+            .filter_map(|l| l.strip_prefix(prefix))
+            .filter_map(|rest| rest.trim_end_matches(',').split_once(" = "))
+            .map(|(n, v)| (n.to_ascii_lowercase(), v.parse().unwrap()))
+            .collect()
+    };
+    let fetch = entries("KVRELAY_FETCH_");
+    assert_eq!(fetch.len(), FailReason::ALL.len() + 1, "{fetch:?}");
+    for (name, v) in &fetch {
+        assert_eq!(c_str(kvrelay_fetch_failure_name(*v)), name, "KVRELAY_FETCH_{name}");
+        if *v > 0 {
+            assert_eq!(FailReason::ALL.iter().find(|r| **r as i32 == *v).map(|r| r.as_str()), Some(name.as_str()));
+        }
+    }
+    let limits = entries("KVRELAY_LIMIT_");
+    assert_eq!(limits.len(), LimitKey::ALL.len(), "{limits:?}");
+    for (name, v) in &limits {
+        assert_eq!(c_str(kvrelay_agent_limit_name(*v)), name, "KVRELAY_LIMIT_{name}");
+        assert_eq!(LimitKey::from_i32(*v).map(|k| k.as_str()), Some(name.as_str()));
+    }
+    assert_eq!(c_str(kvrelay_agent_limit_name(0)), "unknown");
+    assert_eq!(c_str(kvrelay_fetch_failure_name(99)), "unknown");
+}
+
+/// Every struct of the header, compiled by the C compiler, has the size `tests/data/abi_sizes.txt`
+/// records for this version. A struct whose size changes (or a new struct) fails here until the
+/// version in Cargo.toml changes and rows for the new version are added: an executor built
+/// against an earlier header must never meet a struct of another size under the same version.
+/// `KVRELAY_BLESS=1` prints the rows of the current header.
+#[test]
+fn struct_sizes_change_only_with_the_version() {
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    let names: Vec<&str> =
+        h.lines().filter_map(|l| l.strip_prefix("typedef struct ")).filter_map(|r| r.strip_suffix(" {")).collect();
+    assert!(names.len() >= 10, "{names:?}");
+    let dir = std::env::temp_dir().join(format!("kvrelay-abi-sizes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut prog = String::from("#include <stdio.h>\n#include \"kvrelay.h\"\nint main(void) {\n");
+    for n in &names {
+        prog.push_str(&format!("  printf(\"{n} %zu\\n\", sizeof(struct {n}));\n"));
+    }
+    prog.push_str("  return 0;\n}\n");
+    std::fs::write(dir.join("sizes.c"), prog).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc)
+        .args(["-std=c11", "-I"])
+        .arg(root().join("include"))
+        .arg(dir.join("sizes.c"))
+        .arg("-o")
+        .arg(dir.join("sizes"))
+        .status()
+        .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC): {e}"));
+    assert!(built.success(), "compiling the size table's program failed");
+    let out = std::process::Command::new(dir.join("sizes")).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let version = env!("CARGO_PKG_VERSION");
+    let now: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(|l| format!("{version} {l}")).collect();
+    if std::env::var_os("KVRELAY_BLESS").is_some() {
+        println!("{}", now.join("\n"));
+    }
+    let table = std::fs::read_to_string(root().join("tests/data/abi_sizes.txt")).unwrap();
+    let recorded: Vec<&str> = table.lines().filter(|l| l.split_whitespace().next() == Some(version)).collect();
+    assert!(
+        !recorded.is_empty(),
+        "tests/data/abi_sizes.txt has no rows for version {version}: add them (KVRELAY_BLESS=1 prints them)"
+    );
+    let mut want: Vec<&str> = recorded.iter().map(|l| l.trim()).collect();
+    let mut got: Vec<&str> = now.iter().map(String::as_str).collect();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(
+        got, want,
+        "struct sizes differ from those recorded for {version}: a struct's size may change only with a new \
+         version (bump it in Cargo.toml and add its rows; never edit the rows of a released version)"
+    );
+}

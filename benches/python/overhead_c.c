@@ -50,10 +50,7 @@ int main(int argc, char **argv) {
   kvrelay_agent_fingerprint fp = {32, 1, 1, 64, 2, 1};
   kvrelay_agent_config *ac;
   if (kvrelay_agent_config_new(&fp, &ac) || kvrelay_agent_config_set_listen(ac, "", 0)) return 4;
-  kvrelay_agent_limits lim;
-  kvrelay_agent_limits_default(&lim);
-  lim.max_queued_fetches = 100000;
-  kvrelay_agent_config_set_limits(ac, &lim);
+  kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_MAX_QUEUED_FETCHES, 100000);
   kvrelay_block_holder h = {NULL, pin, unpin, NULL, NULL};
   kvrelay_agent *agent;
   if (kvrelay_agent_new(ac, layout, &h, &agent)) return 5;

@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STRUCTS = {
     "kvrelay_outcome": L.Outcome,
     "kvrelay_counters": L.Counters,
-    "kvrelay_agent_limits": L.AgentLimits,
     "kvrelay_agent_fingerprint": L.AgentFingerprint,
     "kvrelay_block_holder": L.BlockHolder,
     "kvrelay_str": L.Str,

@@ -137,6 +137,13 @@ def test_bad_agent_arguments():
         kvrelay.Agent(FP, dst.layout, object())
     with pytest.raises(ValueError):
         kvrelay.Agent(FP, dst.layout, dst, limits={"no_such_limit": 1})
+    # a limit past its field's range is refused, never wrapped (2**32 + 4 would become 4)
+    with pytest.raises(kvrelay.KvrelayError):
+        kvrelay.Agent(FP, dst.layout, dst, limits={"streams": 2**32 + 4})
+    with pytest.raises(ValueError):
+        kvrelay.Agent(FP, dst.layout, dst, limits={"streams": -1})
+    with kvrelay.Agent(FP, dst.layout, dst, listen=None, limits={"streams": 2, "idle_timeout_ms": 0}) as a:
+        assert a.stats["fetches_submitted"] == 0
     with kvrelay.Agent(FP, dst.layout, dst, listen=None) as a:
         with pytest.raises(ValueError):
             a.fetch("tcp://127.0.0.1:1", [1, 2], [])

@@ -87,12 +87,95 @@ impl Default for Limits {
     }
 }
 
-/// Check limits as [`Agent::new`](super::Agent::new) does.
-pub(crate) fn check_limits(l: &Limits) -> Result<(), String> {
-    l.check()
+crate::labels::labelled_enum! {
+    /// One limit by name: the C ABI's `kvrelay_agent_limit` (`kvrelay_agent_config_set_limit`),
+    /// so that limits can be added without changing a struct a caller compiled in. Durations
+    /// are in milliseconds. The discriminants are stable; new limits get new ones.
+    pub enum LimitKey: i32 {
+        /// [`Limits::max_connections`].
+        MaxConnections = 1 => "max_connections",
+        /// [`Limits::max_per_peer`].
+        MaxPerPeer = 2 => "max_per_peer",
+        /// [`Limits::max_pending`].
+        MaxPending = 3 => "max_pending",
+        /// [`Limits::handshake_timeout`], ms.
+        HandshakeTimeoutMs = 4 => "handshake_timeout_ms",
+        /// [`Limits::io_timeout`], ms.
+        IoTimeoutMs = 5 => "io_timeout_ms",
+        /// [`Limits::connect_timeout`], ms.
+        ConnectTimeoutMs = 6 => "connect_timeout_ms",
+        /// [`Limits::max_names`].
+        MaxNames = 7 => "max_names",
+        /// [`Limits::fetch_threads`].
+        FetchThreads = 8 => "fetch_threads",
+        /// [`Limits::max_queued_fetches`].
+        MaxQueuedFetches = 9 => "max_queued_fetches",
+        /// [`Limits::streams`].
+        Streams = 10 => "streams",
+        /// [`Limits::min_stream_bytes`].
+        MinStreamBytes = 11 => "min_stream_bytes",
+        /// [`Limits::idle_timeout`], ms.
+        IdleTimeoutMs = 12 => "idle_timeout_ms",
+        /// [`Limits::socket_buffer_bytes`].
+        SocketBufferBytes = 13 => "socket_buffer_bytes",
+    }
+}
+
+impl LimitKey {
+    /// The key with discriminant `v`, if any.
+    pub fn from_i32(v: i32) -> Option<LimitKey> {
+        LimitKey::ALL.into_iter().find(|k| *k as i32 == v)
+    }
 }
 
 impl Limits {
+    /// The value of one limit (durations in milliseconds).
+    pub fn get(&self, key: LimitKey) -> u64 {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        match key {
+            LimitKey::MaxConnections => self.max_connections.into(),
+            LimitKey::MaxPerPeer => self.max_per_peer.into(),
+            LimitKey::MaxPending => self.max_pending.into(),
+            LimitKey::HandshakeTimeoutMs => ms(self.handshake_timeout),
+            LimitKey::IoTimeoutMs => ms(self.io_timeout),
+            LimitKey::ConnectTimeoutMs => ms(self.connect_timeout),
+            LimitKey::MaxNames => self.max_names.into(),
+            LimitKey::FetchThreads => self.fetch_threads.into(),
+            LimitKey::MaxQueuedFetches => self.max_queued_fetches.into(),
+            LimitKey::Streams => self.streams.into(),
+            LimitKey::MinStreamBytes => self.min_stream_bytes,
+            LimitKey::IdleTimeoutMs => ms(self.idle_timeout),
+            LimitKey::SocketBufferBytes => self.socket_buffer_bytes.into(),
+        }
+    }
+
+    /// Set one limit (durations in milliseconds), checked as [`Limits`]'s ranges say; on an
+    /// error nothing changed. A value never wraps: one past its field's range is refused.
+    pub fn set(&mut self, key: LimitKey, value: u64) -> Result<(), String> {
+        let refuse = || format!("limit {} = {value}: out of range", key.as_str());
+        let small = || u32::try_from(value).map_err(|_| refuse());
+        let ms = Duration::from_millis(value);
+        let mut next = self.clone();
+        match key {
+            LimitKey::MaxConnections => next.max_connections = small()?,
+            LimitKey::MaxPerPeer => next.max_per_peer = small()?,
+            LimitKey::MaxPending => next.max_pending = small()?,
+            LimitKey::HandshakeTimeoutMs => next.handshake_timeout = ms,
+            LimitKey::IoTimeoutMs => next.io_timeout = ms,
+            LimitKey::ConnectTimeoutMs => next.connect_timeout = ms,
+            LimitKey::MaxNames => next.max_names = small()?,
+            LimitKey::FetchThreads => next.fetch_threads = small()?,
+            LimitKey::MaxQueuedFetches => next.max_queued_fetches = small()?,
+            LimitKey::Streams => next.streams = small()?,
+            LimitKey::MinStreamBytes => next.min_stream_bytes = value,
+            LimitKey::IdleTimeoutMs => next.idle_timeout = ms,
+            LimitKey::SocketBufferBytes => next.socket_buffer_bytes = small()?,
+        }
+        next.check()?;
+        *self = next;
+        Ok(())
+    }
+
     pub(super) fn check(&self) -> Result<(), String> {
         let ms = |d: Duration| d.as_millis();
         for (name, v, max) in [

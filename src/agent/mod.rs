@@ -15,7 +15,10 @@
 //! **Threads.** One accept thread; one thread per accepted connection (bounded: at most
 //! `max_pending` connections that have not yet sent a valid first message, closed after
 //! `handshake_timeout`, and at most `max_connections` serving; at most `max_per_peer` of
-//! either from one address); `fetch_threads` fetch workers. [`BlockHolder::pin`] and
+//! either from one address; when the handshake slots, or an address's places, are all taken,
+//! the oldest connection still in its handshake is closed to make room for the new one, so a
+//! flood of silent connections only evicts itself and a peer that speaks promptly always gets
+//! in, even from an address that also floods); `fetch_threads` fetch workers. [`BlockHolder::pin`] and
 //! [`BlockHolder::unpin`] run on connection threads, several at once; a fetch's completion
 //! callback runs on a fetch worker. Nothing the agent does blocks the thread that submits a
 //! fetch: DNS, connect, reads, verification and the copy into the pool all run on workers.
@@ -69,8 +72,7 @@ use std::time::{Duration, Instant};
 
 pub use allow::PeerAllow;
 pub use auth::Psk;
-pub(crate) use config::check_limits;
-pub use config::{AgentConfig, Fingerprint, Limits, Transport};
+pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport};
 pub use estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use stats::AgentStats;
 use stats::Stats;
@@ -98,68 +100,31 @@ pub trait BlockHolder: Send + Sync {
     }
 }
 
-/// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
-/// `kvrelay_fetch_failure`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(i32)]
-pub enum FailReason {
-    /// The endpoint did not resolve or the connection could not be opened.
-    Connect = 1,
-    /// A read, a write, the connect or the whole fetch ran past its deadline.
-    Timeout = 2,
-    /// The source refused (not allowed, busy, per-peer limit, bad request, too many names).
-    Refused = 3,
-    /// The two layouts or naming schemes differ.
-    FingerprintMismatch = 4,
-    /// A block's name, length or checksum is wrong, or a frame is malformed.
-    Corrupt = 5,
-    /// The stream ended early.
-    Truncated = 6,
-    /// The source holds none of the blocks asked for.
-    SourceMiss = 7,
-    /// Authentication failed (wrong key, or one side has none).
-    AuthFailed = 8,
-    /// The runtime cancelled the fetch.
-    Cancelled = 9,
-    /// The agent was shut down.
-    Shutdown = 10,
-}
-
-impl FailReason {
-    /// Every reason.
-    pub const ALL: [FailReason; 10] = [
-        FailReason::Connect,
-        FailReason::Timeout,
-        FailReason::Refused,
-        FailReason::FingerprintMismatch,
-        FailReason::Corrupt,
-        FailReason::Truncated,
-        FailReason::SourceMiss,
-        FailReason::AuthFailed,
-        FailReason::Cancelled,
-        FailReason::Shutdown,
-    ];
-
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailReason::Connect => "connect",
-            FailReason::Timeout => "timeout",
-            FailReason::Refused => "refused",
-            FailReason::FingerprintMismatch => "fingerprint_mismatch",
-            FailReason::Corrupt => "corrupt",
-            FailReason::Truncated => "truncated",
-            FailReason::SourceMiss => "source_miss",
-            FailReason::AuthFailed => "auth_failed",
-            FailReason::Cancelled => "cancelled",
-            FailReason::Shutdown => "shutdown",
-        }
-    }
-}
-
-impl fmt::Display for FailReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::labels::labelled_enum! {
+    /// Why a fetch stopped before every block it asked for arrived. Fixed values (the C ABI's
+    /// `kvrelay_fetch_failure`, whose `KVRELAY_FETCH_OK` is 0); the labels are the metric's.
+    pub enum FailReason: i32 {
+        /// The endpoint did not resolve or the connection could not be opened.
+        Connect = 1 => "connect",
+        /// A read, a write, the connect or the whole fetch ran past its deadline.
+        Timeout = 2 => "timeout",
+        /// The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+        Refused = 3 => "refused",
+        /// The two layouts or naming schemes differ.
+        FingerprintMismatch = 4 => "fingerprint_mismatch",
+        /// A block's name, length or checksum is wrong, or a frame is malformed (also: the
+        /// fetch panicked inside the agent, with a detail saying so).
+        Corrupt = 5 => "corrupt",
+        /// The stream ended early.
+        Truncated = 6 => "truncated",
+        /// The source holds none of the blocks asked for.
+        SourceMiss = 7 => "source_miss",
+        /// Authentication failed (wrong key, or one side has none).
+        AuthFailed = 8 => "auth_failed",
+        /// The runtime cancelled the fetch.
+        Cancelled = 9 => "cancelled",
+        /// The agent was shut down.
+        Shutdown = 10 => "shutdown",
     }
 }
 
@@ -347,6 +312,10 @@ struct Inner {
     stop: AtomicBool,
     /// Connections per peer address (handshake and serving).
     peers: Mutex<HashMap<IpAddr, u32>>,
+    /// Accepted connections that have not completed their handshake yet, oldest first: when
+    /// the handshake slots (or an address's places) are all taken, the oldest of them makes
+    /// room for a new connection (see `service::make_room`).
+    greeting: Mutex<VecDeque<service::Greeting>>,
     /// Live sockets (served and fetched), shut down at stop; the count of live connection
     /// threads is the map's length.
     conns: Mutex<(u64, HashMap<u64, TcpStream>)>,
@@ -542,6 +511,7 @@ impl Agent {
             stats: Stats::default(),
             stop: AtomicBool::new(false),
             peers: Mutex::new(HashMap::new()),
+            greeting: Mutex::new(VecDeque::new()),
             conns: Mutex::new((0, HashMap::new())),
             conns_idle: Condvar::new(),
             jobs: Mutex::new(VecDeque::new()),

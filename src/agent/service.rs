@@ -47,13 +47,29 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             wire::refuse(&mut s, Refusal::PeerNotAllowed, "this peer is not on the KV service's allowlist", quick);
             continue;
         }
-        let refusal = if !take_peer(inner, ip) {
+        // a full address or full handshake slots make room by closing the oldest connection
+        // that has not completed its handshake (of that address, or of any): a flood of silent
+        // or slow connections then only ever evicts itself, and a peer that speaks promptly
+        // gets in, even from an address that also floods
+        let mut evicted_own = false;
+        let mut peer_ok = take_peer(inner, ip);
+        if !peer_ok && make_room(inner, Some(ip)) {
+            force_peer(inner, ip);
+            (evicted_own, peer_ok) = (true, true);
+        }
+        let refusal = if !peer_ok {
             Some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
-        } else if !take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
+        } else if take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
+            None
+        } else if evicted_own {
+            // the connection evicted for this address's place also frees a handshake slot
+            inner.stats.pending_now.fetch_add(1, Ordering::Relaxed);
+            None
+        } else if make_room(inner, None) {
+            None
+        } else {
             release_peer(inner, ip);
             Some((Refusal::Busy, "too many connections are in their handshake"))
-        } else {
-            None
         };
         if let Some((r, text)) = refusal {
             inner.stats.refused(r);
@@ -65,6 +81,7 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             release(inner, ip, Slot::Pending);
             continue;
         };
+        inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).push_back(Greeting { id, ip, evicted: false });
         let worker = inner.clone();
         let spawned = std::thread::Builder::new().name("kvrelay-serve".into()).stack_size(1 << 20).spawn(move || {
             let _ = s.set_nodelay(true);
@@ -73,13 +90,14 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             // what it holds is given back on every path: a panic in serving (a holder callback
             // that unwinds, say) ends this connection only, never leaks a slot or the count
             // that the agent's drop waits on
-            let mut held = Held { slot: Slot::Pending, counted: true };
+            let mut held = Held { slot: Slot::Pending, counted: true, greeting: Some(id) };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 serve(&worker, &mut s, &mut scratch, Some(ip), &mut held)
             }));
             if r.is_err() {
                 Stats::add(&worker.stats.serve_aborted, 1);
             }
+            greeted(&worker, id);
             release_slot(&worker, held.slot);
             if held.counted {
                 release_peer(&worker, ip);
@@ -88,6 +106,7 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             worker.unregister(id);
         });
         if spawned.is_err() {
+            greeted(inner, id);
             release(inner, ip, Slot::Pending);
             inner.unregister(id);
         }
@@ -102,12 +121,69 @@ pub(super) struct Held {
     pub(super) slot: Slot,
     /// Whether it counts against its peer's `max_per_peer`.
     pub(super) counted: bool,
+    /// Its registration while it may still be evicted (until its handshake completed).
+    pub(super) greeting: Option<u64>,
 }
 
 impl Default for Held {
     fn default() -> Held {
-        Held { slot: Slot::None, counted: false }
+        Held { slot: Slot::None, counted: false, greeting: None }
     }
+}
+
+/// An accepted connection that has not completed its handshake (`Inner::greeting`).
+pub(super) struct Greeting {
+    /// Its registration id (`Inner::conns`).
+    id: u64,
+    /// Its peer.
+    ip: IpAddr,
+    /// Already shut down to make room: its thread is ending.
+    evicted: bool,
+}
+
+/// Make room for a new connection: shut down the oldest connection still in its handshake (of
+/// `ip` when given). Its thread ends within a step and gives back its slot and place; until then
+/// the new connection is counted beyond the limit, so the overshoot is bounded by the
+/// connections evicted and not yet gone, which never exceed [`MAX_EVICTED`] or `max_pending`,
+/// whichever is larger. False when nothing can be evicted.
+fn make_room(inner: &Inner, ip: Option<IpAddr>) -> bool {
+    let mut g = inner.greeting.lock().unwrap_or_else(|e| e.into_inner());
+    if g.iter().filter(|x| x.evicted).count() >= MAX_EVICTED.max(inner.limits.max_pending as usize) {
+        return false;
+    }
+    let Some(victim) = g.iter_mut().find(|x| !x.evicted && ip.is_none_or(|ip| x.ip == ip)) else { return false };
+    victim.evicted = true;
+    if let Some(s) = inner.conns.lock().unwrap_or_else(|e| e.into_inner()).1.get(&victim.id) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    drop(g);
+    Stats::add(&inner.stats.handshake_evicted, 1);
+    if ip.is_none() {
+        // the evicted connection gives its handshake slot back when its thread ends; the new
+        // one takes its own now
+        inner.stats.pending_now.fetch_add(1, Ordering::Relaxed);
+    }
+    true
+}
+
+/// Count one more connection of `ip` beyond its limit (after [`make_room`] evicted one of its
+/// own, which gives its place back when its thread ends).
+fn force_peer(inner: &Inner, ip: IpAddr) {
+    *inner.peers.lock().unwrap_or_else(|e| e.into_inner()).entry(ip).or_insert(0) += 1;
+}
+
+/// Most evicted connections whose threads have not ended yet (they end within a step; a burst
+/// of new connections can outrun the threads' start).
+const MAX_EVICTED: usize = 64;
+
+/// Whether connection `id` was evicted.
+fn evicted(inner: &Inner, id: u64) -> bool {
+    inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|x| x.id == id && x.evicted)
+}
+
+/// Connection `id` completed its handshake or ended: it can no longer be evicted.
+fn greeted(inner: &Inner, id: u64) {
+    inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| x.id != id);
 }
 
 /// Which gauge a connection holds.
@@ -255,17 +331,25 @@ fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
 /// refuses it with `per_peer_limit`). `held` says at every moment which slot it holds and
 /// whether it counts against its peer (what the caller gives back when it ends, or panics).
 pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer: Option<IpAddr>, held: &mut Held) {
-    *held = Held { slot: if peer.is_some() { Slot::Pending } else { Slot::None }, counted: peer.is_some() };
+    held.slot = if peer.is_some() { Slot::Pending } else { Slot::None };
+    held.counted = peer.is_some();
     let hs = Instant::now() + inner.limits.handshake_timeout;
     match handshake(inner, c, scratch, hs) {
-        Ok(()) => {}
+        Ok(()) => {
+            if let Some(id) = held.greeting.take() {
+                greeted(inner, id);
+            }
+        }
         Err(Hs::Refuse(r, text)) => {
             inner.stats.refused(r);
             wire::refuse(c, r, text, inner.io_deadline());
             return;
         }
         Err(Hs::Gone) => {
-            Stats::add(&inner.stats.handshake_timeouts, 1);
+            // an evicted connection is counted as such (`handshake_evicted`), not as a timeout
+            if !held.greeting.is_some_and(|id| evicted(inner, id)) {
+                Stats::add(&inner.stats.handshake_timeouts, 1);
+            }
             return;
         }
     }

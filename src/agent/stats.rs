@@ -80,6 +80,9 @@ pub struct AgentStats {
     pub reused: u64,
     /// Fetched: streams that went over a kept-alive connection.
     pub streams_reused: u64,
+    /// Connections closed, before their first valid message, to make room for a newer one
+    /// (the handshake slots or their address's `max_per_peer` were all taken).
+    pub handshake_evicted: u64,
 }
 
 macro_rules! stats {
@@ -104,7 +107,7 @@ stats! {
     fetch_failed_refused, fetch_failed_fingerprint_mismatch, fetch_failed_corrupt,
     fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
-    blocks_withheld, blocks_returned, reused, streams_reused,
+    blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
 }
 
 impl Stats {
@@ -179,6 +182,11 @@ impl Stats {
             ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
             ("reused", "Served transfers that came on a kept-alive connection.", s.reused),
             ("streams_reused", "Fetch streams that went over a kept-alive connection.", s.streams_reused),
+            (
+                "handshake_evicted",
+                "Connections closed before their first valid message to make room for a newer one.",
+                s.handshake_evicted,
+            ),
         ] {
             let _ =
                 writeln!(t, "# HELP {p}_{name}_total {help}\n# TYPE {p}_{name}_total counter\n{p}_{name}_total {v}");

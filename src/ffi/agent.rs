@@ -11,7 +11,7 @@ use super::status::kvrelay_status::{self, *};
 use super::types::kvrelay_str;
 use crate::agent::{
     Agent, AgentConfig, AgentError, AgentStats, BlockHolder, FailReason, Fetch, FetchRequest, FetchResult, Fingerprint,
-    Limits, PeerAllow, Psk, Transport,
+    LimitKey, PeerAllow, Psk, Transport,
 };
 
 /// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -32,87 +32,47 @@ pub struct kvrelay_agent_fingerprint {
     pub naming: u64,
 }
 
-/// The agent's limits; `kvrelay_agent_limits_default` fills the documented defaults. Times in
-/// milliseconds; every value must be at least 1, except `idle_timeout_ms` (0 turns reuse off).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct kvrelay_agent_limits {
-    /// Connections serving transfers at once, all peers together (64).
-    pub max_connections: u32,
+/// One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
+/// name, so that limits can be added without changing a struct a caller compiled in). Fixed
+/// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
+/// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS` and `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_agent_limit {
+    /// Connections serving transfers at once, all peers together (64; at most 4096).
+    KVRELAY_LIMIT_MAX_CONNECTIONS = 1,
     /// Connections from one peer address, serving or in their handshake (16: a peer's
-    /// `fetch_threads` times its `streams`); a kept-alive connection waiting for its next hello
-    /// counts again only when that hello comes.
-    pub max_per_peer: u32,
-    /// Connections that have not sent a valid first message yet (32); they never hold a
-    /// serving slot. Kept-alive connections waiting for their next hello count here too, up to
-    /// half of it only, so that new peers always find handshake slots.
-    pub max_pending: u32,
-    /// Time a new connection has for its handshake (2000).
-    pub handshake_timeout_ms: u32,
-    /// Deadline of every other read and write (5000).
-    pub io_timeout_ms: u32,
-    /// Connect deadline of a fetch (2000).
-    pub connect_timeout_ms: u32,
-    /// Most names in one request, served or fetched (65536).
-    pub max_names: u32,
-    /// Fetch worker threads (4).
-    pub fetch_threads: u32,
-    /// Fetches waiting for a worker before `kvrelay_agent_fetch` answers `KVRELAY_ERR_BUSY` (1024).
-    pub max_queued_fetches: u32,
+    /// `fetch_threads` times its `streams`; at most 4096); a kept-alive connection waiting for
+    /// its next hello counts again only when that hello comes.
+    KVRELAY_LIMIT_MAX_PER_PEER = 2,
+    /// Connections that have not sent a valid first message yet (32; at most 4096); they never
+    /// hold a serving slot. Kept-alive connections waiting for their next hello count here too,
+    /// up to half of it only, so that new peers always find handshake slots.
+    KVRELAY_LIMIT_MAX_PENDING = 3,
+    /// Time a new connection has for its handshake (2000 ms; at most one hour).
+    KVRELAY_LIMIT_HANDSHAKE_TIMEOUT_MS = 4,
+    /// Deadline of every other read and write (5000 ms; at most one hour).
+    KVRELAY_LIMIT_IO_TIMEOUT_MS = 5,
+    /// Connect deadline of a fetch (2000 ms; at most one hour).
+    KVRELAY_LIMIT_CONNECT_TIMEOUT_MS = 6,
+    /// Most names in one request, served or fetched (65536; at most 4194304).
+    KVRELAY_LIMIT_MAX_NAMES = 7,
+    /// Fetch worker threads (4; at most 256).
+    KVRELAY_LIMIT_FETCH_THREADS = 8,
+    /// Fetches waiting for a worker before submission answers `KVRELAY_ERR_BUSY` (1024).
+    KVRELAY_LIMIT_MAX_QUEUED_FETCHES = 9,
     /// TCP connections one fetch spreads its run over, each with a contiguous part of at least
-    /// `min_stream_bytes` (4; NIXL fetches use one). The agent makes this many movers (two
-    /// staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
-    pub streams: u32,
+    /// `min_stream_bytes` (4; at most 16; NIXL fetches use one). The agent makes this many
+    /// movers (two staging slots of 4 MiB or one block each, pinned for a GPU pool) when it starts.
+    KVRELAY_LIMIT_STREAMS = 10,
     /// Least bytes each stream of a multi-stream fetch carries (8388608: 8 MiB).
-    pub min_stream_bytes: u64,
+    KVRELAY_LIMIT_MIN_STREAM_BYTES = 11,
     /// How long a connection stays open after a transfer for the next one between the same two
-    /// agents (5000; 0: one transfer per connection).
-    pub idle_timeout_ms: u32,
+    /// agents (5000 ms; 0: one transfer per connection).
+    KVRELAY_LIMIT_IDLE_TIMEOUT_MS = 12,
     /// Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
     /// autotuning, the default).
-    pub socket_buffer_bytes: u32,
-}
-
-impl From<&Limits> for kvrelay_agent_limits {
-    fn from(l: &Limits) -> Self {
-        let ms = |d: Duration| d.as_millis().min(u32::MAX as u128) as u32;
-        kvrelay_agent_limits {
-            max_connections: l.max_connections,
-            max_per_peer: l.max_per_peer,
-            max_pending: l.max_pending,
-            handshake_timeout_ms: ms(l.handshake_timeout),
-            io_timeout_ms: ms(l.io_timeout),
-            connect_timeout_ms: ms(l.connect_timeout),
-            max_names: l.max_names,
-            fetch_threads: l.fetch_threads,
-            max_queued_fetches: l.max_queued_fetches,
-            streams: l.streams,
-            min_stream_bytes: l.min_stream_bytes,
-            idle_timeout_ms: ms(l.idle_timeout),
-            socket_buffer_bytes: l.socket_buffer_bytes,
-        }
-    }
-}
-
-impl From<&kvrelay_agent_limits> for Limits {
-    fn from(l: &kvrelay_agent_limits) -> Self {
-        let ms = |v: u32| Duration::from_millis(u64::from(v));
-        Limits {
-            max_connections: l.max_connections,
-            max_per_peer: l.max_per_peer,
-            max_pending: l.max_pending,
-            handshake_timeout: ms(l.handshake_timeout_ms),
-            io_timeout: ms(l.io_timeout_ms),
-            connect_timeout: ms(l.connect_timeout_ms),
-            max_names: l.max_names,
-            fetch_threads: l.fetch_threads,
-            max_queued_fetches: l.max_queued_fetches,
-            streams: l.streams,
-            min_stream_bytes: l.min_stream_bytes,
-            idle_timeout: ms(l.idle_timeout_ms),
-            socket_buffer_bytes: l.socket_buffer_bytes,
-        }
-    }
+    KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13,
 }
 
 /// An agent's configuration under construction. Owned: `_free`.
@@ -307,20 +267,6 @@ fn agent_err(e: AgentError) -> kvrelay_status {
     }
 }
 
-/// The documented default limits.
-///
-/// # Safety
-/// `out` NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn kvrelay_agent_limits_default(out: *mut kvrelay_agent_limits) -> kvrelay_status {
-    guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, kvrelay_agent_limits::from(&Limits::default())) };
-        Ok(())
-    })
-}
-
 /// A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
 /// default limits, no key.
 ///
@@ -461,24 +407,55 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_device(
     })
 }
 
-/// Set the limits (checked here: `KVRELAY_ERR_INVALID_CONFIG` for a zero or a value above its
-/// ceiling).
+/// Set one limit (`kvrelay_agent_limit`), checked here: `KVRELAY_ERR_INVALID_CONFIG` for an
+/// unknown limit or a value out of its range (nothing changed then). A new configuration holds
+/// the documented defaults.
 ///
 /// # Safety
-/// `config` NULL or live; `limits` NULL or readable.
+/// `config` NULL or live.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_agent_config_set_limits(
+pub unsafe extern "C" fn kvrelay_agent_config_set_limit(
     config: *mut kvrelay_agent_config,
-    limits: *const kvrelay_agent_limits,
+    limit: i32,
+    value: u64,
 ) -> kvrelay_status {
     guard(|| {
         // SAFETY: forwarded contract.
-        let (c, l) = unsafe { (input_mut(config)?, input(limits)?) };
-        let l = Limits::from(l);
-        crate::agent::check_limits(&l).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
-        c.inner.limits = l;
+        let c = unsafe { input_mut(config)? };
+        let key = LimitKey::from_i32(limit)
+            .ok_or_else(|| with_detail(KVRELAY_ERR_INVALID_CONFIG, format!("no agent limit {limit}")))?;
+        c.inner.limits.set(key, value).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))
+    })
+}
+
+/// The value of one limit (`kvrelay_agent_limit`) in `config`: the documented default until it
+/// is set. `KVRELAY_ERR_INVALID_ARGUMENT` for an unknown limit.
+///
+/// # Safety
+/// `config` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_get_limit(
+    config: *const kvrelay_agent_config,
+    limit: i32,
+    out: *mut u64,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let c = unsafe { input(config)? };
+        let key = LimitKey::from_i32(limit)
+            .ok_or_else(|| with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("no agent limit {limit}")))?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, c.inner.limits.get(key)) };
         Ok(())
     })
+}
+
+/// The label of a `kvrelay_agent_limit` value (`"max_connections"`, ...; `"unknown"` for other
+/// values). Static, NUL-terminated, never NULL.
+#[no_mangle]
+pub extern "C" fn kvrelay_agent_limit_name(limit: i32) -> *const c_char {
+    LimitKey::from_i32(limit).map_or(c"unknown".as_ptr(), |k| k.c_label().as_ptr().cast())
 }
 
 /// Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
@@ -650,7 +627,8 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
 /// poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 /// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
 /// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
-/// an error nothing was submitted and `done` is never called.
+/// an error nothing was submitted and `done` is never called. `kvrelay_agent_submit` is the
+/// same with the failure detail passed to the callback and a destroy function for `user_data`.
 ///
 /// # Safety
 /// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
@@ -663,44 +641,140 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
     user_data: *mut c_void,
     out: *mut *mut kvrelay_fetch,
 ) -> kvrelay_status {
+    struct Done(unsafe extern "C" fn(*mut c_void, *const kvrelay_fetch_result), *mut c_void);
+    // SAFETY: the callback contract (kvrelay_agent_fetch) lets it run on an agent thread with
+    // the user_data given for it.
+    unsafe impl Send for Done {}
+    let cb = done.map(|f| {
+        let d = Done(f, user_data);
+        Box::new(move |r: &FetchResult| {
+            let d = &d;
+            let c = kvrelay_fetch_result::from(r);
+            // SAFETY: the consumer's callback, called once with its user_data and a result
+            // that lives for the call.
+            unsafe { (d.0)(d.1, &c) }
+        }) as crate::agent::OnDone
+    });
+    // SAFETY: forwarded contract.
+    guard(|| unsafe { submit(agent, params, cb, out) })
+}
+
+/// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
+/// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+/// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
+///   threads, when the fetch completes (also when it was cancelled or the agent is being
+///   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
+///   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
+///   `detail` are valid during the call. It must not unwind and must not free the agent; it
+///   may free the fetch handle.
+/// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
+///   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
+///   is refused, before `kvrelay_agent_submit` returns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_callbacks {
+    /// `sizeof(kvrelay_fetch_callbacks)`.
+    pub size: usize,
+    /// Passed back to both callbacks.
+    pub user_data: *mut c_void,
+    /// The completion.
+    pub done:
+        Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result, detail: kvrelay_str)>,
+    /// Releases `user_data`.
+    pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+}
+
+/// Submit a fetch with the completion of `callbacks` (may be NULL: poll or wait instead): as
+/// `kvrelay_agent_fetch`, but the callback also receives the failure detail (no round trip to
+/// `kvrelay_fetch_detail`), and `callbacks->destroy` releases `user_data` exactly once on
+/// every path, including a refused submission (`KVRELAY_ERR_INVALID_ARGUMENT` also for a
+/// `callbacks->size` smaller than this header's struct).
+///
+/// # Safety
+/// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+/// `callbacks` NULL or readable for `callbacks->size` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_submit(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    callbacks: *const kvrelay_fetch_callbacks,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
+    /// Runs `destroy` when dropped: after `done`, or with a refused submission's closure.
+    struct Callbacks(kvrelay_fetch_callbacks);
+    // SAFETY: the callbacks' contract lets them run on an agent thread with their user_data.
+    unsafe impl Send for Callbacks {}
+    impl Drop for Callbacks {
+        fn drop(&mut self) {
+            if let Some(d) = self.0.destroy {
+                // SAFETY: the consumer's destroy, called once (this value is dropped once).
+                unsafe { d(self.0.user_data) }
+            }
+        }
+    }
     guard(|| {
-        let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
-        let (a, p) = unsafe { (input(agent)?, input(params)?) };
-        // SAFETY: forwarded contract.
-        let (endpoint, names, dst) = unsafe {
-            (
-                text(p.endpoint.ptr.cast(), p.endpoint.len)?,
-                array(p.names, p.names_len)?,
-                array(p.dst_blocks, p.dst_len)?,
-            )
-        };
-        let req = FetchRequest {
-            endpoint: endpoint.to_string(),
-            names: names.to_vec(),
-            held: p.held,
-            dst: dst.to_vec(),
-            deadline: Duration::from_millis(u64::from(p.deadline_ms)),
-        };
-        struct Done(unsafe extern "C" fn(*mut c_void, *const kvrelay_fetch_result), *mut c_void);
-        // SAFETY: the callback contract (kvrelay_fetch_done) lets it run on an agent thread
-        // with the user_data given for it.
-        unsafe impl Send for Done {}
-        let cb = done.map(|f| {
-            let d = Done(f, user_data);
+        let cbs = if callbacks.is_null() { None } else { Some(Callbacks(unsafe { *callbacks })) };
+        if let Some(c) = &cbs {
+            if c.0.size < std::mem::size_of::<kvrelay_fetch_callbacks>() {
+                return Err(with_detail(
+                    KVRELAY_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "callbacks of {} bytes (this library's are {})",
+                        c.0.size,
+                        std::mem::size_of::<kvrelay_fetch_callbacks>()
+                    ),
+                ));
+            }
+        }
+        let cb = cbs.map(|c| {
             Box::new(move |r: &FetchResult| {
-                let d = &d;
-                let c = kvrelay_fetch_result::from(r);
-                // SAFETY: the consumer's callback, called once with its user_data and a result
-                // that lives for the call.
-                unsafe { (d.0)(d.1, &c) }
+                let c = &c;
+                if let Some(done) = c.0.done {
+                    let res = kvrelay_fetch_result::from(r);
+                    let detail = kvrelay_str {
+                        ptr: if r.detail.is_empty() { c"".as_ptr() } else { r.detail.as_ptr().cast() },
+                        len: r.detail.len(),
+                    };
+                    // SAFETY: the consumer's callback, called once with its user_data, a result
+                    // and a detail that live for the call.
+                    unsafe { done(c.0.user_data, &res, detail) }
+                }
             }) as crate::agent::OnDone
         });
-        let f = a.inner.submit(req, cb).map_err(agent_err)?;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, Box::into_raw(Box::new(kvrelay_fetch { inner: f }))) };
-        Ok(())
+        // SAFETY: forwarded contract.
+        unsafe { submit(agent, params, cb, out) }
     })
+}
+
+/// The checks and the submission both entry points share; on an error `cb` is dropped unrun.
+///
+/// # Safety
+/// As `kvrelay_agent_fetch`.
+unsafe fn submit(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    cb: Option<crate::agent::OnDone>,
+    out: *mut *mut kvrelay_fetch,
+) -> Result<(), kvrelay_status> {
+    let out = out_ptr(out)?;
+    // SAFETY: forwarded contract.
+    let (a, p) = unsafe { (input(agent)?, input(params)?) };
+    // SAFETY: forwarded contract.
+    let (endpoint, names, dst) = unsafe {
+        (text(p.endpoint.ptr.cast(), p.endpoint.len)?, array(p.names, p.names_len)?, array(p.dst_blocks, p.dst_len)?)
+    };
+    let req = FetchRequest {
+        endpoint: endpoint.to_string(),
+        names: names.to_vec(),
+        held: p.held,
+        dst: dst.to_vec(),
+        deadline: Duration::from_millis(u64::from(p.deadline_ms)),
+    };
+    let f = a.inner.submit(req, cb).map_err(agent_err)?;
+    // SAFETY: checked non-NULL; writable per the contract.
+    unsafe { put(out, Box::into_raw(Box::new(kvrelay_fetch { inner: f }))) };
+    Ok(())
 }
 
 /// The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
@@ -834,18 +908,36 @@ pub unsafe extern "C" fn kvrelay_agent_source_speed(
     })
 }
 
-/// A copy of the agent's counters.
+/// Copy the agent's counters into `out`, of which the caller knows `size` bytes: pass
+/// `sizeof(kvrelay_agent_stats)`. Fields are only ever appended to `kvrelay_agent_stats`, so a
+/// caller built against an older header gets the fields it knows and nothing past them is
+/// written; `size` must be a non-zero multiple of 8 (every field is a `uint64_t`), else
+/// `KVRELAY_ERR_INVALID_ARGUMENT`. Fields this library lacks (a newer caller) are zeroed.
 ///
 /// # Safety
-/// `agent` NULL or live; `out` NULL or writable.
+/// `agent` NULL or live; `out` NULL or writable for `size` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn kvrelay_agent_get_stats(agent: *const kvrelay_agent, out: *mut AgentStats) -> kvrelay_status {
+pub unsafe extern "C" fn kvrelay_agent_read_stats(
+    agent: *const kvrelay_agent,
+    out: *mut AgentStats,
+    size: usize,
+) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
+        if size == 0 || size % 8 != 0 {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("a stats size of {size} bytes")));
+        }
         // SAFETY: forwarded contract.
         let a = unsafe { input(agent) }?;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, a.inner.stats()) };
+        let s = a.inner.stats();
+        let n = size.min(std::mem::size_of::<AgentStats>());
+        // SAFETY: `out` is writable for `size` bytes (contract) and `n <= size`; `s` is a live
+        // local of `size_of::<AgentStats>() >= n` bytes; the two do not overlap. Bytes past `n`
+        // (a newer caller's fields) are zeroed, within `size`.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&s as *const AgentStats).cast::<u8>(), out.cast::<u8>(), n);
+            std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
+        }
         Ok(())
     })
 }
@@ -903,18 +995,8 @@ pub extern "C" fn kvrelay_fetch_failure_name(failure: i32) -> *const c_char {
     if failure == 0 {
         return c"ok".as_ptr();
     }
-    match FailReason::ALL.iter().find(|r| **r as i32 == failure) {
-        Some(FailReason::Connect) => c"connect",
-        Some(FailReason::Timeout) => c"timeout",
-        Some(FailReason::Refused) => c"refused",
-        Some(FailReason::FingerprintMismatch) => c"fingerprint_mismatch",
-        Some(FailReason::Corrupt) => c"corrupt",
-        Some(FailReason::Truncated) => c"truncated",
-        Some(FailReason::SourceMiss) => c"source_miss",
-        Some(FailReason::AuthFailed) => c"auth_failed",
-        Some(FailReason::Cancelled) => c"cancelled",
-        Some(FailReason::Shutdown) => c"shutdown",
-        None => c"unknown",
-    }
-    .as_ptr()
+    FailReason::ALL
+        .into_iter()
+        .find(|r| *r as i32 == failure)
+        .map_or(c"unknown".as_ptr(), |r| r.c_label().as_ptr().cast())
 }

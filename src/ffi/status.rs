@@ -57,13 +57,13 @@ pub enum kvrelay_status {
 /// Major version of the library the header belongs to (checked against the crate version).
 pub const KVRELAY_VERSION_MAJOR: u32 = 0;
 /// Minor version.
-pub const KVRELAY_VERSION_MINOR: u32 = 1;
+pub const KVRELAY_VERSION_MINOR: u32 = 2;
 /// Patch version.
 pub const KVRELAY_VERSION_PATCH: u32 = 0;
 
 const VERSION: &[u8] = concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes();
 
-/// The library's version as a static NUL-terminated string, e.g. `"0.1.0"`. Compare it with the
+/// The library's version as a static NUL-terminated string, e.g. `"0.2.0"`. Compare it with the
 /// `KVRELAY_VERSION_*` macros to detect a header/library mismatch.
 #[no_mangle]
 pub extern "C" fn kvrelay_version() -> *const c_char {

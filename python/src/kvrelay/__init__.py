@@ -968,16 +968,19 @@ class Agent(_Handle):
                 e = _utf8("key_env", key_env)
                 _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, e, len(e)))
             if limits:
-                lim = L.AgentLimits()
-                _check("kvrelay_agent_limits_default", lib.kvrelay_agent_limits_default(ctypes.byref(lim)))
-                names = {n for n, _ in L.AgentLimits._fields_}
+                # limits by name (kvrelay_agent_limit): the library's own table of names
+                names = {}
+                for i in range(1, 256):
+                    n = lib.kvrelay_agent_limit_name(i).decode()
+                    if n == "unknown":
+                        break
+                    names[n] = i
                 for k, v in limits.items():
                     if k not in names:
                         raise ValueError(f"unknown limit {k!r} (one of {sorted(names)})")
-                    if not isinstance(v, int) or v < 0:
-                        raise ValueError(f"limit {k} must be a non-negative int")
-                    setattr(lim, k, v)
-                _check("kvrelay_agent_config_set_limits", lib.kvrelay_agent_config_set_limits(cfg, ctypes.byref(lim)))
+                    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**64:
+                        raise ValueError(f"limit {k} must be an int in 0..2**64")
+                    _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, names[k], v))
             if device is not None:
                 _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, int(device)))
             self._pin = L.PIN(self._on_pin)
@@ -1076,7 +1079,7 @@ class Agent(_Handle):
     @property
     def stats(self) -> dict[str, int]:
         s = L.AgentStats()
-        _check("kvrelay_agent_get_stats", lib.kvrelay_agent_get_stats(self._p, ctypes.byref(s)))
+        _check("kvrelay_agent_read_stats", lib.kvrelay_agent_read_stats(self._p, ctypes.byref(s), ctypes.sizeof(s)))
         return {n: getattr(s, n) for n in L.AGENT_STATS}
 
     def prometheus(self) -> str:

@@ -67,24 +67,6 @@ class Counters(Structure):
     _fields_ = [(n, c_uint64) for n in ("admitted", "untrusted", "unknown_version", "oversized", "malformed")]
 
 
-class AgentLimits(Structure):
-    _fields_ = [
-        ("max_connections", c_uint32),
-        ("max_per_peer", c_uint32),
-        ("max_pending", c_uint32),
-        ("handshake_timeout_ms", c_uint32),
-        ("io_timeout_ms", c_uint32),
-        ("connect_timeout_ms", c_uint32),
-        ("max_names", c_uint32),
-        ("fetch_threads", c_uint32),
-        ("max_queued_fetches", c_uint32),
-        ("streams", c_uint32),
-        ("min_stream_bytes", c_uint64),
-        ("idle_timeout_ms", c_uint32),
-        ("socket_buffer_bytes", c_uint32),
-    ]
-
-
 class AgentFingerprint(Structure):
     _fields_ = [
         ("block_tokens", c_uint32),
@@ -138,7 +120,7 @@ AGENT_STATS = (
     "fetch_failed_connect fetch_failed_timeout fetch_failed_refused fetch_failed_fingerprint_mismatch "
     "fetch_failed_corrupt fetch_failed_truncated fetch_failed_source_miss fetch_failed_auth_failed "
     "fetch_failed_cancelled fetch_failed_shutdown blocks_fetched bytes_fetched refused_unsupported "
-    "blocks_withheld blocks_returned reused streams_reused"
+    "blocks_withheld blocks_returned reused streams_reused handshake_evicted"
 ).split()
 
 
@@ -279,14 +261,15 @@ _PROTOS = {
     "kvrelay_cpu_engine_free": (None, [_vp]),
     "kvrelay_cuda_available": (c_int32, [c_int32]),
     "kvrelay_kv_checksum": (c_int32, [c_void_p, _sz, POINTER(c_uint64)]),
-    "kvrelay_agent_limits_default": (c_int32, [POINTER(AgentLimits)]),
     "kvrelay_agent_config_new": (c_int32, [POINTER(AgentFingerprint), _pp]),
     "kvrelay_agent_config_free": (None, [_vp]),
     "kvrelay_agent_config_set_listen": (c_int32, [_vp, c_char_p, _sz]),
     "kvrelay_agent_config_set_transport": (c_int32, [_vp, c_char_p, _sz, c_char_p, _sz]),
     "kvrelay_agent_config_allow_peer": (c_int32, [_vp, c_char_p, _sz]),
     "kvrelay_agent_config_set_device": (c_int32, [_vp, c_int32]),
-    "kvrelay_agent_config_set_limits": (c_int32, [_vp, POINTER(AgentLimits)]),
+    "kvrelay_agent_config_set_limit": (c_int32, [_vp, c_int32, c_uint64]),
+    "kvrelay_agent_config_get_limit": (c_int32, [_vp, c_int32, POINTER(c_uint64)]),
+    "kvrelay_agent_limit_name": (c_char_p, [c_int32]),
     "kvrelay_agent_config_set_key": (c_int32, [_vp, c_void_p, _sz]),
     "kvrelay_agent_config_key_from_env": (c_int32, [_vp, c_char_p, _sz]),
     "kvrelay_agent_new": (c_int32, [_vp, _vp, POINTER(BlockHolder), _pp]),
@@ -301,7 +284,7 @@ _PROTOS = {
     "kvrelay_fetch_free": (None, [_vp]),
     "kvrelay_agent_estimate": (c_int32, [_vp, c_char_p, _sz, _sz, POINTER(c_double)]),
     "kvrelay_agent_source_speed": (c_int32, [_vp, c_char_p, _sz, POINTER(SourceSpeed)]),
-    "kvrelay_agent_get_stats": (c_int32, [_vp, POINTER(AgentStats)]),
+    "kvrelay_agent_read_stats": (c_int32, [_vp, POINTER(AgentStats), _sz]),
     "kvrelay_agent_prometheus": (c_int32, [_vp, c_void_p, _sz, _szp]),
     "kvrelay_fetch_run_length": (c_int32, [POINTER(c_uint64), _sz, _sz, POINTER(c_uint64), _sz, _szp]),
     "kvrelay_fetch_failure_name": (c_char_p, [c_int32]),

@@ -1138,8 +1138,8 @@ impl KvAgent {
     /// The agent's counters.
     pub fn stats(&self) -> kvrelay::agent::AgentStats {
         let mut s = kvrelay::agent::AgentStats::default();
-        // SAFETY: live agent; `s` writable.
-        let _ = unsafe { kvrelay_agent_get_stats(self.0.as_ptr(), &mut s) };
+        // SAFETY: live agent; `s` writable for its size.
+        let _ = unsafe { kvrelay_agent_read_stats(self.0.as_ptr(), &mut s, std::mem::size_of_val(&s)) };
         s
     }
 
