@@ -1207,6 +1207,11 @@ kvrelay_status kvrelay_fetch_run_length(const uint64_t *names,
                                         size_t m,
                                         size_t *out);
 
+// The deadline, in milliseconds, a source gives one transfer of `bytes` (10 s plus 1 s per
+// 100 MB, at most `UINT32_MAX`): a `deadline_ms` for `kvrelay_fetch_params` that covers
+// whatever the source allows a transfer of that size.
+uint32_t kvrelay_fetch_deadline_ms(uint64_t bytes);
+
 // The metric label of a `kvrelay_fetch_failure` value (`"corrupt"`, ...; `"ok"` for 0,
 // `"unknown"` for other values). Static, NUL-terminated, never NULL.
 const char *kvrelay_fetch_failure_name(int32_t failure);

@@ -191,3 +191,10 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
         kvrelay_agent_free(a);
     }
 }
+
+#[test]
+fn the_fetch_deadline_follows_the_sources_and_saturates() {
+    assert_eq!(kvrelay_fetch_deadline_ms(0), 10_000);
+    assert_eq!(kvrelay_fetch_deadline_ms(100_000_000), 11_000);
+    assert_eq!(kvrelay_fetch_deadline_ms(u64::MAX), u32::MAX);
+}

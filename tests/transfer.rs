@@ -414,3 +414,26 @@ fn a_request_that_goes_away_mid_fetch_cancels_it_and_keeps_its_blocks_until_it_e
         assert_eq!(&text(&v), want, "a cached answer equals its cold answer");
     }
 }
+
+/// `/v1/kv/prefill` runs in a running slot like any request: beyond `--max-concurrency` and the
+/// queue it answers 429 instead of prefilling beside them.
+#[test]
+fn kv_prefill_takes_a_running_slot() {
+    let s = start(true, &["--prefill-tokens-per-s", "200", "--max-concurrency", "1", "--max-queue", "1"]);
+    let body = |c: char| json!({"prompt": c.to_string().repeat(1600), "max_tokens": 2}).to_string(); // 2 s each
+    let a = client::send(s.addr, "POST", "/v1/completions", Some(body('y').as_bytes())).unwrap();
+    wait_until("the first request to run", || blocks(&s, "held") > 0.0);
+    let b = client::send(s.addr, "POST", "/v1/completions", Some(body('x').as_bytes())).unwrap();
+    wait_until("the second request to wait", || s.metric("kvrelay_server_requests_waiting") == 1.0);
+    let r = s.post("/v1/kv/prefill", &json!({"prompt": blocks_text("pre", 2)}));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "queue_full");
+    drop((a, b));
+    // with the slot free again it prefills
+    wait_until("the slot to be free", || {
+        blocks(&s, "held") == 0.0 && s.metric("kvrelay_server_requests_waiting") == 0.0
+    });
+    let r = s.post("/v1/kv/prefill", &json!({"prompt": blocks_text("pre", 2)}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["blocks_held"], 2);
+}

@@ -720,6 +720,12 @@ impl Drop for Agent {
     }
 }
 
+/// The deadline a source gives one transfer of `bytes` (10 s plus 1 s per 100 MB): a fetch
+/// deadline that covers whatever the source allows a transfer of that size.
+pub fn transfer_deadline(bytes: u64) -> Duration {
+    service::transfer_deadline(bytes)
+}
+
 /// The run a destination fetches (SPEC section 8): from the first block it does not hold
 /// (`held` leading blocks of `names` it does), the consecutive names that appear among the
 /// hint's `hashes` (membership, not position). Returns the run's length.

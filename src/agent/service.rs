@@ -21,8 +21,9 @@ pub(super) struct Scratch {
     nixl: bool,
 }
 
-/// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB.
-fn transfer_deadline(bytes: u64) -> Duration {
+/// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB (what
+/// [`super::transfer_deadline`] documents).
+pub(super) fn transfer_deadline(bytes: u64) -> Duration {
     Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
 }
 

@@ -988,6 +988,14 @@ pub unsafe extern "C" fn kvrelay_fetch_run_length(
     })
 }
 
+/// The deadline, in milliseconds, a source gives one transfer of `bytes` (10 s plus 1 s per
+/// 100 MB, at most `UINT32_MAX`): a `deadline_ms` for `kvrelay_fetch_params` that covers
+/// whatever the source allows a transfer of that size.
+#[no_mangle]
+pub extern "C" fn kvrelay_fetch_deadline_ms(bytes: u64) -> u32 {
+    u32::try_from(crate::agent::transfer_deadline(bytes).as_millis()).unwrap_or(u32::MAX)
+}
+
 /// The metric label of a `kvrelay_fetch_failure` value (`"corrupt"`, ...; `"ok"` for 0,
 /// `"unknown"` for other values). Static, NUL-terminated, never NULL.
 #[no_mangle]

@@ -950,7 +950,7 @@ unsafe impl Sync for FetchHandle {}
 
 impl Drop for FetchHandle {
     fn drop(&mut self) {
-        // SAFETY: from `kvrelay_agent_fetch`, freed once (the last `Arc` goes here).
+        // SAFETY: from `kvrelay_agent_submit`, freed once (the last `Arc` goes here).
         unsafe { kvrelay_fetch_free(self.0.as_ptr()) };
     }
 }
@@ -960,7 +960,7 @@ impl Drop for FetchHandle {
 /// then. [`PendingFetch::canceller`] lets another task (a request that goes away) ask it to stop.
 pub struct PendingFetch {
     fetch: Arc<FetchHandle>,
-    done: tokio::sync::oneshot::Receiver<kvrelay_fetch_result>,
+    done: tokio::sync::oneshot::Receiver<(kvrelay_fetch_result, String)>,
 }
 
 /// Asks a fetch to stop (`kvrelay_fetch_cancel`); its completion still comes through
@@ -976,11 +976,22 @@ impl FetchCanceller {
     }
 }
 
-unsafe extern "C" fn fetch_done(ud: *mut c_void, r: *const kvrelay_fetch_result) {
-    // SAFETY: the sender leaked in `KvAgent::fetch`, taken back exactly once (the agent runs
-    // the callback once); `r` is readable for the call.
-    let (tx, r) = unsafe { (Box::from_raw(ud as *mut tokio::sync::oneshot::Sender<kvrelay_fetch_result>), *r) };
-    let _ = tx.send(r);
+type DoneSender = tokio::sync::oneshot::Sender<(kvrelay_fetch_result, String)>;
+
+unsafe extern "C" fn fetch_done(ud: *mut c_void, r: *const kvrelay_fetch_result, detail: kvrelay_str) {
+    // SAFETY: `ud` is the sender boxed in `KvAgent::fetch`, alive until `fetch_destroy` (which
+    // runs after this); `r` and `detail` are readable for the call.
+    let (tx, r, detail) = unsafe {
+        (&mut *(ud as *mut Option<DoneSender>), *r, std::slice::from_raw_parts(detail.ptr.cast::<u8>(), detail.len))
+    };
+    if let Some(tx) = tx.take() {
+        let _ = tx.send((r, String::from_utf8_lossy(detail).into_owned()));
+    }
+}
+
+unsafe extern "C" fn fetch_destroy(ud: *mut c_void) {
+    // SAFETY: boxed in `KvAgent::fetch`; the agent runs `destroy` exactly once, last.
+    drop(unsafe { Box::from_raw(ud as *mut Option<DoneSender>) });
 }
 
 impl PendingFetch {
@@ -989,27 +1000,18 @@ impl PendingFetch {
         FetchCanceller(self.fetch.clone())
     }
 
-    /// Wait for the completion without blocking a runtime thread; the result and its detail.
-    pub async fn done(mut self) -> (kvrelay_fetch_result, String) {
-        let r = match (&mut self.done).await {
+    /// Wait for the completion without blocking a runtime thread: the result and its detail,
+    /// both delivered by the completion callback (no round trip to the fetch handle).
+    pub async fn done(self) -> (kvrelay_fetch_result, String) {
+        match self.done.await {
             Ok(r) => r,
-            // the callback always runs; a dropped sender means the agent is gone
-            Err(_) => kvrelay_fetch_result { failure: 10, blocks: 0, bytes: 0, seconds: 0.0, withheld: 0 },
-        };
-        // the result is published for pollers right after the callback returns: the detail is
-        // read once it is, on a blocking thread (never an async worker)
-        let fetch = self.fetch.clone();
-        let detail = tokio::task::spawn_blocking(move || {
-            let mut stored = r;
-            // SAFETY: live fetch (held by the `Arc`); `stored` writable.
-            let _ = unsafe { kvrelay_fetch_wait(fetch.0.as_ptr(), 1000, &mut stored) };
-            // SAFETY: live fetch; a size query and a fill.
-            fill_text("kvrelay_fetch_detail", |b, c, l| unsafe { kvrelay_fetch_detail(fetch.0.as_ptr(), b, c, l) })
-                .unwrap_or_default()
-        })
-        .await
-        .unwrap_or_default();
-        (r, detail)
+            // the callback always runs before destroy drops the sender: a dropped sender
+            // means the agent is gone
+            Err(_) => (
+                kvrelay_fetch_result { failure: 10, blocks: 0, bytes: 0, seconds: 0.0, withheld: 0 },
+                "the agent went away".into(),
+            ),
+        }
     }
 }
 
@@ -1098,7 +1100,12 @@ impl KvAgent {
         deadline_ms: u32,
     ) -> Result<PendingFetch, String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let ud = Box::into_raw(Box::new(tx)) as *mut c_void;
+        let callbacks = kvrelay_fetch_callbacks {
+            size: std::mem::size_of::<kvrelay_fetch_callbacks>(),
+            user_data: Box::into_raw(Box::new(Some(tx))) as *mut c_void,
+            done: Some(fetch_done),
+            destroy: Some(fetch_destroy),
+        };
         let p = kvrelay_fetch_params {
             endpoint: kvrelay_str { ptr: endpoint.as_ptr().cast(), len: endpoint.len() },
             names: names.as_ptr(),
@@ -1110,14 +1117,10 @@ impl KvAgent {
         };
         let mut out = ptr::null_mut();
         // SAFETY: live agent; the parameters' arrays are readable for the call (the agent
-        // copies them); the callback takes the sender back once.
-        let st = unsafe { kvrelay_agent_fetch(self.0.as_ptr(), &p, Some(fetch_done), ud, &mut out) };
-        if let Err(e) = check_detail("kvrelay_agent_fetch", st) {
-            // refused: the callback never runs, the sender is ours again
-            // SAFETY: leaked above and not handed to the agent.
-            drop(unsafe { Box::from_raw(ud as *mut tokio::sync::oneshot::Sender<kvrelay_fetch_result>) });
-            return Err(e);
-        }
+        // copies them); the callbacks' user data is owned by the agent from here (its destroy
+        // runs exactly once, also when the submission is refused).
+        let st = unsafe { kvrelay_agent_submit(self.0.as_ptr(), &p, &callbacks, &mut out) };
+        check_detail("kvrelay_agent_submit", st)?;
         Ok(PendingFetch { fetch: Arc::new(FetchHandle(NonNull::new(out).expect("OK with NULL"))), done: rx })
     }
 
@@ -1161,6 +1164,24 @@ impl Drop for KvAgent {
 /// The label of a `kvrelay_fetch_failure` value.
 pub fn fetch_failure_name(f: i32) -> &'static str {
     static_text(kvrelay_fetch_failure_name(f))
+}
+
+/// The run to fetch (`kvrelay_fetch_run_length`): from the first block not held here (`held`
+/// leading blocks are), the consecutive names that appear among `hashes`.
+pub fn run_to_fetch(names: &[u64], held: usize, hashes: &[u64]) -> Vec<u64> {
+    let mut n = 0usize;
+    // SAFETY: both slices readable for their lengths; `n` writable.
+    let st =
+        unsafe { kvrelay_fetch_run_length(names.as_ptr(), names.len(), held, hashes.as_ptr(), hashes.len(), &mut n) };
+    if st != kvrelay_status::KVRELAY_OK {
+        return Vec::new();
+    }
+    names[held..held + n].to_vec()
+}
+
+/// The deadline a source gives a transfer of `bytes`, in milliseconds (`kvrelay_fetch_deadline_ms`).
+pub fn fetch_deadline_ms(bytes: u64) -> u32 {
+    kvrelay_fetch_deadline_ms(bytes)
 }
 
 /// The library's version string.

@@ -297,7 +297,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     let mut source_allow = Vec::new();
     for s in &args.kv_transfer_source_allow {
         source_allow.push(
-            transfer::api::normalize_source(s)
+            http::kv::normalize_source(s)
                 .ok_or_else(|| format!("KV_TRANSFER_SOURCE_ALLOW: `{s}` is not a base URL like http://HOST:PORT"))?,
         );
     }
@@ -359,7 +359,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
             debug_endpoints: args.debug_endpoints,
         },
         transfer_state,
-        transfer::api::TransferConfig {
+        http::kv::TransferConfig {
             source_allow,
             dedup_ttl: std::time::Duration::from_secs(args.kv_transfer_dedup_ttl),
             max_inflight: args.kv_transfer_max_inflight,

@@ -163,8 +163,32 @@ impl KvStore {
         self.lanes[start % n].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long).
+    /// Copy blocks `ids` into `out` (block-major, `ids.len() * block_bytes` long). A device
+    /// pool's copies wait on their stream: called from an async worker of a multi-threaded
+    /// runtime, that wait runs in `block_in_place`, so the worker's other tasks move on.
     pub fn read(&self, ids: &[u32], out: &mut [u8]) -> Result<(), AbiError> {
+        self.off_async(|| self.read_now(ids, out))
+    }
+
+    /// Copy `data` into blocks `ids` (waits as [`read`](Self::read) says).
+    pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
+        self.off_async(|| self.write_now(ids, data))
+    }
+
+    /// Run `f`, which may wait on a device stream (or a lane another copy holds), without
+    /// holding up an async worker: `block_in_place` on a multi-threaded runtime's worker, as it
+    /// is elsewhere (host pools only copy memory: no wait worth handing off).
+    fn off_async<R>(&self, f: impl FnOnce() -> R) -> R {
+        let on_worker = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if self.region.device.is_some() && on_worker {
+            tokio::task::block_in_place(f)
+        } else {
+            f()
+        }
+    }
+
+    fn read_now(&self, ids: &[u32], out: &mut [u8]) -> Result<(), AbiError> {
         let bb = self.block_bytes;
         match &mut *self.lane() {
             Lane::Host { engine } => engine.gather(ids, out),
@@ -179,8 +203,7 @@ impl KvStore {
         }
     }
 
-    /// Copy `data` into blocks `ids`.
-    pub fn write(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
+    fn write_now(&self, ids: &[u32], data: &[u8]) -> Result<(), AbiError> {
         let bb = self.block_bytes;
         match &mut *self.lane() {
             Lane::Host { engine } => engine.scatter(data, ids),

@@ -34,13 +34,14 @@ use crate::metrics::{DirectionLabel, EndpointLabel, Metrics, RequestLabels, Tran
 #[macro_use]
 mod bodies;
 mod generate;
+pub mod kv;
 
-use crate::transfer::api::{TransferConfig, TransferJobs};
 use crate::transfer::{fetch_into_cache, FetchOutcome, FetchPlan, PlanSlot, TransferState};
 use bodies::*;
 pub use bodies::{parse, prompt_tokens, read_body};
 pub use generate::engine_error;
 use generate::*;
+use kv::{TransferConfig, TransferJobs};
 
 /// Server settings the HTTP layer needs.
 #[derive(Clone, Debug)]
@@ -153,10 +154,10 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/kv/lookup", post(kv_lookup))
         .route("/debug/kv/corrupt", post(debug_corrupt))
-        .route("/v1/kv/info", get(crate::transfer::api::kv_info))
-        .route("/v1/kv/prefill", post(crate::transfer::api::kv_prefill))
-        .route("/v1/kv_transfer", post(crate::transfer::api::kv_transfer))
-        .route("/v1/kv_transfer/stats", get(crate::transfer::api::kv_transfer_stats))
+        .route("/v1/kv/info", get(kv::kv_info))
+        .route("/v1/kv/prefill", post(kv::kv_prefill))
+        .route("/v1/kv_transfer", post(kv::kv_transfer))
+        .route("/v1/kv_transfer/stats", get(kv::kv_transfer_stats))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), record))
         .layer(DefaultBodyLimit::disable())

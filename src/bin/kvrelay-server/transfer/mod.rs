@@ -11,9 +11,6 @@
 //! verified leading blocks to the reuse cache in prefix order and releases the rest. On any
 //! failure the request prefills what it lacks and answers as a cold run.
 
-pub mod api;
-
-use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -233,18 +230,6 @@ impl FetchProvider for KvProvider {
     }
 }
 
-/// The run to fetch: from the first block not held here (`held` leading blocks are), the
-/// consecutive names that appear among `hashes`.
-pub fn run_to_fetch(names: &[u64], held: usize, hashes: &[u64]) -> Vec<u64> {
-    let set: HashSet<u64> = hashes.iter().copied().collect();
-    names[held..].iter().take_while(|n| set.contains(n)).copied().collect()
-}
-
-/// The deadline of a whole fetch of `bytes`: 10 s plus 1 s per 100 MB.
-pub fn total_deadline(bytes: usize) -> Duration {
-    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
-}
-
 /// Fault injection for tests (`--kv-fault`, only with `--debug-endpoints`), in the source's
 /// holder: what the agent then finds in the pool, or a source that stops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -363,7 +348,7 @@ pub async fn fetch_into_cache(
     force: bool,
 ) -> FetchOutcome {
     let held = engine.cache.held_prefix(names);
-    let run = run_to_fetch(names, held, hashes);
+    let run = crate::abi::run_to_fetch(names, held, hashes);
     let mut out = FetchOutcome::default();
     if run.is_empty() {
         out.nothing = true;
@@ -392,7 +377,7 @@ pub async fn fetch_into_cache(
             return out;
         }
     };
-    let deadline_ms = total_deadline(run.len() * bb).as_millis().min(u128::from(u32::MAX)) as u32;
+    let deadline_ms = crate::abi::fetch_deadline_ms((run.len() * bb) as u64);
     let pending = match agent.fetch(endpoint, names, held, &lease.ids, deadline_ms) {
         Ok(p) => p,
         Err(e) => {

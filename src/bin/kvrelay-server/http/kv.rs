@@ -27,9 +27,9 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{fetch_into_cache, FailReason, Fingerprint};
+use super::{generate::take_slot, parse, prompt_tokens, read_body, ApiError, Shared};
 use crate::client;
-use crate::http::{parse, prompt_tokens, read_body, ApiError, Shared};
+use crate::transfer::{fetch_into_cache, FailReason, FetchError, Fingerprint};
 
 /// `/v1/kv_transfer` settings.
 #[derive(Clone, Debug)]
@@ -129,7 +129,10 @@ pub async fn kv_prefill(State(st): State<Shared>, headers: HeaderMap, body: Body
         let b: PromptBody<'_> = parse(&bytes)?;
         let tokens = prompt_tokens(&st, b.prompt, b.messages, b.model.as_deref())?;
         let names = st.engine.block_names(&tokens, b.cache_salt.as_deref());
-        st.engine.generate(&tokens, &names, 1).await.map_err(crate::http::engine_error)?;
+        // a prefill is a request like any other: it runs in a running slot (queued, or 429
+        // beyond the queue), so it cannot bypass --max-concurrency
+        let _slot = take_slot(&st).await?;
+        st.engine.generate(&tokens, &names, 1).await.map_err(super::engine_error)?;
         Ok::<_, ApiError>(Json(json!({
             "blocks_total": names.len(),
             "blocks_held": st.engine.cache.held_prefix(&names),
@@ -253,16 +256,16 @@ async fn call_source(
     method: &'static str,
     path: &'static str,
     body: Option<Value>,
-) -> Result<Value, super::FetchError> {
+) -> Result<Value, FetchError> {
     let r = tokio::task::spawn_blocking(move || {
         let b = body.map(|v| v.to_string());
         client::request_limited(addr, method, path, b.as_deref().map(str::as_bytes), MAX_SOURCE_BODY)
     })
     .await
-    .map_err(|e| super::FetchError::new(FailReason::Connect, e.to_string()))?
-    .map_err(|e| super::FetchError::new(FailReason::Connect, format!("{path}: {e}")))?;
+    .map_err(|e| FetchError::new(FailReason::Connect, e.to_string()))?
+    .map_err(|e| FetchError::new(FailReason::Connect, format!("{path}: {e}")))?;
     if r.status != 200 {
-        return Err(super::FetchError::new(FailReason::Refused, format!("{path} answered {}", r.status)));
+        return Err(FetchError::new(FailReason::Refused, format!("{path} answered {}", r.status)));
     }
     Ok(r.json())
 }
@@ -274,19 +277,18 @@ async fn run_transfer(
     tokens: &[u32],
     salt: Option<&str>,
     prompt_json: Value,
-) -> Result<(usize, usize), super::FetchError> {
-    let addr = source_addr(source)
-        .await
-        .ok_or_else(|| super::FetchError::new(FailReason::Connect, "the source does not resolve"))?;
+) -> Result<(usize, usize), FetchError> {
+    let addr =
+        source_addr(source).await.ok_or_else(|| FetchError::new(FailReason::Connect, "the source does not resolve"))?;
     let info = call_source(addr, "GET", "/v1/kv/info", None).await?;
     let fp: Fingerprint = serde_json::from_value(info["fingerprint"].clone())
-        .map_err(|_| super::FetchError::new(FailReason::Corrupt, "the source's /v1/kv/info has no fingerprint"))?;
+        .map_err(|_| FetchError::new(FailReason::Corrupt, "the source's /v1/kv/info has no fingerprint"))?;
     if fp != st.transfer.fingerprint {
-        return Err(super::FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
+        return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
     }
     let endpoint = info["kv_endpoint"].as_str().unwrap_or_default().to_string();
     if !endpoint_allowed(&endpoint, source, &st.transfer_config.trusted_endpoints) {
-        return Err(super::FetchError::new(
+        return Err(FetchError::new(
             FailReason::EndpointNotAllowed,
             "the source advertised a KV endpoint neither on the trusted registry nor on its own host",
         ));
