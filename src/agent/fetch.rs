@@ -3,43 +3,13 @@
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::pool::{Mover, SlotPtr};
-use super::wire::{self, Conn, FrameError, Refusal};
+use super::pool::Mover;
+use super::transport::{io_fail, read_reply, Failure, Landing, Pull};
+use super::wire::{self, Conn};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
-use crate::checksum::kv_checksum;
-
-/// Why a fetch (or one of its streams) stopped, with the detail for logs.
-pub(super) type Failure = (FailReason, String);
-
-pub(super) fn io_fail(e: &std::io::Error, what: &str) -> Failure {
-    match e.kind() {
-        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
-            (FailReason::Timeout, format!("{what} ran past its deadline"))
-        }
-        _ => (FailReason::Truncated, format!("{what}: the stream ended early ({e})")),
-    }
-}
-
-pub(super) fn frame_fail(e: FrameError, what: &str) -> Failure {
-    match e {
-        FrameError::Io(e) => io_fail(&e, what),
-        FrameError::Malformed(m) => (FailReason::Corrupt, format!("{what}: {m}")),
-    }
-}
-
-pub(super) fn refusal(p: &[u8]) -> Failure {
-    let (code, text) = wire::decode_refusal(p);
-    let reason = match code {
-        Some(Refusal::FingerprintMismatch) => FailReason::FingerprintMismatch,
-        Some(Refusal::AuthFailed) => FailReason::AuthFailed,
-        _ => FailReason::Refused,
-    };
-    let label = code.map_or("unknown", Refusal::as_str);
-    (reason, format!("the source refused: {label} ({})", text.escape_debug()))
-}
 
 fn cancelled() -> Failure {
     (FailReason::Cancelled, "cancelled by the runtime".into())
@@ -47,18 +17,6 @@ fn cancelled() -> Failure {
 
 fn shutting_down() -> Failure {
     (FailReason::Shutdown, "the agent is shutting down".into())
-}
-
-/// Read one control frame (at most `wire::MAX_CONTROL` bytes) into `buf`: its kind, or the
-/// source's refusal as the failure.
-fn read_reply(c: &mut dyn Conn, buf: &mut Vec<u8>, what: &str, deadline: Instant) -> Result<u8, Failure> {
-    let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(|e| frame_fail(e, what))?;
-    buf.resize(len, 0);
-    c.read_by(buf, deadline).map_err(|e| io_fail(&e, what))?;
-    if kind == wire::REFUSE {
-        return Err(refusal(buf));
-    }
-    Ok(kind)
 }
 
 /// What a worker keeps between fetches.
@@ -80,11 +38,10 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 if inner.stop.load(Ordering::Acquire) {
                     break None;
                 }
-                #[cfg(feature = "nixl")]
-                if let Some(nx) = inner.nixl.as_ref().filter(|nx| nx.has_withheld()) {
-                    // withheld blocks: look at their READs every 50 ms
+                if inner.backend.has_withheld() {
+                    // withheld blocks: look at their writes every 50 ms
                     drop(q);
-                    nx.reap(inner);
+                    inner.backend.reap(inner);
                     q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
                     if q.is_empty() && !inner.stop.load(Ordering::Acquire) {
                         q = inner
@@ -184,18 +141,6 @@ struct Part {
     result: Result<(), Failure>,
 }
 
-/// Streams a fetch of `blocks` blocks uses: `Limits::streams`, but each stream moves at least
-/// `Limits::min_stream_bytes` (small fetches use one); NIXL fetches use one (UCX spreads a READ
-/// itself).
-fn streams_for(inner: &Inner, blocks: usize) -> usize {
-    #[cfg(feature = "nixl")]
-    if inner.nixl.is_some() {
-        return 1;
-    }
-    let by_size = ((blocks * inner.block_bytes) as u64 / inner.limits.min_stream_bytes).max(1) as usize;
-    (inner.limits.streams as usize).min(by_size).min(blocks).max(1)
-}
-
 #[allow(clippy::too_many_arguments)]
 fn pull(
     inner: &Inner,
@@ -253,14 +198,15 @@ fn pull(
             deadline,
             stopped: &stopped_k,
         };
-        let mut p = Part { blocks: 0, first: None, withheld: 0, result: Ok(()) };
-        p.result = job.run(mover, buf, &mut p);
+        let mut land = Landing::new(inner, &dst[lo..hi]);
+        let result = job.run(mover, buf, &mut land);
+        let p = Part { blocks: land.blocks, first: land.first, withheld: land.withheld, result };
         if p.result.is_err() || p.blocks < hi - lo {
             state.stop_parts_after(k);
         }
         p
     };
-    let n = streams_for(inner, asked.len());
+    let n = inner.backend.streams(inner, asked.len());
     if n == 1 {
         let p = part(0, 0, asked.len(), &mut w.mover, &mut w.buf);
         (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
@@ -337,7 +283,7 @@ fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut 
         let c: &mut dyn Conn = &mut s;
         let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
         wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
-        let kind = read_reply(c, buf, "authentication", by())?;
+        let kind = read_reply(c, buf, wire::MAX_CONTROL, "authentication", by())?;
         if kind != wire::AUTH_CHALLENGE || buf.len() != 2 * auth::NONCE {
             return Err((FailReason::AuthFailed, "the source did not answer with a challenge".into()));
         }
@@ -382,7 +328,7 @@ impl Stream<'_> {
     /// Ask for `asked` on a kept-alive connection to `addr` (or a new, authenticated one),
     /// receive into `dst` with the stream's mover (taken from the agent's when `None`) and
     /// buffer; keep the connection for the next fetch when the exchange ended cleanly.
-    fn run(&self, mover: &mut Option<Mover>, buf: &mut Vec<u8>, part: &mut Part) -> Result<(), Failure> {
+    fn run(&self, mover: &mut Option<Mover>, buf: &mut Vec<u8>, land: &mut Landing<'_>) -> Result<(), Failure> {
         let (inner, addr) = (self.inner, self.addr);
         let mut kept = inner.take_idle(addr);
         loop {
@@ -399,7 +345,7 @@ impl Stream<'_> {
             let published = Published(self.state, id);
             // a cancel (or a sibling's stop) that came before the socket was published
             (self.stopped)()?;
-            match self.exchange(&mut s, reused, mover, buf, part) {
+            match self.exchange(&mut s, reused, mover, buf, land) {
                 Exchange::Stale => continue,
                 Exchange::Close(r) => return r,
                 Exchange::Reusable => {
@@ -419,161 +365,30 @@ impl Stream<'_> {
         }
     }
 
-    /// One request and its answer on connection `s` (`reused`: a kept-alive one).
+    /// One request and its answer on connection `s` (`reused`: a kept-alive one), the bytes
+    /// moved by the agent's backend.
     fn exchange(
         &self,
         s: &mut TcpStream,
         reused: bool,
-        mover_slot: &mut Option<Mover>,
+        mover: &mut Option<Mover>,
         buf: &mut Vec<u8>,
-        part: &mut Part,
+        land: &mut Landing<'_>,
     ) -> Exchange {
         let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
         let c: &mut dyn Conn = s;
-        let by = || inner.io_deadline().min(deadline);
-        let close = |r: Result<(), Failure>| Exchange::Close(r);
-        #[cfg(feature = "nixl")]
-        if let Some(nx) = &inner.nixl {
-            if let Err(e) = wire::write_frame(c, wire::NIXL_HELLO, &wire::encode_hello(&inner.fingerprint, asked), by())
-            {
-                return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
-            }
-            let (blocks, first, withheld) = (&mut part.blocks, &mut part.first, &mut part.withheld);
-            return match super::nixl::pull(inner, nx, c, asked, dst, deadline, stopped, blocks, first, withheld) {
-                Ok(()) => Exchange::Reusable,
-                // the offer never came on a kept-alive connection: the source had closed it
-                Err((FailReason::Truncated, _)) if reused && *blocks == 0 && first.is_none() => Exchange::Stale,
-                Err(e) => close(Err(e)),
-            };
+        let backend = &*inner.backend;
+        let by = inner.io_deadline().min(deadline);
+        if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
+            return if reused { Exchange::Stale } else { Exchange::Close(Err(io_fail(&e, "the hello"))) };
         }
-        if let Err(e) = wire::write_frame(c, wire::HELLO, &wire::encode_hello(&inner.fingerprint, asked), by()) {
-            return if reused { Exchange::Stale } else { close(Err(io_fail(&e, "the hello"))) };
-        }
-        let kind = match read_reply(c, buf, "the offer", by()) {
-            Ok(k) => k,
-            Err((FailReason::Truncated, _)) if reused => return Exchange::Stale,
-            Err(e) => return close(Err(e)),
-        };
-        let bb = inner.block_bytes;
-        let (count, offered_bb) = match (kind, wire::decode_offer(buf)) {
-            (wire::OFFER, Some(o)) => o,
-            _ => return close(Err((FailReason::Corrupt, "expected an offer".into()))),
-        };
-        if count as usize > asked.len() || offered_bb != bb as u64 {
-            return close(Err((FailReason::Corrupt, "the offer does not match the request".into())));
-        }
-        if count == 0 {
-            return close(Err((FailReason::SourceMiss, "the source holds none of the blocks".into())));
-        }
-        if mover_slot.is_none() {
-            // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
-            // contract); the mover writes only this fetch's destination blocks, which the runtime
-            // leaves alone until the fetch completes.
-            match unsafe { inner.movers.take(&inner.layout) } {
-                Ok(m) => *mover_slot = Some(m),
-                Err(e) => return close(Err((FailReason::Corrupt, e))),
-            }
-        }
-        let mover = mover_slot.as_mut().expect("set above");
-        let r = receive(inner, c, dst, asked, count as usize, mover, stopped, &by, &mut part.blocks, &mut part.first);
-        // every scatter into the destination blocks has finished before the completion is
-        // delivered; a mover whose stream cannot be waited for is dropped, never reused
-        if let Err(e) = mover.finish() {
-            *mover_slot = None;
-            // nothing can be shown to have landed: commit none of it
-            part.blocks = 0;
-            return close(Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}"))));
-        }
-        match r {
-            // every offered block was read: the stream is at a frame boundary again
-            Ok(()) if part.blocks == count as usize => Exchange::Reusable,
-            r => close(r),
+        let mut job = Pull { asked, dst, deadline, stopped, mover, buf };
+        match backend.pull(inner, c, &mut job, land) {
+            Ok(true) => Exchange::Reusable,
+            Ok(false) => Exchange::Close(Ok(())),
+            // no answer at all on a kept-alive connection: the source had closed it
+            Err((FailReason::Truncated, _)) if reused && !land.offered => Exchange::Stale,
+            Err(e) => Exchange::Close(Err(e)),
         }
     }
-}
-
-/// Read the offered blocks, pipelined over the mover's two slots: this thread reads block `i`
-/// into a free slot while a helper thread verifies block `i - 1` in the other and scatters it
-/// into `dst[i - 1]`; a slot goes back to the reader only after its block was written. The
-/// verified count grows in order; the earliest failure in block order is the answer.
-#[allow(clippy::too_many_arguments)]
-fn receive(
-    inner: &Inner,
-    c: &mut dyn Conn,
-    dst: &[u32],
-    asked: &[u64],
-    count: usize,
-    mover: &mut Mover,
-    stopped: &dyn Fn() -> Result<(), Failure>,
-    by: &dyn Fn() -> Instant,
-    blocks: &mut usize,
-    first: &mut Option<Instant>,
-) -> Result<(), Failure> {
-    let bb = inner.block_bytes;
-    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
-    let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
-    let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
-    free_tx.send(0).expect("room for two");
-    free_tx.send(1).expect("room for two");
-    std::thread::scope(|sc| {
-        let verifier = sc.spawn(move || {
-            let (mut done, mut first) = (0usize, None);
-            for (k, i, sum) in verify_rx {
-                if kv_checksum(mover.slot(k)) != sum {
-                    return (done, first, Err((FailReason::Corrupt, format!("block {i}: checksum mismatch"))));
-                }
-                let dst = dst[i];
-                if let Err(e) = mover.scatter(k, dst) {
-                    return (done, first, Err((FailReason::Corrupt, format!("block {i}: writing it: {e}"))));
-                }
-                inner.sums.set(dst, sum);
-                done = i + 1;
-                first.get_or_insert_with(Instant::now);
-                if free_tx.send(k).is_err() {
-                    break;
-                }
-            }
-            (done, first, Ok(()))
-        });
-        let read = (|| -> Result<(), Failure> {
-            let mut head = [0u8; 16];
-            let mut buf = Vec::new();
-            for (i, &want) in asked.iter().enumerate().take(count) {
-                stopped()?;
-                // the verifier stopped (its error is the answer) when no slot comes back
-                let Ok(k) = free_rx.recv() else { return Ok(()) };
-                let what = || format!("block {i}");
-                let (kind, len) =
-                    wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
-                if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
-                    buf.resize(len, 0);
-                    c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
-                    return Err(refusal(&buf));
-                }
-                if kind != wire::BLOCK || len != 16 + bb {
-                    return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
-                }
-                c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
-                // SAFETY: slot `k` (at least one block long) belongs to this thread from the
-                // moment it came back from the verifier until it is sent to it again.
-                let slot = unsafe { std::slice::from_raw_parts_mut(slots[k].0, bb) };
-                c.read_by(slot, by()).map_err(|e| io_fail(&e, &what()))?;
-                if wire::u64_at(&head, 0) != want {
-                    return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
-                }
-                if verify_tx.send((k, i, wire::u64_at(&head, 8))).is_err() {
-                    return Ok(());
-                }
-            }
-            Ok(())
-        })();
-        drop(verify_tx);
-        let (done, f, verified) =
-            verifier.join().unwrap_or_else(|_| (0, None, Err((FailReason::Corrupt, "the verifier panicked".into()))));
-        *blocks = done;
-        *first = f;
-        // the verifier's failure is the earlier one in block order
-        verified?;
-        read
-    })
 }

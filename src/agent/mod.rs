@@ -54,13 +54,16 @@ pub mod auth;
 mod config;
 pub mod estimate;
 mod fetch;
-#[cfg(feature = "nixl")]
-pub mod nixl;
 mod pool;
 mod service;
 mod stats;
 mod sums;
+mod transport;
 pub mod wire;
+
+/// The NIXL transport's public parts (its library loader, the in-place offer's codec).
+#[cfg(feature = "nixl")]
+pub use transport::nixl;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -324,9 +327,8 @@ struct Inner {
     jobs_ready: Condvar,
     /// Kept-alive fetch connections per source address, with when each went idle.
     idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
-    /// The NIXL agent with the pool registered, when the transport is NIXL.
-    #[cfg(feature = "nixl")]
-    nixl: Option<nixl::Nixl>,
+    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam.
+    backend: Box<dyn transport::Backend>,
 }
 
 /// Set a socket's send and receive buffers to `bytes` (0: leave the kernel's autotuning).
@@ -384,6 +386,15 @@ impl Inner {
     /// The deadline of one read or write that starts now.
     fn io_deadline(&self) -> Instant {
         Instant::now() + self.limits.io_timeout
+    }
+
+    /// Return withheld destination blocks to the runtime, counted.
+    fn give_back(&self, ids: &[u32]) {
+        if ids.is_empty() {
+            return;
+        }
+        self.holder.returned(ids);
+        Stats::add(&self.stats.blocks_returned, ids.len() as u64);
     }
 
     fn register(&self, s: &TcpStream) -> Option<u64> {
@@ -472,29 +483,13 @@ impl Agent {
             Some(d) => pool::Memory::Device(crate::copy::CudaDevice::open(d).map_err(AgentError::Cuda)?),
         };
         let movers = pool::Movers::new(memory);
-        #[cfg(feature = "nixl")]
-        let nixl = match &config.transport {
-            Transport::Tcp => None,
-            Transport::Nixl { lib_dir } => {
-                // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-                Some(unsafe { nixl::Nixl::new(&layout, config.device, lib_dir.as_deref()) }.map_err(AgentError::Io)?)
-            }
-        };
-        #[cfg(not(feature = "nixl"))]
-        if config.transport != Transport::Tcp {
-            return Err(AgentError::Config(
-                "the NIXL transport needs kvrelay built with the cargo feature `nixl`".into(),
-            ));
-        }
-        let default_speed = match (&config.transport, config.device) {
-            (Transport::Tcp, _) => TCP_DEFAULT,
-            (Transport::Nixl { .. }, None) => NIXL_HOST_DEFAULT,
-            (Transport::Nixl { .. }, Some(_)) => NIXL_VRAM_DEFAULT,
-        };
+        // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
+        let backend = unsafe { transport::open(&config.transport, &layout, config.device) }?;
+        let default_speed = backend.default_speed(config.device.is_some());
         // one mover per stream of a fetch (NIXL fetches use one), made now rather than on a
         // first fetch's critical path (a device pool's kernel compiles and loads here, and a
         // failure shows at once)
-        let warm = if config.transport == Transport::Tcp { config.limits.streams.max(1) as usize } else { 1 };
+        let warm = backend.movers_at_start(&config.limits);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
@@ -517,8 +512,7 @@ impl Agent {
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
             idle: Mutex::new(HashMap::new()),
-            #[cfg(feature = "nixl")]
-            nixl,
+            backend,
         });
         let mut agent =
             Agent { inner: inner.clone(), local, endpoint: local.map(|a| format!("tcp://{a}")), threads: vec![] };
@@ -708,14 +702,13 @@ impl Drop for Agent {
         while Arc::strong_count(&self.inner) > 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
-        // with every thread gone, the NIXL agent goes, and with its UCX backend nothing can
-        // write into withheld blocks any more: they go back before the holder does
-        #[cfg(feature = "nixl")]
+        // with every thread gone, the backend goes (a NIXL agent with its UCX backend), and
+        // then nothing can write into withheld blocks any more: they go back before the
+        // holder does
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            if let Some(nx) = inner.nixl.take() {
-                let ids = nx.teardown();
-                nixl::give_back(inner, &ids);
-            }
+            let backend = std::mem::replace(&mut inner.backend, Box::new(transport::tcp::Tcp));
+            let ids = backend.teardown();
+            inner.give_back(&ids);
         }
     }
 }
@@ -723,7 +716,7 @@ impl Drop for Agent {
 /// The deadline a source gives one transfer of `bytes` (10 s plus 1 s per 100 MB): a fetch
 /// deadline that covers whatever the source allows a transfer of that size.
 pub fn transfer_deadline(bytes: u64) -> Duration {
-    service::transfer_deadline(bytes)
+    transport::tcp::transfer_deadline(bytes)
 }
 
 /// The run a destination fetches (SPEC section 8): from the first block it does not hold

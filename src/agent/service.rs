@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::allow::canonical;
-use super::pool::SlotPtr;
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{auth, Inner, Stats};
 
@@ -17,14 +16,8 @@ pub(super) struct Scratch {
     buf: Vec<u8>,
     names: Vec<u64>,
     ids: Vec<u32>,
-    /// The hello asked for NIXL reads.
-    nixl: bool,
-}
-
-/// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB (what
-/// [`super::transfer_deadline`] documents).
-pub(super) fn transfer_deadline(bytes: u64) -> Duration {
-    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 100e6)
+    /// The hello's kind: `HELLO` (blocks in frames), or the agent's own backend's.
+    kind: u8,
 }
 
 pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
@@ -294,14 +287,11 @@ fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: 
     if kind != wire::HELLO && kind != wire::NIXL_HELLO {
         return Err(Hs::Refuse(Refusal::BadRequest, "expected a hello"));
     }
-    scratch.nixl = kind == wire::NIXL_HELLO;
-    #[cfg(feature = "nixl")]
-    let serves_nixl = inner.nixl.is_some();
-    #[cfg(not(feature = "nixl"))]
-    let serves_nixl = false;
-    if scratch.nixl && !serves_nixl {
+    // every agent serves frames; a hello of another kind only when it is its backend's
+    if kind != wire::HELLO && kind != inner.backend.hello() {
         return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve NIXL reads"));
     }
+    scratch.kind = kind;
     if len > hello_max {
         return Err(Hs::Refuse(Refusal::TooManyNames, "more names than this service takes in one request"));
     }
@@ -442,91 +432,9 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) -> bool {
     }
     let ids = &scratch.ids[..offered];
     let _pinned = Pinned { inner, ids };
-    let bb = inner.block_bytes;
-    #[cfg(feature = "nixl")]
-    if scratch.nixl {
-        if let Some(nx) = &inner.nixl {
-            let end = Instant::now() + transfer_deadline((offered * bb) as u64);
-            return super::nixl::serve(inner, nx, c, ids, end);
-        }
+    if scratch.kind == wire::HELLO {
+        super::transport::tcp::serve(inner, c, ids, &scratch.names)
+    } else {
+        inner.backend.serve(inner, c, ids, &scratch.names)
     }
-    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
-        Stats::add(&inner.stats.serve_aborted, 1);
-        return false;
-    }
-    if offered == 0 {
-        return true;
-    }
-    let end = Instant::now() + transfer_deadline((offered * bb) as u64);
-    let by = |inner: &Inner| inner.io_deadline().min(end);
-    // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
-    // contract); the mover only reads the pinned blocks `ids`, which the runtime does not write
-    // while they are pinned.
-    let Ok(mut mover) = (unsafe { inner.movers.take(&inner.layout) }) else {
-        Stats::add(&inner.stats.serve_aborted, 1);
-        return false;
-    };
-    let chunk = mover.slot_blocks;
-    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
-    let names = &scratch.names;
-    // pipelined over the mover's two slots: a helper thread gathers chunk c + 1 into one slot
-    // while this thread sends chunk c out of the other
-    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(2);
-    let (free_tx, free_rx) = std::sync::mpsc::sync_channel::<usize>(2);
-    free_tx.send(0).expect("room for two");
-    free_tx.send(1).expect("room for two");
-    let (sent_ok, gathered_ok) = std::thread::scope(|sc| {
-        let mover = &mut mover;
-        let gatherer = sc.spawn(move || {
-            for (ci, part) in ids.chunks(chunk).enumerate() {
-                let Ok(k) = free_rx.recv() else { return true };
-                if mover.gather(k, part).is_err() {
-                    return false;
-                }
-                if ready_tx.send((k, ci)).is_err() {
-                    return true;
-                }
-            }
-            true
-        });
-        let mut ok = true;
-        'send: for (k, ci) in ready_rx.iter() {
-            let part = &ids[ci * chunk..(ci * chunk + chunk).min(ids.len())];
-            // SAFETY: slot `k` holds `part.len()` gathered blocks (at most `slot_blocks`) and
-            // belongs to this thread until it is sent back to the gatherer.
-            let staged = unsafe { std::slice::from_raw_parts(slots[k].0, part.len() * bb) };
-            for (j, &id) in part.iter().enumerate() {
-                let i = ci * chunk + j;
-                let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
-                let mut head = [0u8; 28];
-                head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
-                head[12..20].copy_from_slice(&names[i].to_le_bytes());
-                head[20..28].copy_from_slice(&sum.to_le_bytes());
-                if c.write_by(&head, by(inner)).is_err()
-                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err()
-                {
-                    ok = false;
-                    break 'send;
-                }
-                Stats::add(&inner.stats.blocks_sent, 1);
-                Stats::add(&inner.stats.bytes_sent, bb as u64);
-            }
-            let _ = free_tx.send(k);
-        }
-        drop(ready_rx);
-        drop(free_tx);
-        (ok, gatherer.join().unwrap_or(false))
-    });
-    let ok = sent_ok && gathered_ok;
-    if !gathered_ok {
-        // a mover whose copy failed is not reused
-        Stats::add(&inner.stats.serve_aborted, 1);
-        return false;
-    }
-    // gathers are waited for inside `gather`: nothing of this mover is in flight
-    inner.movers.put(mover);
-    if !ok {
-        Stats::add(&inner.stats.serve_aborted, 1);
-    }
-    ok
 }

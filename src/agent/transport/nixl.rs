@@ -1,11 +1,11 @@
-//! The agent's NIXL transport (cargo feature `nixl`, [`super::Transport::Nixl`]): block bytes
+//! The agent's NIXL transport (cargo feature `nixl`, [`crate::agent::Transport::Nixl`]): block bytes
 //! move with NIXL over UCX (RDMA, CUDA IPC, CMA, TCP: whatever UCX finds between the two
 //! instances), straight from the source's pool into the destination's blocks; control (the
 //! handshake, authentication included, the offer, the end) stays on the agent's TCP connection.
 //!
 //! - **Start.** [`load_library`] opens `libnixl_capi.so` (from the configured folder, else the
 //!   loader's search path) and checks every entry point `nixl-sys` may call, so a missing or
-//!   mismatched library fails [`super::Agent::new`] with a message, never a transfer. One NIXL
+//!   mismatched library fails [`crate::agent::Agent::new`] with a message, never a transfer. One NIXL
 //!   agent with the UCX backend then registers the pool once: the extents of its segments,
 //!   merged where they touch or overlap (host memory as DRAM, a device pool as VRAM of its
 //!   device). Nothing is registered per fetch.
@@ -24,7 +24,7 @@
 //!   [`GRACE`] to finish or fail. One that still runs cannot be proven stopped, so the
 //!   destination blocks after the verified ones are **withheld**: the completion reports them
 //!   (`FetchResult::withheld`), the runtime must not reuse them, and the agent hands them back
-//!   through [`super::BlockHolder::returned`] once their READs are over (checked by the fetch
+//!   through [`crate::agent::BlockHolder::returned`] once their READs are over (checked by the fetch
 //!   workers every 50 ms, and at shutdown after the NIXL agent is gone), counted in
 //!   `blocks_withheld` and `blocks_returned`. Nothing is lost and nothing is reused under a write.
 //! - **Staged transfers** (a GPU pool read through pinned host slots) are not part of the agent:
@@ -38,9 +38,10 @@ use std::time::{Duration, Instant};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
 use nixl_sys::{XferRequest, XferStatus};
 
-use super::fetch::Failure;
-use super::wire::{self, Conn};
-use super::{FailReason, Inner, Stats};
+use super::{frame_fail, io_fail, refusal, Backend, Failure, Landing, Pull};
+use crate::agent::estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT};
+use crate::agent::wire::{self, Conn};
+use crate::agent::{FailReason, Inner, Limits, Stats};
 use crate::copy::KvLayout;
 
 /// Bytes per NIXL request into host memory: the READs of a run are cut into requests of about
@@ -62,7 +63,7 @@ const ENTRY_POINTS: &str = include_str!("nixl_entry_points.txt");
 
 /// Open `libnixl_capi.so` (from `dir` when given, else the loader's search path) and check its
 /// entry points. The library stays loaded for the life of the process; `nixl-sys` then finds it
-/// by its soname. Called by [`super::Agent::new`]; cheap after the first time.
+/// by its soname. Called by [`crate::agent::Agent::new`]; cheap after the first time.
 pub fn load_library(dir: Option<&std::path::Path>) -> Result<(), String> {
     let path = match dir {
         Some(d) => d.join("libnixl_capi.so"),
@@ -139,7 +140,7 @@ impl NixlDescriptor for Extent {
 }
 
 /// The extents of `layout`'s segments, merged where they touch or overlap, as `(base, len)`.
-pub(super) fn extents(layout: &KvLayout) -> Vec<(u64, u64)> {
+fn extents(layout: &KvLayout) -> Vec<(u64, u64)> {
     let n = u64::from(layout.num_blocks());
     let mut v: Vec<(u64, u64)> =
         layout.segments().iter().map(|s| (s.base, s.base + s.block_stride * (n - 1) + s.bytes_per_block)).collect();
@@ -161,7 +162,7 @@ struct Withheld {
 }
 
 /// This instance's NIXL agent with its pool registered.
-pub(super) struct Nixl {
+pub(in crate::agent) struct Nixl {
     // Field order is drop order: the withheld requests and the registrations go before the
     // agent (each also keeps the agent's inner state alive until it is gone).
     withheld: Mutex<Vec<Withheld>>,
@@ -178,9 +179,9 @@ impl Nixl {
     /// Load the library, create a NIXL agent with the UCX backend and register `layout`'s pool.
     ///
     /// # Safety
-    /// As [`super::Agent::new`]: the layout's blocks are memory of `device` (host memory when
+    /// As [`crate::agent::Agent::new`]: the layout's blocks are memory of `device` (host memory when
     /// `None`), valid for the agent's life.
-    pub(super) unsafe fn new(
+    pub(in crate::agent) unsafe fn new(
         layout: &KvLayout,
         device: Option<i32>,
         lib_dir: Option<&std::path::Path>,
@@ -254,13 +255,8 @@ impl Nixl {
         }
     }
 
-    /// Whether blocks are withheld now.
-    pub(super) fn has_withheld(&self) -> bool {
-        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
-    }
-
     /// Hand back every withheld run whose READs are all over (done or failed). Cheap when none.
-    pub(super) fn reap(&self, inner: &Inner) {
+    fn reap_withheld(&self, inner: &Inner) {
         let done: Vec<Withheld> = {
             let mut w = self.withheld.lock().unwrap_or_else(|e| e.into_inner());
             if w.is_empty() {
@@ -281,13 +277,13 @@ impl Nixl {
         };
         for d in done {
             drop(d.reqs);
-            give_back(inner, &d.ids);
+            inner.give_back(&d.ids);
         }
     }
 
     /// Tear the NIXL agent down (at the agent's shutdown, after every thread stopped) and return
     /// the ids of blocks still withheld: with the UCX backend gone nothing writes into them.
-    pub(super) fn teardown(self) -> Vec<u32> {
+    fn tear_down(self) -> Vec<u32> {
         let withheld = std::mem::take(&mut *self.withheld.lock().unwrap_or_else(|e| e.into_inner()));
         let mut ids = Vec::new();
         let mut reqs = Vec::new();
@@ -301,13 +297,54 @@ impl Nixl {
     }
 }
 
-/// Return withheld blocks to the runtime, counted.
-pub(super) fn give_back(inner: &Inner, ids: &[u32]) {
-    if ids.is_empty() {
-        return;
+impl Backend for Nixl {
+    fn hello(&self) -> u8 {
+        wire::NIXL_HELLO
     }
-    inner.holder.returned(ids);
-    Stats::add(&inner.stats.blocks_returned, ids.len() as u64);
+
+    /// One: UCX spreads a READ itself.
+    fn streams(&self, _inner: &Inner, _blocks: usize) -> usize {
+        1
+    }
+
+    fn movers_at_start(&self, _limits: &Limits) -> usize {
+        1
+    }
+
+    fn default_speed(&self, device_pool: bool) -> SourceSpeed {
+        if device_pool {
+            NIXL_VRAM_DEFAULT
+        } else {
+            NIXL_HOST_DEFAULT
+        }
+    }
+
+    fn pull(
+        &self,
+        inner: &Inner,
+        c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<bool, Failure> {
+        pull(inner, self, c, job.asked, job.dst, job.deadline, job.stopped, land).map(|()| true)
+    }
+
+    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
+        let end = Instant::now() + super::tcp::transfer_deadline((ids.len() * inner.block_bytes) as u64);
+        serve(inner, self, c, ids, end)
+    }
+
+    fn has_withheld(&self) -> bool {
+        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    fn reap(&self, inner: &Inner) {
+        self.reap_withheld(inner);
+    }
+
+    fn teardown(self: Box<Self>) -> Vec<u32> {
+        (*self).tear_down()
+    }
 }
 
 /// An offer of blocks in place: `count` blocks of `block_bytes`; the source's NIXL agent; its
@@ -406,13 +443,13 @@ pub fn decode_offer(p: &[u8]) -> Option<InPlaceOffer> {
 }
 
 /// The largest offer a destination reads for `asked` names over `nseg` segments.
-pub(super) fn max_offer(asked: usize, nseg: usize) -> usize {
+fn max_offer(asked: usize, nseg: usize) -> usize {
     OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + 12 * asked
 }
 
 /// Serve pinned blocks `ids` in place: offer them, then wait for the reader's `DONE` (at most
 /// `end`). The blocks stay pinned until this returns. Whether it ended cleanly.
-pub(super) fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) -> bool {
+fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) -> bool {
     let layout = &inner.layout;
     let offer = InPlaceOffer {
         agent: nx.name.clone(),
@@ -496,10 +533,9 @@ fn wait(
 }
 
 /// Fetch over NIXL after the handshake: `asked` names went out in a `NIXL_HELLO` on `c`. Reads
-/// the offer, READs the blocks into `dst`, verifies them in order; `blocks` grows with the
-/// verified count, `first` is set at the first verified block.
+/// the offer, READs the blocks into `dst`, and lets `land` verify and count them in order.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn pull(
+fn pull(
     inner: &Inner,
     nx: &Nixl,
     c: &mut dyn Conn,
@@ -507,19 +543,18 @@ pub(super) fn pull(
     dst: &[u32],
     deadline: Instant,
     stopped: &dyn Fn() -> Result<(), Failure>,
-    blocks: &mut usize,
-    first: &mut Option<Instant>,
-    withheld: &mut usize,
+    land: &mut Landing<'_>,
 ) -> Result<(), Failure> {
     let layout = &inner.layout;
     let by = || inner.io_deadline().min(deadline);
     let max = max_offer(asked.len(), layout.segments().len());
-    let (kind, len) = wire::read_header(c, max, by()).map_err(|e| super::fetch::frame_fail(e, "the offer"))?;
+    let (kind, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
     let mut buf = vec![0u8; len];
-    c.read_by(&mut buf, by()).map_err(|e| super::fetch::io_fail(&e, "the offer"))?;
+    c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
     if kind == wire::REFUSE {
-        return Err(super::fetch::refusal(&buf));
+        return Err(refusal(&buf));
     }
+    land.offered = true;
     let offer = match (kind, decode_offer(&buf)) {
         (wire::NIXL_OFFER, Some(o)) => o,
         _ => return Err((FailReason::Corrupt, "expected an in-place offer".into())),
@@ -558,7 +593,7 @@ pub(super) fn pull(
         return Err(e);
     }
     let mut reqs = Vec::new();
-    let r = read_into(inner, nx, &offer, dst, deadline, stopped, blocks, first, &mut reqs);
+    let r = read_into(inner, nx, &offer, dst, deadline, stopped, land, &mut reqs);
     if r.is_err() {
         nx.forget_remote(&offer.agent);
     }
@@ -570,13 +605,13 @@ pub(super) fn pull(
         running |= p.in_flight;
     }
     if running {
-        let ids = dst[*blocks..count].to_vec();
-        *withheld = ids.len();
+        let ids = dst[land.blocks..count].to_vec();
+        land.withheld = ids.len();
         Stats::add(&inner.stats.blocks_withheld, ids.len() as u64);
         let reqs = reqs.into_iter().map(|p| p.req).collect();
         nx.withheld.lock().unwrap_or_else(|e| e.into_inner()).push(Withheld { reqs, ids });
     }
-    done(c, *blocks);
+    done(c, land.blocks);
     r
 }
 
@@ -588,8 +623,7 @@ fn read_into(
     dst: &[u32],
     deadline: Instant,
     stopped: &dyn Fn() -> Result<(), Failure>,
-    blocks: &mut usize,
-    first: &mut Option<Instant>,
+    land: &mut Landing<'_>,
     reqs: &mut Vec<Pending>,
 ) -> Result<(), Failure> {
     let bb = inner.block_bytes;
@@ -663,15 +697,11 @@ fn read_into(
             sums.resize(ids.len(), 0);
             match mover.as_mut() {
                 Some(m) => m.device_checksums(ids, &mut sums).map_err(|e| (FailReason::Corrupt, e))?,
-                None => super::sums::sum_host(inner, ids, &mut sums),
+                None => crate::agent::sums::sum_host(inner, ids, &mut sums),
             }
             for (j, i) in p.range.clone().enumerate() {
-                if sums[j] != offer.blocks[i].1 {
-                    return Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")));
-                }
-                inner.sums.set(ids[j], sums[j]);
-                first.get_or_insert_with(Instant::now);
-                *blocks = i + 1;
+                Landing::check(i, sums[j], offer.blocks[i].1)?;
+                land.landed(i, sums[j]);
             }
         }
         Ok(())

@@ -1,0 +1,215 @@
+//! The transport seam: how a fetch's bytes move, once the agent's connection carried the
+//! handshake and the hello. NIXL's backend interface (`nixlBackendEngine`: prepare, post,
+//! check, release, estimate) is the model: a [`Backend`] moves the offered blocks into the
+//! destination blocks it was given and reports where they landed; it neither commits nor
+//! decides. Above every backend sit one verifier and one committer ([`Landing`]): a block
+//! counts only when the checksum summed where its bytes lie equals the one the source recorded
+//! when it became reusable, in prefix order, and its checksum is then recorded here so that it
+//! travels on with the block.
+//!
+//! - [`tcp`] (always built): the source gathers each block into a pinned slot and sends it in a
+//!   frame on the agent's connection; the destination verifies it in its slot and scatters it.
+//!   Every agent serves TCP readers, whatever its own backend.
+//! - `nixl` (cargo feature `nixl`): the destination READs the blocks in place over UCX.
+//!
+//! A new transport (a same-host GPU path, say) is a new file here with an [`open`] arm, not
+//! new branches in the fetch or the service: [`open`] is the only place that knows which
+//! backends a build has.
+
+#[cfg(feature = "nixl")]
+pub mod nixl;
+pub(super) mod tcp;
+
+use std::time::Instant;
+
+use super::estimate::SourceSpeed;
+use super::pool::Mover;
+use super::wire::{self, Conn, FrameError, Refusal};
+use super::{AgentError, FailReason, Inner, Limits, Transport};
+use crate::copy::KvLayout;
+
+/// Why a fetch (or one of its streams) stopped, with the detail for logs.
+pub(super) type Failure = (FailReason, String);
+
+pub(super) fn io_fail(e: &std::io::Error, what: &str) -> Failure {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            (FailReason::Timeout, format!("{what} ran past its deadline"))
+        }
+        _ => (FailReason::Truncated, format!("{what}: the stream ended early ({e})")),
+    }
+}
+
+pub(super) fn frame_fail(e: FrameError, what: &str) -> Failure {
+    match e {
+        FrameError::Io(e) => io_fail(&e, what),
+        FrameError::Malformed(m) => (FailReason::Corrupt, format!("{what}: {m}")),
+    }
+}
+
+/// The failure a source's refusal frame (payload `p`) means.
+pub(super) fn refusal(p: &[u8]) -> Failure {
+    let (code, text) = wire::decode_refusal(p);
+    let reason = match code {
+        Some(Refusal::FingerprintMismatch) => FailReason::FingerprintMismatch,
+        Some(Refusal::AuthFailed) => FailReason::AuthFailed,
+        _ => FailReason::Refused,
+    };
+    let label = code.map_or("unknown", Refusal::as_str);
+    (reason, format!("the source refused: {label} ({})", text.escape_debug()))
+}
+
+/// Read one control frame of at most `max` bytes into `buf`: its kind, or the source's refusal
+/// as the failure.
+pub(super) fn read_reply(
+    c: &mut dyn Conn,
+    buf: &mut Vec<u8>,
+    max: usize,
+    what: &str,
+    deadline: Instant,
+) -> Result<u8, Failure> {
+    let (kind, len) = wire::read_header(c, max, deadline).map_err(|e| frame_fail(e, what))?;
+    buf.resize(len, 0);
+    c.read_by(buf, deadline).map_err(|e| io_fail(&e, what))?;
+    if kind == wire::REFUSE {
+        return Err(refusal(buf));
+    }
+    Ok(kind)
+}
+
+/// One stream's request, as a backend's [`Backend::pull`] gets it.
+pub(super) struct Pull<'a> {
+    /// The names asked for (their hello went out).
+    pub(super) asked: &'a [u64],
+    /// Where block `i` goes: `dst[i]`.
+    pub(super) dst: &'a [u32],
+    /// The whole fetch's deadline.
+    pub(super) deadline: Instant,
+    /// The fetch's stop check (cancel, shutdown, deadline, an earlier part ended short).
+    pub(super) stopped: &'a (dyn Fn() -> Result<(), Failure> + Sync),
+    /// The stream's mover (taken from the agent's when `None`, kept for the stream's next
+    /// request; a backend that cannot show its copies finished drops it).
+    pub(super) mover: &'a mut Option<Mover>,
+    /// A control buffer the stream reuses.
+    pub(super) buf: &'a mut Vec<u8>,
+}
+
+/// Where one stream's blocks landed: the one verifier and committer above every backend.
+pub(super) struct Landing<'a> {
+    inner: &'a Inner,
+    dst: &'a [u32],
+    /// Leading blocks written and verified.
+    pub(super) blocks: usize,
+    /// When the first of them was.
+    pub(super) first: Option<Instant>,
+    /// Destination blocks after the verified ones the backend could not prove unwritten
+    /// (handed back later through `BlockHolder::returned`).
+    pub(super) withheld: usize,
+    /// The source answered the hello (an offer came): a kept-alive connection was not stale.
+    pub(super) offered: bool,
+}
+
+impl<'a> Landing<'a> {
+    pub(super) fn new(inner: &'a Inner, dst: &'a [u32]) -> Landing<'a> {
+        Landing { inner, dst, blocks: 0, first: None, withheld: 0, offered: false }
+    }
+
+    /// The one verification rule: block `i`, summed where its bytes lie to `got`, against the
+    /// checksum `want` the source recorded when the block became reusable.
+    pub(super) fn check(i: usize, got: u64, want: u64) -> Result<(), Failure> {
+        if got == want {
+            Ok(())
+        } else {
+            Err((FailReason::Corrupt, format!("block {i}: checksum mismatch")))
+        }
+    }
+
+    /// Block `i` (the next in order) is in `dst[i]` and verified with checksum `sum`: record the
+    /// checksum (it travels on with the block) and count it.
+    pub(super) fn landed(&mut self, i: usize, sum: u64) {
+        debug_assert_eq!(i, self.blocks, "blocks land in order");
+        self.inner.sums.set(self.dst[i], sum);
+        self.blocks = i + 1;
+        self.first.get_or_insert_with(Instant::now);
+    }
+}
+
+/// One way of moving a fetch's bytes. Implementations are thread-safe: every fetch worker and
+/// serving connection uses the agent's one backend.
+pub(super) trait Backend: Send + Sync {
+    /// The frame kind of this backend's hello (what its fetches send, and what it serves
+    /// besides the TCP `HELLO` every agent serves).
+    fn hello(&self) -> u8;
+
+    /// Connections a fetch of `blocks` blocks spreads over.
+    fn streams(&self, inner: &Inner, blocks: usize) -> usize;
+
+    /// Movers to make when the agent starts (one per stream a fetch may run at once).
+    fn movers_at_start(&self, limits: &Limits) -> usize;
+
+    /// The speed assumed of a source before its first transfer.
+    fn default_speed(&self, device_pool: bool) -> SourceSpeed;
+
+    /// Fetch side, after the hello went out on `c`: read the source's answer, move the offered
+    /// blocks of `job.asked` into `job.dst`, and let `land` verify and count each in order.
+    /// `Ok(true)`: every offered block arrived and `c` can carry the stream's next request.
+    /// When this returns, nothing of the backend writes into a destination block any more,
+    /// except the `land.withheld` blocks after the verified ones.
+    fn pull(
+        &self,
+        inner: &Inner,
+        c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<bool, Failure>;
+
+    /// Serving side: serve the pinned blocks `ids` (names `names`) to a hello of kind
+    /// [`Backend::hello`]. Whether the transfer ended cleanly (the connection can carry the
+    /// peer's next request).
+    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool;
+
+    /// Whether destination blocks are withheld now (a fetch worker then calls [`Backend::reap`]
+    /// every 50 ms).
+    fn has_withheld(&self) -> bool {
+        false
+    }
+
+    /// Hand back withheld blocks whose writes are over.
+    fn reap(&self, inner: &Inner) {
+        let _ = inner;
+    }
+
+    /// The agent stops (every thread joined): release the backend and return the blocks still
+    /// withheld (nothing can write them once the backend is gone).
+    fn teardown(self: Box<Self>) -> Vec<u32> {
+        Vec::new()
+    }
+}
+
+/// The backend of `transport` over `layout` (memory of `device`, host memory when `None`).
+///
+/// # Safety
+/// As [`super::Agent::new`]: the layout's blocks are memory of `device`, valid for the agent's
+/// whole life.
+pub(super) unsafe fn open(
+    transport: &Transport,
+    layout: &KvLayout,
+    device: Option<i32>,
+) -> Result<Box<dyn Backend>, AgentError> {
+    match transport {
+        Transport::Tcp => {
+            let _ = (layout, device);
+            Ok(Box::new(tcp::Tcp))
+        }
+        #[cfg(feature = "nixl")]
+        Transport::Nixl { lib_dir } => {
+            // SAFETY: forwarded contract.
+            let nx = unsafe { nixl::Nixl::new(layout, device, lib_dir.as_deref()) }.map_err(AgentError::Io)?;
+            Ok(Box::new(nx))
+        }
+        #[cfg(not(feature = "nixl"))]
+        Transport::Nixl { .. } => {
+            Err(AgentError::Config("the NIXL transport needs kvrelay built with the cargo feature `nixl`".into()))
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! The embedded transport: block bytes travel in frames on the agent's own TCP connection.
+//! The source gathers the pinned blocks into a mover's slots and sends each with its name and
+//! recorded checksum; the destination reads each into a slot, verifies it there and only then
+//! scatters it into its destination block, pipelined over the mover's two slots at both ends.
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use super::{frame_fail, io_fail, read_reply, refusal, Backend, Failure, Landing, Pull};
+use crate::agent::estimate::{SourceSpeed, TCP_DEFAULT};
+use crate::agent::pool::{Mover, SlotPtr};
+use crate::agent::wire::{self, Conn};
+use crate::agent::{FailReason, Inner, Limits, Stats};
+use crate::checksum::kv_checksum;
+
+/// The TCP backend (it has no state of its own: the movers are the agent's).
+pub(in crate::agent) struct Tcp;
+
+impl Backend for Tcp {
+    fn hello(&self) -> u8 {
+        wire::HELLO
+    }
+
+    /// `Limits::streams`, but each stream moves at least `Limits::min_stream_bytes` (small
+    /// fetches use one).
+    fn streams(&self, inner: &Inner, blocks: usize) -> usize {
+        let bytes = (blocks as u64).saturating_mul(inner.block_bytes as u64);
+        let by_size = usize::try_from(bytes / inner.limits.min_stream_bytes).unwrap_or(usize::MAX).max(1);
+        (inner.limits.streams as usize).min(by_size).min(blocks).max(1)
+    }
+
+    fn movers_at_start(&self, limits: &Limits) -> usize {
+        limits.streams.max(1) as usize
+    }
+
+    fn default_speed(&self, _device_pool: bool) -> SourceSpeed {
+        TCP_DEFAULT
+    }
+
+    fn pull(
+        &self,
+        inner: &Inner,
+        c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<bool, Failure> {
+        let by = || inner.io_deadline().min(job.deadline);
+        let kind = read_reply(c, job.buf, wire::MAX_CONTROL, "the offer", by())?;
+        land.offered = true;
+        let bb = inner.block_bytes;
+        let (count, offered_bb) = match (kind, wire::decode_offer(job.buf)) {
+            (wire::OFFER, Some(o)) => o,
+            _ => return Err((FailReason::Corrupt, "expected an offer".into())),
+        };
+        let count = count as usize;
+        if count > job.asked.len() || offered_bb != bb as u64 {
+            return Err((FailReason::Corrupt, "the offer does not match the request".into()));
+        }
+        if count == 0 {
+            return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+        }
+        if job.mover.is_none() {
+            // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
+            // contract); the mover writes only this fetch's destination blocks, which the
+            // runtime leaves alone until the fetch completes.
+            *job.mover = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
+        }
+        let mover = job.mover.as_mut().expect("set above");
+        let r = receive(inner, c, job.dst, job.asked, count, mover, job.stopped, &by, land);
+        // every scatter into the destination blocks has finished before the completion is
+        // delivered; a mover whose stream cannot be waited for is dropped, never reused
+        if let Err(e) = mover.finish() {
+            *job.mover = None;
+            // nothing can be shown to have landed: commit none of it
+            land.blocks = 0;
+            return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
+        }
+        // every offered block was read: the stream is at a frame boundary again
+        r.map(|()| land.blocks == count)
+    }
+
+    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
+        serve(inner, c, ids, names)
+    }
+}
+
+/// Read the offered blocks, pipelined over the mover's two slots: this thread reads block `i`
+/// into a free slot while a helper thread verifies block `i - 1` in the other and scatters it
+/// into `dst[i - 1]`; a slot goes back to the reader only after its block was written. The
+/// verified count grows in order; the earliest failure in block order is the answer.
+#[allow(clippy::too_many_arguments)]
+fn receive(
+    inner: &Inner,
+    c: &mut dyn Conn,
+    dst: &[u32],
+    asked: &[u64],
+    count: usize,
+    mover: &mut Mover,
+    stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
+    by: &dyn Fn() -> Instant,
+    land: &mut Landing<'_>,
+) -> Result<(), Failure> {
+    let bb = inner.block_bytes;
+    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
+    let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
+    let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
+    free_tx.send(0).expect("room for two");
+    free_tx.send(1).expect("room for two");
+    std::thread::scope(|sc| {
+        let verifier = sc.spawn(move || {
+            for (k, i, sum) in verify_rx {
+                Landing::check(i, kv_checksum(mover.slot(k)), sum)?;
+                mover.scatter(k, dst[i]).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
+                land.landed(i, sum);
+                if free_tx.send(k).is_err() {
+                    break;
+                }
+            }
+            Ok(())
+        });
+        let read = (|| -> Result<(), Failure> {
+            let mut head = [0u8; 16];
+            let mut buf = Vec::new();
+            for (i, &want) in asked.iter().enumerate().take(count) {
+                stopped()?;
+                // the verifier stopped (its error is the answer) when no slot comes back
+                let Ok(k) = free_rx.recv() else { return Ok(()) };
+                let what = || format!("block {i}");
+                let (kind, len) =
+                    wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
+                if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
+                    buf.resize(len, 0);
+                    c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
+                    return Err(refusal(&buf));
+                }
+                if kind != wire::BLOCK || len != 16 + bb {
+                    return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
+                }
+                c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
+                // SAFETY: slot `k` (at least one block long) belongs to this thread from the
+                // moment it came back from the verifier until it is sent to it again.
+                let slot = unsafe { std::slice::from_raw_parts_mut(slots[k].0, bb) };
+                c.read_by(slot, by()).map_err(|e| io_fail(&e, &what()))?;
+                if wire::u64_at(&head, 0) != want {
+                    return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
+                }
+                if verify_tx.send((k, i, wire::u64_at(&head, 8))).is_err() {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        })();
+        drop(verify_tx);
+        let verified = verifier.join().unwrap_or_else(|_| Err((FailReason::Corrupt, "the verifier panicked".into())));
+        // the verifier's failure is the earlier one in block order
+        verified?;
+        read
+    })
+}
+
+/// The whole transfer's deadline on the serving side: 10 s plus 1 s per 100 MB.
+pub(in crate::agent) fn transfer_deadline(bytes: u64) -> std::time::Duration {
+    std::time::Duration::from_secs(10) + std::time::Duration::from_secs_f64(bytes as f64 / 100e6)
+}
+
+/// Serve the pinned blocks `ids` (names `names`) in frames: the offer, then each block with its
+/// name and recorded checksum, gathered by a helper thread into one slot while this thread
+/// sends the other. Whether it ended cleanly.
+pub(in crate::agent) fn serve(inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
+    let bb = inner.block_bytes;
+    let offered = ids.len();
+    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return false;
+    }
+    if offered == 0 {
+        return true;
+    }
+    let end = Instant::now() + transfer_deadline((offered * bb) as u64);
+    let by = |inner: &Inner| inner.io_deadline().min(end);
+    // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
+    // contract); the mover only reads the pinned blocks `ids`, which the runtime does not write
+    // while they are pinned.
+    let Ok(mut mover) = (unsafe { inner.movers.take(&inner.layout) }) else {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return false;
+    };
+    let chunk = mover.slot_blocks;
+    let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
+    // pipelined over the mover's two slots: a helper thread gathers chunk c + 1 into one slot
+    // while this thread sends chunk c out of the other
+    let (ready_tx, ready_rx) = mpsc::sync_channel::<(usize, usize)>(2);
+    let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
+    free_tx.send(0).expect("room for two");
+    free_tx.send(1).expect("room for two");
+    let (sent_ok, gathered_ok) = std::thread::scope(|sc| {
+        let mover = &mut mover;
+        let gatherer = sc.spawn(move || {
+            for (ci, part) in ids.chunks(chunk).enumerate() {
+                let Ok(k) = free_rx.recv() else { return true };
+                if mover.gather(k, part).is_err() {
+                    return false;
+                }
+                if ready_tx.send((k, ci)).is_err() {
+                    return true;
+                }
+            }
+            true
+        });
+        let mut ok = true;
+        'send: for (k, ci) in ready_rx.iter() {
+            let part = &ids[ci * chunk..(ci * chunk + chunk).min(ids.len())];
+            // SAFETY: slot `k` holds `part.len()` gathered blocks (at most `slot_blocks`) and
+            // belongs to this thread until it is sent back to the gatherer.
+            let staged = unsafe { std::slice::from_raw_parts(slots[k].0, part.len() * bb) };
+            for (j, &id) in part.iter().enumerate() {
+                let i = ci * chunk + j;
+                let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
+                let mut head = [0u8; 28];
+                head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
+                head[12..20].copy_from_slice(&names[i].to_le_bytes());
+                head[20..28].copy_from_slice(&sum.to_le_bytes());
+                if c.write_by(&head, by(inner)).is_err()
+                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err()
+                {
+                    ok = false;
+                    break 'send;
+                }
+                Stats::add(&inner.stats.blocks_sent, 1);
+                Stats::add(&inner.stats.bytes_sent, bb as u64);
+            }
+            let _ = free_tx.send(k);
+        }
+        drop(ready_rx);
+        drop(free_tx);
+        (ok, gatherer.join().unwrap_or(false))
+    });
+    let ok = sent_ok && gathered_ok;
+    if !gathered_ok {
+        // a mover whose copy failed is not reused
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return false;
+    }
+    // gathers are waited for inside `gather`: nothing of this mover is in flight
+    inner.movers.put(mover);
+    if !ok {
+        Stats::add(&inner.stats.serve_aborted, 1);
+    }
+    ok
+}
