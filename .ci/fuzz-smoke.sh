@@ -12,10 +12,12 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 cargo build --locked --release --target "$target" --target-dir ../target/fuzz --bins
 bin=../target/fuzz/$target/release
 corpus=../target/fuzz/corpus
-for t in admission msgpack c_abi agent_peer; do
+for t in admission msgpack c_abi agent_peer agent_source; do
   mkdir -p "$corpus/$t"
   if [ "$t" = agent_peer ]; then
     cp -n seeds_agent/* "$corpus/$t/" 2>/dev/null || true
+  elif [ "$t" = agent_source ]; then
+    cp -n seeds_source/* "$corpus/$t/" 2>/dev/null || true
   else
     cp -n seeds/* "$corpus/$t/" 2>/dev/null || true
   fi

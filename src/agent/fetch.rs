@@ -392,3 +392,36 @@ impl Stream<'_> {
         }
     }
 }
+
+/// One exchange of a fetch over `c` on the calling thread, through the agent's backend: the
+/// hello for `names[..dst.len()]` goes out, whatever `c` answers is taken as the source's reply
+/// (for tests and fuzzing of what a source can send; `dst` checked by the caller).
+pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], dst: &[u32]) -> FetchResult {
+    let start = Instant::now();
+    let deadline = start + std::time::Duration::from_secs(10);
+    let stopped = || Ok(());
+    let (mut mover, mut buf) = (None, Vec::new());
+    let asked = &names[..dst.len()];
+    let mut land = Landing::new(inner, dst);
+    let r = (|| {
+        let hello = wire::encode_hello(&inner.fingerprint, asked);
+        wire::write_frame(c, inner.backend.hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
+        let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, buf: &mut buf };
+        inner.backend.pull(inner, c, &mut job, &mut land).map(|_| ())
+    })();
+    if let Some(m) = mover {
+        inner.movers.put(m);
+    }
+    let (failure, detail) = match r {
+        Ok(()) => (None, String::new()),
+        Err((f, d)) => (Some(f), d),
+    };
+    FetchResult {
+        failure,
+        blocks: land.blocks,
+        bytes: (land.blocks * inner.block_bytes) as u64,
+        withheld: land.withheld,
+        seconds: start.elapsed().as_secs_f64(),
+        detail,
+    }
+}

@@ -652,6 +652,33 @@ impl Agent {
         self.inner.stats.prometheus()
     }
 
+    /// Fetch over one connection on the calling thread: the hello for `names[..dst.len()]` is
+    /// written to `conn` and whatever `conn` answers is taken as the source's reply, moved by
+    /// the agent's backend into `dst`, verified and counted as a fetch would (for tests and
+    /// fuzzing of what a hostile source can send; the TCP transport only: a NIXL READ needs a
+    /// real source). Refused as [`Agent::submit`] refuses bad destinations.
+    #[doc(hidden)]
+    pub fn fetch_over_connection(
+        &self,
+        conn: &mut dyn Conn,
+        names: &[u64],
+        dst: &[u32],
+    ) -> Result<FetchResult, AgentError> {
+        let n = self.inner.layout.num_blocks();
+        let mut sorted = dst.to_vec();
+        sorted.sort_unstable();
+        if dst.is_empty()
+            || dst.len() > names.len()
+            || sorted.windows(2).any(|w| w[0] == w[1])
+            || sorted.last().is_some_and(|&id| id >= n)
+        {
+            return Err(AgentError::Argument(
+                "destination blocks: none, more than names, twice or past the pool".into(),
+            ));
+        }
+        Ok(fetch::over_connection(&self.inner, conn, names, dst))
+    }
+
     /// Serve one connection on the calling thread as the service would serve an allowed peer
     /// (handshake, then the transfer), for tests and fuzzing of what a peer can send. Slot and
     /// per-peer limits are not applied.

@@ -335,6 +335,138 @@ pub fn decode_offer(p: &[u8]) -> Option<(u32, u64)> {
     Some((u32_at(p, 0), u64_at(p, 8)))
 }
 
+/// An offer of blocks in place (`NIXL_OFFER`, the NIXL transport's answer to `NIXL_HELLO`):
+/// `count` blocks of `block_bytes`; the source's NIXL agent; its
+/// segments `(base, stride, bytes)`; its pool's block count, device, and per block
+/// `(id, recorded checksum)`.
+#[derive(Debug, Default, PartialEq)]
+pub struct InPlaceOffer {
+    /// The source's NIXL agent name.
+    pub agent: String,
+    /// Its metadata.
+    pub metadata: Vec<u8>,
+    /// Bytes of one block.
+    pub block_bytes: u64,
+    /// The source's CUDA device (`None`: host memory).
+    pub device: Option<i32>,
+    /// Blocks in the source's pool.
+    pub num_blocks: u32,
+    /// The source's segments: base, stride, bytes per block.
+    pub segments: Vec<(u64, u64, u64)>,
+    /// Offered blocks: id in the source's pool, recorded checksum.
+    pub blocks: Vec<(u32, u64)>,
+}
+
+/// Fixed part of an encoded offer.
+const OFFER_HEAD: usize = 36;
+
+/// Largest NIXL agent metadata an in-place offer may carry.
+pub const MAX_METADATA: usize = 1 << 20;
+
+/// Encode an offer: count u32, segment count u32, block bytes u64, device i32 (-1: host), the
+/// source's block count u32, agent-name length u32, metadata length u32, 4 zero bytes; then per
+/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32 and
+/// checksum u64.
+pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
+    let mut p =
+        Vec::with_capacity(OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + 12 * o.blocks.len());
+    p.extend_from_slice(&(o.blocks.len() as u32).to_le_bytes());
+    p.extend_from_slice(&(o.segments.len() as u32).to_le_bytes());
+    p.extend_from_slice(&o.block_bytes.to_le_bytes());
+    p.extend_from_slice(&o.device.unwrap_or(-1).to_le_bytes());
+    p.extend_from_slice(&o.num_blocks.to_le_bytes());
+    p.extend_from_slice(&(o.agent.len() as u32).to_le_bytes());
+    p.extend_from_slice(&(o.metadata.len() as u32).to_le_bytes());
+    p.extend_from_slice(&[0u8; 4]);
+    for &(b, s, n) in &o.segments {
+        for v in [b, s, n] {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    p.extend_from_slice(o.agent.as_bytes());
+    p.extend_from_slice(&o.metadata);
+    for &(id, sum) in &o.blocks {
+        p.extend_from_slice(&id.to_le_bytes());
+        p.extend_from_slice(&sum.to_le_bytes());
+    }
+    p
+}
+
+/// Decode an offer; `None` when it does not decode exactly.
+pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
+    if p.len() < OFFER_HEAD || p[32..36] != [0; 4] {
+        return None;
+    }
+    let count = u32_at(p, 0) as usize;
+    let nseg = u32_at(p, 4) as usize;
+    let device = i32::from_le_bytes(p[16..20].try_into().ok()?);
+    let (name_len, md_len) = (u32_at(p, 24) as usize, u32_at(p, 28) as usize);
+    if nseg == 0 || nseg > 1 << 16 || name_len > 255 || md_len > MAX_METADATA || device < -1 {
+        return None;
+    }
+    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(12)?;
+    if p.len() != need {
+        return None;
+    }
+    let mut at = OFFER_HEAD;
+    let mut segments = Vec::with_capacity(nseg);
+    for _ in 0..nseg {
+        segments.push((u64_at(p, at), u64_at(p, at + 8), u64_at(p, at + 16)));
+        at += 24;
+    }
+    let agent = std::str::from_utf8(&p[at..at + name_len]).ok()?.to_string();
+    at += name_len;
+    let metadata = p[at..at + md_len].to_vec();
+    at += md_len;
+    let blocks = (0..count).map(|i| (u32_at(p, at + 12 * i), u64_at(p, at + 12 * i + 4))).collect();
+    Some(InPlaceOffer {
+        agent,
+        metadata,
+        block_bytes: u64_at(p, 8),
+        device: (device >= 0).then_some(device),
+        num_blocks: u32_at(p, 20),
+        segments,
+        blocks,
+    })
+}
+
+/// The largest in-place offer a destination reads for `asked` names over `nseg` segments.
+pub fn max_in_place_offer(asked: usize, nseg: usize) -> usize {
+    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + 12 * asked
+}
+
+impl InPlaceOffer {
+    /// Whether the offer can be READ into a pool of `layout` for a request of `asked` names:
+    /// at most `asked` blocks of the layout's block size, the same segment sizes (else `Err`
+    /// with `true`: the layouts differ), a segment table under which no block address of the
+    /// source's pool overflows, and every offered id inside that pool. Pure: what a hostile
+    /// source can send is checked here before any address is computed from it.
+    pub fn check(&self, layout: &crate::copy::KvLayout, asked: usize) -> Result<(), (bool, String)> {
+        if self.blocks.len() > asked || self.block_bytes != layout.stage_block_bytes() {
+            return Err((false, "the offer does not match the request".into()));
+        }
+        let mine = layout.segments();
+        if self.segments.len() != mine.len() || self.segments.iter().zip(mine).any(|(o, m)| o.2 != m.bytes_per_block) {
+            return Err((true, "the two pools cut a block into other segments".into()));
+        }
+        // with ids below `num_blocks`, no address computed from the source's table overflows
+        let spans_ok = self.segments.iter().all(|&(base, stride, len)| {
+            stride
+                .checked_mul(u64::from(self.num_blocks.saturating_sub(1)))
+                .and_then(|x| x.checked_add(len))
+                .and_then(|x| x.checked_add(base))
+                .is_some()
+        });
+        if self.num_blocks == 0 || !spans_ok {
+            return Err((false, "the offer's segment table does not describe a pool".into()));
+        }
+        if let Some(&(id, _)) = self.blocks.iter().find(|&&(id, _)| id >= self.num_blocks) {
+            return Err((false, format!("the offer names block {id}, past the source's pool")));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,5 +486,27 @@ mod tests {
         assert_eq!(decode_offer(&[0; 15]), None);
         assert_eq!(decode_refusal(&[2, b'x']), (Some(Refusal::Busy), "x".into()));
         assert_eq!(decode_refusal(&[200]).0, None);
+    }
+
+    #[test]
+    fn offers_round_trip_and_garbage_is_refused() {
+        let o = InPlaceOffer {
+            agent: "a".into(),
+            metadata: vec![1, 2, 3],
+            block_bytes: 4096,
+            device: Some(0),
+            num_blocks: 9,
+            segments: vec![(0x1000, 4096, 2048), (0x9000, 4096, 2048)],
+            blocks: vec![(3, 77), (8, 99)],
+        };
+        let p = encode_in_place_offer(&o);
+        assert_eq!(decode_in_place_offer(&p), Some(o));
+        assert_eq!(decode_in_place_offer(&p[..p.len() - 1]), None);
+        let mut bad = p.clone();
+        bad[33] = 1;
+        assert_eq!(decode_in_place_offer(&bad), None);
+        let mut bad = p;
+        bad[4] = 0; // no segments
+        assert_eq!(decode_in_place_offer(&bad), None);
     }
 }

@@ -54,7 +54,7 @@ pub const REQUEST_BYTES_GPU: usize = 256 << 20;
 /// blocks are withheld.
 pub const GRACE: Duration = Duration::from_secs(1);
 /// Largest NIXL agent metadata an offer may carry.
-pub const MAX_METADATA: usize = 1 << 20;
+pub use crate::agent::wire::MAX_METADATA;
 
 /// Every C entry point of `libnixl_capi.so` that `nixl-sys` 1.5.1 may call, one per line (its
 /// stubs resolve each on first use and abort the process when one is missing, so all are
@@ -347,111 +347,11 @@ impl Backend for Nixl {
     }
 }
 
-/// An offer of blocks in place: `count` blocks of `block_bytes`; the source's NIXL agent; its
-/// segments `(base, stride, bytes)`; its pool's block count, device, and per block
-/// `(id, recorded checksum)`.
-#[derive(Debug, Default, PartialEq)]
-pub struct InPlaceOffer {
-    /// The source's NIXL agent name.
-    pub agent: String,
-    /// Its metadata.
-    pub metadata: Vec<u8>,
-    /// Bytes of one block.
-    pub block_bytes: u64,
-    /// The source's CUDA device (`None`: host memory).
-    pub device: Option<i32>,
-    /// Blocks in the source's pool.
-    pub num_blocks: u32,
-    /// The source's segments: base, stride, bytes per block.
-    pub segments: Vec<(u64, u64, u64)>,
-    /// Offered blocks: id in the source's pool, recorded checksum.
-    pub blocks: Vec<(u32, u64)>,
-}
-
-/// Fixed part of an encoded offer.
-const OFFER_HEAD: usize = 36;
-
-/// Encode an offer: count u32, segment count u32, block bytes u64, device i32 (-1: host), the
-/// source's block count u32, agent-name length u32, metadata length u32, 4 zero bytes; then per
-/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32 and
-/// checksum u64.
-pub fn encode_offer(o: &InPlaceOffer) -> Vec<u8> {
-    let mut p =
-        Vec::with_capacity(OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + 12 * o.blocks.len());
-    p.extend_from_slice(&(o.blocks.len() as u32).to_le_bytes());
-    p.extend_from_slice(&(o.segments.len() as u32).to_le_bytes());
-    p.extend_from_slice(&o.block_bytes.to_le_bytes());
-    p.extend_from_slice(&o.device.unwrap_or(-1).to_le_bytes());
-    p.extend_from_slice(&o.num_blocks.to_le_bytes());
-    p.extend_from_slice(&(o.agent.len() as u32).to_le_bytes());
-    p.extend_from_slice(&(o.metadata.len() as u32).to_le_bytes());
-    p.extend_from_slice(&[0u8; 4]);
-    for &(b, s, n) in &o.segments {
-        for v in [b, s, n] {
-            p.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-    p.extend_from_slice(o.agent.as_bytes());
-    p.extend_from_slice(&o.metadata);
-    for &(id, sum) in &o.blocks {
-        p.extend_from_slice(&id.to_le_bytes());
-        p.extend_from_slice(&sum.to_le_bytes());
-    }
-    p
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-/// Decode an offer; `None` when it does not decode exactly.
-pub fn decode_offer(p: &[u8]) -> Option<InPlaceOffer> {
-    if p.len() < OFFER_HEAD || p[32..36] != [0; 4] {
-        return None;
-    }
-    let count = u32_at(p, 0) as usize;
-    let nseg = u32_at(p, 4) as usize;
-    let device = i32::from_le_bytes(p[16..20].try_into().ok()?);
-    let (name_len, md_len) = (u32_at(p, 24) as usize, u32_at(p, 28) as usize);
-    if nseg == 0 || nseg > 1 << 16 || name_len > 255 || md_len > MAX_METADATA || device < -1 {
-        return None;
-    }
-    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(12)?;
-    if p.len() != need {
-        return None;
-    }
-    let mut at = OFFER_HEAD;
-    let mut segments = Vec::with_capacity(nseg);
-    for _ in 0..nseg {
-        segments.push((wire::u64_at(p, at), wire::u64_at(p, at + 8), wire::u64_at(p, at + 16)));
-        at += 24;
-    }
-    let agent = std::str::from_utf8(&p[at..at + name_len]).ok()?.to_string();
-    at += name_len;
-    let metadata = p[at..at + md_len].to_vec();
-    at += md_len;
-    let blocks = (0..count).map(|i| (u32_at(p, at + 12 * i), wire::u64_at(p, at + 12 * i + 4))).collect();
-    Some(InPlaceOffer {
-        agent,
-        metadata,
-        block_bytes: wire::u64_at(p, 8),
-        device: (device >= 0).then_some(device),
-        num_blocks: u32_at(p, 20),
-        segments,
-        blocks,
-    })
-}
-
-/// The largest offer a destination reads for `asked` names over `nseg` segments.
-fn max_offer(asked: usize, nseg: usize) -> usize {
-    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + 12 * asked
-}
-
 /// Serve pinned blocks `ids` in place: offer them, then wait for the reader's `DONE` (at most
 /// `end`). The blocks stay pinned until this returns. Whether it ended cleanly.
 fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) -> bool {
     let layout = &inner.layout;
-    let offer = InPlaceOffer {
+    let offer = wire::InPlaceOffer {
         agent: nx.name.clone(),
         metadata: nx.metadata.clone(),
         block_bytes: inner.block_bytes as u64,
@@ -463,7 +363,7 @@ fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) 
             .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
             .collect(),
     };
-    if wire::write_frame(c, wire::NIXL_OFFER, &encode_offer(&offer), inner.io_deadline()).is_err() {
+    if wire::write_frame(c, wire::NIXL_OFFER, &wire::encode_in_place_offer(&offer), inner.io_deadline()).is_err() {
         Stats::add(&inner.stats.serve_aborted, 1);
         return false;
     }
@@ -547,7 +447,7 @@ fn pull(
 ) -> Result<(), Failure> {
     let layout = &inner.layout;
     let by = || inner.io_deadline().min(deadline);
-    let max = max_offer(asked.len(), layout.segments().len());
+    let max = wire::max_in_place_offer(asked.len(), layout.segments().len());
     let (kind, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
     let mut buf = vec![0u8; len];
     c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
@@ -555,32 +455,14 @@ fn pull(
         return Err(refusal(&buf));
     }
     land.offered = true;
-    let offer = match (kind, decode_offer(&buf)) {
+    let offer = match (kind, wire::decode_in_place_offer(&buf)) {
         (wire::NIXL_OFFER, Some(o)) => o,
         _ => return Err((FailReason::Corrupt, "expected an in-place offer".into())),
     };
     let count = offer.blocks.len();
-    if count > asked.len() || offer.block_bytes != inner.block_bytes as u64 {
-        return Err((FailReason::Corrupt, "the offer does not match the request".into()));
-    }
-    let mine = layout.segments();
-    if offer.segments.len() != mine.len() || offer.segments.iter().zip(mine).any(|(o, m)| o.2 != m.bytes_per_block) {
-        return Err((FailReason::FingerprintMismatch, "the two pools cut a block into other segments".into()));
-    }
-    // with ids below `num_blocks`, no address computed from the source's table overflows
-    let spans_ok = offer.segments.iter().all(|&(base, stride, len)| {
-        stride
-            .checked_mul(u64::from(offer.num_blocks.saturating_sub(1)))
-            .and_then(|x| x.checked_add(len))
-            .and_then(|x| x.checked_add(base))
-            .is_some()
-    });
-    if offer.num_blocks == 0 || !spans_ok {
-        return Err((FailReason::Corrupt, "the offer's segment table does not describe a pool".into()));
-    }
-    if let Some(&(id, _)) = offer.blocks.iter().find(|&&(id, _)| id >= offer.num_blocks) {
-        return Err((FailReason::Corrupt, format!("the offer names block {id}, past the source's pool")));
-    }
+    offer.check(&inner.layout, asked.len()).map_err(|(mismatch, text)| {
+        (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
+    })?;
     let done = |c: &mut dyn Conn, n: usize| {
         let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
     };
@@ -619,7 +501,7 @@ fn pull(
 fn read_into(
     inner: &Inner,
     nx: &Nixl,
-    offer: &InPlaceOffer,
+    offer: &wire::InPlaceOffer,
     dst: &[u32],
     deadline: Instant,
     stopped: &dyn Fn() -> Result<(), Failure>,
@@ -716,28 +598,6 @@ fn read_into(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn offers_round_trip_and_garbage_is_refused() {
-        let o = InPlaceOffer {
-            agent: "a".into(),
-            metadata: vec![1, 2, 3],
-            block_bytes: 4096,
-            device: Some(0),
-            num_blocks: 9,
-            segments: vec![(0x1000, 4096, 2048), (0x9000, 4096, 2048)],
-            blocks: vec![(3, 77), (8, 99)],
-        };
-        let p = encode_offer(&o);
-        assert_eq!(decode_offer(&p), Some(o));
-        assert_eq!(decode_offer(&p[..p.len() - 1]), None);
-        let mut bad = p.clone();
-        bad[33] = 1;
-        assert_eq!(decode_offer(&bad), None);
-        let mut bad = p;
-        bad[4] = 0; // no segments
-        assert_eq!(decode_offer(&bad), None);
-    }
 
     #[test]
     fn extents_merge_where_segments_touch_or_overlap() {
