@@ -19,6 +19,48 @@ fn shutting_down() -> Failure {
     (FailReason::Shutdown, "the agent is shutting down".into())
 }
 
+/// The address of `hostport`: parsed when numeric; otherwise looked up on a short-lived thread
+/// of its own (getaddrinfo cannot be interrupted), which this worker waits for at most the
+/// connect timeout, checking for a cancel or the agent's shutdown every 20 ms, so that neither
+/// a slow resolver nor `kvrelay_agent_free` waits on DNS. A lookup that outlives the wait ends
+/// on its own and is dropped.
+fn resolve(
+    inner: &Inner,
+    hostport: &str,
+    deadline: Instant,
+    stopped: &dyn Fn() -> Result<(), Failure>,
+) -> Result<std::net::SocketAddr, Failure> {
+    if let Ok(a) = hostport.parse::<std::net::SocketAddr>() {
+        return Ok(a);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = hostport.to_string();
+    std::thread::Builder::new()
+        .name("kvrelay-resolve".into())
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let _ = tx.send(name.to_socket_addrs().map(|mut a| a.next()));
+        })
+        .map_err(|e| (FailReason::Connect, format!("starting a resolver thread: {e}")))?;
+    let end = deadline.min(Instant::now() + inner.limits.connect_timeout);
+    loop {
+        stopped()?;
+        let step = end.saturating_duration_since(Instant::now()).min(std::time::Duration::from_millis(20));
+        match rx.recv_timeout(step) {
+            Ok(Ok(Some(a))) => return Ok(a),
+            Ok(Ok(None)) => return Err((FailReason::Connect, "the endpoint resolves to no address".into())),
+            Ok(Err(e)) => return Err((FailReason::Connect, format!("the endpoint does not resolve: {e}"))),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err((FailReason::Connect, "the resolver thread ended without an answer".into()))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() >= end => {
+                return Err((FailReason::Timeout, "resolving the endpoint ran past the connect timeout".into()))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
+}
+
 /// What a worker keeps between fetches.
 #[derive(Default)]
 struct Worker {
@@ -169,11 +211,7 @@ fn pull(
         .endpoint
         .strip_prefix("tcp://")
         .ok_or_else(|| (FailReason::Connect, "not a tcp:// endpoint".to_string()))?;
-    let addr = hostport
-        .to_socket_addrs()
-        .map_err(|e| (FailReason::Connect, format!("the endpoint does not resolve: {e}")))?
-        .next()
-        .ok_or_else(|| (FailReason::Connect, "the endpoint resolves to no address".to_string()))?;
+    let addr = resolve(inner, hostport, deadline, &stopped)?;
     let asked = &req.names[req.held..req.held + req.dst.len()];
     let dst = &req.dst[..asked.len()];
     // one stream of the fetch: a contiguous part of the run on a connection of its own
