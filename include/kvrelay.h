@@ -773,8 +773,6 @@ typedef struct kvrelay_action {
 
 
 
-
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1046,8 +1044,14 @@ kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,
 
 // Stop the agent and free it (NULL does nothing): the service stops, queued and running
 // fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
-// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about one I/O
-// timeout. Must not be called from one of the agent's callbacks.
+// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
+// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
+// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
+// shut down), plus what the callbacks it waits for take: the completions of the fetches it
+// ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
+// called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
+// would wait for them forever). A panic on an agent thread never makes it wait: it is
+// contained there.
 //
 // # Safety
 // `agent` NULL or live and not used by another thread during or after the call.

@@ -45,21 +45,12 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
         // that has not completed its handshake (of that address, or of any): a flood of silent
         // or slow connections then only ever evicts itself, and a peer that speaks promptly
         // gets in, even from an address that also floods
-        let mut evicted_own = false;
-        let mut peer_ok = take_peer(inner, ip);
-        if !peer_ok && make_room(inner, Some(ip)) {
-            force_peer(inner, ip);
-            (evicted_own, peer_ok) = (true, true);
-        }
-        let refusal = if !peer_ok {
-            Some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
-        } else if take_slot(&inner.stats.pending_now, inner.limits.max_pending) {
-            None
-        } else if evicted_own {
-            // the connection evicted for this address's place also frees a handshake slot
-            inner.stats.pending_now.fetch_add(1, Ordering::Relaxed);
-            None
-        } else if make_room(inner, None) {
+        // (the evicted connection hands its place and handshake slot straight to the new one,
+        // so the counts never go past their limits)
+        let refusal = if !take_peer(inner, ip) {
+            // its own oldest silent connection hands over both its place and its slot
+            (!make_room(inner, Some(ip))).then_some((Refusal::PerPeerLimit, "this peer holds its limit of connections"))
+        } else if take_slot(&inner.stats.pending_now, inner.limits.max_pending) || make_room(inner, None) {
             None
         } else {
             release_peer(inner, ip);
@@ -75,7 +66,7 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             release(inner, ip, Slot::Pending);
             continue;
         };
-        inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).push_back(Greeting { id, ip, evicted: false });
+        inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).push_back(Greeting { id, ip, handed: None });
         let worker = inner.clone();
         let spawned = std::thread::Builder::new().name("kvrelay-serve".into()).stack_size(1 << 20).spawn(move || {
             let _ = s.set_nodelay(true);
@@ -91,7 +82,9 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             if r.is_err() {
                 Stats::add(&worker.stats.serve_aborted, 1);
             }
-            greeted(&worker, id);
+            if let Some(id) = held.greeting.take() {
+                greeted(&worker, id).take_back(&mut held);
+            }
             release_slot(&worker, held.slot);
             if held.counted {
                 release_peer(&worker, ip);
@@ -100,8 +93,12 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             worker.unregister(id);
         });
         if spawned.is_err() {
-            greeted(inner, id);
-            release(inner, ip, Slot::Pending);
+            let mut held = Held { slot: Slot::Pending, counted: true, greeting: None };
+            greeted(inner, id).take_back(&mut held);
+            release_slot(inner, held.slot);
+            if held.counted {
+                release_peer(inner, ip);
+            }
             inner.unregister(id);
         }
     }
@@ -131,53 +128,55 @@ pub(super) struct Greeting {
     id: u64,
     /// Its peer.
     ip: IpAddr,
-    /// Already shut down to make room: its thread is ending.
-    evicted: bool,
+    /// Evicted (shut down to make room): what it handed to the newer connection.
+    handed: Option<Handed>,
+}
+
+/// What an evicted connection handed over: its handshake slot always, its place among its
+/// address's `max_per_peer` when the newcomer came from the same address.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Handed {
+    slot: bool,
+    place: bool,
+}
+
+impl Handed {
+    /// Take out of `held` what is no longer this connection's to give back.
+    fn take_back(self, held: &mut Held) {
+        if self.slot && held.slot == Slot::Pending {
+            held.slot = Slot::None;
+        }
+        if self.place {
+            held.counted = false;
+        }
+    }
 }
 
 /// Make room for a new connection: shut down the oldest connection still in its handshake (of
-/// `ip` when given). Its thread ends within a step and gives back its slot and place; until then
-/// the new connection is counted beyond the limit, so the overshoot is bounded by the
-/// connections evicted and not yet gone, which never exceed [`MAX_EVICTED`] or `max_pending`,
-/// whichever is larger. False when nothing can be evicted.
+/// `ip` when given) and hand its handshake slot, and with `ip` its place among that address's
+/// connections, to the new one. The evicted connection's thread ends within a step and gives
+/// back only what it still holds, so no count ever goes past its limit. False when no
+/// connection is in its handshake (of `ip`).
 fn make_room(inner: &Inner, ip: Option<IpAddr>) -> bool {
     let mut g = inner.greeting.lock().unwrap_or_else(|e| e.into_inner());
-    if g.iter().filter(|x| x.evicted).count() >= MAX_EVICTED.max(inner.limits.max_pending as usize) {
+    let Some(victim) = g.iter_mut().find(|x| x.handed.is_none() && ip.is_none_or(|ip| x.ip == ip)) else {
         return false;
-    }
-    let Some(victim) = g.iter_mut().find(|x| !x.evicted && ip.is_none_or(|ip| x.ip == ip)) else { return false };
-    victim.evicted = true;
+    };
+    victim.handed = Some(Handed { slot: true, place: ip.is_some() });
     if let Some(s) = inner.conns.lock().unwrap_or_else(|e| e.into_inner()).1.get(&victim.id) {
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     drop(g);
     Stats::add(&inner.stats.handshake_evicted, 1);
-    if ip.is_none() {
-        // the evicted connection gives its handshake slot back when its thread ends; the new
-        // one takes its own now
-        inner.stats.pending_now.fetch_add(1, Ordering::Relaxed);
-    }
     true
 }
 
-/// Count one more connection of `ip` beyond its limit (after [`make_room`] evicted one of its
-/// own, which gives its place back when its thread ends).
-fn force_peer(inner: &Inner, ip: IpAddr) {
-    *inner.peers.lock().unwrap_or_else(|e| e.into_inner()).entry(ip).or_insert(0) += 1;
-}
-
-/// Most evicted connections whose threads have not ended yet (they end within a step; a burst
-/// of new connections can outrun the threads' start).
-const MAX_EVICTED: usize = 64;
-
-/// Whether connection `id` was evicted.
-fn evicted(inner: &Inner, id: u64) -> bool {
-    inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|x| x.id == id && x.evicted)
-}
-
-/// Connection `id` completed its handshake or ended: it can no longer be evicted.
-fn greeted(inner: &Inner, id: u64) {
-    inner.greeting.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| x.id != id);
+/// Connection `id` completed its handshake or ended: it can no longer be evicted. What it had
+/// handed over, if it was evicted.
+fn greeted(inner: &Inner, id: u64) -> Handed {
+    let mut g = inner.greeting.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(at) = g.iter().position(|x| x.id == id) else { return Handed::default() };
+    g.remove(at).and_then(|x| x.handed).unwrap_or_default()
 }
 
 /// Which gauge a connection holds.
@@ -328,7 +327,13 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
     match handshake(inner, c, scratch, hs) {
         Ok(()) => {
             if let Some(id) = held.greeting.take() {
-                greeted(inner, id);
+                let handed = greeted(inner, id);
+                if handed.slot {
+                    // evicted as it completed its handshake: its slot is another's now, and
+                    // its socket is shut down
+                    handed.take_back(held);
+                    return;
+                }
             }
         }
         Err(Hs::Refuse(r, text)) => {
@@ -338,9 +343,14 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         }
         Err(Hs::Gone) => {
             // an evicted connection is counted as such (`handshake_evicted`), not as a timeout
-            if !held.greeting.is_some_and(|id| evicted(inner, id)) {
-                Stats::add(&inner.stats.handshake_timeouts, 1);
+            if let Some(id) = held.greeting.take() {
+                let handed = greeted(inner, id);
+                handed.take_back(held);
+                if handed.slot {
+                    return;
+                }
             }
+            Stats::add(&inner.stats.handshake_timeouts, 1);
             return;
         }
     }

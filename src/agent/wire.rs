@@ -58,60 +58,32 @@ pub const MAX_CONTROL: usize = 512;
 /// Bytes of an encoded fingerprint.
 pub const FINGERPRINT_BYTES: usize = 32;
 
-/// Why a source refused (the wire code and the statistics' label).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Refusal {
-    /// The peer is not on the allowlist.
-    PeerNotAllowed = 1,
-    /// Every serving slot, or every slot for connections still in their handshake, is taken.
-    Busy = 2,
-    /// This peer address holds its limit of connections.
-    PerPeerLimit = 3,
-    /// A frame that does not decode, or not the one expected.
-    BadRequest = 4,
-    /// The layouts (or naming schemes) differ.
-    FingerprintMismatch = 5,
-    /// Authentication failed, or one side has a key and the other none.
-    AuthFailed = 6,
-    /// More names than the service takes in one request.
-    TooManyNames = 7,
-    /// The runtime's pin callback answered something impossible.
-    Internal = 8,
-    /// The destination asked for a transport this service does not serve (NIXL reads from a
-    /// service without NIXL).
-    Unsupported = 9,
+crate::labels::labelled_enum! {
+    /// Why a source refused (the wire code and the statistics' label).
+    pub enum Refusal: u8 {
+        /// The peer is not on the allowlist.
+        PeerNotAllowed = 1 => "peer_not_allowed",
+        /// Every serving slot, or every slot for connections still in their handshake, is taken.
+        Busy = 2 => "busy",
+        /// This peer address holds its limit of connections.
+        PerPeerLimit = 3 => "per_peer_limit",
+        /// A frame that does not decode, or not the one expected.
+        BadRequest = 4 => "bad_request",
+        /// The layouts (or naming schemes) differ.
+        FingerprintMismatch = 5 => "fingerprint_mismatch",
+        /// Authentication failed, or one side has a key and the other none.
+        AuthFailed = 6 => "auth_failed",
+        /// More names than the service takes in one request.
+        TooManyNames = 7 => "too_many_names",
+        /// The runtime's pin callback answered something impossible.
+        Internal = 8 => "internal",
+        /// The destination asked for a transport this service does not serve (NIXL reads from a
+        /// service without NIXL).
+        Unsupported = 9 => "unsupported",
+    }
 }
 
 impl Refusal {
-    /// Every refusal.
-    pub const ALL: [Refusal; 9] = [
-        Refusal::PeerNotAllowed,
-        Refusal::Busy,
-        Refusal::PerPeerLimit,
-        Refusal::BadRequest,
-        Refusal::FingerprintMismatch,
-        Refusal::AuthFailed,
-        Refusal::TooManyNames,
-        Refusal::Internal,
-        Refusal::Unsupported,
-    ];
-
-    /// The label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refusal::PeerNotAllowed => "peer_not_allowed",
-            Refusal::Busy => "busy",
-            Refusal::PerPeerLimit => "per_peer_limit",
-            Refusal::BadRequest => "bad_request",
-            Refusal::FingerprintMismatch => "fingerprint_mismatch",
-            Refusal::AuthFailed => "auth_failed",
-            Refusal::TooManyNames => "too_many_names",
-            Refusal::Internal => "internal",
-            Refusal::Unsupported => "unsupported",
-        }
-    }
-
     /// From the wire code.
     pub fn from_code(c: u8) -> Option<Refusal> {
         Refusal::ALL.iter().copied().find(|r| *r as u8 == c)
