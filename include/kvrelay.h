@@ -419,22 +419,6 @@ typedef struct kvrelay_counters {
   uint64_t malformed;
 } kvrelay_counters;
 
-// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
-typedef struct kvrelay_agent_fingerprint {
-  // Tokens per block.
-  uint32_t block_tokens;
-  // Layers.
-  uint32_t layers;
-  // KV heads.
-  uint32_t kv_heads;
-  // Head size.
-  uint32_t head_dim;
-  // Bytes per element.
-  uint32_t dtype_bytes;
-  // The runtime's naming-scheme id: equal ids must mean equal block names for equal KV.
-  uint64_t naming;
-} kvrelay_agent_fingerprint;
-
 // The runtime's reuse cache, as the agent's service sees it. `pin` and `unpin` run on the
 // agent's connection threads, several at once: they must be thread-safe, must not unwind or
 // `longjmp` out (catch C++ exceptions inside) and must not call back into this agent.
@@ -462,75 +446,6 @@ typedef struct kvrelay_block_holder {
   // Withheld destination blocks are free again.
   void (*returned)(void *user_data, const uint32_t *ids, size_t n);
 } kvrelay_block_holder;
-
-// A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
-// is held.
-typedef struct kvrelay_str {
-  // First byte (never NULL, even when empty).
-  const char *ptr;
-  // Number of bytes.
-  size_t len;
-} kvrelay_str;
-
-// One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
-typedef struct kvrelay_fetch_params {
-  // The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
-  // (`kvrelay_fetch_request.endpoint`).
-  struct kvrelay_str endpoint;
-  // The request's own block names, from block 0.
-  const uint64_t *names;
-  // Number of names.
-  size_t names_len;
-  // Leading blocks the runtime holds already (not fetched).
-  size_t held;
-  // Free destination blocks reserved for the fetch: name `held + i` goes into
-  // `dst_blocks[i]`; as many blocks are asked for as given (at most `names_len - held`).
-  const uint32_t *dst_blocks;
-  // Number of destination blocks (at least 1).
-  size_t dst_len;
-  // The whole fetch's deadline in milliseconds from submission (at least 1).
-  uint32_t deadline_ms;
-} kvrelay_fetch_params;
-
-// How a fetch ended.
-typedef struct kvrelay_fetch_result {
-  // A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
-  // may still have offered fewer blocks than asked: its leading run).
-  int32_t failure;
-  // Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`,
-  // in order, whatever `failure` says.
-  size_t blocks;
-  // Their bytes.
-  uint64_t bytes;
-  // Seconds from submission to completion.
-  double seconds;
-  // Destination blocks after the verified ones that the agent still holds (NIXL only: a
-  // READ into them could not be proven stopped): `dst_blocks[blocks..blocks + withheld]`
-  // must not be reused until the holder's `returned` hands them back. 0 over TCP.
-  size_t withheld;
-} kvrelay_fetch_result;
-
-// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
-// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
-// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
-//   threads, when the fetch completes (also when it was cancelled or the agent is being
-//   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
-//   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
-//   `detail` are valid during the call. It must not unwind and must not free the agent; it
-//   may free the fetch handle.
-// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
-//   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
-//   is refused, before `kvrelay_agent_submit` returns.
-typedef struct kvrelay_fetch_callbacks {
-  // `sizeof(kvrelay_fetch_callbacks)`.
-  size_t size;
-  // Passed back to both callbacks.
-  void *user_data;
-  // The completion.
-  void (*done)(void *user_data, const struct kvrelay_fetch_result *result, struct kvrelay_str detail);
-  // Releases `user_data`.
-  void (*destroy)(void *user_data);
-} kvrelay_fetch_callbacks;
 
 // A source's speed estimate.
 typedef struct kvrelay_source_speed {
@@ -617,6 +532,91 @@ typedef struct kvrelay_agent_stats {
   // (the handshake slots or their address's `max_per_peer` were all taken).
   uint64_t handshake_evicted;
 } kvrelay_agent_stats;
+
+// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
+typedef struct kvrelay_agent_fingerprint {
+  // Tokens per block.
+  uint32_t block_tokens;
+  // Layers.
+  uint32_t layers;
+  // KV heads.
+  uint32_t kv_heads;
+  // Head size.
+  uint32_t head_dim;
+  // Bytes per element.
+  uint32_t dtype_bytes;
+  // The runtime's naming-scheme id: equal ids must mean equal block names for equal KV.
+  uint64_t naming;
+} kvrelay_agent_fingerprint;
+
+// A borrowed UTF-8 string view, **not** NUL-terminated. Valid while the snapshot it came from
+// is held.
+typedef struct kvrelay_str {
+  // First byte (never NULL, even when empty).
+  const char *ptr;
+  // Number of bytes.
+  size_t len;
+} kvrelay_str;
+
+// One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
+typedef struct kvrelay_fetch_params {
+  // The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
+  // (`kvrelay_fetch_request.endpoint`).
+  struct kvrelay_str endpoint;
+  // The request's own block names, from block 0.
+  const uint64_t *names;
+  // Number of names.
+  size_t names_len;
+  // Leading blocks the runtime holds already (not fetched).
+  size_t held;
+  // Free destination blocks reserved for the fetch: name `held + i` goes into
+  // `dst_blocks[i]`; as many blocks are asked for as given (at most `names_len - held`).
+  const uint32_t *dst_blocks;
+  // Number of destination blocks (at least 1).
+  size_t dst_len;
+  // The whole fetch's deadline in milliseconds from submission (at least 1).
+  uint32_t deadline_ms;
+} kvrelay_fetch_params;
+
+// How a fetch ended.
+typedef struct kvrelay_fetch_result {
+  // A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
+  // may still have offered fewer blocks than asked: its leading run).
+  int32_t failure;
+  // Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`,
+  // in order, whatever `failure` says.
+  size_t blocks;
+  // Their bytes.
+  uint64_t bytes;
+  // Seconds from submission to completion.
+  double seconds;
+  // Destination blocks after the verified ones that the agent still holds (NIXL only: a
+  // READ into them could not be proven stopped): `dst_blocks[blocks..blocks + withheld]`
+  // must not be reused until the holder's `returned` hands them back. 0 over TCP.
+  size_t withheld;
+} kvrelay_fetch_result;
+
+// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
+// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
+//   threads, when the fetch completes (also when it was cancelled or the agent is being
+//   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
+//   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
+//   `detail` are valid during the call. It must not unwind and must not free the agent; it
+//   may free the fetch handle.
+// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
+//   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
+//   is refused, before `kvrelay_agent_submit` returns.
+typedef struct kvrelay_fetch_callbacks {
+  // `sizeof(kvrelay_fetch_callbacks)`.
+  size_t size;
+  // Passed back to both callbacks.
+  void *user_data;
+  // The completion.
+  void (*done)(void *user_data, const struct kvrelay_fetch_result *result, struct kvrelay_str detail);
+  // Releases `user_data`.
+  void (*destroy)(void *user_data);
+} kvrelay_fetch_callbacks;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,
 // `bytes_per_block` long.
@@ -916,6 +916,106 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             size_t cap,
                                             size_t *len_out);
 
+// Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
+// `kvrelay_agent_config_set_device` named a device), with the runtime's
+// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
+// Binds the listen address, starts the agent's threads and makes one mover per stream of a
+// fetch (`limits.streams`, one for NIXL: two staging slots of 4 MiB or one block each, pinned
+// for a device pool; on a device the first agent of a process also compiles the copy kernel,
+// tens of milliseconds), so that the first transfers make none. `KVRELAY_ERR_IO` when the
+// address cannot be bound or the movers' memory cannot be allocated.
+//
+// # Safety
+// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
+// block of `layout` must be host memory (device memory of the configured device) valid for
+// reads and writes until `kvrelay_agent_free`
+// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
+// fetch's destination blocks until that fetch completed.
+kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,
+                                 const struct kvrelay_kv_layout *layout,
+                                 const struct kvrelay_block_holder *holder,
+                                 struct kvrelay_agent **out);
+
+// Stop the agent and free it (NULL does nothing): the service stops, queued and running
+// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
+// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
+// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
+// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
+// shut down), plus what the callbacks it waits for take: the completions of the fetches it
+// ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
+// called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
+// would wait for them forever). A panic on an agent thread never makes it wait: it is
+// contained there.
+//
+// # Safety
+// `agent` NULL or live and not used by another thread during or after the call.
+void kvrelay_agent_free(struct kvrelay_agent *agent);
+
+// The service's endpoint, `tcp://ADDR:PORT`, NUL-free (size-query convention: `*len_out` gets
+// the size). Empty for a fetch-only agent.
+//
+// # Safety
+// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_agent_endpoint(const struct kvrelay_agent *agent,
+                                      char *buf,
+                                      size_t cap,
+                                      size_t *len_out);
+
+// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them, or
+// the runtime committed them): the agent sums each block where it lies and keeps the value,
+// which then travels with the block. Blocks a fetch verified are recorded by the agent itself.
+// Cost: O(bytes), no allocation; batches over 8 MiB are summed on several threads.
+//
+// # Safety
+// `agent` NULL or live; `ids` readable for `n` ids; the blocks must not be written meanwhile.
+kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
+                                              const uint32_t *ids,
+                                              size_t n);
+
+// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
+// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
+// the runtime's own prefill time for those tokens.
+//
+// # Safety
+// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_agent_estimate(const struct kvrelay_agent *agent,
+                                      const char *endpoint,
+                                      size_t len,
+                                      size_t blocks,
+                                      double *seconds_out);
+
+// The speed estimate of `endpoint`.
+//
+// # Safety
+// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
+                                          const char *endpoint,
+                                          size_t len,
+                                          struct kvrelay_source_speed *out);
+
+// Copy the agent's counters into `out`, of which the caller knows `size` bytes: pass
+// `sizeof(kvrelay_agent_stats)`. Fields are only ever appended to `kvrelay_agent_stats`, so a
+// caller built against an older header gets the fields it knows and nothing past them is
+// written; `size` must be a non-zero multiple of 8 (every field is a `uint64_t`), else
+// `KVRELAY_ERR_INVALID_ARGUMENT`. Fields this library lacks (a newer caller) are zeroed.
+//
+// # Safety
+// `agent` NULL or live; `out` NULL or writable for `size` bytes.
+kvrelay_status kvrelay_agent_read_stats(const struct kvrelay_agent *agent,
+                                        struct kvrelay_agent_stats *out,
+                                        size_t size);
+
+// The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
+// convention: `*len_out` gets the size; the text may grow between a size query and the fill,
+// so query again on `KVRELAY_ERR_BUFFER_TOO_SMALL`).
+//
+// # Safety
+// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_agent_prometheus(const struct kvrelay_agent *agent,
+                                        char *buf,
+                                        size_t cap,
+                                        size_t *len_out);
+
 // A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
 // default limits, no key.
 //
@@ -1022,62 +1122,6 @@ kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *c
                                                   const char *path,
                                                   size_t len);
 
-// Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
-// `kvrelay_agent_config_set_device` named a device), with the runtime's
-// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
-// Binds the listen address, starts the agent's threads and makes one mover per stream of a
-// fetch (`limits.streams`, one for NIXL: two staging slots of 4 MiB or one block each, pinned
-// for a device pool; on a device the first agent of a process also compiles the copy kernel,
-// tens of milliseconds), so that the first transfers make none. `KVRELAY_ERR_IO` when the
-// address cannot be bound or the movers' memory cannot be allocated.
-//
-// # Safety
-// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
-// block of `layout` must be host memory (device memory of the configured device) valid for
-// reads and writes until `kvrelay_agent_free`
-// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
-// fetch's destination blocks until that fetch completed.
-kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,
-                                 const struct kvrelay_kv_layout *layout,
-                                 const struct kvrelay_block_holder *holder,
-                                 struct kvrelay_agent **out);
-
-// Stop the agent and free it (NULL does nothing): the service stops, queued and running
-// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
-// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
-// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
-// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
-// shut down), plus what the callbacks it waits for take: the completions of the fetches it
-// ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
-// called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
-// would wait for them forever). A panic on an agent thread never makes it wait: it is
-// contained there.
-//
-// # Safety
-// `agent` NULL or live and not used by another thread during or after the call.
-void kvrelay_agent_free(struct kvrelay_agent *agent);
-
-// The service's endpoint, `tcp://ADDR:PORT`, NUL-free (size-query convention: `*len_out` gets
-// the size). Empty for a fetch-only agent.
-//
-// # Safety
-// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
-kvrelay_status kvrelay_agent_endpoint(const struct kvrelay_agent *agent,
-                                      char *buf,
-                                      size_t cap,
-                                      size_t *len_out);
-
-// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them, or
-// the runtime committed them): the agent sums each block where it lies and keeps the value,
-// which then travels with the block. Blocks a fetch verified are recorded by the agent itself.
-// Cost: O(bytes), no allocation; batches over 8 MiB are summed on several threads.
-//
-// # Safety
-// `agent` NULL or live; `ids` readable for `n` ids; the blocks must not be written meanwhile.
-kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
-                                              const uint32_t *ids,
-                                              size_t n);
-
 // Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
 // agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
 // handle polls, waits or cancels. `done` runs once, on one of the agent's fetch threads, also
@@ -1154,50 +1198,6 @@ kvrelay_status kvrelay_fetch_cancel(const struct kvrelay_fetch *fetch);
 // # Safety
 // `fetch` NULL or live and not used by another thread during or after the call.
 void kvrelay_fetch_free(struct kvrelay_fetch *fetch);
-
-// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
-// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
-// the runtime's own prefill time for those tokens.
-//
-// # Safety
-// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
-kvrelay_status kvrelay_agent_estimate(const struct kvrelay_agent *agent,
-                                      const char *endpoint,
-                                      size_t len,
-                                      size_t blocks,
-                                      double *seconds_out);
-
-// The speed estimate of `endpoint`.
-//
-// # Safety
-// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
-kvrelay_status kvrelay_agent_source_speed(const struct kvrelay_agent *agent,
-                                          const char *endpoint,
-                                          size_t len,
-                                          struct kvrelay_source_speed *out);
-
-// Copy the agent's counters into `out`, of which the caller knows `size` bytes: pass
-// `sizeof(kvrelay_agent_stats)`. Fields are only ever appended to `kvrelay_agent_stats`, so a
-// caller built against an older header gets the fields it knows and nothing past them is
-// written; `size` must be a non-zero multiple of 8 (every field is a `uint64_t`), else
-// `KVRELAY_ERR_INVALID_ARGUMENT`. Fields this library lacks (a newer caller) are zeroed.
-//
-// # Safety
-// `agent` NULL or live; `out` NULL or writable for `size` bytes.
-kvrelay_status kvrelay_agent_read_stats(const struct kvrelay_agent *agent,
-                                        struct kvrelay_agent_stats *out,
-                                        size_t size);
-
-// The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
-// convention: `*len_out` gets the size; the text may grow between a size query and the fill,
-// so query again on `KVRELAY_ERR_BUFFER_TOO_SMALL`).
-//
-// # Safety
-// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
-kvrelay_status kvrelay_agent_prometheus(const struct kvrelay_agent *agent,
-                                        char *buf,
-                                        size_t cap,
-                                        size_t *len_out);
 
 // The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
 // consecutive `names` appear among the hint's `hashes` (membership, not position).

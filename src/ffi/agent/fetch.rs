@@ -1,0 +1,390 @@
+//! Fetches from C: submission (with a completion callback, or polled), the result, the
+//! failure detail, cancel, and the helpers a runtime plans a fetch with.
+
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+use crate::agent::{FailReason, Fetch, FetchRequest, FetchResult};
+use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, text, with_detail};
+use crate::ffi::copy::array;
+use crate::ffi::status::kvrelay_status::{self, *};
+use crate::ffi::types::kvrelay_str;
+
+use super::{agent_err, kvrelay_agent};
+
+/// A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
+/// completion callback). Thread-safe.
+pub struct kvrelay_fetch {
+    inner: Fetch,
+}
+
+/// Why a fetch stopped early: `kvrelay_fetch_result.failure`. Fixed values;
+/// `kvrelay_fetch_failure_name` gives the metric label.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_fetch_failure {
+    /// Not a failure: every block the source offered arrived verified.
+    KVRELAY_FETCH_OK = 0,
+    /// The endpoint did not resolve or the connection could not be opened.
+    KVRELAY_FETCH_CONNECT = 1,
+    /// A read, a write, the connect or the whole fetch ran past its deadline.
+    KVRELAY_FETCH_TIMEOUT = 2,
+    /// The source refused (not allowed, busy, per-peer limit, bad request, too many names).
+    KVRELAY_FETCH_REFUSED = 3,
+    /// The layouts or naming schemes differ.
+    KVRELAY_FETCH_FINGERPRINT_MISMATCH = 4,
+    /// A block's name, length or checksum is wrong, or a frame is malformed.
+    KVRELAY_FETCH_CORRUPT = 5,
+    /// The stream ended early.
+    KVRELAY_FETCH_TRUNCATED = 6,
+    /// The source holds none of the blocks asked for.
+    KVRELAY_FETCH_SOURCE_MISS = 7,
+    /// Authentication failed (a wrong key, or one side has none).
+    KVRELAY_FETCH_AUTH_FAILED = 8,
+    /// `kvrelay_fetch_cancel` stopped it.
+    KVRELAY_FETCH_CANCELLED = 9,
+    /// The agent was freed.
+    KVRELAY_FETCH_SHUTDOWN = 10,
+}
+
+/// How a fetch ended.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_result {
+    /// A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
+    /// may still have offered fewer blocks than asked: its leading run).
+    pub failure: i32,
+    /// Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`,
+    /// in order, whatever `failure` says.
+    pub blocks: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Seconds from submission to completion.
+    pub seconds: f64,
+    /// Destination blocks after the verified ones that the agent still holds (NIXL only: a
+    /// READ into them could not be proven stopped): `dst_blocks[blocks..blocks + withheld]`
+    /// must not be reused until the holder's `returned` hands them back. 0 over TCP.
+    pub withheld: usize,
+}
+
+impl From<&FetchResult> for kvrelay_fetch_result {
+    fn from(r: &FetchResult) -> Self {
+        kvrelay_fetch_result {
+            failure: r.failure.map_or(0, |f| f as i32),
+            blocks: r.blocks,
+            bytes: r.bytes,
+            seconds: r.seconds,
+            withheld: r.withheld,
+        }
+    }
+}
+
+/// One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_params {
+    /// The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
+    /// (`kvrelay_fetch_request.endpoint`).
+    pub endpoint: kvrelay_str,
+    /// The request's own block names, from block 0.
+    pub names: *const u64,
+    /// Number of names.
+    pub names_len: usize,
+    /// Leading blocks the runtime holds already (not fetched).
+    pub held: usize,
+    /// Free destination blocks reserved for the fetch: name `held + i` goes into
+    /// `dst_blocks[i]`; as many blocks are asked for as given (at most `names_len - held`).
+    pub dst_blocks: *const u32,
+    /// Number of destination blocks (at least 1).
+    pub dst_len: usize,
+    /// The whole fetch's deadline in milliseconds from submission (at least 1).
+    pub deadline_ms: u32,
+}
+
+/// Submit a fetch. Never blocks: arguments are checked and copied here, the fetch runs on an
+/// agent thread, and `done` (may be NULL) runs there with `user_data` when it completes. The
+/// handle polls, waits or cancels. `done` runs once, on one of the agent's fetch threads, also
+/// when the fetch was cancelled or the agent is being freed; it must not unwind and must not
+/// free the agent; it may free the fetch handle; `result` is valid during the call. The result
+/// is published to `kvrelay_fetch_poll` / `_wait` right after the callback returns (so once a
+/// poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
+/// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
+/// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
+/// an error nothing was submitted and `done` is never called. `kvrelay_agent_submit` is the
+/// same with the failure detail passed to the callback and a destroy function for `user_data`.
+///
+/// # Safety
+/// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_fetch(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    done: Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result)>,
+    user_data: *mut c_void,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
+    struct Done(unsafe extern "C" fn(*mut c_void, *const kvrelay_fetch_result), *mut c_void);
+    // SAFETY: the callback contract (kvrelay_agent_fetch) lets it run on an agent thread with
+    // the user_data given for it.
+    unsafe impl Send for Done {}
+    let cb = done.map(|f| {
+        let d = Done(f, user_data);
+        Box::new(move |r: &FetchResult| {
+            let d = &d;
+            let c = kvrelay_fetch_result::from(r);
+            // SAFETY: the consumer's callback, called once with its user_data and a result
+            // that lives for the call.
+            unsafe { (d.0)(d.1, &c) }
+        }) as crate::agent::OnDone
+    });
+    // SAFETY: forwarded contract.
+    guard(|| unsafe { submit(agent, params, cb, out) })
+}
+
+/// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
+/// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+/// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
+///   threads, when the fetch completes (also when it was cancelled or the agent is being
+///   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
+///   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
+///   `detail` are valid during the call. It must not unwind and must not free the agent; it
+///   may free the fetch handle.
+/// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
+///   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
+///   is refused, before `kvrelay_agent_submit` returns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_fetch_callbacks {
+    /// `sizeof(kvrelay_fetch_callbacks)`.
+    pub size: usize,
+    /// Passed back to both callbacks.
+    pub user_data: *mut c_void,
+    /// The completion.
+    pub done:
+        Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result, detail: kvrelay_str)>,
+    /// Releases `user_data`.
+    pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+}
+
+/// Submit a fetch with the completion of `callbacks` (may be NULL: poll or wait instead): as
+/// `kvrelay_agent_fetch`, but the callback also receives the failure detail (no round trip to
+/// `kvrelay_fetch_detail`), and `callbacks->destroy` releases `user_data` exactly once on
+/// every path, including a refused submission (`KVRELAY_ERR_INVALID_ARGUMENT` also for a
+/// `callbacks->size` smaller than this header's struct).
+///
+/// # Safety
+/// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
+/// `callbacks` NULL or readable for `callbacks->size` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_submit(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    callbacks: *const kvrelay_fetch_callbacks,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
+    /// Runs `destroy` when dropped: after `done`, or with a refused submission's closure.
+    struct Callbacks(kvrelay_fetch_callbacks);
+    // SAFETY: the callbacks' contract lets them run on an agent thread with their user_data.
+    unsafe impl Send for Callbacks {}
+    impl Drop for Callbacks {
+        fn drop(&mut self) {
+            if let Some(d) = self.0.destroy {
+                // SAFETY: the consumer's destroy, called once (this value is dropped once).
+                unsafe { d(self.0.user_data) }
+            }
+        }
+    }
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let cbs = if callbacks.is_null() { None } else { Some(Callbacks(unsafe { *callbacks })) };
+        if let Some(c) = &cbs {
+            if c.0.size < std::mem::size_of::<kvrelay_fetch_callbacks>() {
+                return Err(with_detail(
+                    KVRELAY_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "callbacks of {} bytes (this library's are {})",
+                        c.0.size,
+                        std::mem::size_of::<kvrelay_fetch_callbacks>()
+                    ),
+                ));
+            }
+        }
+        let cb = cbs.map(|c| {
+            Box::new(move |r: &FetchResult| {
+                let c = &c;
+                if let Some(done) = c.0.done {
+                    let res = kvrelay_fetch_result::from(r);
+                    let detail = kvrelay_str {
+                        ptr: if r.detail.is_empty() { c"".as_ptr() } else { r.detail.as_ptr().cast() },
+                        len: r.detail.len(),
+                    };
+                    // SAFETY: the consumer's callback, called once with its user_data, a result
+                    // and a detail that live for the call.
+                    unsafe { done(c.0.user_data, &res, detail) }
+                }
+            }) as crate::agent::OnDone
+        });
+        // SAFETY: forwarded contract.
+        unsafe { submit(agent, params, cb, out) }
+    })
+}
+
+/// The checks and the submission both entry points share; on an error `cb` is dropped unrun.
+///
+/// # Safety
+/// As `kvrelay_agent_fetch`.
+unsafe fn submit(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    cb: Option<crate::agent::OnDone>,
+    out: *mut *mut kvrelay_fetch,
+) -> Result<(), kvrelay_status> {
+    let out = out_ptr(out)?;
+    // SAFETY: forwarded contract.
+    let (a, p) = unsafe { (input(agent)?, input(params)?) };
+    // SAFETY: forwarded contract.
+    let (endpoint, names, dst) = unsafe {
+        (text(p.endpoint.ptr.cast(), p.endpoint.len)?, array(p.names, p.names_len)?, array(p.dst_blocks, p.dst_len)?)
+    };
+    let req = FetchRequest {
+        endpoint: endpoint.to_string(),
+        names: names.to_vec(),
+        held: p.held,
+        dst: dst.to_vec(),
+        deadline: Duration::from_millis(u64::from(p.deadline_ms)),
+    };
+    let f = a.inner.submit(req, cb).map_err(agent_err)?;
+    // SAFETY: checked non-NULL; writable per the contract.
+    unsafe { put(out, Box::into_raw(Box::new(kvrelay_fetch { inner: f }))) };
+    Ok(())
+}
+
+/// The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
+/// (nothing written) while it runs. Never blocks.
+///
+/// # Safety
+/// `fetch` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_poll(
+    fetch: *const kvrelay_fetch,
+    out: *mut kvrelay_fetch_result,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    unsafe { kvrelay_fetch_wait(fetch, 0, out) }
+}
+
+/// Wait up to `timeout_ms` for the fetch to complete: `KVRELAY_OK` and `*out` written, or
+/// `KVRELAY_ERR_PENDING`. Blocks the calling thread: not for a scheduler's thread (poll, or
+/// use the callback).
+///
+/// # Safety
+/// `fetch` NULL or live; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_wait(
+    fetch: *const kvrelay_fetch,
+    timeout_ms: u32,
+    out: *mut kvrelay_fetch_result,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let f = unsafe { input(fetch) }?;
+        let r =
+            if timeout_ms == 0 { f.inner.poll() } else { f.inner.wait(Duration::from_millis(u64::from(timeout_ms))) };
+        let r = r.ok_or(KVRELAY_ERR_PENDING)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, kvrelay_fetch_result::from(&r)) };
+        Ok(())
+    })
+}
+
+/// Why a completed fetch failed, in words (size-query convention; empty when it did not fail;
+/// `KVRELAY_ERR_PENDING` while it runs). Never contains hint bytes or the key.
+///
+/// # Safety
+/// `fetch` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_detail(
+    fetch: *const kvrelay_fetch,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let f = unsafe { input(fetch) }?;
+        let r = f.inner.poll().ok_or(KVRELAY_ERR_PENDING)?;
+        // SAFETY: forwarded contract.
+        unsafe { fill(r.detail.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
+/// Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
+/// (blocks verified before it stay reported). Never blocks; a completed fetch is unaffected.
+///
+/// # Safety
+/// `fetch` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_cancel(fetch: *const kvrelay_fetch) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        unsafe { input(fetch) }?.inner.cancel();
+        Ok(())
+    })
+}
+
+/// Free a fetch handle (NULL does nothing). A running fetch goes on, and its callback still runs.
+///
+/// # Safety
+/// `fetch` NULL or live and not used by another thread during or after the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_free(fetch: *mut kvrelay_fetch) {
+    // SAFETY: forwarded contract.
+    unsafe { free_box(fetch) }
+}
+
+/// The run a destination fetches (SPEC section 8): after its `held` leading blocks, how many
+/// consecutive `names` appear among the hint's `hashes` (membership, not position).
+///
+/// # Safety
+/// `names` readable for `n`, `hashes` for `m`; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_fetch_run_length(
+    names: *const u64,
+    n: usize,
+    held: usize,
+    hashes: *const u64,
+    m: usize,
+    out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (names, hashes) = unsafe { (array(names, n)?, array(hashes, m)?) };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, crate::agent::run_length(names, held, hashes)) };
+        Ok(())
+    })
+}
+
+/// The deadline, in milliseconds, a source gives one transfer of `bytes` (10 s plus 1 s per
+/// 100 MB, at most `UINT32_MAX`): a `deadline_ms` for `kvrelay_fetch_params` that covers
+/// whatever the source allows a transfer of that size.
+#[no_mangle]
+pub extern "C" fn kvrelay_fetch_deadline_ms(bytes: u64) -> u32 {
+    u32::try_from(crate::agent::transfer_deadline(bytes).as_millis()).unwrap_or(u32::MAX)
+}
+
+/// The metric label of a `kvrelay_fetch_failure` value (`"corrupt"`, ...; `"ok"` for 0,
+/// `"unknown"` for other values). Static, NUL-terminated, never NULL.
+#[no_mangle]
+pub extern "C" fn kvrelay_fetch_failure_name(failure: i32) -> *const c_char {
+    if failure == 0 {
+        return c"ok".as_ptr();
+    }
+    FailReason::ALL
+        .into_iter()
+        .find(|r| *r as i32 == failure)
+        .map_or(c"unknown".as_ptr(), |r| r.c_label().as_ptr().cast())
+}

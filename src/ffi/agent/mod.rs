@@ -1,0 +1,249 @@
+//! The KV agent from C (feature `agent`): configuration, the runtime's block holder, fetches
+//! with completion by callback or poll, the cost estimate and the counters. The behaviour is
+//! the Rust [`crate::agent`]'s; this module only converts and guards.
+//!
+//! One file per concept: `config.rs` (the configuration), `holder.rs` (the runtime's block
+//! holder), `fetch.rs` (fetches and their results); this file holds the agent itself.
+
+mod config;
+mod fetch;
+mod holder;
+
+pub use config::*;
+pub use fetch::*;
+pub use holder::*;
+
+use std::ffi::c_char;
+
+use crate::agent::{Agent, AgentError, AgentStats};
+use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, text, with_detail};
+use crate::ffi::copy::{array, kvrelay_kv_layout, layout_of};
+use crate::ffi::status::kvrelay_status::{self, *};
+
+/// A running KV agent. Owned: `_free`. Every function on it is thread-safe.
+pub struct kvrelay_agent {
+    pub(super) inner: Agent,
+}
+
+/// A source's speed estimate.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_source_speed {
+    /// Seconds before the first verified block.
+    pub setup_s: f64,
+    /// Bytes per second after it.
+    pub bytes_per_s: f64,
+}
+
+fn agent_err(e: AgentError) -> kvrelay_status {
+    match e {
+        AgentError::Config(d) => with_detail(KVRELAY_ERR_INVALID_CONFIG, d),
+        AgentError::Argument(d) => with_detail(KVRELAY_ERR_INVALID_ARGUMENT, d),
+        AgentError::Io(d) => with_detail(KVRELAY_ERR_IO, d),
+        AgentError::Busy => with_detail(KVRELAY_ERR_BUSY, "the agent's fetch queue is full"),
+        AgentError::Cuda(e) => super::copy::status_of(e),
+    }
+}
+
+/// Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
+/// `kvrelay_agent_config_set_device` named a device), with the runtime's
+/// `holder` (copied; its `destroy` runs when the agent is freed, or here when this fails).
+/// Binds the listen address, starts the agent's threads and makes one mover per stream of a
+/// fetch (`limits.streams`, one for NIXL: two staging slots of 4 MiB or one block each, pinned
+/// for a device pool; on a device the first agent of a process also compiles the copy kernel,
+/// tens of milliseconds), so that the first transfers make none. `KVRELAY_ERR_IO` when the
+/// address cannot be bound or the movers' memory cannot be allocated.
+///
+/// # Safety
+/// `config`, `layout` NULL or live; `holder` NULL or readable; `out` NULL or writable. Every
+/// block of `layout` must be host memory (device memory of the configured device) valid for
+/// reads and writes until `kvrelay_agent_free`
+/// returns; the runtime must not write a block while it is pinned for the agent, nor touch a
+/// fetch's destination blocks until that fetch completed.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_new(
+    config: *const kvrelay_agent_config,
+    layout: *const kvrelay_kv_layout,
+    holder: *const kvrelay_block_holder,
+    out: *mut *mut kvrelay_agent,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let h = unsafe { input(holder) }?;
+        // from here on the holder is owned: its destroy runs on every path
+        let h = CHolder(*h);
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (c, l) = unsafe { (input(config)?, input(layout)?) };
+        if h.0.pin.is_none() || h.0.unpin.is_none() {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "the block holder needs pin and unpin"));
+        }
+        // SAFETY: the caller vouches for the pool's memory as documented above.
+        let agent = unsafe { Agent::new(c.inner.clone(), layout_of(l).clone(), Box::new(h)) }.map_err(agent_err)?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_agent { inner: agent }))) };
+        Ok(())
+    })
+}
+
+/// Stop the agent and free it (NULL does nothing): the service stops, queued and running
+/// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
+/// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
+/// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
+/// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
+/// shut down), plus what the callbacks it waits for take: the completions of the fetches it
+/// ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
+/// called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
+/// would wait for them forever). A panic on an agent thread never makes it wait: it is
+/// contained there.
+///
+/// # Safety
+/// `agent` NULL or live and not used by another thread during or after the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_free(agent: *mut kvrelay_agent) {
+    // SAFETY: forwarded contract.
+    unsafe { free_box(agent) }
+}
+
+/// The service's endpoint, `tcp://ADDR:PORT`, NUL-free (size-query convention: `*len_out` gets
+/// the size). Empty for a fetch-only agent.
+///
+/// # Safety
+/// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_endpoint(
+    agent: *const kvrelay_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        // SAFETY: forwarded contract.
+        unsafe { fill(a.inner.endpoint().unwrap_or("").as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
+
+/// Record the checksums of blocks `ids`, which just became reusable (a prefill wrote them, or
+/// the runtime committed them): the agent sums each block where it lies and keeps the value,
+/// which then travels with the block. Blocks a fetch verified are recorded by the agent itself.
+/// Cost: O(bytes), no allocation; batches over 8 MiB are summed on several threads.
+///
+/// # Safety
+/// `agent` NULL or live; `ids` readable for `n` ids; the blocks must not be written meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_record_checksums(
+    agent: *const kvrelay_agent,
+    ids: *const u32,
+    n: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (a, ids) = unsafe { (input(agent)?, array(ids, n)?) };
+        a.inner.record_checksums(ids).map_err(agent_err)
+    })
+}
+
+/// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
+/// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
+/// the runtime's own prefill time for those tokens.
+///
+/// # Safety
+/// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_estimate(
+    agent: *const kvrelay_agent,
+    endpoint: *const c_char,
+    len: usize,
+    blocks: usize,
+    seconds_out: *mut f64,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(seconds_out)?;
+        // SAFETY: forwarded contract.
+        let (a, e) = unsafe { (input(agent)?, text(endpoint.cast(), len)?) };
+        let s = a.inner.estimate(e, blocks);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, s) };
+        Ok(())
+    })
+}
+
+/// The speed estimate of `endpoint`.
+///
+/// # Safety
+/// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_source_speed(
+    agent: *const kvrelay_agent,
+    endpoint: *const c_char,
+    len: usize,
+    out: *mut kvrelay_source_speed,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let (a, e) = unsafe { (input(agent)?, text(endpoint.cast(), len)?) };
+        let s = a.inner.speed(e);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, kvrelay_source_speed { setup_s: s.setup_s, bytes_per_s: s.bytes_per_s }) };
+        Ok(())
+    })
+}
+
+/// Copy the agent's counters into `out`, of which the caller knows `size` bytes: pass
+/// `sizeof(kvrelay_agent_stats)`. Fields are only ever appended to `kvrelay_agent_stats`, so a
+/// caller built against an older header gets the fields it knows and nothing past them is
+/// written; `size` must be a non-zero multiple of 8 (every field is a `uint64_t`), else
+/// `KVRELAY_ERR_INVALID_ARGUMENT`. Fields this library lacks (a newer caller) are zeroed.
+///
+/// # Safety
+/// `agent` NULL or live; `out` NULL or writable for `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_read_stats(
+    agent: *const kvrelay_agent,
+    out: *mut AgentStats,
+    size: usize,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        if size == 0 || size % 8 != 0 {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("a stats size of {size} bytes")));
+        }
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        let s = a.inner.stats();
+        let n = size.min(std::mem::size_of::<AgentStats>());
+        // SAFETY: `out` is writable for `size` bytes (contract) and `n <= size`; `s` is a live
+        // local of `size_of::<AgentStats>() >= n` bytes; the two do not overlap. Bytes past `n`
+        // (a newer caller's fields) are zeroed, within `size`.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&s as *const AgentStats).cast::<u8>(), out.cast::<u8>(), n);
+            std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
+        }
+        Ok(())
+    })
+}
+
+/// The agent's counters as Prometheus text (`kvrelay_kv_agent_*`), NUL-free (size-query
+/// convention: `*len_out` gets the size; the text may grow between a size query and the fill,
+/// so query again on `KVRELAY_ERR_BUFFER_TOO_SMALL`).
+///
+/// # Safety
+/// `agent` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_prometheus(
+    agent: *const kvrelay_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent) }?;
+        let text = a.inner.prometheus();
+        // SAFETY: forwarded contract.
+        unsafe { fill(text.as_bytes(), buf.cast(), cap, len_out) }
+    })
+}
