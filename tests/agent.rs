@@ -1071,3 +1071,31 @@ fn estimates_saturate_instead_of_overflowing() {
     assert!(huge >= b.agent.estimate(ep, 1 << 40) && huge > 0.0, "{huge}");
     assert!(b.agent.estimate(ep, 1) < b.agent.estimate(ep, 2));
 }
+
+/// An owned fetch stops when its owner goes: dropping an `OwnedFetch` cancels the running fetch
+/// and returns only once it completed (a plain `Fetch` handle lets it run on).
+#[test]
+fn dropping_an_owned_fetch_cancels_it_and_waits() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    let b = instance();
+    let req = || FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0],
+        deadline: Duration::from_secs(60),
+    };
+    let owned = b.agent.submit(req(), None).unwrap().owned();
+    let (_held, _) = stall.accept().unwrap();
+    assert!(owned.fetch().poll().is_none());
+    drop(owned);
+    // the drop returned: the fetch completed, cancelled, and nothing writes block 0 any more
+    assert_eq!(b.agent.stats().fetch_failed_cancelled, 1);
+    // detached, it runs on
+    let f = b.agent.submit(req(), None).unwrap().owned().detach();
+    let (_held2, _) = stall.accept().unwrap();
+    assert!(f.poll().is_none());
+    f.cancel();
+    assert_eq!(f.wait(Duration::from_secs(10)).map(|r| r.failure), Some(Some(FailReason::Cancelled)));
+}

@@ -261,7 +261,8 @@ impl FetchState {
 }
 
 /// A submitted fetch: poll it, wait for it, or cancel it. Dropping the handle neither cancels
-/// the fetch nor loses its completion callback.
+/// the fetch nor loses its completion callback (the C handle shares this behaviour); an owner
+/// whose going away must stop the fetch holds it as an [`OwnedFetch`] ([`Fetch::owned`]).
 #[derive(Clone)]
 pub struct Fetch(Arc<FetchState>);
 
@@ -292,6 +293,45 @@ impl Fetch {
         for (_, _, s) in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+    }
+}
+
+/// A fetch that owns its destination blocks the way a runtime's request does: dropping it
+/// cancels the fetch (if it still runs) and waits for its completion, so that when the drop
+/// returns nothing writes the destination blocks any more and the runtime may reuse them (but
+/// for NIXL's withheld ones, which come back through [`BlockHolder::returned`]). The wait is
+/// bounded by the block in progress and `io_timeout`; do not drop a running one on a thread
+/// that must not block. [`OwnedFetch::detach`] lets the fetch run on without it.
+pub struct OwnedFetch(Option<Fetch>);
+
+impl OwnedFetch {
+    /// The fetch (poll, wait, cancel).
+    pub fn fetch(&self) -> &Fetch {
+        self.0.as_ref().expect("present until dropped or detached")
+    }
+
+    /// Let the fetch run on unowned (its completion callback, if any, still runs).
+    pub fn detach(mut self) -> Fetch {
+        self.0.take().expect("present until dropped or detached")
+    }
+}
+
+impl Drop for OwnedFetch {
+    fn drop(&mut self) {
+        let Some(f) = self.0.take() else { return };
+        if f.poll().is_some() {
+            return;
+        }
+        f.cancel();
+        while f.wait(Duration::from_secs(1)).is_none() {}
+    }
+}
+
+impl Fetch {
+    /// This handle as the owner of its destination blocks ([`OwnedFetch`]: dropping it cancels
+    /// and waits).
+    pub fn owned(self) -> OwnedFetch {
+        OwnedFetch(Some(self))
     }
 }
 
