@@ -285,6 +285,8 @@ enum kvrelay_fetch_failure
   KVRELAY_FETCH_CANCELLED = 9,
   // The agent was freed.
   KVRELAY_FETCH_SHUTDOWN = 10,
+  // The fetch panicked inside the agent (a bug); nothing of it is reported written.
+  KVRELAY_FETCH_INTERNAL = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -531,6 +533,8 @@ typedef struct kvrelay_agent_stats {
   // Connections closed, before their first valid message, to make room for a newer one
   // (the handshake slots or their address's `max_per_peer` were all taken).
   uint64_t handshake_evicted;
+  // Fetches that failed: internal (a panic inside the agent).
+  uint64_t fetch_failed_internal;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

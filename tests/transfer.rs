@@ -374,6 +374,7 @@ fn agent_fetches_completed(s: &Server) -> f64 {
         "auth_failed",
         "cancelled",
         "shutdown",
+        "internal",
     ]
     .iter()
     .map(|r| s.metric(&format!("{p}{{outcome=\"failed\",reason=\"{r}\"}}")))

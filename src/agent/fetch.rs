@@ -106,7 +106,7 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 w = Worker::default();
                 state.sock.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 FetchResult {
-                    failure: Some(FailReason::Corrupt),
+                    failure: Some(FailReason::Internal),
                     seconds: state.submitted.elapsed().as_secs_f64(),
                     detail: "the fetch panicked inside the agent; nothing of it is reported written".into(),
                     ..FetchResult::default()
@@ -278,7 +278,7 @@ fn pull(
                 blocks: 0,
                 first: None,
                 withheld: 0,
-                result: Err((FailReason::Corrupt, "a stream's thread panicked".into())),
+                result: Err((FailReason::Internal, "a stream's thread panicked".into())),
             }));
         }
     });

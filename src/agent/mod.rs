@@ -115,8 +115,7 @@ crate::labels::labelled_enum! {
         Refused = 3 => "refused",
         /// The two layouts or naming schemes differ.
         FingerprintMismatch = 4 => "fingerprint_mismatch",
-        /// A block's name, length or checksum is wrong, or a frame is malformed (also: the
-        /// fetch panicked inside the agent, with a detail saying so).
+        /// A block's name, length or checksum is wrong, or a frame is malformed.
         Corrupt = 5 => "corrupt",
         /// The stream ended early.
         Truncated = 6 => "truncated",
@@ -128,6 +127,9 @@ crate::labels::labelled_enum! {
         Cancelled = 9 => "cancelled",
         /// The agent was shut down.
         Shutdown = 10 => "shutdown",
+        /// The fetch panicked inside the agent (a bug, or a completion callback that unwound
+        /// before the result was published); nothing of it is reported written.
+        Internal = 11 => "internal",
     }
 }
 

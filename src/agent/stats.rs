@@ -83,6 +83,8 @@ pub struct AgentStats {
     /// Connections closed, before their first valid message, to make room for a newer one
     /// (the handshake slots or their address's `max_per_peer` were all taken).
     pub handshake_evicted: u64,
+    /// Fetches that failed: internal (a panic inside the agent).
+    pub fetch_failed_internal: u64,
 }
 
 macro_rules! stats {
@@ -108,6 +110,7 @@ stats! {
     fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
+    fetch_failed_internal,
 }
 
 impl Stats {
@@ -141,6 +144,7 @@ impl Stats {
             FailReason::AuthFailed => &self.fetch_failed_auth_failed,
             FailReason::Cancelled => &self.fetch_failed_cancelled,
             FailReason::Shutdown => &self.fetch_failed_shutdown,
+            FailReason::Internal => &self.fetch_failed_internal,
         }
     }
     pub(super) fn refused(&self, r: Refusal) {

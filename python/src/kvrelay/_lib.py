@@ -120,7 +120,7 @@ AGENT_STATS = (
     "fetch_failed_connect fetch_failed_timeout fetch_failed_refused fetch_failed_fingerprint_mismatch "
     "fetch_failed_corrupt fetch_failed_truncated fetch_failed_source_miss fetch_failed_auth_failed "
     "fetch_failed_cancelled fetch_failed_shutdown blocks_fetched bytes_fetched refused_unsupported "
-    "blocks_withheld blocks_returned reused streams_reused handshake_evicted"
+    "blocks_withheld blocks_returned reused streams_reused handshake_evicted fetch_failed_internal"
 ).split()
 
 

@@ -151,7 +151,7 @@ fn receive(
             Ok(())
         })();
         drop(verify_tx);
-        let verified = verifier.join().unwrap_or_else(|_| Err((FailReason::Corrupt, "the verifier panicked".into())));
+        let verified = verifier.join().unwrap_or_else(|_| Err((FailReason::Internal, "the verifier panicked".into())));
         // the verifier's failure is the earlier one in block order
         verified?;
         read

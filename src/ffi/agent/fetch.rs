@@ -45,6 +45,8 @@ pub enum kvrelay_fetch_failure {
     KVRELAY_FETCH_CANCELLED = 9,
     /// The agent was freed.
     KVRELAY_FETCH_SHUTDOWN = 10,
+    /// The fetch panicked inside the agent (a bug); nothing of it is reported written.
+    KVRELAY_FETCH_INTERNAL = 11,
 }
 
 /// How a fetch ended.

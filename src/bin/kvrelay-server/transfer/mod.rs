@@ -88,11 +88,13 @@ pub enum FailReason {
     AuthFailed,
     /// The fetch was cancelled, or the agent shut down.
     Cancelled,
+    /// The fetch panicked inside the agent.
+    Internal,
 }
 
 impl FailReason {
     /// Every reason.
-    pub const ALL: [FailReason; 10] = [
+    pub const ALL: [FailReason; 11] = [
         FailReason::Connect,
         FailReason::Timeout,
         FailReason::Refused,
@@ -103,6 +105,7 @@ impl FailReason {
         FailReason::EndpointNotAllowed,
         FailReason::AuthFailed,
         FailReason::Cancelled,
+        FailReason::Internal,
     ];
 
     /// The metric label.
@@ -118,6 +121,7 @@ impl FailReason {
             FailReason::EndpointNotAllowed => "endpoint_not_allowed",
             FailReason::AuthFailed => "auth_failed",
             FailReason::Cancelled => "cancelled",
+            FailReason::Internal => "internal",
         }
     }
 
@@ -412,7 +416,7 @@ pub async fn fetch_into_cache(
     let done = completion.await;
     cancel.disarm();
     let Ok((r, detail, committed, hold)) = done else {
-        out.error = Some(FetchError::new(FailReason::Cancelled, "the fetch's completion task ended early"));
+        out.error = Some(FetchError::new(FailReason::Internal, "the fetch's completion task ended early"));
         return out;
     };
     out.blocks = committed;
