@@ -1,11 +1,15 @@
 // Consumer of an installed kvrelay: find_package(kvrelay) + kvrelay::kvrelay.
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 #include <kvrelay.hpp>
 
 int main() {
-  if (std::strcmp(kvrelay_version(), "0.1.0") != 0 || KVRELAY_VERSION_MAJOR != 0) {
+  // the library found must be the one whose header this was compiled against
+  const std::string want = std::to_string(KVRELAY_VERSION_MAJOR) + "." + std::to_string(KVRELAY_VERSION_MINOR) + "." +
+                           std::to_string(KVRELAY_VERSION_PATCH);
+  if (want != kvrelay_version()) {
     std::fprintf(stderr, "version mismatch: library %s\n", kvrelay_version());
     return 1;
   }
