@@ -89,6 +89,8 @@ struct Cache {
     gate_opened: std::sync::Condvar,
     /// A pin panics (a holder with a bug).
     panic_in_pin: std::sync::atomic::AtomicBool,
+    /// Withheld blocks the agent handed back (`BlockHolder::returned`), in order.
+    returned: Mutex<Vec<u32>>,
 }
 
 /// The holder the agent gets: a shared reference to the cache.
@@ -121,6 +123,9 @@ impl BlockHolder for Holder {
             *p -= 1;
             assert!(*p >= 0, "block {id} unpinned twice");
         }
+    }
+    fn returned(&self, ids: &[u32]) {
+        self.0.returned.lock().unwrap().extend_from_slice(ids);
     }
 }
 
@@ -706,6 +711,126 @@ fn nixl_reads_blocks_in_place_verified() {
     let s = b.agent.stats();
     assert_eq!((s.fetches_ok, s.fetch_failed_corrupt, s.blocks_withheld), (2, 1, 0));
     assert_ne!(b.agent.speed(&a.endpoint()), kvrelay::agent::NIXL_HOST_DEFAULT, "measured");
+}
+
+/// NIXL: a fetch that ends while its READs still run withholds the destination blocks they
+/// may write, and hands them back (`BlockHolder::returned`) only once those READs are over.
+/// Host pools of 64 blocks of 4 MiB (4 READ requests of 64 MiB), `write_grace` zero, the
+/// source's first block bad after recording: the fetch fails at the first request's check
+/// while the later ones are in flight. Every destination block is accounted for, and a block
+/// written after its return keeps what was written (nothing READs into it any more).
+#[cfg(feature = "nixl")]
+#[test]
+fn nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends() {
+    let test = "nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends";
+    let Some(t) = nixl(test) else { return };
+    // In one process UCX reads host memory with CMA, which completes a READ as it is posted:
+    // the test runs itself in a child process whose UCX moves host memory over TCP, where a
+    // READ of 256 MiB stays in flight long enough to be cancelled.
+    if std::env::var_os("KVRELAY_TEST_UCX_TCP").is_none() {
+        let gpu = kvrelay::copy::driver_present();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env("KVRELAY_TEST_UCX_TCP", "1")
+            .env("UCX_TLS", if gpu { "tcp,cuda_copy" } else { "tcp" })
+            .env("UCX_NET_DEVICES", "lo")
+            .output()
+            .expect("the test binary runs itself");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        eprintln!("{text}");
+        assert!(out.status.success(), "{test} in its child process failed");
+        assert!(text.contains("blocks withheld and returned"), "the child ran the test");
+        return;
+    }
+    const N: u32 = 64;
+    const HALF: u64 = 2 << 20; // K or V of one block: 4 MiB blocks
+    struct Big {
+        mem: Vec<u128>,
+        layout: KvLayout,
+    }
+    let big = || {
+        let mut mem = vec![0u128; (2 * N as u64 * HALF / 16) as usize];
+        let layout = KvLayout::per_layer_kv_first(&[mem.as_mut_ptr() as u64], N, HALF).unwrap();
+        Big { mem, layout }
+    };
+    let agent = |b: &Big, cache: &Arc<Cache>| {
+        let mut c = AgentConfig::new(fp());
+        c.transport = t.clone();
+        c.limits.write_grace = Duration::ZERO;
+        // SAFETY: each pool outlives its agent (the agents are dropped first below).
+        unsafe { Agent::new(c, b.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
+    };
+    let (src, dst) = (big(), big());
+    let bb = src.layout.stage_block_bytes() as usize;
+    let names: Vec<u64> = (0..N as u64).map(|i| 5000 + i).collect();
+    let src_cache = Arc::new(Cache::default());
+    // SAFETY: the source pool outlives its agent and nothing else writes it while it serves.
+    let mut e = unsafe { CpuEngine::new(src.layout.clone()) };
+    for (i, &n) in names.iter().enumerate() {
+        e.scatter(&content(n, bb), &[i as u32]).unwrap();
+        src_cache.held.lock().unwrap().insert(n, i as u32);
+    }
+    let src_agent = agent(&src, &src_cache);
+    src_agent.record_checksums(&(0..N).collect::<Vec<_>>()).unwrap();
+    let mut src = src;
+    src.mem[3] ^= 1; // block 0 goes bad after its checksum was recorded
+    let dst_cache = Arc::new(Cache::default());
+    let dst_agent = agent(&dst, &dst_cache);
+    let ep = src_agent.endpoint().unwrap().to_string();
+    let ids: Vec<u32> = (0..N).rev().collect();
+    let mut withheld_once = None;
+    for attempt in 0..8 {
+        let req = FetchRequest {
+            endpoint: ep.clone(),
+            names: names.clone(),
+            held: 0,
+            dst: ids.clone(),
+            deadline: Duration::from_secs(20),
+        };
+        let pins = src_cache.pin_calls.load(Ordering::Relaxed);
+        let f = dst_agent.submit(req, None).unwrap();
+        // cancel once the source pinned the run: its offer follows, then the READs
+        eventually("the source pins", || src_cache.pin_calls.load(Ordering::Relaxed) > pins);
+        f.cancel();
+        let r = f.wait(Duration::from_secs(30)).expect("the fetch completes");
+        eprintln!(
+            "attempt {attempt}: {:?} {} blocks, {} withheld, {:.1} ms",
+            r.failure,
+            r.blocks,
+            r.withheld,
+            r.seconds * 1e3
+        );
+        assert_eq!(r.failure, Some(FailReason::Cancelled), "attempt {attempt}: {}", r.detail);
+        if r.withheld > 0 {
+            assert_eq!(r.blocks + r.withheld, N as usize, "every block after the verified ones is withheld");
+            withheld_once = Some(r.withheld);
+            break;
+        }
+    }
+    let Some(withheld) = withheld_once else {
+        panic!("{test}: no attempt ended with a READ still running (UCX finished every READ at once 8 times)")
+    };
+    assert_eq!(dst_agent.stats().blocks_withheld, withheld as u64);
+    eventually("the withheld blocks come back", || dst_cache.returned.lock().unwrap().len() == withheld);
+    let mut back = dst_cache.returned.lock().unwrap().clone();
+    back.sort_unstable();
+    assert_eq!(back, (0..N).collect::<Vec<_>>(), "exactly the withheld blocks, each once");
+    assert_eq!(dst_agent.stats().blocks_returned, withheld as u64);
+    // the runtime reuses the returned blocks: nothing READs into them any more
+    // SAFETY: the destination pool outlives the engine; its agent writes none of these blocks.
+    let mut d = unsafe { CpuEngine::new(dst.layout.clone()) };
+    let mark = vec![0xa5u8; bb];
+    for id in 0..N {
+        d.scatter(&mark, &[id]).unwrap();
+    }
+    drop(dst_agent); // tears the NIXL agent down: any READ still running would have landed
+    drop(src_agent);
+    let mut out = vec![0u8; bb];
+    for id in 0..N {
+        d.gather(&[id], &mut out).unwrap();
+        assert!(out == mark, "block {id} was written after it was returned");
+    }
+    eprintln!("{test}: {withheld} blocks withheld and returned");
 }
 
 /// NIXL with GPU pools (the H200: UCX moves VRAM with CUDA IPC): device to device and host to

@@ -65,6 +65,10 @@ pub struct Limits {
     /// Socket send and receive buffer size of every agent connection, bytes (0, the default:
     /// the kernel's own sizing, which autotunes; measured no slower on loopback).
     pub socket_buffer_bytes: u32,
+    /// How long a transfer still posted when its fetch ends (failure, cancel, deadline) has to
+    /// finish or fail before the destination blocks it may write are withheld (1 s; NIXL only:
+    /// a TCP stream stops when its socket closes). Zero withholds at once.
+    pub write_grace: Duration,
 }
 
 impl Default for Limits {
@@ -83,6 +87,7 @@ impl Default for Limits {
             min_stream_bytes: 8 << 20,
             idle_timeout: Duration::from_secs(5),
             socket_buffer_bytes: 0,
+            write_grace: Duration::from_secs(1),
         }
     }
 }
@@ -118,6 +123,8 @@ crate::labels::labelled_enum! {
         IdleTimeoutMs = 12 => "idle_timeout_ms",
         /// [`Limits::socket_buffer_bytes`].
         SocketBufferBytes = 13 => "socket_buffer_bytes",
+        /// [`Limits::write_grace`], ms.
+        WriteGraceMs = 14 => "write_grace_ms",
     }
 }
 
@@ -146,6 +153,7 @@ impl Limits {
             LimitKey::MinStreamBytes => self.min_stream_bytes,
             LimitKey::IdleTimeoutMs => ms(self.idle_timeout),
             LimitKey::SocketBufferBytes => self.socket_buffer_bytes.into(),
+            LimitKey::WriteGraceMs => ms(self.write_grace),
         }
     }
 
@@ -170,6 +178,7 @@ impl Limits {
             LimitKey::MinStreamBytes => next.min_stream_bytes = value,
             LimitKey::IdleTimeoutMs => next.idle_timeout = ms,
             LimitKey::SocketBufferBytes => next.socket_buffer_bytes = small()?,
+            LimitKey::WriteGraceMs => next.write_grace = ms,
         }
         next.check()?;
         *self = next;
@@ -196,6 +205,9 @@ impl Limits {
         }
         if ms(self.idle_timeout) > 3_600_000 {
             return Err(format!("limit idle_timeout = {} ms: expected 0..=3600000 ms", ms(self.idle_timeout)));
+        }
+        if ms(self.write_grace) > 60_000 {
+            return Err(format!("limit write_grace = {} ms: expected 0..=60000 ms", ms(self.write_grace)));
         }
         for (name, d) in [
             ("handshake_timeout", self.handshake_timeout),

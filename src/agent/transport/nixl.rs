@@ -21,7 +21,7 @@
 //!   stops the fetch (`corrupt`). `DONE` tells the source how many blocks were taken; it then
 //!   unpins them (or after its transfer deadline, when no `DONE` comes).
 //! - **When a fetch ends early** (failure, cancel, deadline) with READs still posted, each gets
-//!   [`GRACE`] to finish or fail. One that still runs cannot be proven stopped, so the
+//!   the `write_grace` limit (1 s by default) to finish or fail. One that still runs cannot be proven stopped, so the
 //!   destination blocks after the verified ones are **withheld**: the completion reports them
 //!   (`FetchResult::withheld`), the runtime must not reuse them, and the agent hands them back
 //!   through [`crate::agent::BlockHolder::returned`] once their READs are over (checked by the fetch
@@ -32,7 +32,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
@@ -50,9 +50,6 @@ pub const REQUEST_BYTES: usize = 64 << 20;
 /// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
 /// a setup and a checksum kernel launch, so fewer, larger ones.
 pub const REQUEST_BYTES_GPU: usize = 256 << 20;
-/// Time a READ still posted when its fetch ends has to finish or fail before its destination
-/// blocks are withheld.
-pub const GRACE: Duration = Duration::from_secs(1);
 /// Largest NIXL agent metadata an offer may carry.
 pub use crate::agent::wire::MAX_METADATA;
 
@@ -159,6 +156,8 @@ fn extents(layout: &KvLayout) -> Vec<(u64, u64)> {
 struct Withheld {
     reqs: Vec<XferRequest>,
     ids: Vec<u32>,
+    /// The source NIXL agent the READs read from: its metadata stays loaded until they are over.
+    agent: String,
 }
 
 /// This instance's NIXL agent with its pool registered.
@@ -171,8 +170,18 @@ pub(in crate::agent) struct Nixl {
     name: String,
     metadata: Vec<u8>,
     device: Option<i32>,
-    /// Remote agents whose metadata is loaded, with that metadata.
-    loaded: Mutex<HashMap<String, Vec<u8>>>,
+    /// Remote agents whose metadata is loaded (with that metadata) or being loaded.
+    loaded: Mutex<HashMap<String, Remote>>,
+    /// Signalled when a load ends.
+    loaded_cv: Condvar,
+}
+
+/// A remote NIXL agent's metadata in [`Nixl::loaded`].
+enum Remote {
+    /// A fetch is loading it now (outside the lock).
+    Loading,
+    /// Loaded: these bytes.
+    Loaded(Vec<u8>),
 }
 
 impl Nixl {
@@ -224,33 +233,85 @@ impl Nixl {
             metadata,
             device,
             loaded: Mutex::new(HashMap::new()),
+            loaded_cv: Condvar::new(),
         })
     }
 
     /// Load the metadata of source agent `name` unless the same is loaded already.
-    fn ensure_remote(&self, name: &str, md: &[u8]) -> Result<(), Failure> {
+    ///
+    /// `loaded` is held only to look up and record, never across NIXL's `load_remote_md` (which
+    /// sets up UCX endpoints): a fetch from one source never waits behind another source's
+    /// load. A fetch that finds the same source being loaded by another waits for that load
+    /// (until `deadline`, checking `stopped`), so NIXL never loads one agent twice at once.
+    fn ensure_remote(
+        &self,
+        name: &str,
+        md: &[u8],
+        deadline: Instant,
+        stopped: &dyn Fn() -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
+        let stale = {
+            let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                match loaded.get(name) {
+                    Some(Remote::Loaded(m)) if m == md => return Ok(()),
+                    Some(Remote::Loading) => {
+                        stopped()?;
+                        let now = Instant::now();
+                        if now >= deadline {
+                            return Err((
+                                FailReason::Timeout,
+                                "NIXL: waiting for the source's metadata to load".into(),
+                            ));
+                        }
+                        let slice = (deadline - now).min(Duration::from_millis(20));
+                        loaded = self.loaded_cv.wait_timeout(loaded, slice).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                    Some(Remote::Loaded(_)) => {
+                        loaded.insert(name.to_string(), Remote::Loading);
+                        break true;
+                    }
+                    None => {
+                        loaded.insert(name.to_string(), Remote::Loading);
+                        break false;
+                    }
+                }
+            }
+        };
+        let r = (|| {
+            if stale {
+                let _ = self.agent.invalidate_remote_md(name);
+            }
+            let got = self
+                .agent
+                .load_remote_md(md)
+                .map_err(|e| (FailReason::Connect, format!("NIXL: the source's metadata: {e:?}")))?;
+            if got != name {
+                let _ = self.agent.invalidate_remote_md(&got);
+                return Err((FailReason::Corrupt, "the source's NIXL metadata names another agent".into()));
+            }
+            Ok(())
+        })();
         let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        if loaded.get(name).is_some_and(|m| m == md) {
-            return Ok(());
-        }
-        if loaded.remove(name).is_some() {
-            let _ = self.agent.invalidate_remote_md(name);
-        }
-        let got = self
-            .agent
-            .load_remote_md(md)
-            .map_err(|e| (FailReason::Connect, format!("NIXL: the source's metadata: {e:?}")))?;
-        if got != name {
-            let _ = self.agent.invalidate_remote_md(&got);
-            return Err((FailReason::Corrupt, "the source's NIXL metadata names another agent".into()));
-        }
-        loaded.insert(got, md.to_vec());
-        Ok(())
+        match &r {
+            Ok(()) => loaded.insert(name.to_string(), Remote::Loaded(md.to_vec())),
+            Err(_) => loaded.remove(name),
+        };
+        drop(loaded);
+        self.loaded_cv.notify_all();
+        r
     }
 
-    /// Forget a source agent after a failure (the next fetch loads it afresh).
+    /// Forget a source agent after a failure (the next fetch loads it afresh), unless READs
+    /// from it are withheld: NIXL would then fail their status before they stopped.
     fn forget_remote(&self, name: &str) {
-        if self.loaded.lock().unwrap_or_else(|e| e.into_inner()).remove(name).is_some() {
+        if self.withheld.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|w| w.agent == name) {
+            return;
+        }
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(loaded.get(name), Some(Remote::Loaded(_))) {
+            loaded.remove(name);
+            drop(loaded);
             let _ = self.agent.invalidate_remote_md(name);
         }
     }
@@ -470,17 +531,16 @@ fn pull(
         done(c, 0);
         return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
     }
-    if let Err(e) = nx.ensure_remote(&offer.agent, &offer.metadata) {
+    if let Err(e) = nx.ensure_remote(&offer.agent, &offer.metadata, deadline, stopped) {
         done(c, 0);
         return Err(e);
     }
     let mut reqs = Vec::new();
     let r = read_into(inner, nx, &offer, dst, deadline, stopped, land, &mut reqs);
-    if r.is_err() {
-        nx.forget_remote(&offer.agent);
-    }
-    // every READ must be over before the blocks after the verified ones go back
-    let grace = Instant::now() + GRACE;
+    // every READ must be over before the blocks after the verified ones go back (and before
+    // the source's metadata may be dropped: NIXL then fails the status of a READ it has not
+    // stopped, which must not read as "over")
+    let grace = Instant::now() + inner.limits.write_grace;
     let mut running = false;
     for p in reqs.iter_mut().filter(|p| p.in_flight) {
         let _ = wait(nx, p, grace, &|| Ok(()));
@@ -491,7 +551,12 @@ fn pull(
         land.withheld = ids.len();
         Stats::add(&inner.stats.blocks_withheld, ids.len() as u64);
         let reqs = reqs.into_iter().map(|p| p.req).collect();
-        nx.withheld.lock().unwrap_or_else(|e| e.into_inner()).push(Withheld { reqs, ids });
+        let agent = offer.agent.clone();
+        nx.withheld.lock().unwrap_or_else(|e| e.into_inner()).push(Withheld { reqs, ids, agent });
+    } else if matches!(&r, Err((reason, _)) if *reason != FailReason::Cancelled) {
+        // a failure may come from stale metadata: the next fetch loads it afresh
+        drop(reqs);
+        nx.forget_remote(&offer.agent);
     }
     done(c, land.blocks);
     r

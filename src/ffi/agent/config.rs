@@ -28,7 +28,8 @@ pub struct kvrelay_agent_fingerprint {
 /// One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
 /// name, so that limits can be added without changing a struct a caller compiled in). Fixed
 /// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
-/// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS` and `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`.
+/// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES` and
+/// `KVRELAY_LIMIT_WRITE_GRACE_MS`.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum kvrelay_agent_limit {
@@ -66,6 +67,10 @@ pub enum kvrelay_agent_limit {
     /// Socket send and receive buffer size of every agent connection, bytes (0: the kernel's
     /// autotuning, the default).
     KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13,
+    /// How long a NIXL READ still posted when its fetch ends (failure, cancel, deadline) has to
+    /// finish or fail before the destination blocks it may write are withheld (1000 ms; at most
+    /// 60000; 0: withheld at once). Withheld blocks come back through the holder's `returned`.
+    KVRELAY_LIMIT_WRITE_GRACE_MS = 14,
 }
 
 /// An agent's configuration under construction. Owned: `_free`.
