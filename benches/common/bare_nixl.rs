@@ -72,9 +72,12 @@ fn agent(name: &str, mem: &Mem, bytes: usize) -> (Agent, RegistrationHandle) {
     // SAFETY: a NUL-terminated path; loading the library nixl-sys then finds by its soname.
     assert!(!unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null(), "{path:?}");
     let a = Agent::new(&format!("{name}-{}", std::process::id())).unwrap();
-    let (_, params) = a.get_plugin_params("UCX").unwrap();
-    a.create_backend("UCX", &params).unwrap();
+    let (_, mut params) = a.get_plugin_params("UCX").unwrap();
     let (t, d) = mem.kind();
+    // the UCX options the agent's NIXL transport starts with (CUDA-IPC GET zero-copy on): the
+    // anchor is the same READ, without the agent around it
+    params.set("engine_config", &kvrelay::agent::nixl::ucx_options(None)).unwrap();
+    a.create_backend("UCX", &params).unwrap();
     let reg = a.register_memory(&Region(mem.addr(), bytes, t, d), None).unwrap();
     (a, reg)
 }

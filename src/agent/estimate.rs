@@ -22,10 +22,11 @@ pub struct SourceSpeed {
 /// transfer corrects it either way.
 pub const TCP_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 3e9 };
 
-/// The NIXL default into a GPU pool: 5 ms of setup (metadata exchange, request setup) and
-/// 100 GB/s, what VRAM READs over CUDA IPC carried on the H200 (90-155 GB/s,
-/// `benches/RESULTS.md`).
-pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 100e9 };
+/// The NIXL default into a GPU pool: 0.5 ms of setup and 150 GB/s. VRAM READs over CUDA IPC with
+/// GET zero-copy on (the transport's default UCX options) carried 90-155 GB/s between two
+/// H200s and about 200 GB/s between two processes on one, where a fetch of 1 or 8 blocks took
+/// 0.15-0.3 ms (`benches/RESULTS.md`).
+pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0005, bytes_per_s: 150e9 };
 
 /// The NIXL default into a host pool: 5 ms and 3 GB/s (UCX's host-memory READs measured
 /// 3.2-4.6 GB/s there).

@@ -102,6 +102,29 @@ fn dlerror() -> String {
     unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
 }
 
+/// UCX options the agent's NIXL backend starts with, as its `engine_config` (comma-separated
+/// `KEY=VALUE`, UCX's names without `UCX_`). NIXL applies each only where the process's
+/// environment does not set `UCX_KEY` itself, so a caller's setting always wins.
+///
+/// - `CUDA_IPC_ENABLE_GET_ZCOPY=y`: UCX turns CUDA-IPC GET zero-copy off where it detects no
+///   NVLink (one GPU, or PCIe-only peers) and then emulates a READ of device memory in
+///   software over TCP: 0.44 GB/s against 236 GB/s with it on, two processes on one H200
+///   (`benches/RESULTS.md`). NIXL itself enables it in later releases.
+///
+/// Software emulation stays allowed: between two agents of **one process** UCX cannot use CUDA
+/// IPC (a process cannot open its own IPC handle) and a device-to-device READ there exists
+/// only emulated (measured: `UCX_PROTO_EMULATION_ENABLE=n` fails it, "no zero-copy protocol
+/// found for get into cuda from cuda"). A deployment whose agents are all in separate
+/// processes can set `UCX_PROTO_EMULATION_ENABLE=n` so that a READ UCX could only emulate
+/// fails (counted by reason) instead of running at a few GB/s.
+///
+/// `existing` is what the plugin's defaults already hold (kept, ours after it).
+pub fn ucx_options(existing: Option<String>) -> String {
+    let mut o: Vec<String> = existing.into_iter().filter(|e| !e.is_empty()).collect();
+    o.push("CUDA_IPC_ENABLE_GET_ZCOPY=y".into());
+    o.join(",")
+}
+
 /// NIXL's memory type and device id of memory on `device` (`None`: host memory).
 fn kind_of(device: Option<i32>) -> (MemType, u64) {
     match device {
@@ -209,9 +232,16 @@ impl Nixl {
             ..Default::default()
         };
         let agent = nixl_sys::Agent::new_configured(&name, &cfg).map_err(|e| format!("NIXL agent: {e:?}"))?;
-        let (_, params) = agent
+        let (_, mut params) = agent
             .get_plugin_params("UCX")
             .map_err(|e| format!("NIXL: no UCX plugin ({e:?}); are the NIXL plugins beside libnixl.so?"))?;
+        let ucx = ucx_options(
+            params
+                .iter()
+                .ok()
+                .and_then(|mut i| i.find_map(|p| p.ok().filter(|p| p.0 == "engine_config").map(|p| p.1.to_string()))),
+        );
+        params.set("engine_config", &ucx).map_err(|e| format!("NIXL: the UCX backend's options: {e:?}"))?;
         agent.create_backend("UCX", &params).map_err(|e| format!("NIXL: the UCX backend did not start: {e:?}"))?;
         let mut registrations = Vec::new();
         for (base, len) in extents(layout) {
@@ -663,6 +693,13 @@ fn read_into(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ucx_options_keep_the_plugins_own() {
+        assert_eq!(ucx_options(None), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
+        assert_eq!(ucx_options(Some(String::new())), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
+        assert_eq!(ucx_options(Some("RNDV_THRESH=1".into())), "RNDV_THRESH=1,CUDA_IPC_ENABLE_GET_ZCOPY=y");
+    }
 
     #[test]
     fn extents_merge_where_segments_touch_or_overlap() {
