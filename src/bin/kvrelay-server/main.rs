@@ -301,11 +301,12 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
                 .ok_or_else(|| format!("KV_TRANSFER_SOURCE_ALLOW: `{s}` is not a base URL like http://HOST:PORT"))?,
         );
     }
-    let fingerprint = transfer::Fingerprint::of(shape, engine.naming());
+    let naming = engine.naming();
+    let fingerprint = transfer::fingerprint(shape, &naming);
     let transport = transport(args)?;
     let kv_listen = args.kv_listen.to_string();
     let settings = abi::AgentSettings {
-        fingerprint: fingerprint.for_agent(),
+        fingerprint,
         listen: &kv_listen,
         allow: &args.kv_peer_allow,
         device: engine.store.region().device,
@@ -342,6 +343,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         agent,
         transport,
         fingerprint,
+        naming,
         fail_on_load_error,
         pool: engine.clone(),
     };

@@ -29,7 +29,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::{generate::take_slot, parse, prompt_tokens, read_body, ApiError, Shared};
 use crate::client;
-use crate::transfer::{fetch_into_cache, FailReason, FetchError, Fingerprint};
+use crate::transfer::{fetch_into_cache, fingerprint_json, FailReason, FetchError};
 
 /// `/v1/kv_transfer` settings.
 #[derive(Clone, Debug)]
@@ -100,7 +100,7 @@ pub async fn kv_info(State(st): State<Shared>) -> Json<Value> {
     Json(json!({
         "kv_endpoint": st.transfer.endpoint,
         "transport": st.transfer.transport,
-        "fingerprint": st.transfer.fingerprint,
+        "fingerprint": fingerprint_json(&st.transfer.fingerprint, &st.transfer.naming),
         "block_bytes": st.engine.store.block_bytes(),
     }))
 }
@@ -281,9 +281,10 @@ async fn run_transfer(
     let addr =
         source_addr(source).await.ok_or_else(|| FetchError::new(FailReason::Connect, "the source does not resolve"))?;
     let info = call_source(addr, "GET", "/v1/kv/info", None).await?;
-    let fp: Fingerprint = serde_json::from_value(info["fingerprint"].clone())
-        .map_err(|_| FetchError::new(FailReason::Corrupt, "the source's /v1/kv/info has no fingerprint"))?;
-    if fp != st.transfer.fingerprint {
+    if !info["fingerprint"].is_object() {
+        return Err(FetchError::new(FailReason::Corrupt, "the source's /v1/kv/info has no fingerprint"));
+    }
+    if info["fingerprint"] != fingerprint_json(&st.transfer.fingerprint, &st.transfer.naming) {
         return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
     }
     let endpoint = info["kv_endpoint"].as_str().unwrap_or_default().to_string();

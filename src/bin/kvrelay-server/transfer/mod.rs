@@ -15,54 +15,39 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use kvrelay::ffi::agent::kvrelay_agent_fingerprint;
+use serde::Deserialize;
 
 use crate::abi::{FetchCall, FetchCanceller, FetchProvider, Holder, KvAgent};
 use crate::cache::{BlockCache, Lease};
 use crate::engine::{Engine, Shape};
 
-/// What both sides compare before any data moves.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Fingerprint {
-    /// Tokens per block.
-    pub block_tokens: u32,
-    /// Layers.
-    pub layers: u32,
-    /// KV heads.
-    pub kv_heads: u32,
-    /// Head size.
-    pub head_dim: u32,
-    /// Bytes per element.
-    pub dtype_bytes: u32,
-    /// Naming scheme and model: `xxh3-chain/v1/NAME_SEED/MODEL_SEED` in hex.
-    pub naming: String,
+/// What both sides compare before any data moves: the agent's fingerprint (the library's one
+/// type; the naming scheme as its 64-bit id) of this instance's layout under naming scheme
+/// `naming` ([`Engine::naming`]: the model's identity is part of it).
+pub fn fingerprint(s: Shape, naming: &str) -> kvrelay_agent_fingerprint {
+    kvrelay_agent_fingerprint {
+        block_tokens: s.block_tokens as u32,
+        layers: s.layers as u32,
+        kv_heads: s.kv_heads as u32,
+        head_dim: s.head_dim as u32,
+        dtype_bytes: s.dtype_bytes as u32,
+        naming: xxhash_rust::xxh3::xxh3_64(naming.as_bytes()),
+    }
 }
 
-impl Fingerprint {
-    /// The fingerprint of this instance's layout under naming scheme `naming`
-    /// ([`Engine::naming`]: the model's identity is part of it).
-    pub fn of(s: Shape, naming: String) -> Fingerprint {
-        Fingerprint {
-            block_tokens: s.block_tokens as u32,
-            layers: s.layers as u32,
-            kv_heads: s.kv_heads as u32,
-            head_dim: s.head_dim as u32,
-            dtype_bytes: s.dtype_bytes as u32,
-            naming,
-        }
-    }
-
-    /// The agent's form: the same shape, the naming scheme as a 64-bit id.
-    pub fn for_agent(&self) -> kvrelay::ffi::agent::kvrelay_agent_fingerprint {
-        kvrelay::ffi::agent::kvrelay_agent_fingerprint {
-            block_tokens: self.block_tokens,
-            layers: self.layers,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype_bytes: self.dtype_bytes,
-            naming: xxhash_rust::xxh3::xxh3_64(self.naming.as_bytes()),
-        }
-    }
+/// A fingerprint as `/v1/kv/info` shows it (and a source's is compared with ours): the agent's
+/// fields, `naming` the scheme's text (`xxh3-chain/v1/NAME_SEED/MODEL_SEED`), `naming_id` its id.
+pub fn fingerprint_json(fp: &kvrelay_agent_fingerprint, naming: &str) -> serde_json::Value {
+    serde_json::json!({
+        "block_tokens": fp.block_tokens,
+        "layers": fp.layers,
+        "kv_heads": fp.kv_heads,
+        "head_dim": fp.head_dim,
+        "dtype_bytes": fp.dtype_bytes,
+        "naming": naming,
+        "naming_id": fp.naming,
+    })
 }
 
 /// Why a fetch failed (a metric label each).
@@ -452,8 +437,10 @@ pub struct TransferState {
     pub agent: Arc<KvAgent>,
     /// `tcp` or `nixl`.
     pub transport: &'static str,
-    /// This instance's fingerprint.
-    pub fingerprint: Fingerprint,
+    /// This instance's fingerprint (the agent's).
+    pub fingerprint: kvrelay_agent_fingerprint,
+    /// Its naming scheme's text ([`fingerprint_json`]).
+    pub naming: String,
     /// The KV service's endpoint (`tcp://host:port`).
     pub endpoint: String,
     /// `recompute` (false) or `fail` (true) on a failed load.
