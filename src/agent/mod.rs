@@ -54,6 +54,8 @@ pub mod auth;
 mod config;
 pub mod estimate;
 mod fetch;
+mod handle;
+mod inner;
 mod pool;
 mod service;
 mod stats;
@@ -68,15 +70,18 @@ pub use transport::nixl;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport};
 pub use estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
+pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
+use handle::{FetchState, Job};
+use inner::{set_buffers, Inner};
 pub use stats::AgentStats;
 use stats::Stats;
 use sums::{sum_host, SumTable};
@@ -133,42 +138,6 @@ crate::labels::labelled_enum! {
     }
 }
 
-/// One fetch to submit.
-#[derive(Clone, Debug)]
-pub struct FetchRequest {
-    /// The source's KV endpoint, `tcp://host:port`, as an orchestration decision authorized it.
-    pub endpoint: String,
-    /// The request's own block names, from block 0.
-    pub names: Vec<u64>,
-    /// How many leading blocks of `names` the runtime holds already (not fetched).
-    pub held: usize,
-    /// Free blocks of the pool reserved for the fetch: block `held + i` goes into `dst[i]`; as
-    /// many are asked for as there are destination blocks (at most `names.len() - held`).
-    pub dst: Vec<u32>,
-    /// The whole fetch's deadline, from submission.
-    pub deadline: Duration,
-}
-
-/// How a fetch ended.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct FetchResult {
-    /// `None`: every block the source offered arrived (it may have offered fewer than asked:
-    /// its leading run); otherwise why the fetch stopped.
-    pub failure: Option<FailReason>,
-    /// Leading destination blocks written and verified (commit exactly these, in order).
-    pub blocks: usize,
-    /// Their bytes.
-    pub bytes: u64,
-    /// Destination blocks after the verified ones that the agent still holds (NIXL only: a
-    /// READ into them could not be proven stopped): `dst[blocks..blocks + withheld]` must not
-    /// be reused until [`BlockHolder::returned`] hands them back. 0 over TCP.
-    pub withheld: usize,
-    /// Seconds from submission to completion.
-    pub seconds: f64,
-    /// Why, in words, for logs (never hint bytes, never the key).
-    pub detail: String,
-}
-
 /// An agent call that could not be done.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AgentError {
@@ -194,271 +163,6 @@ impl fmt::Display for AgentError {
     }
 }
 impl std::error::Error for AgentError {}
-
-/// A fetch's completion callback: runs once, on the fetch worker, when the fetch completes.
-pub type OnDone = Box<dyn FnOnce(&FetchResult) + Send>;
-
-struct FetchState {
-    result: Mutex<Option<FetchResult>>,
-    done: Condvar,
-    cancel: AtomicBool,
-    on_done: Mutex<Option<OnDone>>,
-    submitted: Instant,
-    /// The connections this fetch's streams use right now, each with its part and its
-    /// registration id: `cancel` shuts them down so that blocked reads return, and a part that
-    /// ends short shuts down the parts after it. A stream removes its entry before its
-    /// connection goes to the idle pool (which then owns it alone) or closes, so a cancel never
-    /// reaches a connection another fetch took from the pool.
-    sock: Mutex<Vec<(usize, u64, TcpStream)>>,
-    /// Parts after this one are of no use (an earlier part ended short): they stop.
-    stop_after: AtomicUsize,
-}
-
-impl FetchState {
-    fn new(on_done: Option<OnDone>) -> FetchState {
-        FetchState {
-            result: Mutex::new(None),
-            done: Condvar::new(),
-            cancel: AtomicBool::new(false),
-            on_done: Mutex::new(on_done),
-            submitted: Instant::now(),
-            sock: Mutex::new(Vec::new()),
-            stop_after: AtomicUsize::new(usize::MAX),
-        }
-    }
-
-    /// The callback first, then the result for pollers: once a poll sees the result, the
-    /// callback no longer uses what it captured. A callback that panics is contained here (the
-    /// result is published all the same and the worker goes on).
-    fn complete(&self, r: FetchResult) {
-        let cb = self.on_done.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(cb) = cb {
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(&r)));
-        }
-        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-        self.done.notify_all();
-    }
-
-    /// Publish part `part`'s connection `s` (registration `id`) for cancels and sibling stops.
-    fn publish(&self, part: usize, id: u64, s: &TcpStream) {
-        if let Ok(clone) = s.try_clone() {
-            self.sock.lock().unwrap_or_else(|e| e.into_inner()).push((part, id, clone));
-        }
-    }
-
-    /// Forget the connection registered as `id` (its clone closes here).
-    fn unpublish(&self, id: u64) {
-        self.sock.lock().unwrap_or_else(|e| e.into_inner()).retain(|(_, i, _)| *i != id);
-    }
-
-    /// Part `part` ended short: the parts after it stop (their connections are shut down).
-    fn stop_parts_after(&self, part: usize) {
-        self.stop_after.fetch_min(part, Ordering::AcqRel);
-        for (p, _, s) in self.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            if *p > part {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
-    }
-}
-
-/// A submitted fetch: poll it, wait for it, or cancel it. Dropping the handle neither cancels
-/// the fetch nor loses its completion callback (the C handle shares this behaviour); an owner
-/// whose going away must stop the fetch holds it as an [`OwnedFetch`] ([`Fetch::owned`]).
-#[derive(Clone)]
-pub struct Fetch(Arc<FetchState>);
-
-impl Fetch {
-    /// The result, once the fetch completed.
-    pub fn poll(&self) -> Option<FetchResult> {
-        self.0.result.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Wait up to `timeout` for the result.
-    pub fn wait(&self, timeout: Duration) -> Option<FetchResult> {
-        let end = Instant::now() + timeout;
-        let mut g = self.0.result.lock().unwrap_or_else(|e| e.into_inner());
-        while g.is_none() {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            g = self.0.done.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        g.clone()
-    }
-
-    /// Ask the fetch to stop: it completes with [`FailReason::Cancelled`] after the block in
-    /// progress (blocks verified before stay reported), or normally if it was about to.
-    pub fn cancel(&self) {
-        self.0.cancel.store(true, Ordering::Release);
-        for (_, _, s) in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-    }
-}
-
-/// A fetch that owns its destination blocks the way a runtime's request does: dropping it
-/// cancels the fetch (if it still runs) and waits for its completion, so that when the drop
-/// returns nothing writes the destination blocks any more and the runtime may reuse them (but
-/// for NIXL's withheld ones, which come back through [`BlockHolder::returned`]). The wait is
-/// bounded by the block in progress and `io_timeout`; do not drop a running one on a thread
-/// that must not block. [`OwnedFetch::detach`] lets the fetch run on without it.
-pub struct OwnedFetch(Option<Fetch>);
-
-impl OwnedFetch {
-    /// The fetch (poll, wait, cancel).
-    pub fn fetch(&self) -> &Fetch {
-        self.0.as_ref().expect("present until dropped or detached")
-    }
-
-    /// Let the fetch run on unowned (its completion callback, if any, still runs).
-    pub fn detach(mut self) -> Fetch {
-        self.0.take().expect("present until dropped or detached")
-    }
-}
-
-impl Drop for OwnedFetch {
-    fn drop(&mut self) {
-        let Some(f) = self.0.take() else { return };
-        if f.poll().is_some() {
-            return;
-        }
-        f.cancel();
-        while f.wait(Duration::from_secs(1)).is_none() {}
-    }
-}
-
-impl Fetch {
-    /// This handle as the owner of its destination blocks ([`OwnedFetch`]: dropping it cancels
-    /// and waits).
-    pub fn owned(self) -> OwnedFetch {
-        OwnedFetch(Some(self))
-    }
-}
-
-struct Job {
-    req: FetchRequest,
-    state: Arc<FetchState>,
-}
-
-struct Inner {
-    fingerprint: Fingerprint,
-    allow: PeerAllow,
-    limits: Limits,
-    key: Option<Psk>,
-    layout: KvLayout,
-    block_bytes: usize,
-    movers: pool::Movers,
-    holder: Box<dyn BlockHolder>,
-    sums: SumTable,
-    estimator: estimate::Estimator,
-    stats: Stats,
-    stop: AtomicBool,
-    /// Connections per peer address (handshake and serving).
-    peers: Mutex<HashMap<IpAddr, u32>>,
-    /// Accepted connections that have not completed their handshake yet, oldest first: when
-    /// the handshake slots (or an address's places) are all taken, the oldest of them makes
-    /// room for a new connection (see `service::make_room`).
-    greeting: Mutex<VecDeque<service::Greeting>>,
-    /// Live sockets (served and fetched), shut down at stop; the count of live connection
-    /// threads is the map's length.
-    conns: Mutex<(u64, HashMap<u64, TcpStream>)>,
-    conns_idle: Condvar,
-    jobs: Mutex<VecDeque<Job>>,
-    jobs_ready: Condvar,
-    /// Kept-alive fetch connections per source address, with when each went idle.
-    idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
-    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam.
-    backend: Box<dyn transport::Backend>,
-}
-
-/// Set a socket's send and receive buffers to `bytes` (0: leave the kernel's autotuning).
-fn set_buffers(s: &TcpStream, bytes: u32) {
-    if bytes == 0 {
-        return;
-    }
-    use std::os::fd::AsRawFd;
-    let v = bytes as libc::c_int;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: a live socket's descriptor; `v` is a c_int that lives across the call and
-        // its size is passed; setsockopt only reads it.
-        unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-    }
-}
-
-/// Most kept-alive fetch connections per source address.
-const MAX_IDLE_PER_SOURCE: usize = 16;
-
-impl Inner {
-    /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
-    fn take_idle(&self, addr: SocketAddr) -> Option<TcpStream> {
-        let fresh = self.limits.idle_timeout / 2;
-        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let v = m.get_mut(&addr)?;
-        v.retain(|(_, since)| since.elapsed() < fresh);
-        let s = v.pop().map(|(s, _)| s);
-        if v.is_empty() {
-            m.remove(&addr);
-        }
-        s
-    }
-
-    /// Keep a connection whose last transfer ended cleanly for the next fetch from `addr`.
-    fn put_idle(&self, addr: SocketAddr, s: TcpStream) {
-        if self.limits.idle_timeout.is_zero() || self.stop.load(Ordering::Acquire) {
-            return;
-        }
-        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let v = m.entry(addr).or_default();
-        v.retain(|(_, since)| since.elapsed() < self.limits.idle_timeout);
-        if v.len() < MAX_IDLE_PER_SOURCE {
-            v.push((s, Instant::now()));
-        }
-    }
-
-    /// The deadline of one read or write that starts now.
-    fn io_deadline(&self) -> Instant {
-        Instant::now() + self.limits.io_timeout
-    }
-
-    /// Return withheld destination blocks to the runtime, counted.
-    fn give_back(&self, ids: &[u32]) {
-        if ids.is_empty() {
-            return;
-        }
-        self.holder.returned(ids);
-        Stats::add(&self.stats.blocks_returned, ids.len() as u64);
-    }
-
-    fn register(&self, s: &TcpStream) -> Option<u64> {
-        let clone = s.try_clone().ok()?;
-        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        if self.stop.load(Ordering::Acquire) {
-            return None;
-        }
-        g.0 += 1;
-        let id = g.0;
-        g.1.insert(id, clone);
-        Some(id)
-    }
-    fn unregister(&self, id: u64) {
-        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        g.1.remove(&id);
-        if g.1.is_empty() {
-            self.conns_idle.notify_all();
-        }
-    }
-}
-
 /// The KV agent. Dropping it stops the service and every fetch (queued and running fetches
 /// complete with [`FailReason::Shutdown`] or [`FailReason::Cancelled`]), waits for every thread
 /// it started, and only then drops the [`BlockHolder`]: after `drop` returns, the agent touches
@@ -628,32 +332,9 @@ impl Agent {
     /// block, `held + dst.len() > names.len()`, more than `max_names` blocks, a destination id
     /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
     pub fn submit(&self, req: FetchRequest, on_done: Option<OnDone>) -> Result<Fetch, AgentError> {
-        let arg = |s: String| Err(AgentError::Argument(s));
-        let n = self.inner.layout.num_blocks();
-        if req.dst.is_empty() {
-            return arg("a fetch needs at least one destination block".into());
-        }
-        if req.held > req.names.len() || req.dst.len() > req.names.len() - req.held {
-            return arg(format!(
-                "{} destination blocks after {} held ones, but the request has {} names",
-                req.dst.len(),
-                req.held,
-                req.names.len()
-            ));
-        }
-        if req.dst.len() > self.inner.limits.max_names as usize {
-            return arg(format!("{} blocks in one fetch (max_names {})", req.dst.len(), self.inner.limits.max_names));
-        }
-        if let Some(&id) = req.dst.iter().find(|&&id| id >= n) {
-            return arg(format!("destination block {id} is past the pool's {n} blocks"));
-        }
-        let mut sorted = req.dst.clone();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return arg("the same destination block twice".into());
-        }
+        self.check_destination(req.names.len(), req.held, &req.dst)?;
         if req.deadline.is_zero() {
-            return arg("a fetch needs a deadline above zero".into());
+            return Err(AgentError::Argument("a fetch needs a deadline above zero".into()));
         }
         let state = Arc::new(FetchState::new(on_done));
         {
@@ -666,6 +347,34 @@ impl Agent {
         Stats::add(&self.inner.stats.fetches_submitted, 1);
         self.inner.jobs_ready.notify_one();
         Ok(Fetch(state))
+    }
+
+    /// A fetch's destination against its names and the pool: at least one block, none past
+    /// `names` after the `held` ones, at most `max_names`, each inside the pool and given once.
+    fn check_destination(&self, names: usize, held: usize, dst: &[u32]) -> Result<(), AgentError> {
+        let arg = |s: String| Err(AgentError::Argument(s));
+        let n = self.inner.layout.num_blocks();
+        if dst.is_empty() {
+            return arg("a fetch needs at least one destination block".into());
+        }
+        if held > names || dst.len() > names - held {
+            return arg(format!(
+                "{} destination blocks after {held} held ones, but the request has {names} names",
+                dst.len()
+            ));
+        }
+        if dst.len() > self.inner.limits.max_names as usize {
+            return arg(format!("{} blocks in one fetch (max_names {})", dst.len(), self.inner.limits.max_names));
+        }
+        if let Some(&id) = dst.iter().find(|&&id| id >= n) {
+            return arg(format!("destination block {id} is past the pool's {n} blocks"));
+        }
+        let mut sorted = dst.to_vec();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return arg("the same destination block twice".into());
+        }
+        Ok(())
     }
 
     /// The current speed estimate of `endpoint` (the TCP default before its first transfer).
@@ -706,18 +415,7 @@ impl Agent {
         names: &[u64],
         dst: &[u32],
     ) -> Result<FetchResult, AgentError> {
-        let n = self.inner.layout.num_blocks();
-        let mut sorted = dst.to_vec();
-        sorted.sort_unstable();
-        if dst.is_empty()
-            || dst.len() > names.len()
-            || sorted.windows(2).any(|w| w[0] == w[1])
-            || sorted.last().is_some_and(|&id| id >= n)
-        {
-            return Err(AgentError::Argument(
-                "destination blocks: none, more than names, twice or past the pool".into(),
-            ));
-        }
+        self.check_destination(names.len(), 0, dst)?;
         Ok(fetch::over_connection(&self.inner, conn, names, dst))
     }
 

@@ -1,0 +1,132 @@
+//! What the agent's threads share ([`Inner`]): the configuration, the pool's layout and movers,
+//! the holder, the checksum table, the counters, the connection registry, the job queue, the
+//! idle connections and the transport.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+use super::handle::Job;
+use super::stats::Stats;
+use super::sums::SumTable;
+use super::{estimate, pool, service, transport, BlockHolder, Fingerprint, Limits, PeerAllow, Psk};
+use crate::copy::KvLayout;
+
+pub(super) struct Inner {
+    pub(super) fingerprint: Fingerprint,
+    pub(super) allow: PeerAllow,
+    pub(super) limits: Limits,
+    pub(super) key: Option<Psk>,
+    pub(super) layout: KvLayout,
+    pub(super) block_bytes: usize,
+    pub(super) movers: pool::Movers,
+    pub(super) holder: Box<dyn BlockHolder>,
+    pub(super) sums: SumTable,
+    pub(super) estimator: estimate::Estimator,
+    pub(super) stats: Stats,
+    pub(super) stop: AtomicBool,
+    /// Connections per peer address (handshake and serving).
+    pub(super) peers: Mutex<HashMap<IpAddr, u32>>,
+    /// Accepted connections that have not completed their handshake yet, oldest first: when
+    /// the handshake slots (or an address's places) are all taken, the oldest of them makes
+    /// room for a new connection (see `service::make_room`).
+    pub(super) greeting: Mutex<VecDeque<service::Greeting>>,
+    /// Live sockets (served and fetched), shut down at stop; the count of live connection
+    /// threads is the map's length.
+    pub(super) conns: Mutex<(u64, HashMap<u64, TcpStream>)>,
+    pub(super) conns_idle: Condvar,
+    pub(super) jobs: Mutex<VecDeque<Job>>,
+    pub(super) jobs_ready: Condvar,
+    /// Kept-alive fetch connections per source address, with when each went idle.
+    pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
+    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam.
+    pub(super) backend: Box<dyn transport::Backend>,
+}
+
+/// Set a socket's send and receive buffers to `bytes` (0: leave the kernel's autotuning).
+pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
+    if bytes == 0 {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let v = bytes as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: a live socket's descriptor; `v` is a c_int that lives across the call and
+        // its size is passed; setsockopt only reads it.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+/// Most kept-alive fetch connections per source address.
+pub(super) const MAX_IDLE_PER_SOURCE: usize = 16;
+
+impl Inner {
+    /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
+    pub(super) fn take_idle(&self, addr: SocketAddr) -> Option<TcpStream> {
+        let fresh = self.limits.idle_timeout / 2;
+        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = m.get_mut(&addr)?;
+        v.retain(|(_, since)| since.elapsed() < fresh);
+        let s = v.pop().map(|(s, _)| s);
+        if v.is_empty() {
+            m.remove(&addr);
+        }
+        s
+    }
+
+    /// Keep a connection whose last transfer ended cleanly for the next fetch from `addr`.
+    pub(super) fn put_idle(&self, addr: SocketAddr, s: TcpStream) {
+        if self.limits.idle_timeout.is_zero() || self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = m.entry(addr).or_default();
+        v.retain(|(_, since)| since.elapsed() < self.limits.idle_timeout);
+        if v.len() < MAX_IDLE_PER_SOURCE {
+            v.push((s, Instant::now()));
+        }
+    }
+
+    /// The deadline of one read or write that starts now.
+    pub(super) fn io_deadline(&self) -> Instant {
+        Instant::now() + self.limits.io_timeout
+    }
+
+    /// Return withheld destination blocks to the runtime, counted.
+    pub(super) fn give_back(&self, ids: &[u32]) {
+        if ids.is_empty() {
+            return;
+        }
+        self.holder.returned(ids);
+        Stats::add(&self.stats.blocks_returned, ids.len() as u64);
+    }
+
+    pub(super) fn register(&self, s: &TcpStream) -> Option<u64> {
+        let clone = s.try_clone().ok()?;
+        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        if self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        g.0 += 1;
+        let id = g.0;
+        g.1.insert(id, clone);
+        Some(id)
+    }
+    pub(super) fn unregister(&self, id: u64) {
+        let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        g.1.remove(&id);
+        if g.1.is_empty() {
+            self.conns_idle.notify_all();
+        }
+    }
+}
