@@ -37,7 +37,7 @@ pub struct FetchResult {
     pub bytes: u64,
     /// Destination blocks after the verified ones that the agent still holds (NIXL only: a
     /// READ into them could not be proven stopped): `dst[blocks..blocks + withheld]` must not
-    /// be reused until [`BlockHolder::returned`] hands them back. 0 over TCP.
+    /// be reused until [`BlockHolder::returned`](super::BlockHolder::returned) hands them back. 0 over TCP.
     pub withheld: usize,
     /// Seconds from submission to completion.
     pub seconds: f64,
@@ -151,7 +151,7 @@ impl Fetch {
 /// A fetch that owns its destination blocks the way a runtime's request does: dropping it
 /// cancels the fetch (if it still runs) and waits for its completion, so that when the drop
 /// returns nothing writes the destination blocks any more and the runtime may reuse them (but
-/// for NIXL's withheld ones, which come back through [`BlockHolder::returned`]). The wait is
+/// for NIXL's withheld ones, which come back through [`BlockHolder::returned`](super::BlockHolder::returned)). The wait is
 /// bounded by the block in progress and `io_timeout`; do not drop a running one on a thread
 /// that must not block. [`OwnedFetch::detach`] lets the fetch run on without it.
 pub struct OwnedFetch(Option<Fetch>);
