@@ -82,24 +82,11 @@ pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
             if r.is_err() {
                 Stats::add(&worker.stats.serve_aborted, 1);
             }
-            if let Some(id) = held.greeting.take() {
-                greeted(&worker, id).take_back(&mut held);
-            }
-            release_slot(&worker, held.slot);
-            if held.counted {
-                release_peer(&worker, ip);
-            }
             drop(s);
-            worker.unregister(id);
+            held.give_back(&worker, ip, id);
         });
         if spawned.is_err() {
-            let mut held = Held { slot: Slot::Pending, counted: true, greeting: None };
-            greeted(inner, id).take_back(&mut held);
-            release_slot(inner, held.slot);
-            if held.counted {
-                release_peer(inner, ip);
-            }
-            inner.unregister(id);
+            Held { slot: Slot::Pending, counted: true, greeting: Some(id) }.give_back(inner, ip, id);
         }
     }
 }
@@ -114,6 +101,23 @@ pub(super) struct Held {
     pub(super) counted: bool,
     /// Its registration while it may still be evicted (until its handshake completed).
     pub(super) greeting: Option<u64>,
+}
+
+impl Held {
+    /// Give back everything a connection from `ip`, registered as `id`, holds (its socket is
+    /// closed): what an eviction handed over, its gauge slot, its place among its peer's
+    /// connections, its registration. Runs once per accepted connection, on its thread's every
+    /// path (a panic in serving included) or where its thread did not start.
+    fn give_back(mut self, inner: &Inner, ip: IpAddr, id: u64) {
+        if let Some(g) = self.greeting.take() {
+            greeted(inner, g).take_back(&mut self);
+        }
+        release_slot(inner, self.slot);
+        if self.counted {
+            release_peer(inner, ip);
+        }
+        inner.unregister(id);
+    }
 }
 
 impl Default for Held {
