@@ -6,12 +6,11 @@
 //! exactly what it pinned.
 #![no_main]
 
-use std::io;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
-use kvrelay::agent::{Agent, AgentConfig, BlockHolder, Conn, Fingerprint, Psk};
+use kvrelay::agent::wire::Scripted;
+use kvrelay::agent::{Agent, AgentConfig, BlockHolder, Fingerprint, Psk};
 use kvrelay::copy::KvLayout;
 use libfuzzer_sys::fuzz_target;
 
@@ -35,27 +34,6 @@ impl BlockHolder for Holder {
     }
     fn unpin(&self, ids: &[u32]) {
         self.0.fetch_sub(ids.len() as i64, Ordering::Relaxed);
-    }
-}
-
-struct Mem<'a> {
-    input: &'a [u8],
-    written: usize,
-}
-impl Conn for Mem<'_> {
-    fn read_by(&mut self, buf: &mut [u8], _deadline: Instant) -> io::Result<()> {
-        if self.input.len() < buf.len() {
-            self.input = &[];
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        let (a, b) = self.input.split_at(buf.len());
-        buf.copy_from_slice(a);
-        self.input = b;
-        Ok(())
-    }
-    fn write_by(&mut self, buf: &[u8], _deadline: Instant) -> io::Result<()> {
-        self.written += buf.len();
-        Ok(())
     }
 }
 
@@ -93,7 +71,7 @@ fuzz_target!(|data: &[u8]| {
     let s = served();
     let Some((&which, input)) = data.split_first() else { return };
     let agent = if which & 1 == 0 { &s.plain } else { &s.keyed };
-    let mut conn = Mem { input, written: 0 };
+    let mut conn = Scripted::new(input);
     agent.serve_connection(&mut conn);
     // at most a refusal, or an offer and every block of the largest request once
     let block = 12 + 16 + 2 * KVB as usize;

@@ -13,11 +13,9 @@
 //! recorded for it (so nothing unverified is ever committed).
 #![no_main]
 
-use std::io;
 use std::sync::OnceLock;
-use std::time::Instant;
 
-use kvrelay::agent::wire::{self, Conn};
+use kvrelay::agent::wire::{self, Scripted};
 use kvrelay::agent::{Agent, AgentConfig, BlockHolder, Fingerprint};
 use kvrelay::checksum::kv_checksum;
 use kvrelay::copy::{CpuEngine, KvLayout};
@@ -33,25 +31,6 @@ impl BlockHolder for Nothing {
         0
     }
     fn unpin(&self, _: &[u32]) {}
-}
-
-struct Mem<'a> {
-    input: &'a [u8],
-}
-impl Conn for Mem<'_> {
-    fn read_by(&mut self, buf: &mut [u8], _deadline: Instant) -> io::Result<()> {
-        if self.input.len() < buf.len() {
-            self.input = &[];
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        let (a, b) = self.input.split_at(buf.len());
-        buf.copy_from_slice(a);
-        self.input = b;
-        Ok(())
-    }
-    fn write_by(&mut self, _buf: &[u8], _deadline: Instant) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 struct Dest {
@@ -127,7 +106,7 @@ fuzz_target!(|data: &[u8]| {
         built = a;
         &built
     };
-    let mut conn = Mem { input: answer };
+    let mut conn = Scripted::new(answer);
     let r = d.agent.fetch_over_connection(&mut conn, &NAMES, &dst).expect("valid destinations");
     assert!(r.blocks <= asked, "{} blocks reported for {asked} asked", r.blocks);
     assert_eq!(r.withheld, 0, "the TCP transport withholds nothing");

@@ -98,6 +98,42 @@ pub trait Conn {
     fn write_by(&mut self, buf: &[u8], deadline: Instant) -> io::Result<()>;
 }
 
+/// A connection that reads a fixed script (then ends, as a closed stream does) and counts the
+/// bytes written to it: what the fuzz targets and tests feed [`crate::agent::Agent::serve_connection`]
+/// and [`crate::agent::Agent::fetch_over_connection`] as a hostile peer or source.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Scripted<'a> {
+    /// What is left to read.
+    pub input: &'a [u8],
+    /// Bytes written so far.
+    pub written: usize,
+}
+
+impl<'a> Scripted<'a> {
+    /// A connection that will read `input`.
+    pub fn new(input: &'a [u8]) -> Scripted<'a> {
+        Scripted { input, written: 0 }
+    }
+}
+
+impl Conn for Scripted<'_> {
+    fn read_by(&mut self, buf: &mut [u8], _deadline: Instant) -> io::Result<()> {
+        if self.input.len() < buf.len() {
+            self.input = &[];
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let (a, b) = self.input.split_at(buf.len());
+        buf.copy_from_slice(a);
+        self.input = b;
+        Ok(())
+    }
+    fn write_by(&mut self, buf: &[u8], _deadline: Instant) -> io::Result<()> {
+        self.written += buf.len();
+        Ok(())
+    }
+}
+
 fn remaining(deadline: Instant) -> io::Result<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
