@@ -1,0 +1,280 @@
+//! What the agent tests share: a vLLM-style host pool, the runtime's reuse cache and its holder,
+//! an instance (agent, cache, pool), a GPU pool, and the bounded wait.
+#![allow(dead_code)] // each test file uses a different part
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "nixl")]
+use kvrelay::agent::Transport;
+use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, FetchResult, Fingerprint, Psk};
+use kvrelay::copy::{CpuEngine, KvLayout};
+
+pub const BLOCKS: u32 = 16;
+
+pub const LAYERS: usize = 3;
+
+pub const KV_BLOCK: u64 = 1024; // bytes of K (or V) of one layer in one block
+
+pub fn fp() -> Fingerprint {
+    Fingerprint { block_tokens: 32, layers: LAYERS as u32, kv_heads: 2, head_dim: 8, dtype_bytes: 2, naming: 0xfeed }
+}
+
+/// A vLLM-style pool: one allocation per layer, `[2, BLOCKS, KV_BLOCK]`.
+pub struct Pool {
+    pub layers: Vec<Vec<u128>>,
+    pub layout: KvLayout,
+}
+
+impl Pool {
+    pub fn new() -> Pool {
+        let mut layers: Vec<Vec<u128>> =
+            (0..LAYERS).map(|_| vec![0u128; (2 * BLOCKS as u64 * KV_BLOCK / 16) as usize]).collect();
+        let bases: Vec<u64> = layers.iter_mut().map(|l| l.as_mut_ptr() as u64).collect();
+        let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
+        Pool { layers, layout }
+    }
+    pub fn block_bytes(&self) -> usize {
+        self.layout.stage_block_bytes() as usize
+    }
+    pub fn write(&self, id: u32, content: &[u8]) {
+        // SAFETY: the pool's memory lives as long as `self`; tests write blocks no agent reads.
+        let mut e = unsafe { CpuEngine::new(self.layout.clone()) };
+        e.scatter(content, &[id]).unwrap();
+    }
+    pub fn read(&self, id: u32) -> Vec<u8> {
+        // SAFETY: as in `write`.
+        let mut e = unsafe { CpuEngine::new(self.layout.clone()) };
+        let mut out = vec![0u8; self.block_bytes()];
+        e.gather(&[id], &mut out).unwrap();
+        out
+    }
+    pub fn corrupt(&mut self, id: u32, byte: usize) {
+        // the first layer's K of block `id`
+        let l = &mut self.layers[0];
+        // SAFETY: a byte view of the u128 vector, in bounds (byte < KV_BLOCK).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(l.as_mut_ptr() as *mut u8, l.len() * 16) };
+        bytes[id as usize * KV_BLOCK as usize + byte] ^= 0x10;
+    }
+}
+
+pub fn content(name: u64, len: usize) -> Vec<u8> {
+    let mut x = name ^ 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The runtime's reuse cache: names -> block ids, and pin counts.
+#[derive(Default)]
+pub struct Cache {
+    pub held: Mutex<HashMap<u64, u32>>,
+    pub pins: Mutex<HashMap<u32, i64>>,
+    pub pin_calls: AtomicUsize,
+    /// While `Some(first)`, a pin of names that do not start with `first` waits (a source that
+    /// answers only the part of a fetch that starts there) until the gate opens (`None`).
+    pub gate: Mutex<Option<u64>>,
+    pub gate_opened: std::sync::Condvar,
+    /// A pin panics (a holder with a bug).
+    pub panic_in_pin: std::sync::atomic::AtomicBool,
+    /// Withheld blocks the agent handed back (`BlockHolder::returned`), in order.
+    pub returned: Mutex<Vec<u32>>,
+}
+
+/// The holder the agent gets: a shared reference to the cache.
+pub struct Holder(pub Arc<Cache>);
+
+impl BlockHolder for Holder {
+    fn pin(&self, names: &[u64], ids: &mut [u32]) -> usize {
+        self.0.pin_calls.fetch_add(1, Ordering::Relaxed);
+        assert!(!self.0.panic_in_pin.load(Ordering::Relaxed), "a holder whose pin panics");
+        let mut g = self.0.gate.lock().unwrap();
+        while g.is_some_and(|first| names.first() != Some(&first)) {
+            g = self.0.gate_opened.wait(g).unwrap();
+        }
+        drop(g);
+        let held = self.0.held.lock().unwrap();
+        let mut pins = self.0.pins.lock().unwrap();
+        let mut n = 0;
+        for (i, name) in names.iter().enumerate() {
+            let Some(&id) = held.get(name) else { break };
+            ids[i] = id;
+            *pins.entry(id).or_insert(0) += 1;
+            n += 1;
+        }
+        n
+    }
+    fn unpin(&self, ids: &[u32]) {
+        let mut pins = self.0.pins.lock().unwrap();
+        for id in ids {
+            let p = pins.get_mut(id).expect("unpin of a block never pinned");
+            *p -= 1;
+            assert!(*p >= 0, "block {id} unpinned twice");
+        }
+    }
+    fn returned(&self, ids: &[u32]) {
+        self.0.returned.lock().unwrap().extend_from_slice(ids);
+    }
+}
+
+impl Cache {
+    pub fn pinned(&self) -> i64 {
+        self.pins.lock().unwrap().values().sum()
+    }
+    /// Pins of names that do not start with `first` wait until [`Cache::open`].
+    pub fn close_gate_except(&self, first: u64) {
+        *self.gate.lock().unwrap() = Some(first);
+    }
+    pub fn open(&self) {
+        *self.gate.lock().unwrap() = None;
+        self.gate_opened.notify_all();
+    }
+}
+
+/// An instance: pool, cache, agent.
+pub struct Instance {
+    pub agent: Agent,
+    pub cache: Arc<Cache>,
+    pub pool: Pool,
+}
+
+pub fn instance_with(cfg: impl FnOnce(&mut AgentConfig)) -> Instance {
+    let pool = Pool::new();
+    let cache = Arc::new(Cache::default());
+    let mut c = AgentConfig::new(fp());
+    cfg(&mut c);
+    // SAFETY: the pool outlives the agent (fields drop in order: agent first).
+    let agent = unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
+    Instance { agent, cache, pool }
+}
+
+pub fn instance() -> Instance {
+    instance_with(|_| {})
+}
+
+impl Instance {
+    /// Hold `names` in blocks `first..`, recorded as reusable.
+    pub fn hold(&self, names: &[u64], first: u32) {
+        let bb = self.pool.block_bytes();
+        let ids: Vec<u32> = (first..first + names.len() as u32).collect();
+        for (&n, &id) in names.iter().zip(&ids) {
+            self.pool.write(id, &content(n, bb));
+            self.cache.held.lock().unwrap().insert(n, id);
+        }
+        self.agent.record_checksums(&ids).unwrap();
+    }
+    pub fn endpoint(&self) -> String {
+        self.agent.endpoint().unwrap().to_string()
+    }
+    pub fn fetch(&self, from: &str, names: &[u64], held: usize, dst: Vec<u32>) -> FetchResult {
+        let req =
+            FetchRequest { endpoint: from.into(), names: names.to_vec(), held, dst, deadline: Duration::from_secs(10) };
+        self.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
+    }
+}
+
+/// Wait (bounded) until `f` holds.
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+pub const NAMES: [u64; 6] = [101, 102, 103, 104, 105, 106];
+
+pub fn key(k: &str) -> Option<Psk> {
+    Some(Psk::new(k.as_bytes()).unwrap())
+}
+
+/// A connection from a given loopback address.
+pub fn connect_from(ip: [u8; 4], to: &str) -> TcpStream {
+    let to: SocketAddr = to.strip_prefix("tcp://").unwrap().parse().unwrap();
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from((ip, 0)).into()).unwrap();
+    s.connect(&to.into()).unwrap();
+    s.into()
+}
+
+/// A device pool of the tests' shape, written and read through its own engine.
+pub struct DevPool {
+    pub _mem: Vec<kvrelay::copy::DeviceBuffer>,
+    pub layout: KvLayout,
+    pub engine: kvrelay::copy::CudaEngine,
+    pub stream: kvrelay::copy::CudaStream,
+    pub staging: kvrelay::copy::PinnedBuffer,
+}
+
+impl DevPool {
+    pub fn new(dev: &Arc<kvrelay::copy::CudaDevice>) -> DevPool {
+        use kvrelay::copy::{CudaEngine, CudaStream, DeviceBuffer, EngineOptions, PinnedBuffer};
+        let mem: Vec<DeviceBuffer> = (0..LAYERS)
+            .map(|_| DeviceBuffer::alloc(dev, (2 * u64::from(BLOCKS) * KV_BLOCK) as usize).unwrap())
+            .collect();
+        for m in &mem {
+            m.write(0, &vec![0u8; m.len()]).unwrap();
+        }
+        let bases: Vec<u64> = mem.iter().map(|m| m.ptr()).collect();
+        let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
+        // SAFETY: the pool's device memory lives in `_mem` as long as the engine.
+        let engine = unsafe { CudaEngine::new(dev, layout.clone(), EngineOptions::default()) }.unwrap();
+        let bb = layout.stage_block_bytes() as usize;
+        DevPool {
+            _mem: mem,
+            layout,
+            engine,
+            stream: CudaStream::new(dev).unwrap(),
+            staging: PinnedBuffer::alloc(dev, bb).unwrap(),
+        }
+    }
+    pub fn write(&mut self, id: u32, bytes: &[u8]) {
+        self.staging.as_mut_slice().copy_from_slice(bytes);
+        self.engine.scatter(&self.staging, &[id], &self.stream, None).unwrap();
+        self.stream.synchronize().unwrap();
+    }
+    pub fn read(&mut self, id: u32) -> Vec<u8> {
+        self.engine.gather(&[id], &self.staging, &self.stream, None).unwrap();
+        self.stream.synchronize().unwrap();
+        self.staging.as_slice().to_vec()
+    }
+}
+
+/// CUDA device 0, or `None` (said why) on a machine without a driver or device.
+pub fn cuda_device(test: &str) -> Option<Arc<kvrelay::copy::CudaDevice>> {
+    if !kvrelay::copy::driver_present() {
+        eprintln!("{test}: skipped: no CUDA driver on this machine");
+        return None;
+    }
+    match kvrelay::copy::CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+    }
+}
+
+/// The NIXL transport when this build has it and its libraries load; `None` (said why) when
+/// they are not installed. With `KVRELAY_NIXL_LIB_DIR` set (as the test command sets it), a
+/// library that does not load fails the test instead of skipping it.
+#[cfg(feature = "nixl")]
+pub fn nixl(test: &str) -> Option<Transport> {
+    let dir = std::env::var_os("KVRELAY_NIXL_LIB_DIR").filter(|d| !d.is_empty()).map(std::path::PathBuf::from);
+    match kvrelay::agent::nixl::load_library(dir.as_deref()) {
+        Ok(()) => Some(Transport::Nixl { lib_dir: dir }),
+        Err(e) if dir.is_none() => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+        Err(e) => panic!("KVRELAY_NIXL_LIB_DIR is set, but: {e}"),
+    }
+}
