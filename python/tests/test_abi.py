@@ -32,6 +32,7 @@ STRUCTS = {
     "kvrelay_decision": L.Decision,
     "kvrelay_policy_counters": L.PolicyCounters,
     "kvrelay_action": L.Action,
+    "kvrelay_fetch_callbacks": L.FetchCallbacks,
 }
 
 
@@ -39,7 +40,7 @@ STRUCTS = {
 def test_struct_layouts_match_the_header(tmp_path):
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "kvrelay.h"', "int main(void) {"]
     for c, py in STRUCTS.items():
-        lines.append(f'printf("{c} size %zu\\n", sizeof(struct {c}));')
+        lines.append(f'printf("{c} :sizeof %zu\\n", sizeof(struct {c}));')
         for f, _ in py._fields_:
             lines.append(f'printf("{c} {f} %zu\\n", offsetof(struct {c}, {f}));')
     lines.append("return 0; }")
@@ -49,6 +50,6 @@ def test_struct_layouts_match_the_header(tmp_path):
     subprocess.run(["gcc", "-std=c11", "-I", str(ROOT / "include"), str(src), "-o", str(exe)], check=True)
     got = dict(line.rsplit(" ", 1) for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines())
     for c, py in STRUCTS.items():
-        assert int(got[f"{c} size"]) == ctypes.sizeof(py), c
+        assert int(got[f"{c} :sizeof"]) == ctypes.sizeof(py), c
         for f, _ in py._fields_:
             assert int(got[f"{c} {f}"]) == getattr(py, f).offset, f"{c}.{f}"

@@ -18,7 +18,10 @@ raise ``TypeError`` or ``ValueError`` before any C call.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
@@ -132,10 +135,145 @@ def _u64s(name: str, xs: Iterable[int]) -> Any:
 
 
 def _view(owner: Any, ptr: Optional[int], n: int) -> memoryview:
-    """A read-only memoryview of ``n`` bytes at ``ptr`` that keeps ``owner`` alive."""
+    """A read-only memoryview of ``n`` bytes at ``ptr`` that keeps ``owner`` (what owns the
+    bytes: a ``_SnapshotRef``) alive as long as the view, or any view derived from it, lives."""
     arr = (ctypes.c_char * n).from_address(ptr or 0) if n else (ctypes.c_char * 0)()
-    arr._owner = owner  # the view holds the array, the array holds the snapshot
+    arr._owner = owner  # the view holds the array, the array holds the owner of the bytes
     return memoryview(arr).cast("B").toreadonly()
+
+
+# --- callbacks: module-level trampolines and a handle table ----------------------------------
+#
+# What C calls back (holder, provider, fetch completion) is a module-level ctypes function
+# whose ``user_data`` is an integer handle into ``_table`` (never a Python object's address):
+# no callback closes over the object that owns it, so Agents and Orchestrators die by reference
+# counting, on the thread that drops them. The C library's ``destroy`` callback removes the
+# entry (it runs exactly once, when the C object is freed or its creation fails).
+
+log = logging.getLogger("kvrelay")
+_tls = threading.local()
+
+
+class _Table:
+    """Integer handles to Python objects, for C ``user_data``. Handles are never reused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[int, Any] = {}
+        self._next = 0
+
+    def add(self, obj: Any) -> int:
+        with self._lock:
+            self._next += 1
+            self._items[self._next] = obj
+            return self._next
+
+    def get(self, handle: Optional[int]) -> Any:
+        return self._items.get(handle or 0)
+
+    def pop(self, handle: Optional[int]) -> Any:
+        with self._lock:
+            return self._items.pop(handle or 0, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_table = _Table()
+
+
+class _Errors:
+    """Exceptions raised by the Python code C called back (a holder, a provider, a fetch
+    callback): each one is logged on the ``kvrelay`` logger and counted here."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: Optional[BaseException] = None
+
+    def record(self, what: str, e: BaseException) -> None:
+        self.count += 1  # under the GIL
+        self.last = e
+        try:
+            log.error("kvrelay: %s raised %s", what, type(e).__name__, exc_info=e)
+        except BaseException:  # never unwind into C, even when logging fails
+            pass
+
+
+def _enter_agent_thread() -> bool:
+    prev = getattr(_tls, "in_callback", False)
+    _tls.in_callback = True
+    return prev
+
+
+class _HolderSlot:
+    __slots__ = ("holder", "errors")
+
+    def __init__(self, holder: Any, errors: _Errors):
+        self.holder, self.errors = holder, errors
+
+
+def _on_pin(user_data: Optional[int], names: Any, n: int, ids_out: Any) -> int:
+    prev = _enter_agent_thread()
+    slot = _table.get(user_data)
+    try:
+        if slot is None:
+            return 0
+        ids = list(slot.holder.pin(names[:n]))
+        if len(ids) > n:
+            raise ValueError(f"pin() returned {len(ids)} ids for {n} names")
+        for i, b in enumerate(ids):
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**32:
+                raise ValueError("pin() must return block ids (ints in 0..2**32)")
+            ids_out[i] = b
+        return len(ids)
+    except BaseException as e:  # never unwind into C: serve nothing
+        slot.errors.record("the block holder's pin()", e)
+        return 0
+    finally:
+        _tls.in_callback = prev
+
+
+def _on_unpin(user_data: Optional[int], ids: Any, n: int) -> None:
+    prev = _enter_agent_thread()
+    slot = _table.get(user_data)
+    try:
+        if slot is not None:
+            slot.holder.unpin(ids[:n])
+    except BaseException as e:
+        slot.errors.record("the block holder's unpin()", e)
+    finally:
+        _tls.in_callback = prev
+
+
+def _on_returned(user_data: Optional[int], ids: Any, n: int) -> None:
+    prev = _enter_agent_thread()
+    slot = _table.get(user_data)
+    try:
+        f = getattr(slot.holder, "returned", None) if slot is not None else None
+        if f is not None:
+            f(ids[:n])
+    except BaseException as e:
+        slot.errors.record("the block holder's returned()", e)
+    finally:
+        _tls.in_callback = prev
+
+
+def _on_destroy(user_data: Optional[int]) -> None:
+    # may run on an agent thread (a fetch's completion) or in the call that frees the C object;
+    # dropping the entry may drop the last reference to anything, an Agent included
+    prev = _enter_agent_thread()
+    try:
+        _table.pop(user_data)
+    except BaseException:
+        pass
+    finally:
+        _tls.in_callback = prev
+
+
+_PIN = L.PIN(_on_pin)
+_UNPIN = L.UNPIN(_on_unpin)
+_RETURNED = L.UNPIN(_on_returned)
+_DESTROY = L.DESTROY(_on_destroy)
 
 
 def version() -> str:
@@ -204,11 +342,41 @@ class Action:
     canonical: memoryview
 
 
+class _SnapshotRef:
+    """One reference to a C snapshot, released when this object dies (any thread: a release is
+    one atomic decrement). Held by the ``Snapshot`` handle and by every view of its bytes, so
+    that a view stays valid whatever is closed."""
+
+    __slots__ = ("ptr", "__weakref__")
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __del__(self, _release: Callable[[Any], None] = lib.kvrelay_snapshot_release) -> None:
+        p, self.ptr = self.ptr, None
+        if p:
+            _release(p)
+
+
 class Snapshot(_Handle):
     """An admitted envelope, immutable: canonical bytes and zero-copy accessors. Share it with
-    ``retain()`` (another reference to the same snapshot: a child request, a queue, a rank)."""
+    ``retain()`` (another reference to the same snapshot: a child request, a queue, a rank).
+    ``close()`` gives up this handle's reference; the views it handed out (``canonical``,
+    ``Action.payload``, ``Action.canonical``) hold their own and stay valid."""
 
-    _free = staticmethod(lib.kvrelay_snapshot_release)
+    def __init__(self, ptr: int):
+        object.__setattr__(self, "_ref", _SnapshotRef(ptr))
+
+    def close(self) -> None:
+        object.__setattr__(self, "_ref", None)
+
+    def __del__(self) -> None:
+        pass
+
+    @property
+    def _ptr(self) -> Optional[int]:
+        r = self._ref
+        return r.ptr if r is not None else None
 
     def retain(self) -> "Snapshot":
         """Another handle to the same snapshot (one atomic increment)."""
@@ -219,7 +387,7 @@ class Snapshot(_Handle):
         """The canonical compact JSON bytes (a read-only view, no copy)."""
         b = L.Bytes()
         _check("kvrelay_snapshot_canonical", lib.kvrelay_snapshot_canonical(self._p, ctypes.byref(b)))
-        return _view(self, b.ptr, b.len)
+        return _view(self._ref, b.ptr, b.len)
 
     @property
     def protocol_version(self) -> str:
@@ -251,8 +419,8 @@ class Snapshot(_Handle):
             a.id.text(),
             a.action_type.text(),
             a.version.text(),
-            _view(self, a.payload.ptr, a.payload.len),
-            _view(self, a.canonical.ptr, a.canonical.len),
+            _view(self._ref, a.payload.ptr, a.payload.len),
+            _view(self._ref, a.canonical.ptr, a.canonical.len),
         )
 
     @property
@@ -274,9 +442,7 @@ class Snapshot(_Handle):
         return _sized("kvrelay_snapshot_action_envelope", lib.kvrelay_snapshot_action_envelope, self._p, index)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name != "_ptr":
-            raise AttributeError("a Snapshot is immutable")
-        object.__setattr__(self, name, value)
+        raise AttributeError("a Snapshot is immutable")
 
 
 class Outcome:
@@ -500,6 +666,47 @@ class Decision:
     provider_code: int
 
 
+class _ProviderSlot:
+    __slots__ = ("provider", "errors")
+
+    def __init__(self, provider: Any, errors: _Errors):
+        self.provider, self.errors = provider, errors
+
+
+_contexts = _Table()  # per-call contexts of Orchestrator.decide (kvrelay_fetch_request.call_context)
+
+
+def _provider_call(which: str, user_data: Optional[int], r: Any) -> int:
+    slot = _table.get(user_data)
+    try:
+        req = r.contents
+        fr = FetchRequest(
+            req.binding_id.text(),
+            req.family.text(),
+            req.action_index,
+            req.action_type.text(),
+            req.action_version.text(),
+            ctypes.string_at(req.payload.ptr, req.payload.len),
+            req.endpoint.text(),
+            ctypes.string_at(req.envelope.ptr, req.envelope.len),
+            _contexts.get(req.call_context),
+        )
+        answer = getattr(slot.provider, which)(fr)
+        if answer is True or answer is None:
+            return 0
+        if answer is False:
+            return 1
+        return int(answer)
+    except BaseException as e:  # never unwind into C: a refusal
+        if slot is not None:
+            slot.errors.record(f"the provider's {which}()", e)
+        return -2
+
+
+_VALIDATE = L.PROVIDER_CALL(lambda u, r: _provider_call("validate", u, r))
+_FETCH = L.PROVIDER_CALL(lambda u, r: _provider_call("fetch", u, r))
+
+
 class Orchestrator(_Handle):
     """Candidate collection, binding resolution, the trusted endpoint registry and the
     provider, for one request at a time (thread-safe). ``endpoints`` is the registry
@@ -522,11 +729,7 @@ class Orchestrator(_Handle):
         for m in ("validate", "fetch"):
             if not callable(getattr(provider, m, None)):
                 raise TypeError(f"the provider has no {m}() method")
-        self._provider = provider
-        self._contexts: dict[int, Any] = {}
-        self._ctx_lock = threading.Lock()
-        self._next_ctx = 1
-        self.last_provider_error: Optional[BaseException] = None
+        self._errors = _Errors()
         cfg = ctypes.c_void_p()
         _check("kvrelay_policy_config_new", lib.kvrelay_policy_config_new(ctypes.byref(cfg)))
         try:
@@ -550,40 +753,24 @@ class Orchestrator(_Handle):
             if metric_prefix is not None:
                 p = _utf8("metric_prefix", metric_prefix)
                 _check("kvrelay_policy_config_set_metric_prefix", lib.kvrelay_policy_config_set_metric_prefix(cfg, p, len(p)))
-            self._validate = L.PROVIDER_CALL(lambda _u, r: self._call("validate", r))
-            self._fetch = L.PROVIDER_CALL(lambda _u, r: self._call("fetch", r))
-            prov = L.Provider(None, self._validate, self._fetch, L.DESTROY())
+            # the provider lives in the handle table until the orchestrator's destroy callback
+            # (kvrelay_orchestrator_free, or right away if kvrelay_orchestrator_new fails)
+            prov = L.Provider(_table.add(_ProviderSlot(provider, self._errors)), _VALIDATE, _FETCH, _DESTROY)
             out = ctypes.c_void_p()
             _check("kvrelay_orchestrator_new", lib.kvrelay_orchestrator_new(capabilities._p, cfg, ctypes.byref(prov), ctypes.byref(out)))
             self._ptr = out.value
         finally:
             lib.kvrelay_policy_config_free(cfg)
 
-    def _call(self, which: str, r: Any) -> int:
-        try:
-            req = r.contents
-            with self._ctx_lock:
-                ctx = self._contexts.get(req.call_context or 0)
-            fr = FetchRequest(
-                req.binding_id.text(),
-                req.family.text(),
-                req.action_index,
-                req.action_type.text(),
-                req.action_version.text(),
-                ctypes.string_at(req.payload.ptr, req.payload.len),
-                req.endpoint.text(),
-                ctypes.string_at(req.envelope.ptr, req.envelope.len),
-                ctx,
-            )
-            answer = getattr(self._provider, which)(fr)
-            if answer is True or answer is None:
-                return 0
-            if answer is False:
-                return 1
-            return int(answer)
-        except BaseException as e:  # never unwind into C
-            self.last_provider_error = e
-            return -2
+    @property
+    def last_provider_error(self) -> Optional[BaseException]:
+        """The last exception the provider raised (each is logged and counted as a refusal)."""
+        return self._errors.last
+
+    @property
+    def provider_errors(self) -> int:
+        """How many exceptions the provider raised."""
+        return self._errors.count
 
     def decide(
         self,
@@ -597,10 +784,7 @@ class Orchestrator(_Handle):
         ``fetch`` run here, on this thread, with ``context`` as ``FetchRequest.context``."""
         if snapshot is not None and not isinstance(snapshot, Snapshot):
             raise TypeError("snapshot must be a Snapshot or None")
-        with self._ctx_lock:
-            key = self._next_ctx
-            self._next_ctx += 1
-            self._contexts[key] = context
+        key = _contexts.add(context)
         try:
             info = L.RequestInfo(bool(generation_only), bool(lora_adapter))
             d = L.Decision()
@@ -611,8 +795,7 @@ class Orchestrator(_Handle):
                 ),
             )
         finally:
-            with self._ctx_lock:
-                del self._contexts[key]
+            _contexts.pop(key)
         named = d.kind == 1
         return Decision(
             "named_fetch" if named else "keep_paired_path",
@@ -799,58 +982,62 @@ class FetchResult:
         return self.failure == "ok"
 
 
-_pending_lock = threading.Lock()
-_pending: dict[int, "Fetch"] = {}
-_finished: list["Fetch"] = []
-
-
-def _sweep() -> None:
-    """Drop finished fetches whose callback has returned (a poll that sees the result proves
-    it: the C library publishes the result after the callback). O(finished fetches)."""
-    with _pending_lock:
-        if not _finished:
-            return
-        batch = _finished[:]
-        _finished.clear()
-    keep = []
-    for f in batch:
-        if f._poll() is not None:
-            with _pending_lock:
-                _pending.pop(id(f), None)
-        else:
-            keep.append(f)
-    if keep:
-        with _pending_lock:
-            _finished.extend(keep)
-
-
 def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
     return FetchResult(lib.kvrelay_fetch_failure_name(r.failure).decode(), r.blocks, r.bytes, r.seconds, r.withheld, detail)
 
 
+class _FetchSlot:
+    __slots__ = ("callback", "future", "errors")
+
+    def __init__(self, callback: Optional[Callable[[FetchResult], None]], future: Future, errors: _Errors):
+        self.callback, self.future, self.errors = callback, future, errors
+
+
+def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
+    prev = _enter_agent_thread()
+    slot = _table.get(user_data)
+    try:
+        if slot is None:
+            return
+        res = _result_of(r.contents, detail.text())
+        if slot.future.set_running_or_notify_cancel():
+            slot.future.set_result(res)
+        if slot.callback is not None:
+            slot.callback(res)
+    except BaseException as e:  # never unwind into C
+        if slot is not None:
+            slot.errors.record("a fetch callback", e)
+    finally:
+        _tls.in_callback = prev
+
+
+_FETCH_DONE = L.FETCH_DONE_DETAIL(_on_fetch_done)
+_WAIT_SLICE_MS = 50  # result() waits in slices this long, so that Ctrl-C (signals) get through
+
+
 class Fetch:
-    """A submitted fetch: ``result(timeout)`` waits, ``done()`` polls, ``cancel()`` stops it.
+    """A submitted fetch: ``result(timeout)`` waits (interruptible: Ctrl-C raises
+    ``KeyboardInterrupt`` within about 50 ms), ``done()`` polls, ``cancel()`` stops it,
+    ``close()`` (or the end of a ``with`` block) frees the handle; a running fetch goes on.
     ``future`` is a ``concurrent.futures.Future``: with a ``callback`` given to
     ``Agent.fetch`` it is resolved on the agent's fetch thread, right before the callback runs
-    there (keep both short); otherwise the first access starts a thread that waits for it. The
-    future's and the callback's ``FetchResult.detail`` is empty; ``result()`` and ``detail()``
-    give the failure's words. Without a callback nothing of Python runs on the agent's
-    threads (the cheapest submission)."""
+    there (keep both short); otherwise the first access starts a thread that waits for it.
+    Without a callback nothing of Python runs on the agent's threads (the cheapest
+    submission). A Fetch keeps its Agent alive."""
 
-    __slots__ = ("_agent", "_callback", "_future", "_handle", "_done_cb", "__weakref__")
+    __slots__ = ("_agent", "_future", "_handle", "__weakref__")
 
-    def __init__(self, agent: "Agent", callback: Optional[Callable[[FetchResult], None]]):
-        self._agent = agent  # the agent outlives its fetches
-        self._callback = callback
-        self._future: Optional[Future] = Future() if callback is not None else None
+    def __init__(self, agent: "Agent", future: Optional[Future]):
+        self._agent = agent
+        self._future = future
         self._handle = ctypes.c_void_p()
-        self._done_cb = L.FETCH_DONE(self._on_done) if callback is not None else L.FETCH_DONE()
 
     @property
     def future(self) -> Future:
         if self._future is None:
             fut: Future = Future()
             self._future = fut
+            fut.set_running_or_notify_cancel()
 
             def wait() -> None:
                 try:
@@ -858,58 +1045,77 @@ class Fetch:
                 except BaseException as e:
                     fut.set_exception(e)
 
-            threading.Thread(target=wait, daemon=True).start()
+            threading.Thread(target=wait, daemon=True, name="kvrelay-fetch-future").start()
         return self._future
 
-    def _on_done(self, _u: Any, r: Any) -> None:
-        try:
-            res = _result_of(r.contents)
-            if self._future is not None:
-                self._future.set_result(res)
-            if self._callback is not None:
-                self._callback(res)
-        except BaseException:  # never unwind into C
-            pass
-        finally:
-            with _pending_lock:
-                _finished.append(self)
-
     def _poll(self) -> Optional[L.FetchResult]:
-        if not self._handle.value:
-            return None
         r = L.FetchResult()
-        return r if lib.kvrelay_fetch_poll(self._handle, ctypes.byref(r)) == L.OK else None
+        return r if lib.kvrelay_fetch_poll(self._h, ctypes.byref(r)) == L.OK else None
+
+    @property
+    def _h(self) -> ctypes.c_void_p:
+        if not self._handle.value:
+            raise ValueError("this Fetch is closed")
+        return self._handle
 
     def done(self) -> bool:
         return self._poll() is not None
 
     def cancel(self) -> None:
-        if self._handle.value:
-            lib.kvrelay_fetch_cancel(self._handle)
+        """Ask the fetch to stop (it completes as ``cancelled`` after the block in progress)."""
+        _check("kvrelay_fetch_cancel", lib.kvrelay_fetch_cancel(self._h))
 
     def detail(self) -> str:
         """Why the completed fetch failed, in words (empty when it did not)."""
-        if not self._handle.value:
-            raise ValueError("this fetch handle is freed")
-        return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._handle)
+        return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._h)
 
     def result(self, timeout: Optional[float] = None) -> FetchResult:
-        """Wait for the result (``TimeoutError`` after ``timeout`` seconds)."""
-        if not self._handle.value:
-            raise ValueError("this fetch handle is freed")
-        ms = 0xFFFFFFFF if timeout is None else max(0, int(timeout * 1000))
+        """Wait for the result (``TimeoutError`` after ``timeout`` seconds). Waits in short
+        slices, so that signal handlers (Ctrl-C) run meanwhile."""
+        h = self._h
+        end = None if timeout is None else time.monotonic() + timeout
         r = L.FetchResult()
-        st = lib.kvrelay_fetch_wait(self._handle, ms, ctypes.byref(r))
-        if st == L.ERR_PENDING:
-            raise TimeoutError("the fetch is still running")
+        while True:
+            ms = _WAIT_SLICE_MS
+            if end is not None:
+                ms = max(0, min(ms, int((end - time.monotonic()) * 1000)))
+            st = lib.kvrelay_fetch_wait(h, ms, ctypes.byref(r))
+            if st != L.ERR_PENDING:
+                break
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError("the fetch is still running")
         _check("kvrelay_fetch_wait", st)
         return _result_of(r, self.detail() if r.failure else "")
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Free the handle (the fetch itself goes on; ``cancel()`` first to stop it)."""
         h = getattr(self, "_handle", None)
         if h is not None and h.value:
             lib.kvrelay_fetch_free(h)
             self._handle = ctypes.c_void_p()
+
+    def __enter__(self) -> "Fetch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _free_agent(ptr: int, keep: Any) -> None:
+    """Free an agent (its finalizer: ``close()``, its last reference dropped, or interpreter
+    exit). ``kvrelay_agent_free`` waits for the agent's threads, so it never runs on one of
+    them: there (an agent dropped inside a callback) it runs on a new thread instead. ``keep``
+    (the pool's layout and buffer) lives until the agent is freed."""
+    if getattr(_tls, "in_callback", False):
+        threading.Thread(target=_free_agent, args=(ptr, keep), name="kvrelay-agent-free").start()
+        return
+    lib.kvrelay_agent_free(ptr)
 
 
 class Agent(_Handle):
@@ -919,8 +1125,6 @@ class Agent(_Handle):
     ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it; ``transport``
     ``tcp`` or ``nixl`` (with ``nixl_lib_dir``); ``limits`` overrides of the default limits
     (``{"streams": 1, ...}``); ``device`` the CUDA device of a GPU pool."""
-
-    _free = staticmethod(lib.kvrelay_agent_free)
 
     def __init__(
         self,
@@ -946,7 +1150,8 @@ class Agent(_Handle):
             if not callable(getattr(holder, m, None)):
                 raise TypeError(f"the holder has no {m}() method")
         self._layout = layout
-        self._holder = holder
+        self._errors = _Errors()
+        self._finalizer: Optional[weakref.finalize] = None
         fp = L.AgentFingerprint(*(int(getattr(fingerprint, f)) for f, _ in L.AgentFingerprint._fields_))
         cfg = ctypes.c_void_p()
         _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
@@ -983,43 +1188,36 @@ class Agent(_Handle):
                     _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, names[k], v))
             if device is not None:
                 _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, int(device)))
-            self._pin = L.PIN(self._on_pin)
-            self._unpin = L.UNPIN(self._on_unpin)
-            self._returned = L.UNPIN(self._on_returned)
-            h = L.BlockHolder(None, self._pin, self._unpin, L.DESTROY(), self._returned)
+            # the holder lives in the handle table until the agent's destroy callback
+            # (kvrelay_agent_free, or right away if kvrelay_agent_new fails)
+            slot = _table.add(_HolderSlot(holder, self._errors))
+            h = L.BlockHolder(slot, _PIN, _UNPIN, _DESTROY, _RETURNED)
             out = ctypes.c_void_p()
             _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, layout._p, ctypes.byref(h), ctypes.byref(out)))
             self._ptr = out.value
+            # freed by close(), when the last reference goes, or at interpreter exit (atexit:
+            # before the interpreter stops running Python, so no agent thread calls into it
+            # after that)
+            self._finalizer = weakref.finalize(self, _free_agent, out.value, layout)
         finally:
             lib.kvrelay_agent_config_free(cfg)
 
-    def _on_pin(self, _u: Any, names: Any, n: int, ids_out: Any) -> int:
-        try:
-            ids = list(self._holder.pin([names[i] for i in range(n)]))[:n]
-            for i, b in enumerate(ids):
-                ids_out[i] = int(b)
-            return len(ids)
-        except BaseException:
-            return 0
-
-    def _on_unpin(self, _u: Any, ids: Any, n: int) -> None:
-        try:
-            self._holder.unpin([ids[i] for i in range(n)])
-        except BaseException:
-            pass
-
-    def _on_returned(self, _u: Any, ids: Any, n: int) -> None:
-        f = getattr(self._holder, "returned", None)
-        if f is not None:
-            try:
-                f([ids[i] for i in range(n)])
-            except BaseException:
-                pass
-
     def close(self) -> None:
-        """Stop serving, cancel running fetches (their callbacks run) and free the agent."""
-        super().close()
-        _sweep()
+        """Stop serving, end running fetches (their callbacks run, as ``shutdown`` or
+        ``cancelled``) and free the agent. Called from one of the agent's own callbacks, the
+        free happens on a new thread once the callback has returned."""
+        self._ptr = None
+        f, self._finalizer = getattr(self, "_finalizer", None), None
+        if f is not None:
+            f()
+
+    def __del__(self) -> None:
+        pass  # the finalizer frees it (it does not hold the Agent)
+
+    @property
+    def callback_errors(self) -> int:
+        """How many exceptions the holder and the fetch callbacks raised (each one logged)."""
+        return self._errors.count
 
     @property
     def endpoint(self) -> str:
@@ -1053,20 +1251,22 @@ class Agent(_Handle):
             raise ValueError("held + len(dst_blocks) exceeds the names")
         if not isinstance(deadline_ms, int) or not 0 < deadline_ms < 2**32:
             raise ValueError("deadline_ms must be a positive int")
-        _sweep()
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
         e = _utf8("endpoint", endpoint)
         ebuf = ctypes.create_string_buffer(e, len(e))
         n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
         p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
-        f = Fetch(self, callback)
-        if callback is not None:
-            with _pending_lock:
-                _pending[id(f)] = f  # alive until its callback has run
-        st = lib.kvrelay_agent_fetch(self._p, ctypes.byref(p), f._done_cb, None, ctypes.byref(f._handle))
-        if st != L.OK:
-            with _pending_lock:
-                _pending.pop(id(f), None)
-            _check("kvrelay_agent_fetch", st)
+        if callback is None:
+            f = Fetch(self, None)
+            _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), None, ctypes.byref(f._handle)))
+            return f
+        fut: Future = Future()
+        f = Fetch(self, fut)
+        # the callback lives in the handle table until the fetch's destroy callback, which
+        # runs exactly once on every path (a refused submission included)
+        cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _DESTROY)
+        _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), ctypes.byref(cbs), ctypes.byref(f._handle)))
         return f
 
     def estimate(self, endpoint: str, blocks: int) -> float:

@@ -200,6 +200,12 @@ class Action(Structure):
 
 
 FETCH_DONE = CFUNCTYPE(None, c_void_p, POINTER(FetchResult))
+FETCH_DONE_DETAIL = CFUNCTYPE(None, c_void_p, POINTER(FetchResult), Str)
+
+
+class FetchCallbacks(Structure):
+    _fields_ = [("size", c_size_t), ("user_data", c_void_p), ("done", FETCH_DONE_DETAIL), ("destroy", DESTROY)]
+
 
 _vp = c_void_p
 _pp = POINTER(c_void_p)
@@ -277,6 +283,7 @@ _PROTOS = {
     "kvrelay_agent_endpoint": (c_int32, [_vp, c_void_p, _sz, _szp]),
     "kvrelay_agent_record_checksums": (c_int32, [_vp, POINTER(c_uint32), _sz]),
     "kvrelay_agent_fetch": (c_int32, [_vp, POINTER(FetchParams), FETCH_DONE, c_void_p, _pp]),
+    "kvrelay_agent_submit": (c_int32, [_vp, POINTER(FetchParams), POINTER(FetchCallbacks), _pp]),
     "kvrelay_fetch_poll": (c_int32, [_vp, POINTER(FetchResult)]),
     "kvrelay_fetch_wait": (c_int32, [_vp, c_uint32, POINTER(FetchResult)]),
     "kvrelay_fetch_detail": (c_int32, [_vp, c_void_p, _sz, _szp]),
