@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -50,6 +51,7 @@ __all__ = [
     "Provider",
     "Snapshot",
     "cuda_available",
+    "fetch_run_length",
     "kv_checksum",
     "version",
 ]
@@ -114,16 +116,52 @@ def _buffer(name: str, data: Any) -> tuple[Any, int]:
     return (ctypes.c_char * len(mv)).from_buffer(mv), len(mv)
 
 
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
+
+
+def _int(name: str, v: Any, lo: int = 0, hi: int = U64) -> int:
+    """``v`` as an int in ``lo..=hi`` (a C integer's range: never wrapped), else TypeError /
+    ValueError naming the argument. Accepts what ``operator.index`` accepts, never a bool."""
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}") from None
+    if not lo <= i <= hi:
+        raise ValueError(f"{name} must be in {lo}..={hi}, not {i}")
+    return i
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
+    return v
+
+
+def _strs(name: str, xs: Any) -> list[bytes]:
+    """A sequence of str (not a lone str, which would iterate its characters), as UTF-8."""
+    if isinstance(xs, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of str, not a single {type(xs).__name__}")
+    try:
+        items = list(xs)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of str, not {type(xs).__name__}") from None
+    return [_utf8(name, x) for x in items]
+
+
 def _ints(name: str, xs: Iterable[int], ctype: Any) -> Any:
     """``xs`` as a C array of ``ctype`` (an unsigned ctypes integer), each value checked."""
-    xs = list(xs)
-    bits = ctypes.sizeof(ctype) * 8
-    for x in xs:
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise TypeError(f"{name} must hold ints")
-        if not 0 <= x < 2**bits:
-            raise ValueError(f"{name}: {x} is not a u{bits}")
-    return (ctype * len(xs))(*xs)
+    if isinstance(xs, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints, not {type(xs).__name__}")
+    try:
+        xs = list(xs)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, not {type(xs).__name__}") from None
+    hi = 2 ** (ctypes.sizeof(ctype) * 8) - 1
+    return (ctype * len(xs))(*[_int(f"{name}[{i}]", x, 0, hi) for i, x in enumerate(xs)])
 
 
 def _u32s(name: str, xs: Iterable[int]) -> Any:
@@ -291,7 +329,7 @@ def kv_checksum(data: Any) -> int:
 
 def cuda_available(device: int = 0) -> bool:
     """Whether CUDA device ``device`` can be used (False without a driver or device)."""
-    return lib.kvrelay_cuda_available(int(device)) == L.OK
+    return lib.kvrelay_cuda_available(_int("device", device, 0, 2**31 - 1)) == L.OK
 
 
 class _Handle:
@@ -340,6 +378,10 @@ class Action:
     version: str
     payload: memoryview
     canonical: memoryview
+
+    def __repr__(self) -> str:
+        # text representations never show hint contents (SPEC): sizes only
+        return f"Action(index={self.index}, payload=<{len(self.payload)} bytes>, canonical=<{len(self.canonical)} bytes>)"
 
 
 class _SnapshotRef:
@@ -408,8 +450,7 @@ class Snapshot(_Handle):
 
     def action(self, index: int) -> Action:
         """The action at ``index`` (producer order); ``IndexError`` past the end."""
-        if not isinstance(index, int):
-            raise TypeError("index must be an int")
+        _int("index", index, 0, SIZE_MAX)
         if not 0 <= index < len(self):
             raise IndexError(f"action {index} of {len(self)}")
         a = L.Action()
@@ -437,12 +478,19 @@ class Snapshot(_Handle):
 
     def action_envelope(self, index: int) -> bytes:
         """The canonical one-action envelope of action ``index``."""
+        _int("index", index, 0, SIZE_MAX)
         if not 0 <= index < len(self):
             raise IndexError(f"action {index} of {len(self)}")
         return _sized("kvrelay_snapshot_action_envelope", lib.kvrelay_snapshot_action_envelope, self._p, index)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a Snapshot is immutable")
+
+    def __repr__(self) -> str:
+        # never hint contents: no message id, no action
+        if self._ref is None:
+            return "Snapshot(closed)"
+        return f"Snapshot(actions={len(self)}, canonical=<{len(self.canonical)} bytes>)"
 
 
 class Outcome:
@@ -494,28 +542,31 @@ class Admission(_Handle):
         metric_prefix: Optional[str] = None,
     ):
         super().__init__(0)
-        cfg = ctypes.c_void_p()
-        _check("kvrelay_admission_config_new", lib.kvrelay_admission_config_new(ctypes.byref(cfg)))
-        try:
-            if trust_env is not None:
-                e = _utf8("trust_env", trust_env)
-                _check("kvrelay_admission_config_trust_from_env", lib.kvrelay_admission_config_trust_from_env(cfg, e, len(e)))
-            if trusted is not None:
-                if not isinstance(trusted, bool):
-                    raise TypeError("trusted must be a bool")
-                _check("kvrelay_admission_config_set_trusted", lib.kvrelay_admission_config_set_trusted(cfg, trusted))
+        # every argument is checked before the first C call
+        env = _utf8("trust_env", trust_env) if trust_env is not None else None
+        if trusted is not None:
+            _bool("trusted", trusted)
+        sizes = [
+            (name, _int(name, v, 0, SIZE_MAX), f)
             for name, v, f in (
                 ("max_bytes", max_bytes, lib.kvrelay_admission_config_set_max_bytes),
                 ("max_depth", max_depth, lib.kvrelay_admission_config_set_max_depth),
                 ("max_raw_bytes", max_raw_bytes, lib.kvrelay_admission_config_set_max_raw_bytes),
-            ):
-                if v is not None:
-                    if not isinstance(v, int) or v < 0:
-                        raise ValueError(f"{name} must be a non-negative int")
-                    _check(f"kvrelay_admission_config_set_{name}", f(cfg, v))
-            if metric_prefix is not None:
-                p = _utf8("metric_prefix", metric_prefix)
-                _check("kvrelay_admission_config_set_metric_prefix", lib.kvrelay_admission_config_set_metric_prefix(cfg, p, len(p)))
+            )
+            if v is not None
+        ]
+        prefix = _utf8("metric_prefix", metric_prefix) if metric_prefix is not None else None
+        cfg = ctypes.c_void_p()
+        _check("kvrelay_admission_config_new", lib.kvrelay_admission_config_new(ctypes.byref(cfg)))
+        try:
+            if env is not None:
+                _check("kvrelay_admission_config_trust_from_env", lib.kvrelay_admission_config_trust_from_env(cfg, env, len(env)))
+            if trusted is not None:
+                _check("kvrelay_admission_config_set_trusted", lib.kvrelay_admission_config_set_trusted(cfg, trusted))
+            for name, v, f in sizes:
+                _check(f"kvrelay_admission_config_set_{name}", f(cfg, v))
+            if prefix is not None:
+                _check("kvrelay_admission_config_set_metric_prefix", lib.kvrelay_admission_config_set_metric_prefix(cfg, prefix, len(prefix)))
             out = ctypes.c_void_p()
             _check("kvrelay_admission_new", lib.kvrelay_admission_new(cfg, ctypes.byref(out)))
             self._ptr = out.value
@@ -540,7 +591,8 @@ class Admission(_Handle):
         return _outcome(o, snap)
 
     def decode_msgpack(self, data: Any) -> Outcome:
-        """Re-admit a snapshot that travelled as MessagePack (re-validated, counted)."""
+        """Re-admit a snapshot that travelled as MessagePack: re-validated with this edge's
+        limits; trust does not apply and nothing is counted (it was counted where it entered)."""
         buf, n = _buffer("data", data)
         o, snap = L.Outcome(), ctypes.c_void_p()
         _check(
@@ -578,16 +630,20 @@ class Capabilities(_Handle):
 
     def __init__(self, entries: Sequence[tuple[str, str, str]]):
         super().__init__(0)
+        if isinstance(entries, (str, bytes)):
+            raise TypeError("entries must be a sequence of (family, action_type, action_version) tuples")
+        enc = []
+        self.families: list[str] = []
+        for e in entries:
+            if not (isinstance(e, tuple) and len(e) == 3):
+                raise TypeError("each capability is a (family, action_type, action_version) tuple")
+            enc.append(tuple(_utf8(n, x) for n, x in zip(("family", "action_type", "action_version"), e)))
+            if e[0] not in self.families:
+                self.families.append(e[0])
         b = ctypes.c_void_p()
         _check("kvrelay_capabilities_builder_new", lib.kvrelay_capabilities_builder_new(ctypes.byref(b)))
-        self.families: list[str] = []
         try:
-            for e in entries:
-                if not (isinstance(e, tuple) and len(e) == 3):
-                    raise TypeError("each capability is a (family, action_type, action_version) tuple")
-                f, t, v = (_utf8("capability", x) for x in e)
-                if e[0] not in self.families:
-                    self.families.append(e[0])
+            for f, t, v in enc:
                 _check(
                     "kvrelay_capabilities_builder_add",
                     lib.kvrelay_capabilities_builder_add(b, f, len(f), t, len(t), v, len(v)),
@@ -628,10 +684,24 @@ class Binding:
     authorized: bool = True
     supports: tuple[tuple[str, str], ...] = (("kv.fetch", "1.0"),)
 
+    def __post_init__(self) -> None:
+        _utf8("id", self.id)
+        _utf8("family", self.family)
+        _bool("named", self.named)
+        _bool("authorized", self.authorized)
+        if isinstance(self.supports, (str, bytes)):
+            raise TypeError("supports must be a sequence of (action_type, action_version) tuples")
+        for t in self.supports:
+            if not (isinstance(t, tuple) and len(t) == 2):
+                raise TypeError("supports must hold (action_type, action_version) tuples")
+            _utf8("action_type", t[0])
+            _utf8("action_version", t[1])
+
 
 @dataclass(frozen=True)
 class FetchRequest:
-    """What a provider is asked to validate, then to fetch (copies: safe to keep)."""
+    """What a provider is asked to validate, then to fetch (copies: safe to keep). Its text
+    representation shows the binding, the family and sizes, never hint contents."""
 
     binding_id: str
     family: str
@@ -642,6 +712,12 @@ class FetchRequest:
     endpoint: str
     envelope: bytes
     context: Any
+
+    def __repr__(self) -> str:
+        return (
+            f"FetchRequest(binding_id={self.binding_id!r}, family={self.family!r}, action_index={self.action_index}, "
+            f"payload=<{len(self.payload)} bytes>, envelope=<{len(self.envelope)} bytes>)"
+        )
 
 
 class Provider(Protocol):
@@ -696,7 +772,7 @@ def _provider_call(which: str, user_data: Optional[int], r: Any) -> int:
             return 0
         if answer is False:
             return 1
-        return int(answer)
+        return _int(f"the provider's {which}() answer", answer, -(2**31), 2**31 - 1)
     except BaseException as e:  # never unwind into C: a refusal
         if slot is not None:
             slot.errors.record(f"the provider's {which}()", e)
@@ -729,17 +805,23 @@ class Orchestrator(_Handle):
         for m in ("validate", "fetch"):
             if not callable(getattr(provider, m, None)):
                 raise TypeError(f"the provider has no {m}() method")
+        if isinstance(bindings, (str, bytes)):
+            raise TypeError("bindings must be a sequence of Binding values")
+        bindings = list(bindings)
+        for b in bindings:
+            if not isinstance(b, Binding):
+                raise TypeError(f"bindings must be Binding values, not {type(b).__name__}")
+        eps = _strs("endpoints", endpoints)
+        p = _utf8("metric_prefix", metric_prefix) if metric_prefix is not None else None
         self._errors = _Errors()
         cfg = ctypes.c_void_p()
         _check("kvrelay_policy_config_new", lib.kvrelay_policy_config_new(ctypes.byref(cfg)))
         try:
             for b in bindings:
-                if not isinstance(b, Binding):
-                    raise TypeError("bindings must be Binding values")
                 i, f = _utf8("binding id", b.id), _utf8("family", b.family)
                 _check(
                     "kvrelay_policy_config_add_binding",
-                    lib.kvrelay_policy_config_add_binding(cfg, i, len(i), f, len(f), 0 if b.named else 1, bool(b.authorized)),
+                    lib.kvrelay_policy_config_add_binding(cfg, i, len(i), f, len(f), 0 if b.named else 1, b.authorized),
                 )
                 for t, v in b.supports:
                     t, v = _utf8("action_type", t), _utf8("action_version", v)
@@ -747,11 +829,9 @@ class Orchestrator(_Handle):
                         "kvrelay_policy_config_binding_support",
                         lib.kvrelay_policy_config_binding_support(cfg, i, len(i), t, len(t), v, len(v)),
                     )
-            for e in endpoints:
-                e = _utf8("endpoint", e)
+            for e in eps:
                 _check("kvrelay_policy_config_add_endpoint", lib.kvrelay_policy_config_add_endpoint(cfg, e, len(e)))
-            if metric_prefix is not None:
-                p = _utf8("metric_prefix", metric_prefix)
+            if p is not None:
                 _check("kvrelay_policy_config_set_metric_prefix", lib.kvrelay_policy_config_set_metric_prefix(cfg, p, len(p)))
             # the provider lives in the handle table until the orchestrator's destroy callback
             # (kvrelay_orchestrator_free, or right away if kvrelay_orchestrator_new fails)
@@ -784,14 +864,17 @@ class Orchestrator(_Handle):
         ``fetch`` run here, on this thread, with ``context`` as ``FetchRequest.context``."""
         if snapshot is not None and not isinstance(snapshot, Snapshot):
             raise TypeError("snapshot must be a Snapshot or None")
+        _bool("generation_only", generation_only)
+        _bool("lora_adapter", lora_adapter)
+        snap = snapshot._p if snapshot is not None else None
         key = _contexts.add(context)
         try:
-            info = L.RequestInfo(bool(generation_only), bool(lora_adapter))
+            info = L.RequestInfo(generation_only, lora_adapter)
             d = L.Decision()
             _check(
                 "kvrelay_orchestrate_with_context",
                 lib.kvrelay_orchestrate_with_context(
-                    self._p, ctypes.byref(info), snapshot._p if snapshot else None, key, ctypes.byref(d)
+                    self._p, ctypes.byref(info), snap, key, ctypes.byref(d)
                 ),
             )
         finally:
@@ -836,12 +919,22 @@ class KvLayout(_Handle):
 
     def __init__(self, num_blocks: int, segments: Sequence[tuple[int, int, int]], extents: Sequence[tuple[int, int]], keep: Any = None):
         super().__init__(0)
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError("num_blocks must be a positive int")
+        _int("num_blocks", num_blocks, 1, U32)
+        segments, extents = list(segments), list(extents)
         if not segments:
             raise ValueError("a layout needs at least one segment")
-        segs = (L.KvSegment * len(segments))(*[L.KvSegment(*map(int, s)) for s in segments])
-        exts = (L.KvExtent * len(extents))(*[L.KvExtent(*map(int, e)) for e in extents])
+
+        def table(name: str, rows: list, ctype: Any) -> Any:
+            width = len(ctype._fields_)
+            out = []
+            for i, r in enumerate(rows):
+                if not (isinstance(r, (tuple, list)) and len(r) == width):
+                    raise TypeError(f"{name}[{i}] must be a tuple of {width} ints")
+                out.append(ctype(*(_int(f"{name}[{i}].{f}", x) for (f, _), x in zip(ctype._fields_, r))))
+            return (ctype * len(out))(*out)
+
+        segs = table("segments", segments, L.KvSegment)
+        exts = table("extents", extents, L.KvExtent)
         out = ctypes.c_void_p()
         _check("kvrelay_kv_layout_new", lib.kvrelay_kv_layout_new(num_blocks, segs, len(segments), exts, len(extents), ctypes.byref(out)))
         self._ptr = out.value
@@ -857,9 +950,12 @@ class KvLayout(_Handle):
     @classmethod
     def from_buffer(cls, buf: Any, num_blocks: int, block_bytes: int) -> "KvLayout":
         """A contiguous pool over a writable buffer of ``num_blocks * block_bytes`` bytes."""
-        if not isinstance(block_bytes, int) or block_bytes < 1:
-            raise ValueError("block_bytes must be a positive int")
-        mv = memoryview(buf).cast("B")
+        _int("block_bytes", block_bytes, 1)
+        _int("num_blocks", num_blocks, 1, U32)
+        try:
+            mv = memoryview(buf).cast("B")
+        except TypeError:
+            raise TypeError(f"buf must be a writable buffer, not {type(buf).__name__}") from None
         if mv.readonly:
             raise ValueError("the pool's buffer must be writable")
         if len(mv) < num_blocks * block_bytes:
@@ -951,6 +1047,10 @@ class Fingerprint:
     head_dim: int
     dtype_bytes: int
     naming: int
+
+    def __post_init__(self) -> None:
+        for f, _ in L.AgentFingerprint._fields_:
+            _int(f, getattr(self, f), 0, U64 if f == "naming" else U32)
 
 
 class BlockHolder(Protocol):
@@ -1072,6 +1172,11 @@ class Fetch:
     def result(self, timeout: Optional[float] = None) -> FetchResult:
         """Wait for the result (``TimeoutError`` after ``timeout`` seconds). Waits in short
         slices, so that signal handlers (Ctrl-C) run meanwhile."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+            if not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0, not {timeout}")
         h = self._h
         end = None if timeout is None else time.monotonic() + timeout
         r = L.FetchResult()
@@ -1105,6 +1210,19 @@ class Fetch:
             self.close()
         except Exception:
             pass
+
+
+def _limit_names() -> dict[str, int]:
+    names = {}
+    for i in range(1, 256):
+        n = lib.kvrelay_agent_limit_name(i).decode()
+        if n == "unknown":
+            break
+        names[n] = i
+    return names
+
+
+_LIMITS = _limit_names()  # limits by name (kvrelay_agent_limit), the library's own labels
 
 
 def _free_agent(ptr: int, keep: Any) -> None:
@@ -1149,45 +1267,44 @@ class Agent(_Handle):
         for m in ("pin", "unpin"):
             if not callable(getattr(holder, m, None)):
                 raise TypeError(f"the holder has no {m}() method")
+        # every argument is checked before the first C call
+        lst = _utf8("listen", listen) if listen is not None else b""
+        peers = _strs("allow", allow)
+        t = _utf8("transport", transport)
+        d = _utf8("nixl_lib_dir", nixl_lib_dir) if nixl_lib_dir is not None else b""
+        if key is not None and not isinstance(key, (bytes, bytearray)):
+            raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        kenv = _utf8("key_env", key_env) if key_env is not None else None
+        lims = []
+        if limits is not None:
+            if not isinstance(limits, dict):
+                raise TypeError(f"limits must be a dict of limit name to int, not {type(limits).__name__}")
+            for k, v in limits.items():
+                if k not in _LIMITS:
+                    raise ValueError(f"unknown limit {k!r} (one of {sorted(_LIMITS)})")
+                lims.append((_LIMITS[k], _int(f"limits[{k!r}]", v)))
+        if device is not None:
+            _int("device", device, -1, 2**31 - 1)
         self._layout = layout
         self._errors = _Errors()
         self._finalizer: Optional[weakref.finalize] = None
-        fp = L.AgentFingerprint(*(int(getattr(fingerprint, f)) for f, _ in L.AgentFingerprint._fields_))
+        fp = L.AgentFingerprint(*(getattr(fingerprint, f) for f, _ in L.AgentFingerprint._fields_))
         cfg = ctypes.c_void_p()
         _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
         try:
-            lst = _utf8("listen", listen) if listen is not None else b""
             _check("kvrelay_agent_config_set_listen", lib.kvrelay_agent_config_set_listen(cfg, lst, len(lst)))
-            for a in allow:
-                a = _utf8("allow", a)
+            for a in peers:
                 _check("kvrelay_agent_config_allow_peer", lib.kvrelay_agent_config_allow_peer(cfg, a, len(a)))
-            t = _utf8("transport", transport)
-            d = _utf8("nixl_lib_dir", nixl_lib_dir) if nixl_lib_dir else None
-            _check("kvrelay_agent_config_set_transport", lib.kvrelay_agent_config_set_transport(cfg, t, len(t), d, len(d) if d else 0))
+            _check("kvrelay_agent_config_set_transport", lib.kvrelay_agent_config_set_transport(cfg, t, len(t), d, len(d)))
             if key is not None:
-                if not isinstance(key, (bytes, bytearray)):
-                    raise TypeError("key must be bytes")
                 kb = bytes(key)
                 _check("kvrelay_agent_config_set_key", lib.kvrelay_agent_config_set_key(cfg, kb, len(kb)))
-            if key_env is not None:
-                e = _utf8("key_env", key_env)
-                _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, e, len(e)))
-            if limits:
-                # limits by name (kvrelay_agent_limit): the library's own table of names
-                names = {}
-                for i in range(1, 256):
-                    n = lib.kvrelay_agent_limit_name(i).decode()
-                    if n == "unknown":
-                        break
-                    names[n] = i
-                for k, v in limits.items():
-                    if k not in names:
-                        raise ValueError(f"unknown limit {k!r} (one of {sorted(names)})")
-                    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**64:
-                        raise ValueError(f"limit {k} must be an int in 0..2**64")
-                    _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, names[k], v))
+            if kenv is not None:
+                _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, kenv, len(kenv)))
+            for i, v in lims:
+                _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, i, v))
             if device is not None:
-                _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, int(device)))
+                _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, device))
             # the holder lives in the handle table until the agent's destroy callback
             # (kvrelay_agent_free, or right away if kvrelay_agent_new fails)
             slot = _table.add(_HolderSlot(holder, self._errors))
@@ -1243,19 +1360,17 @@ class Agent(_Handle):
         ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
-        if not isinstance(held, int) or held < 0:
-            raise ValueError("held must be a non-negative int")
-        if not dst_blocks:
-            raise ValueError("a fetch needs at least one destination block")
-        if held + len(dst_blocks) > len(names):
-            raise ValueError("held + len(dst_blocks) exceeds the names")
-        if not isinstance(deadline_ms, int) or not 0 < deadline_ms < 2**32:
-            raise ValueError("deadline_ms must be a positive int")
+        e = _utf8("endpoint", endpoint)
+        n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
+        _int("held", held, 0, SIZE_MAX)
+        _int("deadline_ms", deadline_ms, 1, U32)
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable, not {type(callback).__name__}")
-        e = _utf8("endpoint", endpoint)
+        if not len(d):
+            raise ValueError("a fetch needs at least one destination block (dst_blocks)")
+        if held + len(d) > len(n):
+            raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
         ebuf = ctypes.create_string_buffer(e, len(e))
-        n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
         p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
         if callback is None:
             f = Fetch(self, None)
@@ -1272,8 +1387,9 @@ class Agent(_Handle):
     def estimate(self, endpoint: str, blocks: int) -> float:
         """Seconds a fetch of ``blocks`` blocks from ``endpoint`` is expected to take."""
         e = _utf8("endpoint", endpoint)
+        _int("blocks", blocks, 0, SIZE_MAX)
         out = ctypes.c_double()
-        _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(self._p, e, len(e), int(blocks), ctypes.byref(out)))
+        _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(self._p, e, len(e), blocks, ctypes.byref(out)))
         return out.value
 
     @property
@@ -1289,6 +1405,7 @@ class Agent(_Handle):
 def fetch_run_length(names: Sequence[int], held: int, hashes: Sequence[int]) -> int:
     """How many blocks after ``held`` a hint's ``hashes`` cover (membership, SPEC section 8)."""
     n, h = _u64s("names", names), _u64s("hashes", hashes)
+    _int("held", held, 0, SIZE_MAX)
     out = ctypes.c_size_t()
-    _check("kvrelay_fetch_run_length", lib.kvrelay_fetch_run_length(n, len(n), int(held), h, len(h), ctypes.byref(out)))
+    _check("kvrelay_fetch_run_length", lib.kvrelay_fetch_run_length(n, len(n), held, h, len(h), ctypes.byref(out)))
     return out.value
