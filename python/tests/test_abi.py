@@ -1,5 +1,6 @@
-"""The ctypes mirror of every struct the package passes must match the C header: compile a
-program against include/kvrelay.h that prints each struct's size and field offsets."""
+"""The generated bindings against the C header and the library: every struct's size and field
+offsets as a C compiler lays them out from include/kvrelay.h, the enum labels as the library
+names them, the library's version as the header's."""
 
 import ctypes
 import shutil
@@ -8,32 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay import _bindings as B
 from kvrelay import _lib as L
 
 ROOT = Path(__file__).resolve().parents[2]
-STRUCTS = {
-    "kvrelay_outcome": L.Outcome,
-    "kvrelay_counters": L.Counters,
-    "kvrelay_agent_fingerprint": L.AgentFingerprint,
-    "kvrelay_block_holder": L.BlockHolder,
-    "kvrelay_str": L.Str,
-    "kvrelay_bytes": L.Bytes,
-    "kvrelay_fetch_params": L.FetchParams,
-    "kvrelay_fetch_result": L.FetchResult,
-    "kvrelay_source_speed": L.SourceSpeed,
-    "kvrelay_agent_stats": L.AgentStats,
-    "kvrelay_kv_segment": L.KvSegment,
-    "kvrelay_kv_extent": L.KvExtent,
-    "kvrelay_candidate": L.Candidate,
-    "kvrelay_candidate_counts": L.CandidateCounts,
-    "kvrelay_fetch_request": L.FetchRequest,
-    "kvrelay_provider": L.Provider,
-    "kvrelay_request_info": L.RequestInfo,
-    "kvrelay_decision": L.Decision,
-    "kvrelay_policy_counters": L.PolicyCounters,
-    "kvrelay_action": L.Action,
-    "kvrelay_fetch_callbacks": L.FetchCallbacks,
-}
+STRUCTS = {n: v for n, v in vars(B).items() if isinstance(v, type) and issubclass(v, ctypes.Structure) and v is not ctypes.Structure}
+
+
+def test_every_struct_of_the_header_is_bound():
+    assert len(STRUCTS) >= 20
+    assert {"kvrelay_fetch_callbacks", "kvrelay_agent_stats", "kvrelay_provider"} <= set(STRUCTS)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler to read the header with")
@@ -53,3 +38,24 @@ def test_struct_layouts_match_the_header(tmp_path):
         assert int(got[f"{c} :sizeof"]) == ctypes.sizeof(py), c
         for f, _ in py._fields_:
             assert int(got[f"{c} {f}"]) == getattr(py, f).offset, f"{c}.{f}"
+
+
+@pytest.mark.parametrize(
+    "enum, name_of",
+    [
+        (B.Reason, "kvrelay_reason_name"),
+        (B.Discard, "kvrelay_discard_name"),
+        (B.FetchFailure, "kvrelay_fetch_failure_name"),
+        (B.AgentLimit, "kvrelay_agent_limit_name"),
+    ],
+)
+def test_enum_labels_are_the_librarys(enum, name_of):
+    f = getattr(L.lib, name_of)
+    for m in enum:
+        assert f(m.c).decode() == m.value, m
+    assert enum.from_c(10_000) is None and f(10_000).decode() == "unknown"
+
+
+def test_the_library_is_the_headers_version():
+    want = f"{B.KVRELAY_VERSION_MAJOR}.{B.KVRELAY_VERSION_MINOR}.{B.KVRELAY_VERSION_PATCH}"
+    assert L.lib.kvrelay_version().decode() == want

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
+from . import _bindings as B
 from . import _lib as L
 from ._lib import lib
 
@@ -34,6 +35,13 @@ __all__ = [
     "Action",
     "Admission",
     "Agent",
+    "AgentLimit",
+    "DecisionKind",
+    "Discard",
+    "FetchFailure",
+    "OutcomeKind",
+    "Reason",
+    "Status",
     "Binding",
     "BlockHolder",
     "Candidate",
@@ -56,7 +64,22 @@ __all__ = [
     "version",
 ]
 
-OUTCOME_KINDS = {0: "absent", 1: "admitted", 2: "ignored"}
+# The header's enums, their values the C labels (they compare equal to the plain strings:
+# ``outcome.reason == "untrusted"``); ``.c`` is the C value.
+OutcomeKind = B.OutcomeKind
+Reason = B.Reason
+DecisionKind = B.DecisionKind
+Discard = B.Discard
+FetchFailure = B.FetchFailure
+AgentLimit = B.AgentLimit
+Status = B.Status
+
+
+def _label(enum: Any, c: int) -> Any:
+    """The member of C value ``c``, or ``"unknown"`` for a value newer than this header."""
+    m = enum.from_c(c)
+    return m if m is not None else "unknown"
+
 
 
 class KvrelayError(RuntimeError):
@@ -310,8 +333,10 @@ def _on_destroy(user_data: Optional[int]) -> None:
 
 _PIN = L.PIN(_on_pin)
 _UNPIN = L.UNPIN(_on_unpin)
-_RETURNED = L.UNPIN(_on_returned)
-_DESTROY = L.DESTROY(_on_destroy)
+_RETURNED = L.RETURNED(_on_returned)
+_HOLDER_DESTROY = L.HOLDER_DESTROY(_on_destroy)
+_PROVIDER_DESTROY = L.PROVIDER_DESTROY(_on_destroy)
+_FETCH_DESTROY = L.FETCH_DESTROY(_on_destroy)
 
 
 def version() -> str:
@@ -435,13 +460,13 @@ class Snapshot(_Handle):
     def protocol_version(self) -> str:
         s = L.Str()
         _check("kvrelay_snapshot_protocol_version", lib.kvrelay_snapshot_protocol_version(self._p, ctypes.byref(s)))
-        return s.text()
+        return L.text(s)
 
     @property
     def message_id(self) -> str:
         s = L.Str()
         _check("kvrelay_snapshot_message_id", lib.kvrelay_snapshot_message_id(self._p, ctypes.byref(s)))
-        return s.text()
+        return L.text(s)
 
     def __len__(self) -> int:
         n = ctypes.c_size_t()
@@ -457,9 +482,9 @@ class Snapshot(_Handle):
         _check("kvrelay_snapshot_action", lib.kvrelay_snapshot_action(self._p, index, ctypes.byref(a)))
         return Action(
             a.index,
-            a.id.text(),
-            a.action_type.text(),
-            a.version.text(),
+            L.text(a.id),
+            L.text(a.action_type),
+            L.text(a.version),
             _view(self._ref, a.payload.ptr, a.payload.len),
             _view(self._ref, a.canonical.ptr, a.canonical.len),
         )
@@ -511,16 +536,14 @@ class Outcome:
         return f"Outcome(kind={self.kind!r}, reason={self.reason!r}, detail={self.detail!r})"
 
 
-_REASONS = tuple(lib.kvrelay_reason_name(i).decode() for i in range(8))
-_MALFORMED = 4
 
 
 def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:
     r = o.reason
     return Outcome(
-        OUTCOME_KINDS.get(o.kind, "unknown"),
-        _REASONS[r] if 0 <= r < len(_REASONS) else "unknown",
-        o.detail.decode("utf-8", "replace") if r == _MALFORMED else "",
+        _label(OutcomeKind, o.kind),
+        _label(Reason, r),
+        o.detail.decode("utf-8", "replace") if r == B.KVRELAY_REASON_MALFORMED else "",
         Snapshot(snap.value) if snap.value else None,
     )
 
@@ -757,13 +780,13 @@ def _provider_call(which: str, user_data: Optional[int], r: Any) -> int:
     try:
         req = r.contents
         fr = FetchRequest(
-            req.binding_id.text(),
-            req.family.text(),
+            L.text(req.binding_id),
+            L.text(req.family),
             req.action_index,
-            req.action_type.text(),
-            req.action_version.text(),
+            L.text(req.action_type),
+            L.text(req.action_version),
             ctypes.string_at(req.payload.ptr, req.payload.len),
-            req.endpoint.text(),
+            L.text(req.endpoint),
             ctypes.string_at(req.envelope.ptr, req.envelope.len),
             _contexts.get(req.call_context),
         )
@@ -779,8 +802,16 @@ def _provider_call(which: str, user_data: Optional[int], r: Any) -> int:
         return -2
 
 
-_VALIDATE = L.PROVIDER_CALL(lambda u, r: _provider_call("validate", u, r))
-_FETCH = L.PROVIDER_CALL(lambda u, r: _provider_call("fetch", u, r))
+def _on_validate(user_data: Optional[int], r: Any) -> int:
+    return _provider_call("validate", user_data, r)
+
+
+def _on_fetch(user_data: Optional[int], r: Any) -> int:
+    return _provider_call("fetch", user_data, r)
+
+
+_VALIDATE = L.PROVIDER_VALIDATE(_on_validate)
+_FETCH = L.PROVIDER_FETCH(_on_fetch)
 
 
 class Orchestrator(_Handle):
@@ -835,7 +866,7 @@ class Orchestrator(_Handle):
                 _check("kvrelay_policy_config_set_metric_prefix", lib.kvrelay_policy_config_set_metric_prefix(cfg, p, len(p)))
             # the provider lives in the handle table until the orchestrator's destroy callback
             # (kvrelay_orchestrator_free, or right away if kvrelay_orchestrator_new fails)
-            prov = L.Provider(_table.add(_ProviderSlot(provider, self._errors)), _VALIDATE, _FETCH, _DESTROY)
+            prov = L.Provider(_table.add(_ProviderSlot(provider, self._errors)), _VALIDATE, _FETCH, _PROVIDER_DESTROY)
             out = ctypes.c_void_p()
             _check("kvrelay_orchestrator_new", lib.kvrelay_orchestrator_new(capabilities._p, cfg, ctypes.byref(prov), ctypes.byref(out)))
             self._ptr = out.value
@@ -879,11 +910,11 @@ class Orchestrator(_Handle):
             )
         finally:
             _contexts.pop(key)
-        named = d.kind == 1
+        named = d.kind == B.KVRELAY_DECISION_NAMED_FETCH
         return Decision(
-            "named_fetch" if named else "keep_paired_path",
-            lib.kvrelay_discard_name(d.discard).decode(),
-            d.binding_id.text() if named else None,
+            _label(DecisionKind, d.kind),
+            _label(Discard, d.discard),
+            L.text(d.binding_id) if named else None,
             d.action_index if named else None,
             d.provider_code,
         )
@@ -892,8 +923,7 @@ class Orchestrator(_Handle):
     def counters(self) -> dict[str, Any]:
         c = L.PolicyCounters()
         _check("kvrelay_orchestrator_counters", lib.kvrelay_orchestrator_counters(self._p, ctypes.byref(c)))
-        discarded = {lib.kvrelay_discard_name(i).decode(): c.discarded[i] for i in range(1, L.DISCARD_SLOTS)}
-        discarded.pop("unknown", None)
+        discarded = {m.value: c.discarded[m.c] for m in Discard if m.c and m.c < L.DISCARD_SLOTS}
         return {
             "named_fetch": c.named_fetch,
             "discarded": discarded,
@@ -1083,7 +1113,7 @@ class FetchResult:
 
 
 def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
-    return FetchResult(lib.kvrelay_fetch_failure_name(r.failure).decode(), r.blocks, r.bytes, r.seconds, r.withheld, detail)
+    return FetchResult(_label(FetchFailure, r.failure), r.blocks, r.bytes, r.seconds, r.withheld, detail)
 
 
 class _FetchSlot:
@@ -1099,7 +1129,7 @@ def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
     try:
         if slot is None:
             return
-        res = _result_of(r.contents, detail.text())
+        res = _result_of(r.contents, L.text(detail))
         if slot.future.set_running_or_notify_cancel():
             slot.future.set_result(res)
         if slot.callback is not None:
@@ -1111,7 +1141,7 @@ def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
         _tls.in_callback = prev
 
 
-_FETCH_DONE = L.FETCH_DONE_DETAIL(_on_fetch_done)
+_FETCH_DONE = L.FETCH_DONE(_on_fetch_done)
 _WAIT_SLICE_MS = 50  # result() waits in slices this long, so that Ctrl-C (signals) get through
 
 
@@ -1212,17 +1242,7 @@ class Fetch:
             pass
 
 
-def _limit_names() -> dict[str, int]:
-    names = {}
-    for i in range(1, 256):
-        n = lib.kvrelay_agent_limit_name(i).decode()
-        if n == "unknown":
-            break
-        names[n] = i
-    return names
-
-
-_LIMITS = _limit_names()  # limits by name (kvrelay_agent_limit), the library's own labels
+_LIMITS = {m.value: m.c for m in AgentLimit}  # limits by name (kvrelay_agent_limit)
 
 
 def _free_agent(ptr: int, keep: Any) -> None:
@@ -1308,7 +1328,7 @@ class Agent(_Handle):
             # the holder lives in the handle table until the agent's destroy callback
             # (kvrelay_agent_free, or right away if kvrelay_agent_new fails)
             slot = _table.add(_HolderSlot(holder, self._errors))
-            h = L.BlockHolder(slot, _PIN, _UNPIN, _DESTROY, _RETURNED)
+            h = L.BlockHolder(slot, _PIN, _UNPIN, _HOLDER_DESTROY, _RETURNED)
             out = ctypes.c_void_p()
             _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, layout._p, ctypes.byref(h), ctypes.byref(out)))
             self._ptr = out.value
@@ -1380,7 +1400,7 @@ class Agent(_Handle):
         f = Fetch(self, fut)
         # the callback lives in the handle table until the fetch's destroy callback, which
         # runs exactly once on every path (a refused submission included)
-        cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _DESTROY)
+        cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
         _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), ctypes.byref(cbs), ctypes.byref(f._handle)))
         return f
 
