@@ -1,0 +1,383 @@
+"""The KV agent: Agent, Fetch, FetchResult, Fingerprint, BlockHolder, fetch_run_length."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from . import _lib as L
+from ._lib import lib
+from ._common import AgentLimit, FetchFailure, SIZE_MAX, U32, U64, _Errors, _FETCH_DESTROY, _HOLDER_DESTROY, _Handle, _HolderSlot, _PIN, _RETURNED, _UNPIN, _check, _enter_agent_thread, _int, _label, _strs, _table, _text, _tls, _u32s, _u64s, _utf8  # noqa: F401
+from .copy import KvLayout
+
+# --- the KV agent ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What two agents compare before any block moves; ``naming`` is the runtime's 64-bit
+    naming-scheme id (equal ids must mean equal names for equal KV)."""
+
+    block_tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    naming: int
+
+    def __post_init__(self) -> None:
+        for f, _ in L.AgentFingerprint._fields_:
+            _int(f, getattr(self, f), 0, U64 if f == "naming" else U32)
+
+
+class BlockHolder(Protocol):
+    """The runtime's reuse cache as the agent's service sees it. Called on agent threads:
+    ``pin(names)`` returns the ids of the leading held run, pinned; ``unpin(ids)`` releases
+    them; ``returned(ids)`` (optional) gets withheld destination blocks back. An exception in
+    ``pin`` serves nothing (0 blocks)."""
+
+    def pin(self, names: list[int]) -> Sequence[int]: ...
+
+    def unpin(self, ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """How a fetch ended: ``failure`` the label (``ok``, ``connect``, ``timeout``, ...),
+    ``blocks`` the leading destination blocks written and verified (commit exactly those),
+    ``withheld`` blocks after them still held by a NIXL READ, ``detail`` why it failed."""
+
+    failure: str
+    blocks: int
+    bytes: int
+    seconds: float
+    withheld: int
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.failure == "ok"
+
+
+def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
+    return FetchResult(_label(FetchFailure, r.failure), r.blocks, r.bytes, r.seconds, r.withheld, detail)
+
+
+class _FetchSlot:
+    __slots__ = ("callback", "future", "errors")
+
+    def __init__(self, callback: Optional[Callable[[FetchResult], None]], future: Future, errors: _Errors):
+        self.callback, self.future, self.errors = callback, future, errors
+
+
+def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
+    prev = _enter_agent_thread()
+    slot = _table.get(user_data)
+    try:
+        if slot is None:
+            return
+        res = _result_of(r.contents, L.text(detail))
+        if slot.future.set_running_or_notify_cancel():
+            slot.future.set_result(res)
+        if slot.callback is not None:
+            slot.callback(res)
+    except BaseException as e:  # never unwind into C
+        if slot is not None:
+            slot.errors.record("a fetch callback", e)
+    finally:
+        _tls.in_callback = prev
+
+
+_FETCH_DONE = L.FETCH_DONE(_on_fetch_done)
+_WAIT_SLICE_MS = 50  # result() waits in slices this long, so that Ctrl-C (signals) get through
+
+
+class Fetch:
+    """A submitted fetch: ``result(timeout)`` waits (interruptible: Ctrl-C raises
+    ``KeyboardInterrupt`` within about 50 ms), ``done()`` polls, ``cancel()`` stops it,
+    ``close()`` (or the end of a ``with`` block) frees the handle; a running fetch goes on.
+    ``future`` is a ``concurrent.futures.Future``: with a ``callback`` given to
+    ``Agent.fetch`` it is resolved on the agent's fetch thread, right before the callback runs
+    there (keep both short); otherwise the first access starts a thread that waits for it.
+    Without a callback nothing of Python runs on the agent's threads (the cheapest
+    submission). A Fetch keeps its Agent alive."""
+
+    __slots__ = ("_agent", "_future", "_handle", "__weakref__")
+
+    def __init__(self, agent: "Agent", future: Optional[Future]):
+        self._agent = agent
+        self._future = future
+        self._handle = ctypes.c_void_p()
+
+    @property
+    def future(self) -> Future:
+        if self._future is None:
+            fut: Future = Future()
+            self._future = fut
+            fut.set_running_or_notify_cancel()
+
+            def wait() -> None:
+                try:
+                    fut.set_result(self.result())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+            threading.Thread(target=wait, daemon=True, name="kvrelay-fetch-future").start()
+        return self._future
+
+    def _poll(self) -> Optional[L.FetchResult]:
+        r = L.FetchResult()
+        return r if lib.kvrelay_fetch_poll(self._h, ctypes.byref(r)) == L.OK else None
+
+    @property
+    def _h(self) -> ctypes.c_void_p:
+        if not self._handle.value:
+            raise ValueError("this Fetch is closed")
+        return self._handle
+
+    def done(self) -> bool:
+        return self._poll() is not None
+
+    def cancel(self) -> None:
+        """Ask the fetch to stop (it completes as ``cancelled`` after the block in progress)."""
+        _check("kvrelay_fetch_cancel", lib.kvrelay_fetch_cancel(self._h))
+
+    def detail(self) -> str:
+        """Why the completed fetch failed, in words (empty when it did not)."""
+        return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._h)
+
+    def result(self, timeout: Optional[float] = None) -> FetchResult:
+        """Wait for the result (``TimeoutError`` after ``timeout`` seconds). Waits in short
+        slices, so that signal handlers (Ctrl-C) run meanwhile."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+            if not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0, not {timeout}")
+        h = self._h
+        end = None if timeout is None else time.monotonic() + timeout
+        r = L.FetchResult()
+        while True:
+            ms = _WAIT_SLICE_MS
+            if end is not None:
+                ms = max(0, min(ms, int((end - time.monotonic()) * 1000)))
+            st = lib.kvrelay_fetch_wait(h, ms, ctypes.byref(r))
+            if st != L.ERR_PENDING:
+                break
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError("the fetch is still running")
+        _check("kvrelay_fetch_wait", st)
+        return _result_of(r, self.detail() if r.failure else "")
+
+    def close(self) -> None:
+        """Free the handle (the fetch itself goes on; ``cancel()`` first to stop it)."""
+        h = getattr(self, "_handle", None)
+        if h is not None and h.value:
+            lib.kvrelay_fetch_free(h)
+            self._handle = ctypes.c_void_p()
+
+    def __enter__(self) -> "Fetch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_LIMITS = {m.value: m.c for m in AgentLimit}  # limits by name (kvrelay_agent_limit)
+
+
+def _free_agent(ptr: int, keep: Any) -> None:
+    """Free an agent (its finalizer: ``close()``, its last reference dropped, or interpreter
+    exit). ``kvrelay_agent_free`` waits for the agent's threads, so it never runs on one of
+    them: there (an agent dropped inside a callback) it runs on a new thread instead. ``keep``
+    (the pool's layout and buffer) lives until the agent is freed."""
+    if getattr(_tls, "in_callback", False):
+        threading.Thread(target=_free_agent, args=(ptr, keep), name="kvrelay-agent-free").start()
+        return
+    lib.kvrelay_agent_free(ptr)
+
+
+class Agent(_Handle):
+    """The KV agent: serves the pool ``layout`` describes to other instances (through
+    ``holder``) and fetches named blocks from them into it. ``listen`` ``None`` makes a
+    fetch-only agent; ``allow`` the peers served (``loopback``, addresses, ``ADDR/PREFIX``);
+    ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it; ``transport``
+    ``tcp`` or ``nixl`` (with ``nixl_lib_dir``); ``limits`` overrides of the default limits
+    (``{"streams": 1, ...}``); ``device`` the CUDA device of a GPU pool."""
+
+    def __init__(
+        self,
+        fingerprint: Fingerprint,
+        layout: KvLayout,
+        holder: BlockHolder,
+        *,
+        listen: Optional[str] = "127.0.0.1:0",
+        allow: Sequence[str] = ("loopback",),
+        key: Optional[bytes] = None,
+        key_env: Optional[str] = None,
+        transport: str = "tcp",
+        nixl_lib_dir: Optional[str] = None,
+        limits: Optional[dict[str, int]] = None,
+        device: Optional[int] = None,
+    ):
+        super().__init__(0)
+        if not isinstance(fingerprint, Fingerprint):
+            raise TypeError("fingerprint must be a Fingerprint")
+        if not isinstance(layout, KvLayout):
+            raise TypeError("layout must be a KvLayout")
+        for m in ("pin", "unpin"):
+            if not callable(getattr(holder, m, None)):
+                raise TypeError(f"the holder has no {m}() method")
+        # every argument is checked before the first C call
+        lst = _utf8("listen", listen) if listen is not None else b""
+        peers = _strs("allow", allow)
+        t = _utf8("transport", transport)
+        d = _utf8("nixl_lib_dir", nixl_lib_dir) if nixl_lib_dir is not None else b""
+        if key is not None and not isinstance(key, (bytes, bytearray)):
+            raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        kenv = _utf8("key_env", key_env) if key_env is not None else None
+        lims = []
+        if limits is not None:
+            if not isinstance(limits, dict):
+                raise TypeError(f"limits must be a dict of limit name to int, not {type(limits).__name__}")
+            for k, v in limits.items():
+                if k not in _LIMITS:
+                    raise ValueError(f"unknown limit {k!r} (one of {sorted(_LIMITS)})")
+                lims.append((_LIMITS[k], _int(f"limits[{k!r}]", v)))
+        if device is not None:
+            _int("device", device, -1, 2**31 - 1)
+        self._layout = layout
+        self._errors = _Errors()
+        self._finalizer: Optional[weakref.finalize] = None
+        fp = L.AgentFingerprint(*(getattr(fingerprint, f) for f, _ in L.AgentFingerprint._fields_))
+        cfg = ctypes.c_void_p()
+        _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
+        try:
+            _check("kvrelay_agent_config_set_listen", lib.kvrelay_agent_config_set_listen(cfg, lst, len(lst)))
+            for a in peers:
+                _check("kvrelay_agent_config_allow_peer", lib.kvrelay_agent_config_allow_peer(cfg, a, len(a)))
+            _check("kvrelay_agent_config_set_transport", lib.kvrelay_agent_config_set_transport(cfg, t, len(t), d, len(d)))
+            if key is not None:
+                kb = bytes(key)
+                _check("kvrelay_agent_config_set_key", lib.kvrelay_agent_config_set_key(cfg, kb, len(kb)))
+            if kenv is not None:
+                _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, kenv, len(kenv)))
+            for i, v in lims:
+                _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, i, v))
+            if device is not None:
+                _check("kvrelay_agent_config_set_device", lib.kvrelay_agent_config_set_device(cfg, device))
+            # the holder lives in the handle table until the agent's destroy callback
+            # (kvrelay_agent_free, or right away if kvrelay_agent_new fails)
+            slot = _table.add(_HolderSlot(holder, self._errors))
+            h = L.BlockHolder(slot, _PIN, _UNPIN, _HOLDER_DESTROY, _RETURNED)
+            out = ctypes.c_void_p()
+            _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, layout._p, ctypes.byref(h), ctypes.byref(out)))
+            self._ptr = out.value
+            # freed by close(), when the last reference goes, or at interpreter exit (atexit:
+            # before the interpreter stops running Python, so no agent thread calls into it
+            # after that)
+            self._finalizer = weakref.finalize(self, _free_agent, out.value, layout)
+        finally:
+            lib.kvrelay_agent_config_free(cfg)
+
+    def close(self) -> None:
+        """Stop serving, end running fetches (their callbacks run, as ``shutdown`` or
+        ``cancelled``) and free the agent. Called from one of the agent's own callbacks, the
+        free happens on a new thread once the callback has returned."""
+        self._ptr = None
+        f, self._finalizer = getattr(self, "_finalizer", None), None
+        if f is not None:
+            f()
+
+    def __del__(self) -> None:
+        pass  # the finalizer frees it (it does not hold the Agent)
+
+    @property
+    def callback_errors(self) -> int:
+        """How many exceptions the holder and the fetch callbacks raised (each one logged)."""
+        return self._errors.count
+
+    @property
+    def endpoint(self) -> str:
+        """This agent's ``source_control_endpoint`` (``tcp://ADDR:PORT``; empty: fetch-only)."""
+        return _text("kvrelay_agent_endpoint", lib.kvrelay_agent_endpoint, self._p)
+
+    def record_checksums(self, ids: Sequence[int]) -> None:
+        """Blocks ``ids`` just became reusable: sum them where they lie (O(bytes))."""
+        i = _u32s("ids", ids)
+        _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(self._p, i, len(i)))
+
+    def fetch(
+        self,
+        endpoint: str,
+        names: Sequence[int],
+        dst_blocks: Sequence[int],
+        *,
+        held: int = 0,
+        deadline_ms: int = 10_000,
+        callback: Optional[Callable[[FetchResult], None]] = None,
+    ) -> Fetch:
+        """Fetch blocks ``names[held:]`` from ``endpoint`` into ``dst_blocks`` (name
+        ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
+        the result on the agent's fetch thread once it completes (keep it short; it must not
+        close the agent)."""
+        e = _utf8("endpoint", endpoint)
+        n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
+        _int("held", held, 0, SIZE_MAX)
+        _int("deadline_ms", deadline_ms, 1, U32)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+        if not len(d):
+            raise ValueError("a fetch needs at least one destination block (dst_blocks)")
+        if held + len(d) > len(n):
+            raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
+        ebuf = ctypes.create_string_buffer(e, len(e))
+        p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
+        if callback is None:
+            f = Fetch(self, None)
+            _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), None, ctypes.byref(f._handle)))
+            return f
+        fut: Future = Future()
+        f = Fetch(self, fut)
+        # the callback lives in the handle table until the fetch's destroy callback, which
+        # runs exactly once on every path (a refused submission included)
+        cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
+        _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), ctypes.byref(cbs), ctypes.byref(f._handle)))
+        return f
+
+    def estimate(self, endpoint: str, blocks: int) -> float:
+        """Seconds a fetch of ``blocks`` blocks from ``endpoint`` is expected to take."""
+        e = _utf8("endpoint", endpoint)
+        _int("blocks", blocks, 0, SIZE_MAX)
+        out = ctypes.c_double()
+        _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(self._p, e, len(e), blocks, ctypes.byref(out)))
+        return out.value
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = L.AgentStats()
+        _check("kvrelay_agent_read_stats", lib.kvrelay_agent_read_stats(self._p, ctypes.byref(s), ctypes.sizeof(s)))
+        return {n: getattr(s, n) for n in L.AGENT_STATS}
+
+    def prometheus(self) -> str:
+        return _text("kvrelay_agent_prometheus", lib.kvrelay_agent_prometheus, self._p)
+
+
+def fetch_run_length(names: Sequence[int], held: int, hashes: Sequence[int]) -> int:
+    """How many blocks after ``held`` a hint's ``hashes`` cover (membership, SPEC section 8)."""
+    n, h = _u64s("names", names), _u64s("hashes", hashes)
+    _int("held", held, 0, SIZE_MAX)
+    out = ctypes.c_size_t()
+    _check("kvrelay_fetch_run_length", lib.kvrelay_fetch_run_length(n, len(n), held, h, len(h), ctypes.byref(out)))
+    return out.value
