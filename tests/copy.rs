@@ -323,6 +323,35 @@ fn gpu_gather_scatter_byte_exact_against_cpu_every_layout_and_method() {
     }
 }
 
+/// The checksum kernel against the host's `kv_checksum` of each block's staged bytes, for every
+/// layout kind and segment sizes from 16 bytes to several of the kernel's per-warp pieces
+/// (64 KiB each) and not a multiple of them, with more blocks than one launch carries.
+#[test]
+fn gpu_checksums_equal_the_hosts_for_small_and_large_segments() {
+    let Some(d) = gpu() else { return };
+    let mut rng = Rng(0x5EED);
+    let stream = CudaStream::new(&d).unwrap();
+    for kind in KINDS {
+        for (layers, blocks, kv) in [(3, 1100, 16u64), (2, 40, 4096), (1, 24, 200 * 1024 + 16), (2, 6, 1 << 20)] {
+            let m = mirror(&d, kind, layers, blocks, kv, &mut rng);
+            // SAFETY: the layout lies inside `m.dev`, alive for the test.
+            let mut e = unsafe { CudaEngine::new(&d, m.dev_layout.clone(), EngineOptions::default()) }.unwrap();
+            // SAFETY: host mirror layout inside `m.host`.
+            let mut reference = unsafe { CpuEngine::new(m.host_layout.clone()) };
+            let ids: Vec<u32> = rng.perm(blocks).into_iter().take(blocks as usize).collect();
+            let mut got = vec![0u64; ids.len()];
+            e.checksums(&ids, &mut got, &stream).unwrap();
+            let sbb = m.host_layout.stage_block_bytes() as usize;
+            let mut one = vec![0u8; sbb];
+            for (i, &id) in ids.iter().enumerate() {
+                reference.gather(&[id], &mut one).unwrap();
+                assert_eq!(got[i], kvrelay::checksum::kv_checksum(&one), "{kind:?} kv={kv}: block {id}");
+            }
+            println!("ok {kind:?}: {} blocks of {sbb} bytes, kernel sums equal the host's", ids.len());
+        }
+    }
+}
+
 #[test]
 fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
     let Some(d) = gpu() else { return };

@@ -28,6 +28,8 @@ pub struct CudaDevice {
     ctx: sys::CUcontext,
     dev: sys::CUdevice,
     pub(super) ordinal: i32,
+    /// Its streaming multiprocessors.
+    sms: u32,
     /// The copy kernels, loaded into the context by the first engine that needs them and kept
     /// until this value drops: every engine of the device shares them.
     kernels: Mutex<Option<Kernels>>,
@@ -73,7 +75,16 @@ impl CudaDevice {
             check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
             let mut ctx = std::ptr::null_mut();
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            let d = CudaDevice { ctx, dev, ordinal, kernels: Mutex::new(None) };
+            let mut sms = 0;
+            check(
+                sys::cuDeviceGetAttribute(
+                    &mut sms,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    dev,
+                ),
+                "cuDeviceGetAttribute",
+            )?;
+            let d = CudaDevice { ctx, dev, ordinal, sms: sms.max(1) as u32, kernels: Mutex::new(None) };
             let _ctx = d.bind()?;
             Ok(Arc::new(d))
         }
@@ -93,6 +104,11 @@ impl CudaDevice {
         // SAFETY: `ctx` is a retained primary context.
         check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
         Ok(CtxGuard { restore: Some(prev) })
+    }
+
+    /// Its streaming multiprocessors (what kernels that read device memory size their grid by).
+    pub fn multiprocessors(&self) -> u32 {
+        self.sms
     }
 
     /// The device ordinal.

@@ -59,27 +59,44 @@ __device__ __forceinline__ unsigned long long kvrelay_fmix64(unsigned long long 
 }
 struct SumParams {
   unsigned long long segs, sums;
-  unsigned int n_seg, n_ids;
+  unsigned int n_seg, n_ids, n_pieces, pad;
   unsigned int ids[960];
 };
-// The terms of kvrelay::checksum summed where the bytes lie: one warp per (block, segment)
-// chunk, each word keyed by its position in the block-major staged block; sums[i] collects
-// block i's terms (the host zeroes it first and applies the final mix).
+// The terms of kvrelay::checksum summed where the bytes lie: one warp per piece (of at most
+// SUM_PIECE_WORDS words) of a (block, segment) chunk, so that a few large blocks still spread
+// over every SM; each word is keyed by its position in the block-major staged block; sums[i]
+// collects block i's terms (the host zeroes it first and applies the final mix). Each lane has
+// four loads in flight per step.
+#define SUM_PIECE_WORDS 8192ULL
 extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p) {
   const Seg* segs = (const Seg*)p.segs;
   const unsigned lane = threadIdx.x & 31u;
   const unsigned long long wpc = blockDim.x >> 5;
   const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
   const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
-  const unsigned long long n_chunks = (unsigned long long)p.n_ids * p.n_seg;
+  const unsigned long long per_block = (unsigned long long)p.n_seg * p.n_pieces;
+  const unsigned long long n_chunks = (unsigned long long)p.n_ids * per_block;
   for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
-    const unsigned i = (unsigned)(c / p.n_seg);
-    const unsigned s = (unsigned)(c - (unsigned long long)i * p.n_seg);
+    const unsigned i = (unsigned)(c / per_block);
+    const unsigned long long r = c - (unsigned long long)i * per_block;
+    const unsigned s = (unsigned)(r / p.n_pieces);
+    const unsigned long long q = r - (unsigned long long)s * p.n_pieces;
     const Seg g = segs[s];
-    const unsigned long long* w = (const unsigned long long*)(g.base + (unsigned long long)p.ids[i] * g.stride);
     const unsigned long long n = g.bytes >> 3, first = g.stage_off >> 3;
+    const unsigned long long lo = q * SUM_PIECE_WORDS;
+    if (lo >= n) continue;
+    const unsigned long long hi = lo + SUM_PIECE_WORDS < n ? lo + SUM_PIECE_WORDS : n;
+    const unsigned long long* w = (const unsigned long long*)(g.base + (unsigned long long)p.ids[i] * g.stride);
     unsigned long long acc = 0;
-    for (unsigned long long k = lane; k < n; k += 32)
+    unsigned long long k = lo + lane;
+    for (; k + 96 < hi; k += 128) {
+      const unsigned long long a = w[k], b = w[k + 32], c2 = w[k + 64], d = w[k + 96];
+      acc += kvrelay_fmix64(a ^ ((first + k + 1ULL) * 0x9E3779B97F4A7C15ULL));
+      acc += kvrelay_fmix64(b ^ ((first + k + 33ULL) * 0x9E3779B97F4A7C15ULL));
+      acc += kvrelay_fmix64(c2 ^ ((first + k + 65ULL) * 0x9E3779B97F4A7C15ULL));
+      acc += kvrelay_fmix64(d ^ ((first + k + 97ULL) * 0x9E3779B97F4A7C15ULL));
+    }
+    for (; k < hi; k += 32)
       acc += kvrelay_fmix64(w[k] ^ ((first + k + 1ULL) * 0x9E3779B97F4A7C15ULL));
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
     if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
@@ -143,8 +160,14 @@ pub(super) struct SumParams {
     pub(super) sums: u64,
     pub(super) n_seg: u32,
     pub(super) n_ids: u32,
+    /// Pieces of `SUM_PIECE_WORDS` words in the largest segment (each a warp's work).
+    pub(super) n_pieces: u32,
+    pub(super) pad: u32,
     pub(super) ids: [u32; IDS_PER_LAUNCH],
 }
+
+/// Words one warp of the checksum kernel sums in one piece (the kernel's `SUM_PIECE_WORDS`).
+pub(super) const SUM_PIECE_WORDS: u64 = 8192;
 
 #[repr(C)]
 pub(super) struct Params {
@@ -329,6 +352,16 @@ impl CudaEngine {
                 sums: d.ptr(),
                 n_seg: self.params.n_seg,
                 n_ids: 0,
+                n_pieces: self
+                    .layout
+                    .segments()
+                    .iter()
+                    .map(|g| (g.bytes_per_block / 8).div_ceil(SUM_PIECE_WORDS).max(1))
+                    .max()
+                    .unwrap_or(1)
+                    .try_into()
+                    .unwrap_or(u32::MAX),
+                pad: 0,
                 ids: [0; IDS_PER_LAUNCH],
             }));
             self.sum_dev = Some(d);
@@ -338,6 +371,11 @@ impl CudaEngine {
         let sbb = self.layout.stage_block_bytes();
         for (part, o) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)) {
             p.n_ids = part.len() as u32;
+            // one warp per piece, at most four CTAs per SM (the copy kernels' CTA budget is for
+            // PCIe traffic; this one reads HBM and needs every SM)
+            let pieces = part.len() as u64 * u64::from(p.n_seg) * u64::from(p.n_pieces);
+            let warps_per_cta = u64::from(self.opts.threads / 32).max(1);
+            let sum_ctas = pieces.div_ceil(warps_per_cta).min(u64::from(self.dev.multiprocessors()) * 4).max(1) as u32;
             p.ids[..part.len()].copy_from_slice(part);
             let mut args = [(&mut **p as *mut SumParams).cast::<c_void>()];
             // SAFETY: the sums buffer holds IDS_PER_LAUNCH u64s (zeroed here first); the kernel
@@ -349,7 +387,7 @@ impl CudaEngine {
                 check(
                     sys::cuLaunchKernel(
                         self.sum_func,
-                        self.opts.ctas,
+                        sum_ctas,
                         1,
                         1,
                         self.opts.threads,
