@@ -18,6 +18,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "kvrelay.h"
@@ -46,7 +47,9 @@ def camel(c_name: str) -> str:
 
 def split_top(s: str, sep: str = ",") -> list[str]:
     """Split at ``sep`` outside parentheses."""
-    out, depth, cur = [], 0, []
+    out: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in s:
         if ch == "(":
             depth += 1
@@ -124,8 +127,9 @@ class Header:
         if stmt:
             raise HeaderError(f"unterminated declaration: {stmt!r}")
 
-    def _enum(self, name: str, lines, doc: str) -> None:
-        members, mdoc = [], []
+    def _enum(self, name: str, lines: Iterator[str], doc: str) -> None:
+        members: list[tuple[str, int, str]] = []
+        mdoc: list[str] = []
         for raw in lines:
             line = raw.strip()
             if not line or line.startswith("#") or line.startswith(":") or line == "{":
@@ -142,8 +146,10 @@ class Header:
             mdoc = []
         self.enums.append((name, members, doc))
 
-    def _struct(self, name: str, lines, doc: str) -> None:
-        fields, fdoc, stmt = [], [], ""
+    def _struct(self, name: str, lines: Iterator[str], doc: str) -> None:
+        fields: list[tuple[str, str, str]] = []
+        fdoc: list[str] = []
+        stmt = ""
         for raw in lines:
             line = raw.strip()
             if line.startswith("//"):
@@ -245,7 +251,7 @@ class Header:
             "",
             "import enum",
             "from ctypes import CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p  # noqa: F401",
-            "from typing import Any, Optional",
+            "from typing import Any, Optional, TypeVar",
             "",
             "# --- constants",
             "",
@@ -258,9 +264,13 @@ class Header:
             "# C name after the enum's common prefix, lower case), each member's C value in .c",
             "",
             "",
+            '_E = TypeVar("_E", bound="CEnum")',
+            "",
+            "",
             "class CEnum(str, enum.Enum):",
             '    """A C enum: the value is the label (compares equal to the str), ``.c`` the C value."""',
             "",
+            "    _value_: str",
             "    c: int",
             "",
             "    def __new__(cls, label: str, c: int) -> CEnum:",
@@ -276,7 +286,7 @@ class Header:
             "        return str.__format__(str(self), spec)",
             "",
             "    @classmethod",
-            "    def from_c(cls, c: int) -> Optional[Any]:",
+            "    def from_c(cls: type[_E], c: int) -> Optional[_E]:",
             '        """The member of C value ``c``; None for a value this header does not define."""',
             "        for m in cls:",
             "            if m.c == c:",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from ctypes import CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p  # noqa: F401
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 # --- constants
 
@@ -22,9 +22,13 @@ KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 # C name after the enum's common prefix, lower case), each member's C value in .c
 
 
+_E = TypeVar("_E", bound="CEnum")
+
+
 class CEnum(str, enum.Enum):
     """A C enum: the value is the label (compares equal to the str), ``.c`` the C value."""
 
+    _value_: str
     c: int
 
     def __new__(cls, label: str, c: int) -> CEnum:
@@ -40,7 +44,7 @@ class CEnum(str, enum.Enum):
         return str.__format__(str(self), spec)
 
     @classmethod
-    def from_c(cls, c: int) -> Optional[Any]:
+    def from_c(cls: type[_E], c: int) -> Optional[_E]:
         """The member of C value ``c``; None for a value this header does not define."""
         for m in cls:
             if m.c == c:

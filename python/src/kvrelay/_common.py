@@ -7,7 +7,7 @@ import ctypes
 import logging
 import operator
 import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 from . import _bindings as B
 from . import _lib as L
@@ -24,7 +24,7 @@ AgentLimit = B.AgentLimit
 Status = B.Status
 
 
-def _label(enum: Any, c: int) -> Any:
+def _label(enum: type[B.CEnum], c: int) -> str:
     """The member of C value ``c``, or ``"unknown"`` for a value newer than this header."""
     m = enum.from_c(c)
     return m if m is not None else "unknown"
@@ -148,7 +148,7 @@ def _view(owner: Any, ptr: Optional[int], n: int) -> memoryview:
     """A read-only memoryview of ``n`` bytes at ``ptr`` that keeps ``owner`` (what owns the
     bytes: a ``_SnapshotRef``) alive as long as the view, or any view derived from it, lives."""
     arr = (ctypes.c_char * n).from_address(ptr or 0) if n else (ctypes.c_char * 0)()
-    arr._owner = owner  # the view holds the array, the array holds the owner of the bytes
+    setattr(arr, "_owner", owner)  # the view holds the array, the array holds the owner of the bytes
     return memoryview(arr).cast("B").toreadonly()
 
 
@@ -290,7 +290,8 @@ _FETCH_DESTROY = L.FETCH_DESTROY(_on_destroy)
 
 def version() -> str:
     """The library's version (``kvrelay_version``)."""
-    return lib.kvrelay_version().decode()
+    v: bytes = lib.kvrelay_version()
+    return v.decode()
 
 
 def kv_checksum(data: Any) -> int:
@@ -303,15 +304,20 @@ def kv_checksum(data: Any) -> int:
 
 def cuda_available(device: int = 0) -> bool:
     """Whether CUDA device ``device`` can be used (False without a driver or device)."""
-    return lib.kvrelay_cuda_available(_int("device", device, 0, 2**31 - 1)) == L.OK
+    st: int = lib.kvrelay_cuda_available(_int("device", device, 0, 2**31 - 1))
+    return st == L.OK
+
+
+_H = TypeVar("_H", bound="_Handle")
 
 
 class _Handle:
     """Owns one C object; ``close()`` frees it once."""
 
     _free: Callable[[Any], None]
+    _ptr: Optional[int]  # the C object's address; None (or 0) when closed or not made yet
 
-    def __init__(self, ptr: int):
+    def __init__(self, ptr: Optional[int]):
         self._ptr = ptr
 
     def close(self) -> None:
@@ -319,7 +325,7 @@ class _Handle:
         if p:
             type(self)._free(p)
 
-    def __enter__(self):
+    def __enter__(self: _H) -> _H:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -39,7 +39,7 @@ class _SnapshotRef:
     __slots__ = ("ptr", "__weakref__")
 
     def __init__(self, ptr: int):
-        self.ptr = ptr
+        self.ptr: Optional[int] = ptr
 
     def __del__(self, _release: Callable[[Any], None] = lib.kvrelay_snapshot_release) -> None:
         p, self.ptr = self.ptr, None
@@ -52,6 +52,8 @@ class Snapshot(_Handle):
     ``retain()`` (another reference to the same snapshot: a child request, a queue, a rank).
     ``close()`` gives up this handle's reference; the views it handed out (``canonical``,
     ``Action.payload``, ``Action.canonical``) hold their own and stay valid."""
+
+    _ref: Optional[_SnapshotRef]  # None once closed (set through object.__setattr__: immutable)
 
     def __init__(self, ptr: int):
         object.__setattr__(self, "_ref", _SnapshotRef(ptr))
@@ -66,6 +68,10 @@ class Snapshot(_Handle):
     def _ptr(self) -> Optional[int]:
         r = self._ref
         return r.ptr if r is not None else None
+
+    @_ptr.setter
+    def _ptr(self, value: Optional[int]) -> None:
+        raise AttributeError("a Snapshot is immutable")
 
     def retain(self) -> "Snapshot":
         """Another handle to the same snapshot (one atomic increment)."""
@@ -250,7 +256,7 @@ class Admission(_Handle):
     def counters(self) -> dict[str, int]:
         c = L.Counters()
         _check("kvrelay_admission_counters", lib.kvrelay_admission_counters(self._p, ctypes.byref(c)))
-        return {n: getattr(c, n) for n, _ in L.Counters._fields_}
+        return {f[0]: getattr(c, f[0]) for f in L.Counters._fields_}
 
     def prometheus(self) -> str:
         """The counters as Prometheus text."""

@@ -17,6 +17,8 @@ from .copy import KvLayout
 
 # --- the KV agent ---------------------------------------------------------------------------
 
+_FINGERPRINT_FIELDS = tuple(f[0] for f in L.AgentFingerprint._fields_)
+
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -31,7 +33,7 @@ class Fingerprint:
     naming: int
 
     def __post_init__(self) -> None:
-        for f, _ in L.AgentFingerprint._fields_:
+        for f in _FINGERPRINT_FIELDS:
             _int(f, getattr(self, f), 0, U64 if f == "naming" else U32)
 
 
@@ -71,7 +73,7 @@ def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
 class _FetchSlot:
     __slots__ = ("callback", "future", "errors")
 
-    def __init__(self, callback: Optional[Callable[[FetchResult], None]], future: Future, errors: _Errors):
+    def __init__(self, callback: Optional[Callable[[FetchResult], None]], future: Future[FetchResult], errors: _Errors):
         self.callback, self.future, self.errors = callback, future, errors
 
 
@@ -109,15 +111,15 @@ class Fetch:
 
     __slots__ = ("_agent", "_future", "_handle", "__weakref__")
 
-    def __init__(self, agent: "Agent", future: Optional[Future]):
+    def __init__(self, agent: "Agent", future: Optional[Future[FetchResult]]):
         self._agent = agent
         self._future = future
         self._handle = ctypes.c_void_p()
 
     @property
-    def future(self) -> Future:
+    def future(self) -> Future[FetchResult]:
         if self._future is None:
-            fut: Future = Future()
+            fut: Future[FetchResult] = Future()
             self._future = fut
             fut.set_running_or_notify_cancel()
 
@@ -197,7 +199,7 @@ class Fetch:
 _LIMITS = {m.value: m.c for m in AgentLimit}  # limits by name (kvrelay_agent_limit)
 
 
-def _free_agent(ptr: int, keep: Any) -> None:
+def _free_agent(ptr: Optional[int], keep: Any) -> None:
     """Free an agent (its finalizer: ``close()``, its last reference dropped, or interpreter
     exit). ``kvrelay_agent_free`` waits for the agent's threads, so it never runs on one of
     them: there (an agent dropped inside a callback) it runs on a new thread instead. ``keep``
@@ -259,8 +261,8 @@ class Agent(_Handle):
             _int("device", device, -1, 2**31 - 1)
         self._layout = layout
         self._errors = _Errors()
-        self._finalizer: Optional[weakref.finalize] = None
-        fp = L.AgentFingerprint(*(getattr(fingerprint, f) for f, _ in L.AgentFingerprint._fields_))
+        self._finalizer: Optional[weakref.finalize[[Optional[int], Any], Agent]] = None
+        fp = L.AgentFingerprint(*(getattr(fingerprint, f) for f in _FINGERPRINT_FIELDS))
         cfg = ctypes.c_void_p()
         _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
         try:
@@ -348,7 +350,7 @@ class Agent(_Handle):
             f = Fetch(self, None)
             _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), None, ctypes.byref(f._handle)))
             return f
-        fut: Future = Future()
+        fut: Future[FetchResult] = Future()
         f = Fetch(self, fut)
         # the callback lives in the handle table until the fetch's destroy callback, which
         # runs exactly once on every path (a refused submission included)

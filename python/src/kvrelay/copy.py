@@ -29,7 +29,7 @@ class KvLayout(_Handle):
         if not segments:
             raise ValueError("a layout needs at least one segment")
 
-        def table(name: str, rows: list, ctype: Any) -> Any:
+        def table(name: str, rows: list[Any], ctype: Any) -> Any:
             width = len(ctype._fields_)
             out = []
             for i, r in enumerate(rows):

@@ -231,8 +231,8 @@ class Orchestrator(_Handle):
                     "kvrelay_policy_config_add_binding",
                     lib.kvrelay_policy_config_add_binding(cfg, i, len(i), f, len(f), 0 if b.named else 1, b.authorized),
                 )
-                for t, v in b.supports:
-                    t, v = _utf8("action_type", t), _utf8("action_version", v)
+                for ts, vs in b.supports:
+                    t, v = _utf8("action_type", ts), _utf8("action_version", vs)
                     _check(
                         "kvrelay_policy_config_binding_support",
                         lib.kvrelay_policy_config_binding_support(cfg, i, len(i), t, len(t), v, len(v)),
