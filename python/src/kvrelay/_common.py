@@ -3,11 +3,12 @@ agent-thread trampolines of the holder. Nothing here is public."""
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import operator
 import threading
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, cast
 
 from . import _bindings as B
 from . import _lib as L
@@ -24,10 +25,15 @@ AgentLimit = B.AgentLimit
 Status = B.Status
 
 
+_BY_C: dict[type[B.CEnum], dict[int, B.CEnum]] = {
+    e: {m.c: m for m in e} for e in (OutcomeKind, Reason, DecisionKind, Discard, FetchFailure, AgentLimit, Status)
+}
+
+
 def _label(enum: type[B.CEnum], c: int) -> str:
-    """The member of C value ``c``, or ``"unknown"`` for a value newer than this header."""
-    m = enum.from_c(c)
-    return m if m is not None else "unknown"
+    """The member of C value ``c``, or ``"unknown"`` for a value newer than this header (a
+    dict lookup: the hot calls (admit, decide, a fetch's result) label every answer)."""
+    return _BY_C[enum].get(c, "unknown")
 
 
 
@@ -124,16 +130,42 @@ def _strs(name: str, xs: Any) -> list[bytes]:
     return [_utf8(name, x) for x in items]
 
 
+# array.array type codes of the unsigned ctypes integers (where the sizes agree): array.array
+# converts and range-checks a list in C (OverflowError, TypeError; never wrapped)
+_ARRAY_CODES = {
+    t: code
+    for t, code in ((ctypes.c_uint32, "I"), (ctypes.c_uint64, "Q"))
+    if array.array(code).itemsize == ctypes.sizeof(t)
+}
+
+
 def _ints(name: str, xs: Iterable[int], ctype: Any) -> Any:
-    """``xs`` as a C array of ``ctype`` (an unsigned ctypes integer), each value checked."""
+    """``xs`` as a C array of ``ctype`` (an unsigned ctypes integer), each value checked: an
+    int (``operator.index``, never a bool) in the type's range, else TypeError / ValueError
+    naming the argument and the index."""
     if isinstance(xs, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of ints, not {type(xs).__name__}")
-    try:
-        xs = list(xs)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints, not {type(xs).__name__}") from None
+    kind = type(xs)
+    items: Sequence[Any]
+    if kind is list or kind is tuple:  # exactly (a subclass may iterate differently each time)
+        items = cast(Sequence[Any], xs)
+    else:
+        try:
+            items = list(xs)
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of ints, not {kind.__name__}") from None
+    # the fast path (the hot calls: a fetch's names and blocks): array.array checks every value
+    # in C; bools, which it takes for ints, and anything it refuses take the checking path below
+    code = _ARRAY_CODES.get(ctype)
+    if code is not None and bool not in map(type, items):
+        try:
+            a = array.array(code, items)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            return (ctype * len(a)).from_buffer_copy(a)
     hi = 2 ** (ctypes.sizeof(ctype) * 8) - 1
-    return (ctype * len(xs))(*[_int(f"{name}[{i}]", x, 0, hi) for i, x in enumerate(xs)])
+    return (ctype * len(items))(*[_int(f"{name}[{i}]", x, 0, hi) for i, x in enumerate(items)])
 
 
 def _u32s(name: str, xs: Iterable[int]) -> Any:

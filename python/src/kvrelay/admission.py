@@ -166,6 +166,9 @@ class Outcome:
 
 
 
+_admit = lib.kvrelay_admit
+
+
 def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:
     r = o.reason
     return Outcome(
@@ -236,7 +239,11 @@ class Admission(_Handle):
             if isinstance(raw, str):
                 raise TypeError("raw must be bytes as received (encode text first)")
             buf, n = _buffer("raw", raw)
-        st = lib.kvrelay_admit(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap))
+        p = self._ptr
+        if not p:
+            raise ValueError("this Admission is closed")
+        # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
+        st = _admit(p, buf, n, o, snap)
         if st:
             _check("kvrelay_admit", st)
         return _outcome(o, snap)

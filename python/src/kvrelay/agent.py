@@ -96,6 +96,30 @@ def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
 
 
 _FETCH_DONE = L.FETCH_DONE(_on_fetch_done)
+_submit = lib.kvrelay_agent_submit
+
+# Endpoints of recent fetches as kvrelay_str views of UTF-8 copies: a runtime fetches
+# from a few peers, over and over. The C side copies what it needs at submission; the caller
+# holds the buffer until then (an entry may be dropped by another thread meanwhile).
+_endpoints: dict[str, tuple[Any, L.Str]] = {}
+_ENDPOINTS_KEPT = 64
+
+
+def _endpoint(endpoint: Any) -> tuple[Any, L.Str]:
+    """``endpoint`` (a str) as UTF-8 bytes and a ``kvrelay_str`` over them (TypeError else)."""
+    exact = type(endpoint) is str  # a str subclass may hash or compare differently: not cached
+    if exact:
+        hit = _endpoints.get(endpoint)
+        if hit is not None:
+            return hit
+    e = _utf8("endpoint", endpoint)
+    buf = ctypes.create_string_buffer(e, len(e))
+    entry = (buf, L.Str(ctypes.addressof(buf), len(e)))
+    if exact:
+        if len(_endpoints) >= _ENDPOINTS_KEPT:
+            _endpoints.clear()
+        _endpoints[endpoint] = entry
+    return entry
 _WAIT_SLICE_MS = 50  # result() waits in slices this long, so that Ctrl-C (signals) get through
 
 
@@ -334,28 +358,30 @@ class Agent(_Handle):
         ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
-        e = _utf8("endpoint", endpoint)
+        ebuf, es = _endpoint(endpoint)  # ebuf holds the bytes es points at until the call returns
         n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
-        _int("held", held, 0, SIZE_MAX)
-        _int("deadline_ms", deadline_ms, 1, U32)
+        if type(held) is not int or not 0 <= held <= SIZE_MAX:
+            held = _int("held", held, 0, SIZE_MAX)
+        if type(deadline_ms) is not int or not 1 <= deadline_ms <= U32:
+            deadline_ms = _int("deadline_ms", deadline_ms, 1, U32)
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable, not {type(callback).__name__}")
         if not len(d):
             raise ValueError("a fetch needs at least one destination block (dst_blocks)")
         if held + len(d) > len(n):
             raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
-        ebuf = ctypes.create_string_buffer(e, len(e))
-        p = L.FetchParams(L.Str(ctypes.addressof(ebuf), len(e)), n, len(n), held, d, len(d), deadline_ms)
+        p = L.FetchParams(es, n, len(n), held, d, len(d), deadline_ms)
+        # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
         if callback is None:
             f = Fetch(self, None)
-            _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), None, ctypes.byref(f._handle)))
+            _check("kvrelay_agent_submit", _submit(self._p, p, None, f._handle))
             return f
         fut: Future[FetchResult] = Future()
         f = Fetch(self, fut)
         # the callback lives in the handle table until the fetch's destroy callback, which
         # runs exactly once on every path (a refused submission included)
         cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
-        _check("kvrelay_agent_submit", lib.kvrelay_agent_submit(self._p, ctypes.byref(p), ctypes.byref(cbs), ctypes.byref(f._handle)))
+        _check("kvrelay_agent_submit", _submit(self._p, p, cbs, f._handle))
         return f
 
     def estimate(self, endpoint: str, blocks: int) -> float:
