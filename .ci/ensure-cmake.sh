@@ -1,5 +1,5 @@
 # Sourced by .ci/test.sh and c_examples/run_demo.sh: puts a CMake on PATH, installing it from
-# PyPI into target/ci-tools when the machine has none (fresh machines of this kind have no CMake).
+# the Python package index into target/ci-tools when the machine has none (fresh machines of this kind have no CMake).
 if ! command -v cmake >/dev/null 2>&1; then
   _kvrelay_tools="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/target/ci-tools/py"
   if [ ! -x "$_kvrelay_tools/cmake/data/bin/cmake" ]; then

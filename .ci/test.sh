@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one test command (README "Two commands"). Installs what a fresh machine lacks (CMake, from
-# PyPI, into target/ci-tools, and the openai client for the server check), then runs every test:
+# the Python package index, into target/ci-tools, and the openai client for the server check), then runs every test:
 # Rust (unit, integration, conformance, property, header freshness, the test server over HTTP),
 # the portable scanner's run, a fuzz smoke, the official openai client against the test server, the C/C++ programs built with -Wall -Wextra -Werror as C and as
 # C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build

@@ -19,7 +19,10 @@
 //! `KVRELAY_BENCH_STREAMS=N` fetches over N TCP streams (`Limits::streams`; default 1), against
 //! N loopback copies at once; `KVRELAY_BENCH_MIN_STREAM_BYTES` sets `Limits::min_stream_bytes`
 //! of the fetching agent (how small a fetch may be and still use several streams). `KVRELAY_BENCH_TRANSPORT=nixl` (feature `nixl`) runs the source
-//! in a process of its own and adds a bare NIXL READ between two processes as the anchor.
+//! in a process of its own and adds a bare NIXL READ between two processes as the anchor;
+//! `KVRELAY_BENCH_TRANSPORT=cuda-ipc` (GPU pools) runs the source in a process of its own over
+//! the same-host CUDA IPC transport. With GPU pools every run also measures a device-to-device
+//! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy.
 //!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
@@ -111,7 +114,13 @@ fn main() {
         .map(|s| s.trim_start_matches("cuda:").parse().expect("KVRELAY_BENCH_DEVICE=cuda:N"));
     let dev = device.map(|d| kvrelay::copy::CudaDevice::open(d).expect("the bench's GPU"));
     let nixl = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "nixl");
-    let transport = if nixl {
+    let ipc = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "cuda-ipc");
+    // NIXL and CUDA IPC: the source in a process of its own (as between two instances)
+    let separate = nixl || ipc;
+    let transport = if ipc {
+        assert!(device.is_some(), "KVRELAY_BENCH_TRANSPORT=cuda-ipc needs KVRELAY_BENCH_DEVICE=cuda:N");
+        kvrelay::agent::Transport::CudaIpc
+    } else if nixl {
         if !cfg!(feature = "nixl") {
             panic!("KVRELAY_BENCH_TRANSPORT=nixl needs --features nixl");
         }
@@ -126,7 +135,7 @@ fn main() {
     let source_role = std::env::var_os(SOURCE_ENV).is_some();
     let mut child = None;
     let mut _source = None;
-    let (ep, record) = if nixl && !source_role {
+    let (ep, record) = if separate && !source_role {
         let mut c = std::process::Command::new(std::env::current_exe().unwrap())
             .env(SOURCE_ENV, "1")
             .stdin(std::process::Stdio::piped())
@@ -216,7 +225,22 @@ fn main() {
     let (mut between_rates, mut between_ratio) = (vec![], vec![]);
     #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut bare_rates: Vec<f64> = vec![];
+    // GPU pools: a device-to-device copy of the same bytes in this process (the copy engines'
+    // ceiling the same-host transport is measured against)
+    let d2d = dev.as_ref().map(|d| {
+        let a = kvrelay::copy::DeviceBuffer::alloc(d, bytes).unwrap();
+        let b = kvrelay::copy::DeviceBuffer::alloc(d, bytes).unwrap();
+        (a, b, kvrelay::copy::CudaStream::new(d).unwrap())
+    });
+    let mut d2d_rates: Vec<f64> = vec![];
     for _ in 0..reps {
+        if let Some((a, b, st)) = &d2d {
+            let t = Instant::now();
+            // SAFETY: two live device buffers of `bytes` each, used by nothing else.
+            unsafe { st.copy_device(b.ptr(), a.ptr(), bytes) }.unwrap();
+            st.synchronize().unwrap();
+            d2d_rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+        }
         #[cfg(feature = "nixl")]
         if let Some(b) = &bare {
             bare_rates.push(b.read());
@@ -240,7 +264,9 @@ fn main() {
         between_ratio.push(p / r.seconds);
     }
     let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
-    let how = if nixl {
+    let how = if ipc {
+        "CUDA IPC from a source process".to_string()
+    } else if nixl {
         "NIXL (UCX) from a source process".to_string()
     } else {
         format!("loopback TCP, {streams} stream(s)")
@@ -253,6 +279,16 @@ fn main() {
         agent.iter().cloned().fold(0.0, f64::max)
     );
     println!("  plain TCP copy   median {:.2} GB/s (anchor, same repetitions, {streams} stream(s))", median(anchor));
+    if !d2d_rates.is_empty() {
+        let r: Vec<f64> = agent.iter().zip(&d2d_rates).map(|(g, d)| g * 1e9 / d).collect();
+        println!(
+            "  device copy      median {:.2} GB/s (anchor, same repetitions: cuMemcpyDtoD of the same bytes in one process); agent / it median {:.0}% (per repetition {:.0}-{:.0}%)",
+            median(d2d_rates.clone()) / 1e9,
+            100.0 * median(r.clone()),
+            100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
+            100.0 * r.iter().cloned().fold(0.0, f64::max)
+        );
+    }
     if !bare_rates.is_empty() {
         let fetch: Vec<f64> = agent.iter().map(|g| g * 1e9).collect();
         let r: Vec<f64> = fetch.iter().zip(&bare_rates).map(|(f, b)| f / b).collect();
@@ -286,7 +322,7 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "  CPU, {}   agent {:.2} core-s per GB ({:.1} cores busy), anchor {:.2} core-s per GB ({:.1} cores busy), of {cores} cores",
-        if nixl { "this process (not the NIXL source's)" } else { "both ends" },
+        if separate { "this process (not the source's)" } else { "both ends" },
         cpu.2 / (reps as f64 * bytes as f64 / 1e9),
         cpu.2 / cpu.3,
         cpu.0 / (reps as f64 * bytes as f64 / 1e9),
@@ -342,7 +378,7 @@ fn main() {
         }
         println!(
             "  {k}-block fetch   median {warm:.0} us on kept-alive connections, {fresh:.0} us on new ones (50 each; {} stream(s), min_stream_bytes {min_stream})",
-            if nixl { 1 } else { streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k) }
+            if separate { 1 } else { streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k) }
         );
     }
     drop(cold);

@@ -1048,8 +1048,12 @@ kvrelay_status kvrelay_agent_config_set_listen(struct kvrelay_agent_config *conf
                                                const char *addr,
                                                size_t len);
 
-// How block bytes move: `tcp` (the default) or `nixl` (NIXL over UCX, straight between the
-// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL).
+// How block bytes move: `tcp` (the default), `nixl` (NIXL over UCX, straight between the
+// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL)
+// or `cuda-ipc` (two agents of one host with device pools: the destination maps the source's
+// pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
+// pool or memory CUDA IPC cannot export; a mapped pool is readable and writable by the peer's
+// process, so only allowlisted, authenticated peers of one trust domain should share it).
 // `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
 // by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
 // library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.

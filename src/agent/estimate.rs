@@ -28,6 +28,10 @@ pub const TCP_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 
 /// 0.15-0.3 ms (`benches/RESULTS.md`).
 pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0005, bytes_per_s: 150e9 };
 
+/// The same-host CUDA IPC default (GPU pool to GPU pool): 0.3 ms of setup (the offer, the
+/// mapping looked up, the copies and the checksum kernel launched) and 600 GB/s.
+pub const CUDA_IPC_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0003, bytes_per_s: 600e9 };
+
 /// The NIXL default into a host pool: 5 ms and 3 GB/s (UCX's host-memory READs measured
 /// 3.2-4.6 GB/s there).
 pub const NIXL_HOST_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.005, bytes_per_s: 3e9 };

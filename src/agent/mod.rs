@@ -78,7 +78,7 @@ use std::time::Duration;
 pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport};
-pub use estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
+pub use estimate::{SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
 use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};

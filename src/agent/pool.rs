@@ -169,6 +169,40 @@ impl Mover {
         Ok(())
     }
 
+    /// Device pools: enqueue the device-to-device copies `runs` (`(dst, src, bytes)`, source
+    /// addresses possibly another process's memory mapped here) on this mover's stream, then
+    /// sum blocks `ids` where they landed into `out` (the same stream: after the copies).
+    /// Returns once the stream passed both, also on an error (nothing of it is in flight).
+    ///
+    /// # Safety
+    /// Every run's destination lies in blocks this fetch owns and its source in memory that
+    /// stays mapped and unwritten until this returns.
+    pub(super) unsafe fn copy_in_and_sum(
+        &mut self,
+        runs: &[(u64, u64, u64)],
+        ids: &[u32],
+        out: &mut [u64],
+    ) -> Result<(), String> {
+        match &mut self.kind {
+            Kind::Host { .. } => Err("device-to-device copies need a device pool".into()),
+            Kind::Device { dev, engine, stream, .. } => {
+                let _ctx = dev.bind().map_err(cuda)?;
+                let mut r = Ok(());
+                for &(dst, src, len) in runs {
+                    // SAFETY: forwarded contract.
+                    r = unsafe { stream.copy_device(dst, src, len as usize) }.map_err(cuda);
+                    if r.is_err() {
+                        break;
+                    }
+                }
+                let r = r.and_then(|()| engine.checksums(ids, out, stream).map_err(cuda));
+                // whatever failed, nothing of this call stays in flight
+                stream.synchronize().map_err(cuda)?;
+                r
+            }
+        }
+    }
+
     /// Checksums of blocks `ids` summed where they lie (device pools: a kernel; host pools are
     /// summed by the agent without a mover).
     pub(super) fn device_checksums(&mut self, ids: &[u32], out: &mut [u64]) -> Result<(), String> {

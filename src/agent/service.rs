@@ -280,19 +280,19 @@ fn authenticate(inner: &Inner, c: &mut dyn Conn, deadline: Instant) -> Result<()
     Ok(())
 }
 
-/// A hello (`HELLO` or `NIXL_HELLO`) by `deadline`; on success `scratch.names` holds the names.
+/// A hello (`HELLO`, `NIXL_HELLO` or `IPC_HELLO`) by `deadline`; on success `scratch.names` holds the names.
 fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: Instant) -> Result<(), Hs> {
     let hello_max = wire::FINGERPRINT_BYTES + 4 + 8 * inner.limits.max_names as usize;
     let (kind, len) = wire::read_header(c, u32::MAX as usize, deadline).map_err(frame_err)?;
     if kind == wire::AUTH_HELLO && inner.key.is_none() {
         return Err(Hs::Refuse(Refusal::AuthFailed, "this service has no key"));
     }
-    if kind != wire::HELLO && kind != wire::NIXL_HELLO {
+    if kind != wire::HELLO && kind != wire::NIXL_HELLO && kind != wire::IPC_HELLO {
         return Err(Hs::Refuse(Refusal::BadRequest, "expected a hello"));
     }
     // every agent serves frames; a hello of another kind only when it is its backend's
     if kind != wire::HELLO && kind != inner.backend.hello() {
-        return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve NIXL reads"));
+        return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve that transport"));
     }
     scratch.kind = kind;
     if len > hello_max {

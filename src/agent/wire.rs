@@ -16,7 +16,10 @@
 //! - with the NIXL transport (feature `nixl`, module `nixl`): `NIXL_HELLO` (8, destination ->
 //!   source, the payload of a `HELLO`: the destination READs the blocks itself), `NIXL_OFFER`
 //!   (9, source -> destination: where the pinned blocks lie, with their recorded checksums) and
-//!   `DONE` (10, destination -> source: how many blocks it took, u64; the source unpins them).
+//!   `DONE` (10, destination -> source: how many blocks it took, u64; the source unpins them);
+//! - with the same-host CUDA IPC transport (module `cuda_ipc`): `IPC_HELLO` (11, the payload of
+//!   a `HELLO`) and `IPC_OFFER` (12: an in-place offer whose metadata is the source's host id,
+//!   process id and exported allocations), answered by `DONE` after the copy and its check.
 //!
 //! Limits on every read: a control frame at most [`MAX_CONTROL`] bytes, a hello at most
 //! `12 + 36 + 8 * max_names`, a block frame exactly `16 + block_bytes`; every read and write has
@@ -52,6 +55,10 @@ pub const NIXL_HELLO: u8 = 8;
 pub const NIXL_OFFER: u8 = 9;
 /// Frame kind: the reader took this many blocks (NIXL).
 pub const DONE: u8 = 10;
+/// A hello asking for a same-host CUDA IPC copy (the payload of a `HELLO`).
+pub const IPC_HELLO: u8 = 11;
+/// The answer to `IPC_HELLO`: an in-place offer (see [`InPlaceOffer`]).
+pub const IPC_OFFER: u8 = 12;
 
 /// Largest control frame other than a hello.
 pub const MAX_CONTROL: usize = 512;

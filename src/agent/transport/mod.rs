@@ -11,11 +11,13 @@
 //!   frame on the agent's connection; the destination verifies it in its slot and scatters it.
 //!   Every agent serves TCP readers, whatever its own backend.
 //! - `nixl` (cargo feature `nixl`): the destination READs the blocks in place over UCX.
+//! - [`cuda_ipc`]: two agents of one host with device pools; the destination maps the source's
+//!   pool through CUDA IPC and copies the blocks device to device.
 //!
-//! A new transport (a same-host GPU path, say) is a new file here with an [`open`] arm, not
-//! new branches in the fetch or the service: [`open`] is the only place that knows which
-//! backends a build has.
+//! A new transport is a new file here with an [`open`] arm, not new branches in the fetch or
+//! the service: [`open`] is the only place that knows which backends a build has.
 
+pub(super) mod cuda_ipc;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub(super) mod tcp;
@@ -206,6 +208,11 @@ pub(super) unsafe fn open(
             // SAFETY: forwarded contract.
             let nx = unsafe { nixl::Nixl::new(layout, device, lib_dir.as_deref()) }.map_err(AgentError::Io)?;
             Ok(Box::new(nx))
+        }
+        Transport::CudaIpc => {
+            // SAFETY: forwarded contract.
+            let t = unsafe { cuda_ipc::CudaIpc::new(layout, device) }.map_err(AgentError::Config)?;
+            Ok(Box::new(t))
         }
         #[cfg(not(feature = "nixl"))]
         Transport::Nixl { .. } => {

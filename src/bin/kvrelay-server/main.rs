@@ -150,7 +150,9 @@ pub struct ServeArgs {
     /// How this instance fetches KV blocks, through the library's KV agent: `tcp` (the
     /// embedded transport) or `nixl` (NIXL over UCX; builds with the `nixl` feature; the pool,
     /// VRAM with --device cuda:N, is registered with NIXL at startup and this instance serves
-    /// NIXL and TCP readers). Control always runs on the KV service.
+    /// NIXL and TCP readers) or `cuda-ipc` (instances of one host with --device cuda:N: the
+    /// destination maps the source's pool through CUDA IPC and copies device to device).
+    /// Control always runs on the KV service.
     #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
     pub kv_transport: String,
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
@@ -190,7 +192,8 @@ fn transport(args: &ServeArgs) -> Result<&'static str, String> {
         "tcp" => Ok("tcp"),
         "nixl" if cfg!(feature = "nixl") => Ok("nixl"),
         "nixl" => Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into()),
-        t => Err(format!("--kv-transport {t}: expected tcp or nixl")),
+        "cuda-ipc" => Ok("cuda-ipc"),
+        t => Err(format!("--kv-transport {t}: expected tcp, nixl or cuda-ipc")),
     }
 }
 
@@ -320,8 +323,8 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     // fresh blocks of its own lease, touched by nothing else until it completes.
     let agent = unsafe { abi::KvAgent::new(&settings, engine.store.layout(), Arc::new(holder)) }.map_err(|e| {
         let e = e.replace("kvrelay_agent_new failed: ", "");
-        if transport == "nixl" {
-            format!("--kv-transport nixl: {e}")
+        if transport != "tcp" {
+            format!("--kv-transport {transport}: {e}")
         } else {
             format!("--kv-listen {}: {e}", args.kv_listen)
         }

@@ -425,3 +425,86 @@ impl Drop for CudaEvent {
         unsafe { sys::cuEventDestroy_v2(self.raw) };
     }
 }
+
+/// A device allocation exported for CUDA IPC: the handle another process of this host opens,
+/// and the allocation it names (its base and size in this process).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The driver's opaque handle (`CUipcMemHandle`).
+    pub handle: [u8; 64],
+    /// The allocation's base address here.
+    pub base: u64,
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+impl CudaDevice {
+    /// Export the allocation that holds device address `ptr` for CUDA IPC. Works for memory
+    /// from `cuMemAlloc`/`cudaMalloc` (what PyTorch's and most runtimes' caching allocators
+    /// hand out); memory from the virtual memory API (`cuMemCreate`) or a stream-ordered pool
+    /// (`cudaMallocAsync`) cannot be exported this way and gives an error. Cost: two driver
+    /// calls; call once per allocation.
+    pub fn ipc_export(&self, ptr: u64) -> Result<IpcExport, CopyError> {
+        let _ctx = self.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: plain queries into locals; `ptr` is only looked up, never dereferenced.
+        unsafe {
+            check(sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr), "cuMemGetAddressRange")?;
+            let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+            check(sys::cuIpcGetMemHandle(h.as_mut_ptr(), base), "cuIpcGetMemHandle")?;
+            let h = h.assume_init();
+            let mut handle = [0u8; 64];
+            for (o, &c) in handle.iter_mut().zip(h.reserved.iter()) {
+                *o = c as u8;
+            }
+            Ok(IpcExport { handle, base, size: size as u64 })
+        }
+    }
+
+    /// Map an allocation another process of this host exported ([`CudaDevice::ipc_export`])
+    /// into this device's context; its base address here. Until [`CudaDevice::ipc_close`],
+    /// the exporting process's memory is readable and writable through it.
+    ///
+    /// # Safety
+    /// `handle` came from `ipc_export` in another live process (the driver checks the rest and
+    /// answers an error for a handle it does not know).
+    pub unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, CopyError> {
+        let _ctx = self.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (o, &c) in h.reserved.iter_mut().zip(handle.iter()) {
+            *o = c as std::ffi::c_char;
+        }
+        let mut ptr = 0u64;
+        check(
+            // SAFETY: out-pointer to a local; the handle is plain bytes the driver validates.
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
+            },
+            "cuIpcOpenMemHandle",
+        )?;
+        Ok(ptr)
+    }
+
+    /// Unmap what [`CudaDevice::ipc_open`] mapped.
+    ///
+    /// # Safety
+    /// `ptr` came from `ipc_open` on this device and no copy uses it any more.
+    pub unsafe fn ipc_close(&self, ptr: u64) -> Result<(), CopyError> {
+        let _ctx = self.bind()?;
+        // SAFETY: forwarded contract.
+        check(unsafe { sys::cuIpcCloseMemHandle(ptr) }, "cuIpcCloseMemHandle")
+    }
+}
+
+impl CudaStream {
+    /// Enqueue a device-to-device copy of `len` bytes from `src` to `dst` (either may be
+    /// memory another process exported and this one mapped) on this stream.
+    ///
+    /// # Safety
+    /// Both ranges are device memory valid until the stream passed this copy; `dst` is not
+    /// read or written by anything else meanwhile.
+    pub unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Result<(), CopyError> {
+        // SAFETY: forwarded contract; the stream is this library's.
+        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw()) }, "cuMemcpyDtoDAsync")
+    }
+}

@@ -34,7 +34,7 @@ mod kernel;
 mod staged;
 
 use driver::check;
-pub use driver::{driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, PinnedBuffer};
+pub use driver::{driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, IpcExport, PinnedBuffer};
 use kernel::{Params, SegRow, KERNEL, RING_SLOTS};
 pub use kernel::{DEFAULT_CTAS, DEFAULT_THREADS, IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH};
 

@@ -138,8 +138,12 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_listen(
     })
 }
 
-/// How block bytes move: `tcp` (the default) or `nixl` (NIXL over UCX, straight between the
-/// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL).
+/// How block bytes move: `tcp` (the default), `nixl` (NIXL over UCX, straight between the
+/// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL)
+/// or `cuda-ipc` (two agents of one host with device pools: the destination maps the source's
+/// pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
+/// pool or memory CUDA IPC cannot export; a mapped pool is readable and writable by the peer's
+/// process, so only allowlisted, authenticated peers of one trust domain should share it).
 /// `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
 /// by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
 /// library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.
@@ -161,6 +165,7 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_transport(
             unsafe { (input_mut(config)?, text(transport.cast(), transport_len)?, text(lib_dir.cast(), lib_dir_len)?) };
         c.inner.transport = match t {
             "tcp" => Transport::Tcp,
+            "cuda-ipc" => Transport::CudaIpc,
             "nixl" if cfg!(feature = "nixl") => {
                 Transport::Nixl { lib_dir: (!d.is_empty()).then(|| std::path::PathBuf::from(d)) }
             }
@@ -170,7 +175,7 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_transport(
                     "this libkvrelay was built without the `nixl` feature",
                 ))
             }
-            _ => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "transport: tcp or nixl")),
+            _ => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "transport: tcp, nixl or cuda-ipc")),
         };
         Ok(())
     })
