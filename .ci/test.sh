@@ -116,4 +116,16 @@ fi
 # from outside the clone's python/ so that the installed package (not its sources) is imported
 (cd "$root/target" && PYTHONPATH="$pyk:$pt" timeout 600 python3 -m pytest -q -p no:cacheprovider "$root/python/tests")
 
+echo "== the Python package's types: mypy --strict (python/pyproject.toml [tool.mypy])"
+my="$root/target/ci-tools/mypy"
+if ! PYTHONPATH="$my" python3 -c "import mypy" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$my" mypy
+fi
+(cd "$root/python" && PYTHONPATH="$my" python3 -m mypy --cache-dir "$root/target/ci-tools/mypy-cache")
+
+echo "== the Python tests again with AddressSanitizer preloaded (debug library: C-side misuse of the buffers the package hands over)"
+(cd "$root/target" && LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 PYTHONMALLOC=malloc \
+  KVRELAY_LIBRARY="$root/target/debug/libkvrelay.so" PYTHONPATH="$root/python/src:$pt" \
+  timeout 600 python3 -m pytest -q -p no:cacheprovider "$root/python/tests")
+
 echo "== all tests passed"
