@@ -277,7 +277,15 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
         .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "carrier-pigeon"])
         .output()
         .unwrap();
-    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("expected tcp or nixl"));
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("expected tcp, nixl or cuda-ipc"));
+    // the same-host GPU transport with a host pool: refused at startup, with the reason
+    let host = std::process::Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "cuda-ipc"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&host.stderr);
+    assert!(!host.status.success() && host.stdout.is_empty(), "started a CUDA IPC transport over host memory: {err}");
+    assert!(err.contains("--kv-transport cuda-ipc") && err.contains("CUDA device"), "{err}");
 }
 
 /// A NIXL reader against a TCP-only source is refused (a cold run); a NIXL source still serves
