@@ -32,12 +32,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use super::{frame_fail, io_fail, refusal, Backend, Failure, Landing, Pull};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
 use crate::agent::wire::{self, Conn};
-use crate::agent::{FailReason, Inner, Limits, Stats};
+use crate::agent::{FailReason, Inner, Limits};
 use crate::copy::{CudaDevice, IpcExport, KvLayout};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
@@ -337,42 +336,7 @@ impl Backend for CudaIpc {
     }
 
     fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
-        let layout = &inner.layout;
-        let offer = wire::InPlaceOffer {
-            agent: AGENT.into(),
-            metadata: self.metadata.clone(),
-            block_bytes: inner.block_bytes as u64,
-            device: Some(self.device),
-            num_blocks: layout.num_blocks(),
-            segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
-            blocks: ids
-                .iter()
-                .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
-                .collect(),
-        };
-        let end = Instant::now() + super::tcp::transfer_deadline((ids.len() * inner.block_bytes) as u64);
-        if wire::write_frame(c, wire::IPC_OFFER, &wire::encode_in_place_offer(&offer), inner.io_deadline()).is_err() {
-            Stats::add(&inner.stats.serve_aborted, 1);
-            return false;
-        }
-        // the reader copies at its own pace; its DONE (or the transfer deadline) ends the pin
-        let mut n = [0u8; 8];
-        let got = wire::read_header(c, wire::MAX_CONTROL, end)
-            .ok()
-            .filter(|&(k, len)| k == wire::DONE && len == 8)
-            .and_then(|_| c.read_by(&mut n, end).ok());
-        match got {
-            Some(()) => {
-                let n = u64::from_le_bytes(n).min(ids.len() as u64);
-                Stats::add(&inner.stats.blocks_sent, n);
-                Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
-                true
-            }
-            None => {
-                Stats::add(&inner.stats.serve_aborted, 1);
-                false
-            }
-        }
+        super::serve_in_place(inner, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
     }
 }
 

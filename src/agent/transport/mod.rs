@@ -27,7 +27,7 @@ use std::time::Instant;
 use super::estimate::SourceSpeed;
 use super::pool::Mover;
 use super::wire::{self, Conn, FrameError, Refusal};
-use super::{AgentError, FailReason, Inner, Limits, Transport};
+use super::{AgentError, FailReason, Inner, Limits, Stats, Transport};
 use crate::copy::KvLayout;
 
 /// Why a fetch (or one of its streams) stopped, with the detail for logs.
@@ -133,6 +133,57 @@ impl<'a> Landing<'a> {
         self.inner.sums.set(self.dst[i], sum);
         self.blocks = i + 1;
         self.first.get_or_insert_with(Instant::now);
+    }
+}
+
+/// Serving side of an in-place transport (NIXL, CUDA IPC): offer the pinned blocks `ids` where
+/// they lie, in a frame of `kind` naming `agent` with `metadata` (how the reader reaches the
+/// pool), then wait for the reader's `DONE` (or the transfer deadline), which ends the pins.
+/// Counts what the reader took; whether the transfer ended cleanly.
+pub(super) fn serve_in_place(
+    inner: &Inner,
+    c: &mut dyn Conn,
+    ids: &[u32],
+    kind: u8,
+    agent: &str,
+    metadata: &[u8],
+    device: Option<i32>,
+) -> bool {
+    let layout = &inner.layout;
+    let offer = wire::InPlaceOffer {
+        agent: agent.into(),
+        metadata: metadata.to_vec(),
+        block_bytes: inner.block_bytes as u64,
+        device,
+        num_blocks: layout.num_blocks(),
+        segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
+        blocks: ids
+            .iter()
+            .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
+            .collect(),
+    };
+    let end = Instant::now() + tcp::transfer_deadline((ids.len() * inner.block_bytes) as u64);
+    if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), inner.io_deadline()).is_err() {
+        Stats::add(&inner.stats.serve_aborted, 1);
+        return false;
+    }
+    // the reader moves the blocks at its own pace; its DONE (or the deadline) ends the pin
+    let mut done = [0u8; 8];
+    let got = wire::read_header(c, wire::MAX_CONTROL, end)
+        .ok()
+        .filter(|&(k, len)| k == wire::DONE && len == 8)
+        .and_then(|_| c.read_by(&mut done, end).ok());
+    match got {
+        Some(()) => {
+            let n = u64::from_le_bytes(done).min(ids.len() as u64);
+            Stats::add(&inner.stats.blocks_sent, n);
+            Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
+            true
+        }
+        None => {
+            Stats::add(&inner.stats.serve_aborted, 1);
+            false
+        }
     }
 }
 

@@ -421,8 +421,7 @@ impl Backend for Nixl {
     }
 
     fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
-        let end = Instant::now() + super::tcp::transfer_deadline((ids.len() * inner.block_bytes) as u64);
-        serve(inner, self, c, ids, end)
+        super::serve_in_place(inner, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device)
     }
 
     fn has_withheld(&self) -> bool {
@@ -435,46 +434,6 @@ impl Backend for Nixl {
 
     fn teardown(self: Box<Self>) -> Vec<u32> {
         (*self).tear_down()
-    }
-}
-
-/// Serve pinned blocks `ids` in place: offer them, then wait for the reader's `DONE` (at most
-/// `end`). The blocks stay pinned until this returns. Whether it ended cleanly.
-fn serve(inner: &Inner, nx: &Nixl, c: &mut dyn Conn, ids: &[u32], end: Instant) -> bool {
-    let layout = &inner.layout;
-    let offer = wire::InPlaceOffer {
-        agent: nx.name.clone(),
-        metadata: nx.metadata.clone(),
-        block_bytes: inner.block_bytes as u64,
-        device: nx.device,
-        num_blocks: layout.num_blocks(),
-        segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
-        blocks: ids
-            .iter()
-            .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
-            .collect(),
-    };
-    if wire::write_frame(c, wire::NIXL_OFFER, &wire::encode_in_place_offer(&offer), inner.io_deadline()).is_err() {
-        Stats::add(&inner.stats.serve_aborted, 1);
-        return false;
-    }
-    // the reader READs at its own pace; its DONE (or the transfer deadline) ends the pin
-    let mut done = [0u8; 8];
-    let got = wire::read_header(c, wire::MAX_CONTROL, end)
-        .ok()
-        .filter(|&(k, len)| k == wire::DONE && len == 8)
-        .and_then(|_| c.read_by(&mut done, end).ok());
-    match got {
-        Some(()) => {
-            let n = u64::from_le_bytes(done).min(ids.len() as u64);
-            Stats::add(&inner.stats.blocks_sent, n);
-            Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
-            true
-        }
-        None => {
-            Stats::add(&inner.stats.serve_aborted, 1);
-            false
-        }
     }
 }
 
