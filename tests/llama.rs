@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{blocks, cached, client, start, start_env, text, Server};
+use common::{blocks, cached, client, sent, sent_since, start, start_env, text, Server};
 
 use serde_json::{json, Value};
 
@@ -70,10 +70,6 @@ fn ask(s: &Server, path: &str, body: Value) -> Answer {
         _ => text(&v),
     };
     Answer { text, cached: cached(&v), logits, body: v }
-}
-
-fn sent(s: &Server) -> f64 {
-    s.metric("kvrelay_server_kv_transfer_blocks_total{direction=\"sent\"}")
 }
 
 fn failed(s: &Server, reason: &str) -> f64 {
@@ -194,7 +190,7 @@ fn a_fetched_prefix_over_the_agent_answers_as_a_cold_run() {
     assert_eq!((&fetched.text, &fetched.logits), (&first.text, &first.logits), "a fetched prefix answers as cold");
     let prompt_tokens = fetched.body["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(fetched.cached, (prompt_tokens - 1) / bt * bt);
-    assert_eq!(sent(&a), hashes.len() as f64, "every block on the wire once");
+    assert_eq!(sent_since(&a, 0.0, hashes.len() as f64), hashes.len() as f64, "every block on the wire once");
     assert_eq!(b.metric("kvrelay_server_fetched_tokens_total"), (hashes.len() as u64 * bt) as f64);
 
     // a partial prefix: B already holds the first blocks and fetches only the rest
@@ -209,7 +205,8 @@ fn a_fetched_prefix_over_the_agent_answers_as_a_cold_run() {
     let got =
         ask(&b, "/v1/completions", json!({"prompt": long, "max_tokens": 16, "kv_hints": fetch_hint(&ep, &hashes)}));
     assert_eq!((&got.text, &got.logits), (&want.text, &want.logits));
-    assert_eq!(sent(&a) - before, (hashes.len() - b_held as usize) as f64, "only the missing run moved");
+    let missing = (hashes.len() - b_held as usize) as f64;
+    assert_eq!(sent_since(&a, before, missing), missing, "only the missing run moved");
 
     // memory gone bad under a committed block at the source: caught, the answer is a cold run's
     let p = story("corrupt", 100);

@@ -8,7 +8,10 @@ mod common;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{blocks, cached, client, cold, server_bin, start, start_env, test_transport, text, wait_until, Server};
+use common::{
+    blocks, cached, client, cold, sent, sent_since, server_bin, start, start_env, test_transport, text, wait_until,
+    Server,
+};
 use serde_json::{json, Value};
 
 /// 32-token blocks of 128 bytes of text: `n` blocks named by `tag`.
@@ -29,10 +32,6 @@ fn fetch_hint(endpoint: &str, hashes: &[u64]) -> Value {
     json!({"protocol_version": "0.1", "message_id": "t", "actions": [{
         "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
         "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]})
-}
-
-fn sent(s: &Server) -> f64 {
-    s.metric("kvrelay_server_kv_transfer_blocks_total{direction=\"sent\"}")
 }
 
 fn failed(s: &Server, reason: &str) -> f64 {
@@ -65,7 +64,7 @@ fn hinted_fetch_takes_only_the_missing_run_root_aligned_or_suffix_only() {
     assert_eq!(h.len(), 10);
     let before = sent(&src);
     let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&ep, &h)}));
-    assert_eq!(sent(&src) - before, 7.0, "only the 7 blocks the destination lacked crossed the wire");
+    assert_eq!(sent_since(&src, before, 7.0), 7.0, "only the 7 blocks the destination lacked crossed the wire");
     assert_eq!((cached(&v), text(&v)), (320, want.clone()), "all 10 blocks reused, answer as cold");
     assert_eq!(dst.metric("kvrelay_server_fetched_tokens_total"), 7.0 * 32.0);
 
@@ -77,7 +76,7 @@ fn hinted_fetch_takes_only_the_missing_run_root_aligned_or_suffix_only() {
     let hq = hashes(&src, &q);
     let before = sent(&src);
     let v = dst.complete(json!({"prompt": q, "kv_hints": fetch_hint(&ep, &hq[4..])}));
-    assert_eq!(sent(&src) - before, 5.0);
+    assert_eq!(sent_since(&src, before, 5.0), 5.0);
     assert_eq!((cached(&v), text(&v)), (9 * 32, want_q));
 
     // A suffix that starts after the first missing block fetches nothing (a block is useless
@@ -173,7 +172,7 @@ fn kv_transfer_refuses_an_advertised_endpoint_off_the_registry_and_the_sources_h
     let dst2 = start_env(true, &["--trusted-endpoint", ep.as_str()], &[("KV_TRANSFER_SOURCE_ALLOW", &src_url)]);
     assert_eq!(dst2.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).status, 202);
     wait_until("the transfer", || dst2.post_get("/v1/kv_transfer/stats")["transferred"] == 1);
-    assert_eq!(sent(&src), 3.0);
+    assert_eq!(sent_since(&src, 0.0, 3.0), 3.0);
 }
 
 trait PostGet {
@@ -317,7 +316,7 @@ fn nixl_and_tcp_instances_meet() {
     let v =
         tcp_dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&nixl_src), &hashes(&nixl_src, &p))}));
     assert_eq!((cached(&v), text(&v)), (128, want));
-    assert_eq!(sent(&nixl_src), 4.0);
+    assert_eq!(sent_since(&nixl_src, 0.0, 4.0), 4.0);
 }
 
 #[test]

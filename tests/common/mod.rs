@@ -125,6 +125,22 @@ pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Blocks a source counted as sent: `kvrelay_server_kv_transfer_blocks_total{direction="sent"}`.
+pub fn sent(s: &Server) -> f64 {
+    s.metric("kvrelay_server_kv_transfer_blocks_total{direction=\"sent\"}")
+}
+
+/// Blocks `s` sent since `before`, once that reaches `want` (or after the wait's bound). A
+/// transport that lets the reader pull in place (NIXL, CUDA IPC) counts a block when the
+/// reader's DONE reaches the source, which can be after the reader's request has answered.
+pub fn sent_since(s: &Server, before: f64, want: f64) -> f64 {
+    let t = Instant::now();
+    while sent(s) - before < want && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sent(s) - before
+}
+
 /// The server binary cargo built for this target, or `KVRELAY_SERVER_BIN` (a binary carried to
 /// another machine, e.g. the GPU machine).
 pub fn server_bin() -> std::path::PathBuf {
