@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
+use crate::events::{Event, EventSink};
+
 #[derive(Clone, Copy, Default)]
 struct Meta {
     /// The name the block is cached under (`None`: free or private to a lease).
@@ -39,6 +41,9 @@ pub struct BlockCache {
     released: Notify,
     capacity: usize,
     evicted: AtomicU64,
+    /// Where commits and evictions are published (`--kv-events-endpoint`), sent under the
+    /// state's mutex so that they leave in the cache's order.
+    events: Option<EventSink>,
 }
 
 /// A request needs more blocks than the whole pool holds.
@@ -77,6 +82,12 @@ pub struct Lease {
 impl BlockCache {
     /// A pool of `capacity` blocks, all free.
     pub fn new(capacity: usize) -> Arc<BlockCache> {
+        Self::with_events(capacity, None)
+    }
+
+    /// [`new`](Self::new), publishing each commit (`BlockStored`) and eviction
+    /// (`BlockRemoved`) to `events`.
+    pub fn with_events(capacity: usize, events: Option<EventSink>) -> Arc<BlockCache> {
         Arc::new(BlockCache {
             state: Mutex::new(State {
                 meta: vec![Meta::default(); capacity],
@@ -88,6 +99,7 @@ impl BlockCache {
             released: Notify::new(),
             capacity,
             evicted: AtomicU64::new(0),
+            events,
         })
     }
 
@@ -144,6 +156,9 @@ impl BlockCache {
                     let old = s.meta[b as usize].name.take().expect("cached blocks are named");
                     s.by_name.remove(&old);
                     self.evicted.fetch_add(1, Ordering::Relaxed);
+                    if let Some(ev) = &self.events {
+                        ev.send(Event::Removed(old));
+                    }
                     b
                 }
             };
@@ -241,8 +256,10 @@ impl BlockCache {
 impl Lease {
     /// Publish fresh block `i` of this lease under `name` once its bytes are complete. A block
     /// another request published under the same name first stays private and is freed on
-    /// release. Returns whether it was published.
-    pub fn commit(&self, i: usize, name: u64) -> bool {
+    /// release. Returns whether it was published; a published block is announced to the KV
+    /// events (if any) with `parent` (the name of the block before it in its prompt) and its
+    /// `tokens` (copied only then).
+    pub fn commit(&self, i: usize, name: u64, parent: Option<u64>, tokens: &[u32]) -> bool {
         let b = self.ids[i];
         let mut s = self.cache.lock();
         if s.by_name.contains_key(&name) || s.meta[b as usize].name.is_some() {
@@ -250,6 +267,9 @@ impl Lease {
         }
         s.by_name.insert(name, b);
         s.meta[b as usize].name = Some(name);
+        if let Some(ev) = &self.cache.events {
+            ev.send(Event::Stored { name, parent, tokens: tokens.to_vec() });
+        }
         true
     }
 }
@@ -269,7 +289,7 @@ mod tests {
         let c = BlockCache::new(4);
         let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
         assert_eq!(a.hits, 0);
-        assert!(a.commit(0, 1) && a.commit(1, 2));
+        assert!(a.commit(0, 1, None, &[]) && a.commit(1, 2, None, &[]));
         let held = c.try_acquire(&[9, 8], 2).unwrap().unwrap(); // the other two blocks
         assert!(c.try_acquire(&[7], 1).unwrap().is_none(), "nothing free or evictable");
         drop(a); // blocks 1, 2 become cached (LRU: 1 then 2)
@@ -286,17 +306,42 @@ mod tests {
     }
 
     #[test]
+    fn commits_and_evictions_are_published_once_in_order() {
+        let (sink, rx, _) = EventSink::channel(16);
+        let c = BlockCache::with_events(2, Some(sink));
+        let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
+        assert!(a.commit(0, 1, None, &[10, 11]));
+        assert!(a.commit(1, 2, Some(1), &[12, 13]));
+        let dup = c.try_acquire(&[], 0).unwrap().unwrap();
+        drop(dup);
+        drop(a);
+        // a duplicate publication is private: no event
+        let x = c.try_acquire(&[9], 1).unwrap().unwrap(); // evicts name 1 (least recent)
+        assert!(!x.commit(0, 2, None, &[]), "name 2 is cached already");
+        drop(x);
+        let got: Vec<Event> = rx.try_iter().collect();
+        assert_eq!(
+            got,
+            [
+                Event::Stored { name: 1, parent: None, tokens: vec![10, 11] },
+                Event::Stored { name: 2, parent: Some(1), tokens: vec![12, 13] },
+                Event::Removed(1),
+            ]
+        );
+    }
+
+    #[test]
     fn uncommitted_blocks_go_back_to_the_free_list() {
         let c = BlockCache::new(2);
         let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
-        assert!(a.commit(0, 1));
+        assert!(a.commit(0, 1, None, &[]));
         drop(a);
         let s = c.stats();
         assert_eq!((s.cached, s.free, s.held), (1, 1, 0));
         // a duplicate publication stays private
         let x = c.try_acquire(&[3], 1).unwrap().unwrap();
         let y = c.try_acquire(&[3], 1).unwrap().unwrap();
-        assert!(x.commit(0, 3));
-        assert!(!y.commit(0, 3));
+        assert!(x.commit(0, 3, None, &[]));
+        assert!(!y.commit(0, 3, None, &[]));
     }
 }

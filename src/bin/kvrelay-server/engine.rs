@@ -425,7 +425,7 @@ impl Engine {
                 if let Some(f) = self.on_reusable.get() {
                     f(&lease.ids[i..i + 1]);
                 }
-                lease.commit(i, names[i]);
+                lease.commit(i, names[i], i.checked_sub(1).map(|p| names[p]), &tokens[lo..hi]);
             }
             tokio::task::yield_now().await;
         }
@@ -510,7 +510,7 @@ impl Engine {
                 f(fresh);
             }
             for (i, &name) in names.iter().enumerate().skip(lease.hits) {
-                lease.commit(i, name);
+                lease.commit(i, name, i.checked_sub(1).map(|p| names[p]), &tokens[i * bt..(i + 1) * bt]);
             }
         }
         drop(lease);

@@ -7,6 +7,7 @@ mod cache;
 mod client;
 mod demo;
 mod engine;
+mod events;
 mod http;
 mod metrics;
 mod transfer;
@@ -158,6 +159,16 @@ pub struct ServeArgs {
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
     #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
     pub nixl_lib_dir: Option<std::path::PathBuf>,
+    /// Publish KV events (what the reuse cache stores and evicts, vLLM's format, for routers
+    /// such as Dynamo's) on a ZMQ PUB socket bound here (`tcp://HOST:PORT`, port 0 picks one;
+    /// reported by /v1/kv/info). Off when unset. The events carry cached prompts' token ids:
+    /// bind an address only routers reach.
+    #[arg(long, env = "KVRELAY_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// Where the KV events' replay socket (ZMQ ROUTER) binds (default: the events endpoint's
+    /// host, a free port).
+    #[arg(long, env = "KVRELAY_KV_EVENTS_REPLAY_ENDPOINT", requires = "kv_events_endpoint")]
+    pub kv_events_replay_endpoint: Option<String>,
 }
 
 /// The environment variable that turns hint trust on (off by default).
@@ -282,10 +293,23 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         #[cfg(feature = "llama")]
         engine::Model::Llama(l) => l.name.clone(),
     });
+    let (events, sink) = match &args.kv_events_endpoint {
+        Some(at) => {
+            let cfg = events::EventsConfig {
+                endpoint: at,
+                replay_endpoint: args.kv_events_replay_endpoint.as_deref(),
+                block_size: shape.block_tokens,
+                medium: if store.region().device.is_some() { "GPU" } else { "CPU" },
+            };
+            let (e, s) = events::KvEvents::start(&cfg)?;
+            (Some(e), Some(s))
+        }
+        None => (None, None),
+    };
     let engine = Arc::new(Engine::with_model(
         model,
         EngineConfig { shape, prefill_tokens_per_s: args.prefill_tokens_per_s },
-        BlockCache::new(args.kv_blocks),
+        BlockCache::with_events(args.kv_blocks, sink),
         store,
     ));
     let fail_on_load_error = match args.kv_load_failure_policy.as_str() {
@@ -349,6 +373,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         naming,
         fail_on_load_error,
         pool: engine.clone(),
+        events,
     };
     let state = AppState::new(
         admission,

@@ -145,7 +145,7 @@ pub(super) async fn run_prompt(
     let mut _hold = crate::transfer::PrefixHold::default();
     if let Some(plan) = plan {
         let t = &st.transfer;
-        let mut f = fetch_into_cache(&st.engine, &t.agent, &plan.endpoint, &names, &plan.hashes, false).await;
+        let mut f = fetch_into_cache(&st.engine, &t.agent, &plan.endpoint, prompt, &names, &plan.hashes, false).await;
         let label = st.record_fetch(&f);
         _hold = std::mem::take(&mut f.hold);
         if !fetch_log.is_empty() {

@@ -27,7 +27,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{generate::take_slot, parse, prompt_tokens, read_body, ApiError, Shared};
+use super::{generate::take_slot, parse, prompt_tokens, read_body, ApiError, AppState, Shared};
 use crate::client;
 use crate::transfer::{fetch_into_cache, fingerprint_json, FailReason, FetchError};
 
@@ -95,15 +95,41 @@ pub fn endpoint_allowed(endpoint: &str, source: &str, trusted: &[String]) -> boo
     trusted.iter().any(|t| t.to_ascii_lowercase() == ep) || host_of(&ep) == host_of(source)
 }
 
-/// `GET /v1/kv/info`.
+/// `GET /v1/kv/info`: the KV service's endpoint, transport and fingerprint; with
+/// `--kv-events-endpoint`, the events publisher (`kv_events`) and what a Dynamo router's
+/// worker registration needs (`dynamo`).
 pub async fn kv_info(State(st): State<Shared>) -> Json<Value> {
-    Json(json!({
+    let mut v = json!({
         "kv_endpoint": st.transfer.endpoint,
         "transport": st.transfer.transport,
         "fingerprint": fingerprint_json(&st.transfer.fingerprint, &st.transfer.naming),
         "block_bytes": st.engine.store.block_bytes(),
-    }))
+        "block_tokens": st.engine.config.shape.block_tokens,
+    });
+    if let Some(ev) = &st.transfer.events {
+        v["kv_events"] = ev.info();
+        v["dynamo"] = dynamo_registration(&st, ev);
+    }
+    Json(v)
 }
+
+/// The fields of a Dynamo worker registration (`SelectionService.upsert_worker`, or a
+/// runtime worker's engine-specific settings) that describe this instance: the model it
+/// serves, its block size, where its KV events and their replay are, and the KV endpoint a
+/// hint names as the source, per data-parallel rank (this server is rank 0).
+fn dynamo_registration(st: &AppState, ev: &crate::events::KvEvents) -> Value {
+    json!({
+        "model_name": st.config.model,
+        "block_size": ev.block_size,
+        "kv_events_endpoint": ev.endpoint,
+        "replay_endpoint": ev.replay_endpoint,
+        "router_hint_worker_type": DYNAMO_WORKER_TYPE,
+        "router_hint_source_control_endpoints": {"0": st.transfer.endpoint},
+    })
+}
+
+/// The worker type a Dynamo registration names for this server.
+pub const DYNAMO_WORKER_TYPE: &str = "kvrelay";
 
 /// Values are kept raw (the body parser lifts the recursion limit, which is only safe for
 /// values it skips or keeps raw) and read later with serde_json's default limits.
@@ -306,7 +332,7 @@ async fn run_transfer(
     if look["blocks_held"].as_u64().unwrap_or(0) < names.len() as u64 {
         call_source(addr, "POST", "/v1/kv/prefill", Some(q)).await?;
     }
-    let out = fetch_into_cache(&st.engine, &st.transfer.agent, &endpoint, &names, &names, true).await;
+    let out = fetch_into_cache(&st.engine, &st.transfer.agent, &endpoint, tokens, &names, &names, true).await;
     st.record_fetch(&out);
     match out.error {
         Some(e) => Err(e),

@@ -409,6 +409,9 @@ async fn metrics(State(st): State<Shared>) -> Response {
     let mut text = st.admission.prometheus();
     text.push_str(&st.orchestrator.prometheus());
     text.push_str(&st.transfer.agent.prometheus());
+    if let Some(ev) = &st.transfer.events {
+        ev.prometheus(&mut text);
+    }
     st.metrics.encode(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
@@ -426,6 +429,7 @@ async fn kv_lookup(State(st): State<Shared>, headers: HeaderMap, body: Body) -> 
             "blocks_total": names.len(),
             "blocks_held": held,
             "block_hashes": names,
+            "token_ids": tokens,
         })))
     }
     .await;

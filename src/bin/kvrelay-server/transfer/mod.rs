@@ -325,13 +325,15 @@ pub struct FetchOutcome {
     pub hold: PrefixHold,
 }
 
-/// Fetch the run of `names` that `hashes` covers from `endpoint` into `engine`'s reuse cache,
-/// through `agent`. Unless `force`, skip it when local prefill of those tokens is estimated
-/// faster. Never blocks a runtime thread: the agent's completion arrives by callback.
+/// Fetch the run of `names` (the full-block names of `tokens`) that `hashes` covers from
+/// `endpoint` into `engine`'s reuse cache, through `agent`. Unless `force`, skip it when local
+/// prefill of those tokens is estimated faster. Never blocks a runtime thread: the agent's
+/// completion arrives by callback.
 pub async fn fetch_into_cache(
     engine: &Arc<Engine>,
     agent: &KvAgent,
     endpoint: &str,
+    tokens: &[u32],
     names: &[u64],
     hashes: &[u64],
     force: bool,
@@ -379,13 +381,18 @@ pub async fn fetch_into_cache(
     // whether or not this request still waits for it. A request that goes away (this future
     // dropped) cancels the fetch; the blocks come back once nothing writes them.
     let cancel = CancelOnDrop(Some(pending.canceller()));
+    let bt = engine.config.shape.block_tokens;
+    // the run's tokens and the name before it, for the KV events of what gets committed
+    let run_tokens = tokens[held * bt..(held + run.len()) * bt].to_vec();
+    let parent = held.checked_sub(1).map(|p| names[p]);
     let (engine, names, run) = (engine.clone(), names.to_vec(), run.to_vec());
     let completion = tokio::spawn(async move {
         let (r, detail) = pending.done().await;
         // the agent wrote and verified exactly the leading `r.blocks`: commit those, in order
         let committed = r.blocks.min(run.len());
         for (i, &name) in run.iter().enumerate().take(committed) {
-            lease.commit(i, name);
+            let parent = if i == 0 { parent } else { Some(run[i - 1]) };
+            lease.commit(i, name, parent, &run_tokens[i * bt..(i + 1) * bt]);
         }
         // Destination blocks the agent withheld (a NIXL READ not proven stopped) keep their
         // reference until the holder's `returned`; the rest of the lease goes back on drop.
@@ -447,4 +454,6 @@ pub struct TransferState {
     pub fail_on_load_error: bool,
     /// The engine whose pool the agent serves and fills: dropped after the agent (field order).
     pub pool: Arc<Engine>,
+    /// The KV events publisher (`--kv-events-endpoint`), if on.
+    pub events: Option<Arc<crate::events::KvEvents>>,
 }
