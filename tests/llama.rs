@@ -282,3 +282,37 @@ fn one_context_queues_refuses_beyond_the_queue_and_a_client_gone_frees_it() {
     let gone = s.logs().lines().filter(|l| l.contains("status=499") && l.contains("client_gone")).count();
     assert_eq!(gone, 2, "{}", s.logs());
 }
+
+#[test]
+fn streaming_sends_each_token_as_it_is_decoded_and_the_same_text_as_a_whole_answer() {
+    use std::io::{BufRead, BufReader};
+    let _serial = serial();
+    let s = llama(&[]);
+    let body = |stream: bool| json!({"prompt": story("stream", 40), "max_tokens": 200, "stream": stream});
+    let whole = ask(&s, "/v1/completions", body(false));
+    let generated = s.metric("kvrelay_server_generated_tokens_total");
+    let c = client::send(s.addr, "POST", "/v1/completions", Some(body(true).to_string().as_bytes())).unwrap();
+    let mut lines = BufReader::new(c).lines();
+    let mut data = Vec::new();
+    let mut at_first = None;
+    for line in lines.by_ref() {
+        let line = line.expect("the stream goes on");
+        let Some(d) = line.strip_prefix("data: ") else { continue };
+        if d == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(d).unwrap();
+        if at_first.is_none() && !v["choices"][0]["text"].as_str().unwrap_or("").is_empty() {
+            // the first token arrived: the run (200 tokens, counted when it ends) is still going
+            at_first = Some(s.metric("kvrelay_server_generated_tokens_total"));
+        }
+        data.push(v);
+    }
+    assert_eq!(at_first, Some(generated), "the first token came before the run ended");
+    let text: String = data.iter().filter_map(|v| v["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, whole.text, "streamed pieces make the whole answer");
+    let tokens = whole.body["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert!(data.len() > tokens / 2, "{} chunks for {tokens} tokens: token by token", data.len());
+    let last = data.last().unwrap();
+    assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
+}

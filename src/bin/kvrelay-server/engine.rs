@@ -241,11 +241,54 @@ pub const WORDS: [&str; 32] = [
 
 /// Render output tokens as text (each token a word, space-separated).
 pub fn detokenize(tokens: &[u32]) -> Vec<String> {
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| format!("{}{}", if i == 0 { "" } else { " " }, WORDS[t as usize % WORDS.len()]))
-        .collect()
+    tokens.iter().enumerate().map(|(i, &t)| detokenize_one(t, i == 0)).collect()
+}
+
+/// The reference model's text of output token `t` (words are separated by a space).
+fn detokenize_one(t: u32, first: bool) -> String {
+    format!("{}{}", if first { "" } else { " " }, WORDS[t as usize % WORDS.len()])
+}
+
+/// Where a generation sends its output tokens one by one ([`Engine::generate_streaming`]).
+pub type TokenSink = tokio::sync::mpsc::UnboundedSender<u32>;
+
+/// Turns output tokens into text one token at a time, as [`Engine::detokenize`] does for a
+/// whole generation: the pieces it returns, then [`finish`](Self::finish), concatenate to the
+/// same text (a character split across tokens comes out with its last token).
+pub struct Detokenizer<'a> {
+    engine: &'a Engine,
+    pending: Vec<u8>,
+    count: usize,
+}
+
+impl Detokenizer<'_> {
+    /// The text token `t` completes (empty while a character is still incomplete).
+    pub fn push(&mut self, t: u32) -> String {
+        self.count += 1;
+        match &self.engine.model {
+            Model::Reference => detokenize_one(t, self.count == 1),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => {
+                l.piece(t, &mut self.pending);
+                let valid = match std::str::from_utf8(&self.pending) {
+                    Ok(_) => self.pending.len(),
+                    Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                    Err(_) => self.pending.len(),
+                };
+                let rest = self.pending.split_off(valid);
+                let out = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending = rest;
+                out
+            }
+        }
+    }
+
+    /// What is left once the generation ended (an incomplete character, replaced).
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
 }
 
 /// The model behind the seam.
@@ -337,6 +380,11 @@ impl Engine {
         }
     }
 
+    /// A [`Detokenizer`] for one generation.
+    pub fn detokenizer(&self) -> Detokenizer<'_> {
+        Detokenizer { engine: self, pending: Vec::new(), count: 0 }
+    }
+
     /// Output tokens as text pieces (one per token).
     pub fn detokenize(&self, tokens: &[u32]) -> Vec<String> {
         match &self.model {
@@ -397,12 +445,24 @@ impl Engine {
     /// back. Cancel-safe: dropping the future releases every block it took.
     #[allow(clippy::needless_range_loop)] // `i` indexes the lease, the names and the tokens
     pub async fn generate(&self, tokens: &[u32], names: &[u64], max_tokens: usize) -> Result<Generation, EngineError> {
+        self.generate_streaming(tokens, names, max_tokens, None).await
+    }
+
+    /// [`generate`](Self::generate), sending each output token to `on_token` as soon as it is
+    /// chosen (the real model decodes token by token; a closed receiver is ignored).
+    pub async fn generate_streaming(
+        &self,
+        tokens: &[u32],
+        names: &[u64],
+        max_tokens: usize,
+        on_token: Option<TokenSink>,
+    ) -> Result<Generation, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
         #[cfg(feature = "llama")]
         if let Model::Llama(l) = &self.model {
-            return self.generate_llama(l, tokens, names, max_tokens).await;
+            return self.generate_llama(l, tokens, names, max_tokens, on_token).await;
         }
         let sh = self.config.shape;
         let total = self.blocks_for(tokens.len());
@@ -448,6 +508,9 @@ impl Engine {
             b[8..].copy_from_slice(&prev.to_le_bytes());
             prev = (xxh3_64_with_seed(&b, digest) % WORDS.len() as u64) as u32;
             out.push(prev);
+            if let Some(s) = &on_token {
+                let _ = s.send(prev);
+            }
         }
         Ok(Generation {
             tokens: out,
@@ -473,6 +536,7 @@ impl Engine {
         tokens: &[u32],
         names: &[u64],
         max_tokens: usize,
+        on_token: Option<TokenSink>,
     ) -> Result<Generation, EngineError> {
         let started = Instant::now();
         let bt = self.config.shape.block_tokens;
@@ -500,6 +564,7 @@ impl Engine {
                 export_to: full,
                 max_tokens,
                 cancel,
+                on_token,
             })
             .await
             .map_err(EngineError::Model)?;

@@ -136,6 +136,8 @@ pub struct RunRequest {
     pub max_tokens: usize,
     /// Set when the request is gone: the run stops at the next decode call.
     pub cancel: Arc<AtomicBool>,
+    /// Where each output token goes as soon as it is chosen (streaming).
+    pub on_token: Option<super::TokenSink>,
 }
 
 struct Core {
@@ -391,8 +393,8 @@ impl Llama {
         Err("the chat template's output kept growing".into())
     }
 
-    /// The bytes of token `t` (special tokens are not rendered).
-    fn piece(&self, t: u32, out: &mut Vec<u8>) {
+    /// Append the bytes of token `t` to `out` (special tokens are not rendered).
+    pub fn piece(&self, t: u32, out: &mut Vec<u8>) {
         let mut buf = [0u8; 64];
         // SAFETY: vocab lives as long as the model; buf is writable for its length.
         let n = unsafe {
@@ -599,6 +601,9 @@ impl Context {
                 break;
             }
             tokens.push(t);
+            if let Some(s) = &req.on_token {
+                let _ = s.send(t);
+            }
             if j + 1 == req.max_tokens {
                 break;
             }

@@ -138,6 +138,7 @@ pub(super) async fn run_prompt(
     max_tokens: usize,
     plan: Option<&FetchPlan>,
     fetch_log: &mut String,
+    on_token: Option<crate::engine::TokenSink>,
 ) -> Result<Generation, ApiError> {
     let started = Instant::now();
     let names = st.engine.block_names(prompt, salt);
@@ -162,7 +163,7 @@ pub(super) async fn run_prompt(
         }
     }
     let before_engine = started.elapsed();
-    let mut g = st.engine.generate(prompt, &names, max_tokens).await.map_err(engine_error)?;
+    let mut g = st.engine.generate_streaming(prompt, &names, max_tokens, on_token).await.map_err(engine_error)?;
     g.ttft += before_engine;
     st.metrics.prompt_tokens.inc_by(g.prompt_tokens as u64);
     st.metrics.cached_tokens.inc_by(g.cached_tokens as u64);
@@ -246,7 +247,7 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
     let mut gens = Vec::with_capacity(job.prompts.len());
     let mut fetch_log = String::new();
     for (p, plan) in job.prompts.iter().zip(&job.plans) {
-        match run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log).await {
+        match run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log, None).await {
             Ok(g) => gens.push(g),
             Err(e) => {
                 cancelled.answered = true;
@@ -357,14 +358,58 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
         let mut seq = 1u64;
         let mut fetch_log = String::new();
         for (i, (p, plan)) in job.prompts.iter().zip(&job.plans).enumerate() {
-            let g = tokio::select! {
-                g = run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log) => g,
-                () = tx.closed() => {
-                    log_request(&Facts { decision: job.decision_label.clone() + ",client_gone", ..facts_of(&job, &gens, "") }, job.api.endpoint(), 499);
+            // Each token goes out as the engine chooses it (the real model decodes one at a
+            // time); the finish reason follows in a chunk of its own once the run has ended.
+            let chunk = |j: usize, w: &str, fin: Value, seq: u64| match job.api {
+                Api::Completions => json!({
+                    "id": job.id, "object": "text_completion", "created": created, "model": st.config.model,
+                    "choices": [{"index": i, "text": w, "logprobs": null, "finish_reason": fin}],
+                }),
+                Api::Chat => {
+                    let delta = match (j, w.is_empty() && !fin.is_null()) {
+                        (0, _) => json!({"role": "assistant", "content": w}),
+                        (_, true) => json!({}),
+                        _ => json!({"content": w}),
+                    };
+                    json!({
+                        "id": job.id, "object": "chat.completion.chunk", "created": created, "model": st.config.model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": fin}],
+                    })
+                }
+                Api::Responses => json!({
+                    "type": "response.output_text.delta", "sequence_number": seq,
+                    "item_id": format!("msg_{}", &job.id[5..]), "output_index": 0, "content_index": 0, "delta": w,
+                }),
+            };
+            let (tok_tx, mut tok_rx) = mpsc::unbounded_channel::<u32>();
+            let mut detok = st.engine.detokenizer();
+            let mut j = 0usize;
+            let run =
+                run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log, Some(tok_tx));
+            tokio::pin!(run);
+            let mut finished = None;
+            while finished.is_none() || !tok_rx.is_empty() {
+                let t = tokio::select! {
+                    biased;
+                    Some(t) = tok_rx.recv() => t,
+                    g = &mut run, if finished.is_none() => { finished = Some(g); continue; }
+                    () = tx.closed() => {
+                        log_request(&Facts { decision: job.decision_label.clone() + ",client_gone", ..facts_of(&job, &gens, "") }, job.api.endpoint(), 499);
+                        return;
+                    }
+                };
+                if i == 0 && j == 0 {
+                    observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
+                }
+                let w = detok.push(t);
+                let ev = chunk(j, &w, json!(null), seq);
+                j += 1;
+                seq += 1;
+                if tx.send(sse(ev)).await.is_err() {
                     return;
                 }
-            };
-            let g = match g {
+            }
+            let g = match finished.expect("the loop ends once the run has") {
                 Ok(g) => g,
                 Err(e) => {
                     let msg = e.message;
@@ -372,30 +417,17 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     break;
                 }
             };
-            if i == 0 {
+            if i == 0 && j == 0 {
                 observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
             }
-            let fin = json!(g.finish_reason());
-            for (j, w) in st.engine.detokenize(&g.tokens).into_iter().enumerate() {
-                let last = j + 1 == g.tokens.len();
-                let ev = match job.api {
-                    Api::Completions => json!({
-                        "id": job.id, "object": "text_completion", "created": created, "model": st.config.model,
-                        "choices": [{"index": i, "text": w, "logprobs": null, "finish_reason": if last { fin.clone() } else { json!(null) }}],
-                    }),
-                    Api::Chat => {
-                        let delta =
-                            if j == 0 { json!({"role": "assistant", "content": w}) } else { json!({"content": w}) };
-                        json!({
-                            "id": job.id, "object": "chat.completion.chunk", "created": created, "model": st.config.model,
-                            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": if last { fin.clone() } else { json!(null) }}],
-                        })
-                    }
-                    Api::Responses => json!({
-                        "type": "response.output_text.delta", "sequence_number": seq,
-                        "item_id": format!("msg_{}", &job.id[5..]), "output_index": 0, "content_index": 0, "delta": w,
-                    }),
-                };
+            let rest = detok.finish();
+            if job.api != Api::Responses || !rest.is_empty() {
+                let ev = chunk(
+                    j,
+                    &rest,
+                    if job.api == Api::Responses { json!(null) } else { json!(g.finish_reason()) },
+                    seq,
+                );
                 seq += 1;
                 if tx.send(sse(ev)).await.is_err() {
                     return;
