@@ -33,7 +33,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{frame_fail, io_fail, refusal, Backend, Failure, Landing, Pull};
+use super::{read_in_place_offer, send_done, Backend, Failure, Landing, Pull};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
 use crate::agent::wire::{self, Conn};
 use crate::agent::{FailReason, Inner, Limits};
@@ -262,26 +262,9 @@ impl Backend for CudaIpc {
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
     ) -> Result<bool, Failure> {
-        let by = || inner.io_deadline().min(job.deadline);
-        let max = wire::max_in_place_offer(job.asked.len(), inner.layout.segments().len());
-        let (kind, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
-        job.buf.resize(len, 0);
-        c.read_by(job.buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
-        if kind == wire::REFUSE {
-            return Err(refusal(job.buf));
-        }
-        land.offered = true;
-        let offer = match (kind, wire::decode_in_place_offer(job.buf)) {
-            (wire::IPC_OFFER, Some(o)) if o.agent == AGENT => o,
-            _ => return Err((FailReason::Corrupt, "expected a CUDA IPC offer".into())),
-        };
-        let done = |c: &mut dyn Conn, n: usize| {
-            let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
-        };
+        let offer =
+            read_in_place_offer(inner, c, wire::IPC_OFFER, Some(AGENT), job.asked.len(), job.deadline, job.buf, land)?;
         let r = (|| {
-            offer.check(&inner.layout, job.asked.len()).map_err(|(mismatch, text)| {
-                (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
-            })?;
             let exports = decode_exports(&offer.metadata)
                 .ok_or((FailReason::Corrupt, "the offer's CUDA IPC exports do not decode".to_string()))?;
             if exports.host != self.host {
@@ -331,7 +314,7 @@ impl Backend for CudaIpc {
             }
             Ok(())
         })();
-        done(c, land.blocks);
+        send_done(inner, c, land.blocks);
         r.map(|()| true)
     }
 

@@ -187,6 +187,47 @@ pub(super) fn serve_in_place(
     }
 }
 
+/// Fetch side of a transport whose reader moves the bytes itself (NIXL, CUDA IPC): read the
+/// source's answer to this transport's hello (a refusal, or an offer in a frame of `kind`
+/// from an agent named `agent` when given) into `buf`, mark the landing as offered, and check
+/// the offer against this agent's layout and the `asked` count. The caller moves the offered
+/// blocks, then ends the source's pins with [`send_done`].
+#[allow(clippy::too_many_arguments)] // the connection, the expected offer, the job's bounds
+pub(super) fn read_in_place_offer(
+    inner: &Inner,
+    c: &mut dyn Conn,
+    kind: u8,
+    agent: Option<&str>,
+    asked: usize,
+    deadline: Instant,
+    buf: &mut Vec<u8>,
+    land: &mut Landing<'_>,
+) -> Result<wire::InPlaceOffer, Failure> {
+    let by = || inner.io_deadline().min(deadline);
+    let max = wire::max_in_place_offer(asked, inner.layout.segments().len());
+    let (got, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
+    buf.resize(len, 0);
+    c.read_by(buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
+    if got == wire::REFUSE {
+        return Err(refusal(buf));
+    }
+    land.offered = true;
+    let offer = match (got == kind, wire::decode_in_place_offer(buf)) {
+        (true, Some(o)) if agent.is_none_or(|a| o.agent == a) => o,
+        _ => return Err((FailReason::Corrupt, "expected an in-place offer of this transport".into())),
+    };
+    offer.check(&inner.layout, asked).map_err(|(mismatch, text)| {
+        (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
+    })?;
+    Ok(offer)
+}
+
+/// Tell the source of an in-place offer that `n` leading blocks arrived and its pins can end
+/// (best effort: a source that does not hear it ends them at its deadline).
+pub(super) fn send_done(inner: &Inner, c: &mut dyn Conn, n: usize) {
+    let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
+}
+
 /// One way of moving a fetch's bytes. Implementations are thread-safe: every fetch worker and
 /// serving connection uses the agent's one backend.
 pub(super) trait Backend: Send + Sync {

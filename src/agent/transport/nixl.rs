@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
 use nixl_sys::{XferRequest, XferStatus};
 
-use super::{frame_fail, io_fail, refusal, Backend, Failure, Landing, Pull};
+use super::{read_in_place_offer, send_done, Backend, Failure, Landing, Pull};
 use crate::agent::estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT};
 use crate::agent::wire::{self, Conn};
 use crate::agent::{FailReason, Inner, Limits, Stats};
@@ -495,27 +495,10 @@ fn pull(
     stopped: &dyn Fn() -> Result<(), Failure>,
     land: &mut Landing<'_>,
 ) -> Result<(), Failure> {
-    let layout = &inner.layout;
-    let by = || inner.io_deadline().min(deadline);
-    let max = wire::max_in_place_offer(asked.len(), layout.segments().len());
-    let (kind, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
-    let mut buf = vec![0u8; len];
-    c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
-    if kind == wire::REFUSE {
-        return Err(refusal(&buf));
-    }
-    land.offered = true;
-    let offer = match (kind, wire::decode_in_place_offer(&buf)) {
-        (wire::NIXL_OFFER, Some(o)) => o,
-        _ => return Err((FailReason::Corrupt, "expected an in-place offer".into())),
-    };
+    let mut buf = Vec::new();
+    let offer = read_in_place_offer(inner, c, wire::NIXL_OFFER, None, asked.len(), deadline, &mut buf, land)?;
     let count = offer.blocks.len();
-    offer.check(&inner.layout, asked.len()).map_err(|(mismatch, text)| {
-        (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
-    })?;
-    let done = |c: &mut dyn Conn, n: usize| {
-        let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
-    };
+    let done = |c: &mut dyn Conn, n: usize| send_done(inner, c, n);
     if count == 0 {
         done(c, 0);
         return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
