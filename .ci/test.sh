@@ -60,6 +60,11 @@ fi
 PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server
 PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server --engine llama --model-file "$KVRELAY_MODEL_FILE"
 
+echo "== behind Dynamo's KV router (ai-dynamo-runtime 1.6.1, in-process; reference engine, then the real model)"
+source .ci/ensure-dynamo.sh
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py target/release/kvrelay-server
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py target/release/kvrelay-server --engine llama --model-file "$KVRELAY_MODEL_FILE"
+
 echo "== benches compile"
 cargo build --locked --release --benches --features server,nixl,llama
 

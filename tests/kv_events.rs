@@ -146,6 +146,10 @@ fn info_names_what_a_router_registration_needs() {
     assert_eq!(d["block_size"], 32);
     assert_eq!(d["model_name"], "kvrelay-reference");
     assert_eq!(d["router_hint_source_control_endpoints"]["0"], i["kv_endpoint"]);
+    // an idle publisher still sends (empty) batches: a late router learns it missed some
+    let r = Router::connect(&s);
+    let idle = (0..5).map(|_| r.next()).find(|b| b.events.is_empty());
+    assert!(idle.is_some(), "an empty batch within five batches of an idle server");
     // off by default: no events, no registration
     let plain = start(true, &[]);
     let i = info(&plain);

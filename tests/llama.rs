@@ -288,7 +288,7 @@ fn streaming_sends_each_token_as_it_is_decoded_and_the_same_text_as_a_whole_answ
     use std::io::{BufRead, BufReader};
     let _serial = serial();
     let s = llama(&[]);
-    let body = |stream: bool| json!({"prompt": story("stream", 40), "max_tokens": 200, "stream": stream});
+    let body = |stream: bool| json!({"prompt": story("stream", 40), "max_tokens": 200, "stream": stream, "return_token_ids": true});
     let whole = ask(&s, "/v1/completions", body(false));
     let generated = s.metric("kvrelay_server_generated_tokens_total");
     let c = client::send(s.addr, "POST", "/v1/completions", Some(body(true).to_string().as_bytes())).unwrap();
@@ -311,6 +311,8 @@ fn streaming_sends_each_token_as_it_is_decoded_and_the_same_text_as_a_whole_answ
     assert_eq!(at_first, Some(generated), "the first token came before the run ended");
     let text: String = data.iter().filter_map(|v| v["choices"][0]["text"].as_str()).collect();
     assert_eq!(text, whole.text, "streamed pieces make the whole answer");
+    let ids: Vec<Value> = data.iter().flat_map(|v| v["choices"][0]["token_ids"].as_array().unwrap().clone()).collect();
+    assert_eq!(&Value::from(ids), &whole.body["choices"][0]["token_ids"], "each chunk carries its token id");
     let tokens = whole.body["usage"]["completion_tokens"].as_u64().unwrap() as usize;
     assert!(data.len() > tokens / 2, "{} chunks for {tokens} tokens: token by token", data.len());
     let last = data.last().unwrap();

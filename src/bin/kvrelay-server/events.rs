@@ -32,7 +32,9 @@
 //! queue drops the event and counts it (`kvrelay_server_kv_events_dropped_total`). One
 //! thread drains the queue into batches and publishes; ZMQ's PUB drops a batch for a
 //! subscriber [`SEND_HWM`] batches behind instead of waiting for it, and such a subscriber
-//! can replay. The replay socket runs on a thread of its own.
+//! can replay. The replay socket runs on a thread of its own. An idle publisher sends an empty
+//! batch every [`IDLE_BATCH`], so that a router that subscribed late finds out what it missed
+//! without waiting for this instance's next request.
 //!
 //! **Hostile input.** Neither socket reads more than [`MAX_INBOUND`] bytes per message
 //! (`ZMQ_MAXMSGSIZE`: a longer message ends that peer's connection); a replay request that
@@ -45,9 +47,9 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Events the queue between the cache and the publishing thread holds.
 pub const QUEUE_EVENTS: usize = 1 << 16;
@@ -59,6 +61,10 @@ pub const REPLAY_KEEP_BYTES: usize = 64 << 20;
 pub const SEND_HWM: i32 = 100_000;
 /// Largest message either socket reads (subscriptions, heartbeats, replay requests).
 pub const MAX_INBOUND: i64 = 256;
+/// How often an idle publisher sends an empty batch: a router that subscribed late learns
+/// from it that it missed batches and asks for a replay (Dynamo asks on the first batch it
+/// sees), even while this instance serves nothing.
+pub const IDLE_BATCH: Duration = Duration::from_secs(1);
 /// The end-of-replay marker: -1 as a big-endian i64.
 pub const END_SEQ: [u8; 8] = [0xff; 8];
 
@@ -289,14 +295,19 @@ impl KvEvents {
     }
 }
 
-/// Drain the queue into batches and publish them until every sink is gone.
+/// Drain the queue into batches and publish them until every sink is gone; an idle
+/// publisher sends an empty batch every [`IDLE_BATCH`].
 fn publish_loop(ev: &KvEvents, s: zmq::Socket, rx: Receiver<Event>, kept: &Mutex<Kept>) {
     let (_, mut seq) = now();
     let mut batch = Vec::with_capacity(BATCH_EVENTS);
-    while let Ok(first) = rx.recv() {
+    loop {
         batch.clear();
-        batch.push(first);
-        while batch.len() < BATCH_EVENTS {
+        match rx.recv_timeout(IDLE_BATCH) {
+            Ok(first) => batch.push(first),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        while !batch.is_empty() && batch.len() < BATCH_EVENTS {
             match rx.try_recv() {
                 Ok(e) => batch.push(e),
                 Err(_) => break,

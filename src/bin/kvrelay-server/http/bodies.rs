@@ -97,6 +97,9 @@ pub(super) struct CompletionBody<'a> {
     pub(super) model: Option<String>,
     #[serde(default)]
     pub(super) max_tokens: Option<u64>,
+    /// Each choice (each streamed chunk) also carries its output `token_ids` (vLLM's field).
+    #[serde(default)]
+    pub(super) return_token_ids: Option<bool>,
     #[serde(default)]
     pub(super) stream: Option<bool>,
     #[serde(default)]

@@ -37,6 +37,8 @@ pub(super) struct Job {
     pub(super) salt: Option<String>,
     pub(super) max_tokens: usize,
     pub(super) include_usage: bool,
+    /// `return_token_ids`: completion choices carry their output token ids.
+    pub(super) token_ids: bool,
     /// The admitted snapshots travel with the request until it ends.
     pub(super) _hints: Vec<HintOutcome>,
     /// Per prompt: the named fetch the provider took, if any.
@@ -264,9 +266,15 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
     let body = match job.api {
         Api::Completions => json!({
             "id": job.id, "object": "text_completion", "created": now_secs(), "model": st.config.model,
-            "choices": gens.iter().enumerate().map(|(i, g)| json!({
-                "index": i, "text": st.engine.detokenize(&g.tokens).concat(), "logprobs": null, "finish_reason": g.finish_reason()
-            })).collect::<Vec<_>>(),
+            "choices": gens.iter().enumerate().map(|(i, g)| {
+                let mut c = json!({
+                    "index": i, "text": st.engine.detokenize(&g.tokens).concat(), "logprobs": null, "finish_reason": g.finish_reason()
+                });
+                if job.token_ids {
+                    c["token_ids"] = json!(g.tokens);
+                }
+                c
+            }).collect::<Vec<_>>(),
             "usage": u,
         }),
         Api::Chat => json!({
@@ -360,11 +368,17 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
         for (i, (p, plan)) in job.prompts.iter().zip(&job.plans).enumerate() {
             // Each token goes out as the engine chooses it (the real model decodes one at a
             // time); the finish reason follows in a chunk of its own once the run has ended.
-            let chunk = |j: usize, w: &str, fin: Value, seq: u64| match job.api {
-                Api::Completions => json!({
-                    "id": job.id, "object": "text_completion", "created": created, "model": st.config.model,
-                    "choices": [{"index": i, "text": w, "logprobs": null, "finish_reason": fin}],
-                }),
+            let chunk = |j: usize, w: &str, toks: &[u32], fin: Value, seq: u64| match job.api {
+                Api::Completions => {
+                    let mut c = json!({"index": i, "text": w, "logprobs": null, "finish_reason": fin});
+                    if job.token_ids {
+                        c["token_ids"] = json!(toks);
+                    }
+                    json!({
+                        "id": job.id, "object": "text_completion", "created": created, "model": st.config.model,
+                        "choices": [c],
+                    })
+                }
                 Api::Chat => {
                     let delta = match (j, w.is_empty() && !fin.is_null()) {
                         (0, _) => json!({"role": "assistant", "content": w}),
@@ -402,7 +416,7 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
                 }
                 let w = detok.push(t);
-                let ev = chunk(j, &w, json!(null), seq);
+                let ev = chunk(j, &w, &[t], json!(null), seq);
                 j += 1;
                 seq += 1;
                 if tx.send(sse(ev)).await.is_err() {
@@ -425,6 +439,7 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                 let ev = chunk(
                     j,
                     &rest,
+                    &[],
                     if job.api == Api::Responses { json!(null) } else { json!(g.finish_reason()) },
                     seq,
                 );
