@@ -19,7 +19,7 @@ Checks:
   c. A2 evicts a prompt; the router, subscribed, stops naming A2 for it, and B prefills.
   d. A router started after A answered still learns what A holds (the replay socket).
   e. R's blocks for the same token ids: the router names R, B fetches nothing, answers cold.
-  f. Dynamo's runtime: examples/dynamo/worker.py registers A and B with a DistributedRuntime
+  f. Dynamo's runtime: scripts/dynamo_worker.py registers A and B with a DistributedRuntime
      (file discovery in a private folder, TCP requests, ZMQ events); KvRouter.generate sent to
      B's worker carries a top-level `kv_hint` that the worker passes on; B fetches A's blocks.
 Every wait is bounded and polls a condition.
@@ -44,7 +44,7 @@ os.environ.setdefault("DYN_LOG", "error")
 from dynamo._core import SelectionService  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "examples", "dynamo", "worker.py")
+WORKER = os.path.join(ROOT, "scripts", "dynamo_worker.py")
 
 FETCHED = "kvrelay_server_fetched_tokens_total"
 SENT = 'kvrelay_server_kv_transfer_blocks_total{direction="sent"}'

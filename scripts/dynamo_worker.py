@@ -2,7 +2,7 @@
 distributed runtime (discovery, request plane, event plane) and forwards the requests Dynamo's
 KV router sends it to the server's /v1/completions, the router's `kv_hint` as `kv_hints`.
 
-Usage: python3 examples/dynamo/worker.py --server http://HOST:PORT [--namespace kvrelay]
+Usage: python3 scripts/dynamo_worker.py --server http://HOST:PORT [--namespace kvrelay]
     [--component worker] [--discovery file] [--event-plane zmq]
 The server must run with --kv-events-endpoint: the worker reads its /v1/kv/info (`dynamo`:
 the model name, block size, KV events endpoint and KV endpoint), relays the server's KV events
