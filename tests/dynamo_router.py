@@ -22,6 +22,8 @@ Checks:
   f. Dynamo's runtime: scripts/dynamo_worker.py registers A and B with a DistributedRuntime
      (file discovery in a private folder, TCP requests, ZMQ events); KvRouter.generate sent to
      B's worker carries a top-level `kv_hint` that the worker passes on; B fetches A's blocks.
+  g. Dynamo's standalone selection service (`python -m dynamo.select_service`, HTTP): the same
+     hint as in a, through its /workers and /select_and_reserve routes.
 Every wait is bounded and polls a condition.
 """
 
@@ -29,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -385,6 +388,9 @@ async def run(binary, flags):
         # f. the same through Dynamo's runtime and the worker shim
         report["f"] = await through_runtime(servers, env, model, bt)
 
+        # g. the standalone selection service (`python -m dynamo.select_service`, HTTP)
+        report["g"] = standalone_selection(servers, env, model, bt)
+
         for name in ("A", "A2", "B", "R"):
             s = servers[name]
             assert s.metric(PUBLISHED) > 0, f"{name} published no events"
@@ -396,6 +402,73 @@ async def run(binary, flags):
                 r.close()
         for s in servers.values():
             s.stop()
+
+
+def standalone_selection(servers, env, model, bt):
+    """Dynamo's selection service as its own process: each server's /v1/kv/info `dynamo`
+    object, with a worker id and the server's URL, is its registration (POST /workers, JSON as
+    the server gives it); POST /select_and_reserve returns the `kv_hint`; DELETE
+    /reservations/{id} frees the reservation."""
+    A, B, C = servers["A"], servers["B"], servers["C"]
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.select_service", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    CHILDREN.append(proc)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up():
+            assert proc.poll() is None, f"the selection service exited ({proc.returncode})"
+            try:
+                return request(base, "GET", "/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        deadline_wait(up, "the selection service answers", 60)
+        for wid, srv in ((1, A), (2, B)):
+            reg = dict(srv.info["dynamo"], worker_id=wid, endpoint=srv.base)
+            status, _, raw = request(base, "POST", "/workers", reg)
+            assert status in (200, 201), f"POST /workers: {status} {raw}"
+            got = json.loads(raw)
+            for k, v in reg.items():
+                assert got.get(k) == v, f"the selection service dropped {k}: {got}"
+        p = story("standalone", 90)
+        look = A.lookup(p)
+        A.complete(p)
+        n = A.lookup(p)["blocks_held"]
+        tried = [0]
+
+        def hinted():
+            tried[0] += 1
+            sid = f"standalone-{tried[0]}"
+            body = {"model_name": model, "selection_id": sid, "token_ids": look["token_ids"], "allowed_worker_ids": [2]}
+            r = call(base, "POST", "/select_and_reserve", body)
+            status, _, raw = request(base, "DELETE", f"/reservations/{sid}")
+            assert status == 200, raw
+            pay = fetch_payload(r.get("kv_hint") or r.get("router_hint"))
+            return r if pay is not None and len(pay["block_hashes"]) >= n else None
+
+        r = deadline_wait(hinted, "the selection service hints A's blocks to B", 30)
+        assert r["worker_id"] == 2, r
+        hint = r.get("kv_hint") or r.get("router_hint")
+        pay = fetch_payload(hint)
+        assert pay["source_control_endpoint"] == A.kv_endpoint, pay
+        assert pay["block_hashes"] == look["block_hashes"][:n], pay
+        cold = C.complete(p)
+        f0 = B.metric(FETCHED)
+        got = B.complete(p, hint)
+        assert B.metric(FETCHED) - f0 == n * bt, f"B fetched {B.metric(FETCHED) - f0}, want {n * bt}"
+        same_answer(got, cold, "g: B with the standalone selection service's hint")
+        return {"blocks": n, "selections": tried[0]}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 async def through_runtime(servers, env, model, bt):
