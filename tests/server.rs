@@ -85,17 +85,20 @@ fn hint_spellings_batches_and_request_errors() {
     let s = start(true, &["--trusted-endpoint", "tcp://127.0.0.1:23280"]);
     let h = envelope("0.1", json!([5, 6]));
     let p = prompt("spell", 20);
-    for body in
-        [json!({"prompt": p, "kv_hint": h}), json!({"prompt": p, "kv_transfer_params": {"kv_hint": h, "other": 1}})]
-    {
+    for body in [
+        json!({"prompt": p, "kv_hint": h}),
+        json!({"prompt": p, "kv_transfer_params": {"kv_hint": h, "other": 1}}),
+        json!({"prompt": p, "router_hint": h}),
+        json!({"prompt": p, "kv_transfer_params": {"router_hint": h}}),
+    ] {
         let before = s.metric("kvrelay_kv_hints_admitted_total");
         s.complete(body);
         assert_eq!(s.metric("kvrelay_kv_hints_admitted_total"), before + 1.0);
     }
     // The admitted kv.fetch went through orchestration to the provider, which took it; its
     // hashes name none of this prompt's blocks, so nothing was fetched.
-    assert_eq!(s.metric("kvrelay_kv_policy_named_fetch_total"), 2.0);
-    assert_eq!(s.metric("kvrelay_server_kv_transfers_total{outcome=\"skipped\",reason=\"nothing_to_fetch\"}"), 2.0);
+    assert_eq!(s.metric("kvrelay_kv_policy_named_fetch_total"), 4.0);
+    assert_eq!(s.metric("kvrelay_server_kv_transfers_total{outcome=\"skipped\",reason=\"nothing_to_fetch\"}"), 4.0);
     // A payload without block_hashes is refused by the provider's own validation.
     let mut bad = envelope("0.1", json!([1]));
     bad["actions"][0]["payload"].as_object_mut().unwrap().remove("block_hashes");

@@ -50,7 +50,7 @@ pub(super) fn classify(e: &serde_json::Error) -> &'static str {
 
 /// The hint members of every generation body (each body lists them itself: serde cannot keep a
 /// `RawValue` through `#[serde(flatten)]`). A request carries one hint: `kv_hints` (the spelling
-/// of OpenAI clients' `extra_body`), Dynamo's `kv_hint`, or `kv_hint` under
+/// of OpenAI clients' `extra_body`), Dynamo's `kv_hint` (or `router_hint`), or `kv_hint` under
 /// `kv_transfer_params`; two at once is a 400.
 pub(super) struct HintFields<'a> {
     pub(super) kv_hints: Option<&'a RawValue>,
@@ -66,7 +66,9 @@ macro_rules! hint_fields {
 
 #[derive(Deserialize)]
 pub(super) struct TransferParams<'a> {
-    #[serde(borrow, default)]
+    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
+    /// a duplicate field, a 400).
+    #[serde(borrow, default, alias = "router_hint")]
     pub(super) kv_hint: Option<&'a RawValue>,
 }
 
@@ -108,7 +110,9 @@ pub(super) struct CompletionBody<'a> {
     pub(super) cache_salt: Option<String>,
     #[serde(borrow, default)]
     pub(super) kv_hints: Option<&'a RawValue>,
-    #[serde(borrow, default)]
+    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
+    /// a duplicate field, a 400).
+    #[serde(borrow, default, alias = "router_hint")]
     pub(super) kv_hint: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub(super) kv_transfer_params: Option<&'a RawValue>,
@@ -138,7 +142,9 @@ pub(super) struct ChatBody<'a> {
     pub(super) cache_salt: Option<String>,
     #[serde(borrow, default)]
     pub(super) kv_hints: Option<&'a RawValue>,
-    #[serde(borrow, default)]
+    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
+    /// a duplicate field, a 400).
+    #[serde(borrow, default, alias = "router_hint")]
     pub(super) kv_hint: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub(super) kv_transfer_params: Option<&'a RawValue>,
@@ -167,7 +173,9 @@ pub(super) struct ResponsesBody<'a> {
     pub(super) cache_salt: Option<String>,
     #[serde(borrow, default)]
     pub(super) kv_hints: Option<&'a RawValue>,
-    #[serde(borrow, default)]
+    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
+    /// a duplicate field, a 400).
+    #[serde(borrow, default, alias = "router_hint")]
     pub(super) kv_hint: Option<&'a RawValue>,
     #[serde(borrow, default)]
     pub(super) kv_transfer_params: Option<&'a RawValue>,
