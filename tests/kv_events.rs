@@ -248,3 +248,21 @@ fn commits_and_evictions_reach_a_router_in_order_and_a_late_router_replays_them(
     assert!(published >= all.iter().map(|b| b.events.len()).sum::<usize>() as f64);
     assert_eq!(s.metric("kvrelay_server_kv_events_dropped_total"), 0.0);
 }
+
+#[test]
+fn peers_off_the_allowlist_get_no_events() {
+    let s = with_events(&["--kv-peer-allow", "10.9.9.9"]);
+    let r = Router::connect(&s);
+    // both the SUB and the DEALER handshake are refused by the server's ZAP handler
+    common::wait_until("both connections refused", || s.metric("kvrelay_server_kv_events_refused_total") >= 2.0);
+    s.complete(json!({"prompt": prompt("secret", 2), "max_tokens": 1}));
+    assert!(s.metric("kvrelay_server_kv_events_published_total") >= 2.0);
+    r.dealer.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], zmq::DONTWAIT).ok();
+    assert!(r.sub.recv_multipart(zmq::DONTWAIT).is_err(), "a refused subscriber got a batch");
+    assert!(r.dealer.recv_multipart(zmq::DONTWAIT).is_err(), "a refused peer got a replay");
+    // the default (loopback) lets this test's routers in
+    let ok = with_events(&[]);
+    let r = Router::connect(&ok);
+    assert!(!r.replay(0).is_empty());
+    assert_eq!(ok.metric("kvrelay_server_kv_events_refused_total"), 0.0);
+}

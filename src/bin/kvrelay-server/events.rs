@@ -36,10 +36,14 @@
 //! batch every [`IDLE_BATCH`], so that a router that subscribed late finds out what it missed
 //! without waiting for this instance's next request.
 //!
-//! **Hostile input.** Neither socket reads more than [`MAX_INBOUND`] bytes per message
+//! **Hostile input.** Only the peers of `--kv-peer-allow` (the KV service's allowlist, the
+//! library's [`PeerAllow`] rules; loopback by default) get through the handshake: both
+//! sockets ask a ZAP handler of their own (ZeroMQ's authentication protocol, on an in-process
+//! socket), which refuses any other address and counts it
+//! (`kvrelay_server_kv_events_refused_total`). The events carry the token ids of cached
+//! prompts. Neither socket reads more than [`MAX_INBOUND`] bytes per message
 //! (`ZMQ_MAXMSGSIZE`: a longer message ends that peer's connection); a replay request that
-//! is not exactly the shape above is ignored. The events carry the token ids of cached
-//! prompts: bind the endpoints to an address only routers reach.
+//! is not exactly the shape above is ignored.
 //!
 //! ZMQ is libzmq (4.3, built from source by the `zmq` crate): it speaks ZMTP 3.1, whose
 //! heartbeats (`PING`/`PONG`) Dynamo's subscriber sends every few seconds and drops a
@@ -50,6 +54,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvrelay::agent::PeerAllow;
 
 /// Events the queue between the cache and the publishing thread holds.
 pub const QUEUE_EVENTS: usize = 1 << 16;
@@ -123,6 +129,8 @@ pub struct EventStats {
     pub batches: AtomicU64,
     /// Replay requests answered.
     pub replays: AtomicU64,
+    /// Connections refused: the peer is not on the allowlist.
+    pub refused: AtomicU64,
 }
 
 /// The running publisher: its bound endpoints and counters.
@@ -155,6 +163,11 @@ impl KvEvents {
             ),
             ("kvrelay_server_kv_event_batches_total", "KV event batches published.", &s.batches),
             ("kvrelay_server_kv_event_replays_total", "KV event replay requests answered.", &s.replays),
+            (
+                "kvrelay_server_kv_events_refused_total",
+                "KV events connections refused: the peer is not on --kv-peer-allow.",
+                &s.refused,
+            ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
         }
@@ -184,6 +197,8 @@ pub struct EventsConfig<'a> {
     pub block_size: usize,
     /// `"GPU"` or `"CPU"`.
     pub medium: &'static str,
+    /// The peers either socket accepts.
+    pub allow: PeerAllow,
 }
 
 /// Replayable batches: `(seq, payload)` in order, at most [`REPLAY_KEEP_BYTES`] of payloads.
@@ -241,8 +256,12 @@ impl KvEvents {
     /// and the sink the cache sends to. The first batch is `AllBlocksCleared`.
     pub fn start(cfg: &EventsConfig<'_>) -> Result<(Arc<KvEvents>, EventSink), String> {
         let ctx = zmq::Context::new();
+        let stats = Arc::new(EventStats::default());
+        // the handler is bound before either socket: no handshake is ever made without it
+        start_zap(&ctx, cfg.allow.clone(), stats.clone())?;
         let setup = |kind: zmq::SocketType, at: &str, what: &str| -> Result<zmq::Socket, String> {
             let s = ctx.socket(kind).map_err(|e| format!("{what}: {e}"))?;
+            s.set_zap_domain(ZAP_DOMAIN).map_err(|e| format!("{what}: {e}"))?;
             s.set_linger(0).map_err(|e| format!("{what}: {e}"))?;
             s.set_sndhwm(SEND_HWM).map_err(|e| format!("{what}: {e}"))?;
             s.set_maxmsgsize(MAX_INBOUND).map_err(|e| format!("{what}: {e}"))?;
@@ -262,7 +281,6 @@ impl KvEvents {
         let replay = setup(zmq::ROUTER, &replay_at, "--kv-events-replay-endpoint")?;
         let replay_endpoint = bound(&replay)?;
 
-        let stats = Arc::new(EventStats::default());
         let (tx, rx) = sync_channel(QUEUE_EVENTS);
         let kept = Arc::new(Mutex::new(Kept::default()));
         let events = Arc::new(KvEvents {
@@ -292,6 +310,47 @@ impl KvEvents {
         // the context stays alive with its sockets (each thread owns one until the process ends)
         std::mem::forget(ctx);
         Ok((events, sink))
+    }
+}
+
+/// The ZAP domain both sockets name (a NULL-mechanism socket asks ZAP only when it has one).
+const ZAP_DOMAIN: &str = "kvrelay-kv-events";
+
+/// Answer ZeroMQ's authentication requests (ZAP 1.0, `inproc://zeromq.zap.01` of `ctx`) from a
+/// thread of its own: a peer whose address `allow` admits gets `200`, any other `400`.
+fn start_zap(ctx: &zmq::Context, allow: PeerAllow, stats: Arc<EventStats>) -> Result<(), String> {
+    let s = ctx.socket(zmq::REP).map_err(|e| format!("KV events' ZAP handler: {e}"))?;
+    s.bind("inproc://zeromq.zap.01").map_err(|e| format!("KV events' ZAP handler: {e}"))?;
+    std::thread::Builder::new()
+        .name("kv-events-zap".into())
+        .spawn(move || loop {
+            let req = match s.recv_multipart(0) {
+                Ok(r) => r,
+                Err(zmq::Error::EINTR) => continue,
+                Err(_) => return,
+            };
+            let ok = zap_allows(&req, &allow);
+            if !ok {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            let id = req.get(1).map_or(&[][..], |v| &v[..]);
+            let (code, text): (&[u8], &[u8]) = if ok { (b"200", b"OK") } else { (b"400", b"peer not allowed") };
+            if s.send_multipart([&b"1.0"[..], id, code, text, b"", b""], 0).is_err() {
+                return;
+            }
+        })
+        .map_err(|e| format!("starting the KV events' ZAP thread: {e}"))?;
+    Ok(())
+}
+
+/// Whether a ZAP request `[version, request id, domain, address, identity, mechanism, ...]`
+/// comes from an address `allow` admits.
+pub fn zap_allows(req: &[Vec<u8>], allow: &PeerAllow) -> bool {
+    match req {
+        [version, _id, _domain, address, _identity, _mechanism, ..] if version == b"1.0" => {
+            std::str::from_utf8(address).ok().and_then(|a| a.parse().ok()).is_some_and(|ip| allow.allows(ip))
+        }
+        _ => false,
     }
 }
 
@@ -480,6 +539,20 @@ mod tests {
         assert_eq!(replay_start(&[b"id".to_vec(), vec![1], vec![0; 8]]), None);
         assert_eq!(replay_start(&[b"id".to_vec(), vec![0; 8]]), None);
         assert_eq!(replay_start(&[]), None);
+    }
+
+    #[test]
+    fn zap_admits_only_listed_addresses_of_well_formed_requests() {
+        let allow = PeerAllow::loopback();
+        let req = |v: &[u8], addr: &str| {
+            vec![v.to_vec(), b"1".to_vec(), b"d".to_vec(), addr.as_bytes().to_vec(), vec![], b"NULL".to_vec()]
+        };
+        assert!(zap_allows(&req(b"1.0", "127.0.0.1"), &allow));
+        assert!(zap_allows(&req(b"1.0", "::1"), &allow));
+        assert!(!zap_allows(&req(b"1.0", "10.0.0.1"), &allow));
+        assert!(!zap_allows(&req(b"1.0", "not an address"), &allow));
+        assert!(!zap_allows(&req(b"2.0", "127.0.0.1"), &allow), "another ZAP version");
+        assert!(!zap_allows(&req(b"1.0", "127.0.0.1")[..5], &allow), "too few frames");
     }
 
     #[test]

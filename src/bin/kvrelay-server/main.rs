@@ -161,8 +161,8 @@ pub struct ServeArgs {
     pub nixl_lib_dir: Option<std::path::PathBuf>,
     /// Publish KV events (what the reuse cache stores and evicts, vLLM's format, for routers
     /// such as Dynamo's) on a ZMQ PUB socket bound here (`tcp://HOST:PORT`, port 0 picks one;
-    /// reported by /v1/kv/info). Off when unset. The events carry cached prompts' token ids:
-    /// bind an address only routers reach.
+    /// reported by /v1/kv/info). Off when unset. Only peers of --kv-peer-allow connect (the
+    /// events carry cached prompts' token ids).
     #[arg(long, env = "KVRELAY_KV_EVENTS_ENDPOINT")]
     pub kv_events_endpoint: Option<String>,
     /// Where the KV events' replay socket (ZMQ ROUTER) binds (default: the events endpoint's
@@ -300,6 +300,8 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
                 replay_endpoint: args.kv_events_replay_endpoint.as_deref(),
                 block_size: shape.block_tokens,
                 medium: if store.region().device.is_some() { "GPU" } else { "CPU" },
+                allow: kvrelay::agent::PeerAllow::parse(&args.kv_peer_allow)
+                    .map_err(|e| format!("--kv-peer-allow: {e}"))?,
             };
             let (e, s) = events::KvEvents::start(&cfg)?;
             (Some(e), Some(s))
