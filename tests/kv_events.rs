@@ -47,12 +47,16 @@ impl Router {
     fn connect(s: &Server) -> Router {
         let i = info(s);
         let ctx = zmq::Context::new();
+        // linger 0: closing never waits for a message a refused peer could not take
         let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_linger(0).unwrap();
         sub.set_rcvtimeo(20_000).unwrap();
         sub.set_subscribe(b"").unwrap();
         sub.connect(i["kv_events"]["endpoint"].as_str().unwrap()).unwrap();
         let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
         dealer.set_rcvtimeo(20_000).unwrap();
+        dealer.set_sndtimeo(20_000).unwrap();
         dealer.connect(i["kv_events"]["replay_endpoint"].as_str().unwrap()).unwrap();
         Router { sub, dealer, _ctx: ctx }
     }
@@ -169,18 +173,9 @@ fn commits_and_evictions_reach_a_router_in_order_and_a_late_router_replays_them(
     let s = with_events(&["--kv-blocks", "8"]);
     let r = Router::connect(&s);
 
-    // The SUB's subscription reaches the publisher at its own pace: prompts until one of
-    // their batches arrives on it (bounded).
-    let mut first = None;
-    for n in 0..50 {
-        s.complete(json!({"prompt": prompt(&format!("warm{n}"), 1), "max_tokens": 1}));
-        if let Ok(m) = r.sub.recv_multipart(zmq::DONTWAIT) {
-            first = Some(decode(&m[1], &m[2]));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let first = first.expect("the subscriber got a batch");
+    // The SUB's subscription reaches the publisher at its own pace; an idle publisher sends an
+    // (empty) batch every second, so the first batch that arrives says it is in place.
+    let first = r.next();
 
     // From here on the SUB sees every batch, in sequence.
     let a = prompt("alpha", 4) + "tail";
@@ -256,7 +251,8 @@ fn peers_off_the_allowlist_get_no_events() {
     // both the SUB and the DEALER handshake are refused by the server's ZAP handler
     common::wait_until("both connections refused", || s.metric("kvrelay_server_kv_events_refused_total") >= 2.0);
     s.complete(json!({"prompt": prompt("secret", 2), "max_tokens": 1}));
-    assert!(s.metric("kvrelay_server_kv_events_published_total") >= 2.0);
+    // AllBlocksCleared and the prompt's two blocks, published (by the publisher's thread)
+    common::wait_until("the events published", || s.metric("kvrelay_server_kv_events_published_total") >= 3.0);
     r.dealer.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], zmq::DONTWAIT).ok();
     assert!(r.sub.recv_multipart(zmq::DONTWAIT).is_err(), "a refused subscriber got a batch");
     assert!(r.dealer.recv_multipart(zmq::DONTWAIT).is_err(), "a refused peer got a replay");

@@ -378,9 +378,10 @@ fn publish_loop(ev: &KvEvents, s: zmq::Socket, rx: Receiver<Event>, kept: &Mutex
         if let Err(e) = sent {
             tracing::warn!("publishing KV events: {e}");
         }
-        kept.lock().unwrap_or_else(|e| e.into_inner()).push(seq, payload, REPLAY_KEEP_BYTES);
+        // counted before it can be replayed: a batch a replay returns is always counted
         ev.stats.published.fetch_add(batch.len() as u64, Ordering::Relaxed);
         ev.stats.batches.fetch_add(1, Ordering::Relaxed);
+        kept.lock().unwrap_or_else(|e| e.into_inner()).push(seq, payload, REPLAY_KEEP_BYTES);
         seq += 1;
     }
 }
