@@ -288,7 +288,7 @@ fn streaming_sends_each_token_as_it_is_decoded_and_the_same_text_as_a_whole_answ
     use std::io::{BufRead, BufReader};
     let _serial = serial();
     let s = llama(&[]);
-    let body = |stream: bool| json!({"prompt": story("stream", 40), "max_tokens": 200, "stream": stream, "return_token_ids": true});
+    let body = |stream: bool| json!({"prompt": story("stream", 40), "max_tokens": 64, "stream": stream, "return_token_ids": true});
     let whole = ask(&s, "/v1/completions", body(false));
     let generated = s.metric("kvrelay_server_generated_tokens_total");
     let c = client::send(s.addr, "POST", "/v1/completions", Some(body(true).to_string().as_bytes())).unwrap();
@@ -303,7 +303,7 @@ fn streaming_sends_each_token_as_it_is_decoded_and_the_same_text_as_a_whole_answ
         }
         let v: Value = serde_json::from_str(d).unwrap();
         if at_first.is_none() && !v["choices"][0]["text"].as_str().unwrap_or("").is_empty() {
-            // the first token arrived: the run (200 tokens, counted when it ends) is still going
+            // the first token arrived: the run (64 tokens, counted when it ends) is still going
             at_first = Some(s.metric("kvrelay_server_generated_tokens_total"));
         }
         data.push(v);
