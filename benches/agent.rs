@@ -22,7 +22,8 @@
 //! in a process of its own and adds a bare NIXL READ between two processes as the anchor;
 //! `KVRELAY_BENCH_TRANSPORT=cuda-ipc` (GPU pools) runs the source in a process of its own over
 //! the same-host CUDA IPC transport. With GPU pools every run also measures a device-to-device
-//! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy.
+//! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy, and
+//! the CUDA IPC transport's copy-and-sum kernel alone over the same bytes (pool to pool).
 //!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
@@ -233,7 +234,24 @@ fn main() {
         (a, b, kvrelay::copy::CudaStream::new(d).unwrap())
     });
     let mut d2d_rates: Vec<f64> = vec![];
+    // GPU pools: the CUDA IPC transport's copy-and-sum kernel alone over the same bytes, pool
+    // to pool in this process (what the transport adds beyond it is its protocol)
+    let mut kernel = dev.as_ref().map(|d| {
+        let ((from_mem, from), (to_mem, to)) = (pool(Some(d)), pool(Some(d)));
+        // SAFETY: the layout lies in `to_mem`, kept beside the engine until the end of main.
+        let e = unsafe { kvrelay::copy::CudaEngine::new(d, to, kvrelay::copy::EngineOptions::default()) }.unwrap();
+        let segs: Vec<(u64, u64)> = from.segments().iter().map(|g| (g.base, g.block_stride)).collect();
+        (from_mem, to_mem, e, segs, kvrelay::copy::CudaStream::new(d).unwrap())
+    });
+    let mut kernel_rates: Vec<f64> = vec![];
+    let mut sums = vec![0u64; BLOCKS as usize];
     for _ in 0..reps {
+        if let Some((_, _, e, segs, st)) = &mut kernel {
+            let t = Instant::now();
+            // SAFETY: the source blocks lie in a live device pool nothing else writes.
+            unsafe { e.copy_and_sum_from(segs, &ids, &ids, &mut sums, st) }.unwrap();
+            kernel_rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+        }
         if let Some((a, b, st)) = &d2d {
             let t = Instant::now();
             // SAFETY: two live device buffers of `bytes` each, used by nothing else.
@@ -284,6 +302,18 @@ fn main() {
         println!(
             "  device copy      median {:.2} GB/s (anchor, same repetitions: cuMemcpyDtoD of the same bytes in one process); agent / it median {:.0}% (per repetition {:.0}-{:.0}%)",
             median(d2d_rates.clone()) / 1e9,
+            100.0 * median(r.clone()),
+            100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
+            100.0 * r.iter().cloned().fold(0.0, f64::max)
+        );
+    }
+    if !kernel_rates.is_empty() {
+        let r: Vec<f64> = agent.iter().zip(&kernel_rates).map(|(g, k)| g * 1e9 / k).collect();
+        let k: Vec<f64> = kernel_rates.iter().zip(&d2d_rates).map(|(k, d)| k / d).collect();
+        println!(
+            "  copy-and-sum     median {:.2} GB/s (the CUDA IPC transport's kernel alone, same bytes, pool to pool in one process, same repetitions); it / device copy median {:.0}%; agent / it median {:.0}% (per repetition {:.0}-{:.0}%)",
+            median(kernel_rates.clone()) / 1e9,
+            100.0 * median(k),
             100.0 * median(r.clone()),
             100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
             100.0 * r.iter().cloned().fold(0.0, f64::max)

@@ -540,6 +540,10 @@ typedef struct kvrelay_agent_stats {
   uint64_t handshake_evicted;
   // Fetches that failed: internal (a panic inside the agent).
   uint64_t fetch_failed_internal;
+  // CUDA IPC: allocations of other processes mapped here now (a gauge).
+  uint64_t ipc_mapped_now;
+  // CUDA IPC: mappings let go because their source process no longer runs.
+  uint64_t ipc_unmapped;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

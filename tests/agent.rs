@@ -801,6 +801,7 @@ fn cuda_ipc_copies_between_two_processes_verified() {
         assert_eq!(dst.read(id), content(NAMES[i], bb), "block {i} copied over CUDA IPC");
         assert_eq!(dst_agent.recorded_checksum(id), Some(kv_checksum(&content(NAMES[i], bb))));
     }
+    assert!(dst_agent.stats().ipc_mapped_now >= 1, "the source's pool is mapped here");
     eprintln!("{test}: first fetch verified");
     // the second fetch reuses the mapping
     let r = dst_agent.submit(req(&ep, 2, vec![3, 4]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
@@ -818,6 +819,26 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Refused), 0), "{}", r.detail);
     assert!(r.detail.contains("unsupported"), "{}", r.detail);
     eprintln!("{test}: TCP reader and refused IPC reader done");
+    // cancels at any point of a fetch (before, during or after the copy): each completes as
+    // whole or as cancelled with only leading blocks counted, those byte-exact (the pins are
+    // checked below)
+    let mut outcomes = Vec::new();
+    for _ in 0..8 {
+        let ids = vec![5u32, 6, 7, 8, 10, 12];
+        let f = dst_agent.submit(req(&ep, 0, ids.clone()), None).unwrap();
+        f.cancel();
+        let r = f.wait(Duration::from_secs(30)).expect("a cancelled fetch completes");
+        match r.failure {
+            None => assert_eq!(r.blocks, 6, "{}", r.detail),
+            Some(FailReason::Cancelled) => assert!(r.blocks < 6, "{}", r.detail),
+            other => panic!("a cancel ended as {other:?}: {}", r.detail),
+        }
+        for (i, &id) in ids.iter().enumerate().take(r.blocks) {
+            assert_eq!(dst.read(id), content(NAMES[i], bb), "counted block {i} of a cancelled fetch");
+        }
+        outcomes.push((r.failure, r.blocks));
+    }
+    eprintln!("{test}: cancels: {outcomes:?}");
     // the source's memory goes bad after recording: the third block fails, two are counted
     writeln!(to, "corrupt 6").unwrap();
     assert_eq!(expect("CORRUPTED "), "6");
@@ -852,7 +873,17 @@ fn cuda_ipc_copies_between_two_processes_verified() {
         .unwrap();
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
     assert_eq!(dst.read(8), content(NAMES[1], bb));
+    // the source process exits while its pool is mapped here: the mappings are let go (the
+    // idle fetch workers look every 50 ms), nothing is left mapped, and a fetch from the gone
+    // source fails cleanly
+    let mapped = dst_agent.stats().ipc_mapped_now;
+    assert!(mapped >= 1);
     drop(to);
     assert!(child.wait().unwrap().success(), "the source process failed");
+    eventually("the gone source's mappings to be let go", || dst_agent.stats().ipc_mapped_now == 0);
+    assert_eq!(dst_agent.stats().ipc_unmapped, mapped, "each mapping let go once");
+    let r = dst_agent.submit(req(&ep, 0, vec![3]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Connect), 0), "{}", r.detail);
+    assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_ipc_mapped 0"), "the gauge is exported");
     eprintln!("{test}: ran on CUDA device 0, source in its own process");
 }

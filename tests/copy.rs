@@ -352,6 +352,63 @@ fn gpu_checksums_equal_the_hosts_for_small_and_large_segments() {
     }
 }
 
+/// The copy-and-sum kernel (what the same-host CUDA IPC transport runs): blocks of another pool
+/// copied into this pool's blocks byte for byte, and each block's sum equal to the host's
+/// `kv_checksum` of what landed, for every layout kind, segment sizes from 16 bytes to several
+/// of the kernel's pieces, and more blocks than one launch carries; bad source tables and
+/// repeated destinations are refused before any launch.
+#[test]
+fn gpu_copy_and_sum_from_another_pool_equals_the_hosts() {
+    let Some(d) = gpu() else { return };
+    let mut rng = Rng(0xC0B1);
+    let stream = CudaStream::new(&d).unwrap();
+    for kind in KINDS {
+        for (layers, blocks, kv) in [(3, 1100, 16u64), (2, 40, 4096), (1, 24, 200 * 1024 + 16), (2, 6, 1 << 20)] {
+            let src = mirror(&d, kind, layers, blocks, kv, &mut rng);
+            let dst = mirror(&d, kind, layers, blocks, kv, &mut rng);
+            // SAFETY: the layout lies inside `dst.dev`, alive for the test.
+            let mut e = unsafe { CudaEngine::new(&d, dst.dev_layout.clone(), EngineOptions::default()) }.unwrap();
+            // SAFETY: host mirror layouts inside their pools.
+            let mut src_ref = unsafe { CpuEngine::new(src.host_layout.clone()) };
+            let segs: Vec<(u64, u64)> = src.dev_layout.segments().iter().map(|g| (g.base, g.block_stride)).collect();
+            let from: Vec<u32> = rng.perm(blocks);
+            let ids: Vec<u32> = rng.perm(blocks);
+            let mut got = vec![0u64; ids.len()];
+            // SAFETY: every source block lies in `src.dev`, unwritten meanwhile.
+            unsafe { e.copy_and_sum_from(&segs, &from, &ids, &mut got, &stream) }.unwrap();
+            let sbb = dst.host_layout.stage_block_bytes() as usize;
+            let (mut want, landed) = (vec![0u8; sbb], PinnedBuffer::alloc(&d, sbb).unwrap());
+            let done = CudaEvent::new(&d).unwrap();
+            for (i, (&s, &t)) in from.iter().zip(&ids).enumerate() {
+                src_ref.gather(&[s], &mut want).unwrap();
+                e.gather(&[t], &landed, &stream, Some(&done)).unwrap();
+                done.synchronize().unwrap();
+                assert!(landed.as_slice() == &want[..], "{kind:?} kv={kv}: block {i} ({s} -> {t}) differs");
+                assert_eq!(got[i], kvrelay::checksum::kv_checksum(&want), "{kind:?} kv={kv}: block {i}'s sum");
+            }
+            // refused before any launch: a source table of another length, a misaligned
+            // base or stride, a repeated destination, a destination past the pool
+            let mut one = [0u64];
+            let bad_len = &segs[..segs.len() - 1];
+            let misaligned: Vec<(u64, u64)> = segs.iter().map(|&(b, s)| (b + 8, s)).collect();
+            let odd_stride: Vec<(u64, u64)> = segs.iter().map(|&(b, s)| (b, s + 8)).collect();
+            for bad in [bad_len, &misaligned[..], &odd_stride[..]] {
+                // SAFETY: refused before any launch.
+                let r = unsafe { e.copy_and_sum_from(bad, &[0], &[0], &mut one, &stream) };
+                assert!(matches!(r, Err(CopyError::InvalidOptions)), "{kind:?}: {r:?}");
+            }
+            let mut two = [0u64; 2];
+            // SAFETY: refused before any launch.
+            let r = unsafe { e.copy_and_sum_from(&segs, &[0, 1], &[3, 3], &mut two, &stream) };
+            assert!(matches!(r, Err(CopyError::DuplicateBlock { .. })), "{r:?}");
+            // SAFETY: refused before any launch.
+            let r = unsafe { e.copy_and_sum_from(&segs, &[0], &[blocks], &mut one, &stream) };
+            assert!(matches!(r, Err(CopyError::BlockOutOfRange { .. })), "{r:?}");
+            println!("ok {kind:?}: {blocks} blocks of {sbb} bytes copied from another pool, sums equal the host's");
+        }
+    }
+}
+
 #[test]
 fn gpu_gather_is_ordered_after_earlier_work_on_the_stream() {
     let Some(d) = gpu() else { return };

@@ -80,8 +80,8 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 if inner.stop.load(Ordering::Acquire) {
                     break None;
                 }
-                if inner.backend.has_withheld() {
-                    // withheld blocks: look at their writes every 50 ms
+                if inner.backend.wants_reap() {
+                    // withheld blocks, or mappings of peers: look at them every 50 ms
                     drop(q);
                     inner.backend.reap(inner);
                     q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());

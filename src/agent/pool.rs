@@ -203,6 +203,31 @@ impl Mover {
         }
     }
 
+    /// Device pools: copy blocks `src_ids` of another pool (its segments at `src_segs`, base
+    /// and stride mapped here) into blocks `ids` and sum them on the way, in one kernel on this
+    /// mover's stream ([`crate::copy::CudaEngine::copy_and_sum_from`]). Returns once the stream
+    /// passed it, also on an error.
+    ///
+    /// # Safety
+    /// As [`crate::copy::CudaEngine::copy_and_sum_from`]: every source range readable and
+    /// unwritten until this returns, the destination blocks this fetch's own.
+    pub(super) unsafe fn copy_sum_from(
+        &mut self,
+        src_segs: &[(u64, u64)],
+        src_ids: &[u32],
+        ids: &[u32],
+        out: &mut [u64],
+    ) -> Result<(), String> {
+        match &mut self.kind {
+            Kind::Host { .. } => Err("device-to-device copies need a device pool".into()),
+            Kind::Device { dev, engine, stream, .. } => {
+                let _ctx = dev.bind().map_err(cuda)?;
+                // SAFETY: forwarded contract.
+                unsafe { engine.copy_and_sum_from(src_segs, src_ids, ids, out, stream) }.map_err(cuda)
+            }
+        }
+    }
+
     /// Checksums of blocks `ids` summed where they lie (device pools: a kernel; host pools are
     /// summed by the agent without a mover).
     pub(super) fn device_checksums(&mut self, ids: &[u32], out: &mut [u64]) -> Result<(), String> {

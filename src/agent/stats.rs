@@ -85,6 +85,10 @@ pub struct AgentStats {
     pub handshake_evicted: u64,
     /// Fetches that failed: internal (a panic inside the agent).
     pub fetch_failed_internal: u64,
+    /// CUDA IPC: allocations of other processes mapped here now (a gauge).
+    pub ipc_mapped_now: u64,
+    /// CUDA IPC: mappings let go because their source process no longer runs.
+    pub ipc_unmapped: u64,
 }
 
 macro_rules! stats {
@@ -110,7 +114,7 @@ stats! {
     fetch_failed_truncated, fetch_failed_source_miss, fetch_failed_auth_failed,
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
-    fetch_failed_internal,
+    fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
 }
 
 impl Stats {
@@ -184,6 +188,7 @@ impl Stats {
                 s.blocks_withheld,
             ),
             ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
+            ("ipc_unmapped", "CUDA IPC mappings let go because their source process no longer runs.", s.ipc_unmapped),
             ("reused", "Served transfers that came on a kept-alive connection.", s.reused),
             ("streams_reused", "Fetch streams that went over a kept-alive connection.", s.streams_reused),
             (
@@ -220,6 +225,12 @@ impl Stats {
             t,
             "{p}_connections{{state=\"handshake\"}} {}\n{p}_connections{{state=\"serving\"}} {}",
             s.pending_now, s.serving_now
+        );
+        let _ = writeln!(
+            t,
+            "# HELP {p}_ipc_mapped Allocations of other processes mapped here through CUDA IPC now.\n\
+             # TYPE {p}_ipc_mapped gauge\n{p}_ipc_mapped {}",
+            s.ipc_mapped_now
         );
         t
     }

@@ -349,6 +349,8 @@ class kvrelay_agent_stats(Structure):
         ("streams_reused", c_uint64),  # Fetched: streams that went over a kept-alive connection.
         ("handshake_evicted", c_uint64),  # Connections closed, before their first valid message, to make room for a newer one (the handshake slots or their address's `max_per_peer` were all taken).
         ("fetch_failed_internal", c_uint64),  # Fetches that failed: internal (a panic inside the agent).
+        ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
+        ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
     ]
 
 

@@ -31,12 +31,13 @@
 //!   step.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{read_in_place_offer, send_done, Backend, Failure, Landing, Pull};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
 use crate::agent::wire::{self, Conn};
-use crate::agent::{FailReason, Inner, Limits};
+use crate::agent::{FailReason, Inner, Limits, Stats};
 use crate::copy::{CudaDevice, IpcExport, KvLayout};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
@@ -150,8 +151,67 @@ pub(crate) fn plan_copies(
     Ok(())
 }
 
+/// The source's segments as the copy-and-sum kernel reads them, into `out`: per segment, its
+/// base translated to where the source's memory is mapped here (`mapped[k]` for `allocs[k]`)
+/// and its stride. `false` when a segment's offered blocks do not all lie inside one exported
+/// allocation, or a translated base or a stride is not a multiple of 16 bytes: the caller then
+/// copies run by run ([`plan_copies`], which checks every piece). Pure: nothing the source sent
+/// is used as an address unless it passed here.
+pub(crate) fn plan_segments(
+    src_segments: &[(u64, u64, u64)],
+    allocs: &[IpcExport],
+    mapped: &[u64],
+    blocks: &[(u32, u64)],
+    out: &mut Vec<(u64, u64)>,
+) -> bool {
+    out.clear();
+    let (Some(lo_id), Some(hi_id)) = (blocks.iter().map(|b| b.0).min(), blocks.iter().map(|b| b.0).max()) else {
+        return false;
+    };
+    for &(base, stride, len) in src_segments {
+        // addresses grow with the id: the offered blocks lie in [lo, hi)
+        let at = |id: u32| u64::from(id).checked_mul(stride).and_then(|x| x.checked_add(base));
+        let (Some(lo), Some(hi)) = (at(lo_id), at(hi_id).and_then(|x| x.checked_add(len))) else {
+            return false;
+        };
+        let Some(k) = allocs.iter().position(|a| a.base <= lo && hi <= a.base + a.size) else {
+            return false;
+        };
+        // modulo 2^64, as the kernel adds id * stride: base + id * stride lands at
+        // mapped[k] + (its offset in the allocation), inside the mapping
+        let here = mapped[k].wrapping_add(base.wrapping_sub(allocs[k].base));
+        if here % 16 != 0 || stride % 16 != 0 {
+            return false;
+        }
+        out.push((here, stride));
+    }
+    true
+}
+
 /// A source allocation: the source's host id, process id and the allocation's IPC handle.
 type MappedKey = ([u8; 16], u32, [u8; 64]);
+
+/// One source allocation mapped here; unmapped when the last fetch using it lets go after the
+/// table dropped it (its source went, or the agent stops).
+struct Mapping {
+    dev: Arc<CudaDevice>,
+    ptr: u64,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped by `CudaIpc::map` on this device; the last user let go (every copy
+        // through it synchronized before its fetch dropped its reference).
+        let _ = unsafe { self.dev.ipc_close(self.ptr) };
+    }
+}
+
+/// Whether process `pid` of this host still runs (its `/proc` entry; a zombie counts as
+/// running until reaped). Agents that share a host through CUDA IPC see each other's process
+/// ids (legacy CUDA IPC needs that too).
+fn process_runs(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
 
 /// This instance's exported pool, and the source allocations it mapped.
 pub(in crate::agent) struct CudaIpc {
@@ -161,8 +221,10 @@ pub(in crate::agent) struct CudaIpc {
     pid: u32,
     /// The offer metadata this source sends (its host, process and exports), encoded once.
     metadata: Vec<u8>,
-    /// Source allocations mapped here: base address here by source.
-    mapped: Mutex<HashMap<MappedKey, u64>>,
+    /// Source allocations mapped here, by source.
+    mapped: Mutex<HashMap<MappedKey, Arc<Mapping>>>,
+    /// Entries of `mapped` (read without its lock by the fetch workers' idle loop).
+    mapped_now: AtomicUsize,
 }
 
 impl CudaIpc {
@@ -196,44 +258,83 @@ impl CudaIpc {
         }
         let pid = std::process::id();
         let metadata = encode_exports(&Exports { host, pid, allocs });
-        Ok(CudaIpc { dev, device, host, pid, metadata, mapped: Mutex::new(HashMap::new()) })
+        Ok(CudaIpc {
+            dev,
+            device,
+            host,
+            pid,
+            metadata,
+            mapped: Mutex::new(HashMap::new()),
+            mapped_now: AtomicUsize::new(0),
+        })
     }
 
     /// The base address here of each of `e`'s allocations (mapped once per source process and
-    /// kept; within this process, the addresses themselves).
-    fn map(&self, e: &Exports) -> Result<Vec<u64>, Failure> {
+    /// kept until that process goes; within this process, the addresses themselves), and the
+    /// mappings to hold until the copies through them synchronized.
+    fn map(&self, inner: &Inner, e: &Exports) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
         if e.pid == self.pid && e.host == self.host {
-            return Ok(e.allocs.iter().map(|a| a.base).collect());
+            return Ok((e.allocs.iter().map(|a| a.base).collect(), Vec::new()));
         }
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::with_capacity(e.allocs.len());
+        let mut held = Vec::with_capacity(e.allocs.len());
         for a in &e.allocs {
             let key = (e.host, e.pid, a.handle);
-            if let Some(&p) = m.get(&key) {
-                out.push(p);
+            if let Some(p) = m.get(&key) {
+                out.push(p.ptr);
+                held.push(p.clone());
                 continue;
+            }
+            if m.len() >= MAX_MAPPED {
+                self.sweep_locked(inner, &mut m);
             }
             if m.len() >= MAX_MAPPED {
                 return Err((FailReason::Refused, format!("CUDA IPC: {MAX_MAPPED} source allocations mapped already")));
             }
             // SAFETY: a handle another process of this host exported (the driver refuses one
-            // it does not know); the mapping is kept until the agent stops.
-            let p = unsafe { self.dev.ipc_open(&a.handle) }
+            // it does not know); the mapping is kept until that process goes or the agent stops.
+            let ptr = unsafe { self.dev.ipc_open(&a.handle) }
                 .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
-            m.insert(key, p);
-            out.push(p);
+            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr });
+            m.insert(key, p.clone());
+            out.push(ptr);
+            held.push(p);
         }
-        Ok(out)
+        self.count(inner, m.len());
+        Ok((out, held))
+    }
+
+    /// Drop the mappings of source processes that no longer run (each unmapped once no fetch
+    /// holds it).
+    fn sweep_locked(&self, inner: &Inner, m: &mut HashMap<MappedKey, Arc<Mapping>>) {
+        let before = m.len();
+        let mut gone: Vec<u32> = Vec::new();
+        m.retain(|&(_, pid, _), _| {
+            if gone.contains(&pid) {
+                return false;
+            }
+            let runs = process_runs(pid);
+            if !runs {
+                gone.push(pid);
+            }
+            runs
+        });
+        Stats::add(&inner.stats.ipc_unmapped, (before - m.len()) as u64);
+        self.count(inner, m.len());
+    }
+
+    fn count(&self, inner: &Inner, n: usize) {
+        self.mapped_now.store(n, Ordering::Relaxed);
+        inner.stats.ipc_mapped_now.store(n as u64, Ordering::Relaxed);
     }
 }
 
 impl Drop for CudaIpc {
     fn drop(&mut self) {
-        // the agent's threads are joined: no copy uses a mapping any more
-        for (_, p) in self.mapped.get_mut().unwrap_or_else(|e| e.into_inner()).drain() {
-            // SAFETY: mapped by `map` on this device, unused now.
-            let _ = unsafe { self.dev.ipc_close(p) };
-        }
+        // the agent's threads are joined: no fetch holds a mapping any more, and each unmaps
+        // as the table drops it
+        self.mapped.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 
@@ -279,19 +380,25 @@ impl Backend for CudaIpc {
             if offer.blocks.is_empty() {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
-            let mapped = self.map(&exports)?;
+            let (mapped, _held) = self.map(inner, &exports)?;
             let count = offer.blocks.len();
+            // one kernel that copies and sums where every segment's blocks lie in one exported
+            // allocation (the usual pool); else one copy per contiguous run, then the sums
+            let mut segs = Vec::with_capacity(offer.segments.len());
             let mut runs = Vec::new();
-            plan_copies(
-                &inner.layout,
-                &offer.segments,
-                &exports.allocs,
-                &mapped,
-                &offer.blocks,
-                &job.dst[..count],
-                &mut runs,
-            )
-            .map_err(|e| (FailReason::Corrupt, e))?;
+            let fused = plan_segments(&offer.segments, &exports.allocs, &mapped, &offer.blocks, &mut segs);
+            if !fused {
+                plan_copies(
+                    &inner.layout,
+                    &offer.segments,
+                    &exports.allocs,
+                    &mapped,
+                    &offer.blocks,
+                    &job.dst[..count],
+                    &mut runs,
+                )
+                .map_err(|e| (FailReason::Corrupt, e))?;
+            }
             (job.stopped)()?;
             if job.mover.is_none() {
                 // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover writes
@@ -301,9 +408,18 @@ impl Backend for CudaIpc {
             let mover = job.mover.as_mut().expect("set above");
             let ids = &job.dst[..count];
             let mut sums = vec![0u64; count];
-            // SAFETY: every run's destination is one of this fetch's blocks; every source range
-            // lies inside an allocation the source exported, pinned until our DONE.
-            let copied = unsafe { mover.copy_in_and_sum(&runs, ids, &mut sums) };
+            let copied = if fused {
+                let from: Vec<u32> = offer.blocks.iter().map(|b| b.0).collect();
+                // SAFETY: the destinations are this fetch's blocks; every offered block's
+                // segment lies inside an allocation the source exported (`plan_segments`),
+                // mapped and held here (`_held`), and pinned at the source until our DONE.
+                unsafe { mover.copy_sum_from(&segs, &from, ids, &mut sums) }
+            } else {
+                // SAFETY: every run's destination is one of this fetch's blocks; every source
+                // range lies inside an allocation the source exported (`plan_copies`), mapped
+                // and held here, pinned until our DONE.
+                unsafe { mover.copy_in_and_sum(&runs, ids, &mut sums) }
+            };
             if let Err(e) = copied {
                 *job.mover = None; // a mover whose stream failed is not reused
                 return Err((FailReason::Truncated, format!("CUDA IPC copy: {e}")));
@@ -320,6 +436,17 @@ impl Backend for CudaIpc {
 
     fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
         super::serve_in_place(inner, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
+    }
+
+    /// While other processes' memory is mapped here: the fetch workers look every 50 ms
+    /// whether those processes still run.
+    fn wants_reap(&self) -> bool {
+        self.mapped_now.load(Ordering::Relaxed) > 0
+    }
+
+    fn reap(&self, inner: &Inner) {
+        let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        self.sweep_locked(inner, &mut m);
     }
 }
 
@@ -379,5 +506,41 @@ mod tests {
         let bad = [(u64::MAX - 100, 512u64, 256u64), (0x80100, 512, 256)];
         let e = plan_copies(&l, &bad, &allocs, &mapped, &[(1, 0)], &[0], &mut runs).unwrap_err();
         assert!(e.contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn segments_translate_into_the_mapping_only_when_every_block_lies_in_one_export() {
+        // the source: K and V of 8 blocks (strides 512) in one allocation at 0x80000, mapped
+        // here at 0x5000000
+        let src = [(0x80000u64, 512u64, 256u64), (0x80100, 512, 256)];
+        let allocs = [export(0x80000, 8 * 512, 9)];
+        let mapped = [0x500_0000u64];
+        let mut segs = Vec::new();
+        assert!(plan_segments(&src, &allocs, &mapped, &[(2, 0), (7, 0), (0, 0)], &mut segs));
+        assert_eq!(segs, vec![(0x500_0000, 512), (0x500_0100, 512)]);
+        // a block past the export (block 8 ends at 0x81100 > 0x81000): refused, whichever order
+        assert!(!plan_segments(&src, &allocs, &mapped, &[(8, 0), (0, 0)], &mut segs));
+        assert!(segs.len() < 2, "no table for a refused offer");
+        // the segments in two allocations: each is translated by its own mapping
+        let split = [(0x80000u64, 512u64, 256u64), (0x90000, 512, 256)];
+        let two = [export(0x80000, 8 * 512, 1), export(0x90000, 8 * 512, 2)];
+        assert!(plan_segments(&split, &two, &[0x100_0000, 0x700_0000], &[(0, 0), (7, 0)], &mut segs));
+        assert_eq!(segs, vec![(0x100_0000, 512), (0x700_0000, 512)]);
+        // one segment's blocks spread over two allocations: no single table (run by run instead)
+        let spread = [export(0x80000, 4 * 512, 1), export(0x80000 + 4 * 512, 4 * 512, 2)];
+        assert!(!plan_segments(&src, &spread, &[0x100_0000, 0x200_0000], &[(1, 0), (6, 0)], &mut segs));
+        // a base before the allocation is fine when the offered blocks are inside (modular)
+        let late = [export(0x80000 + 2 * 512, 6 * 512, 3)];
+        assert!(plan_segments(&src, &late, &[0x900_0000], &[(2, 0), (7, 0)], &mut segs));
+        assert_eq!(segs[0].0.wrapping_add(2 * 512), 0x900_0000);
+        // misaligned: an odd base or stride is never handed to the 16-byte kernel
+        let odd = [(0x80008u64, 512u64, 256u64), (0x80108, 512, 256)];
+        assert!(!plan_segments(&odd, &allocs, &mapped, &[(0, 0)], &mut segs));
+        let odd_stride = [(0x80000u64, 520u64, 256u64), (0x80100, 520, 256)];
+        assert!(!plan_segments(&odd_stride, &[export(0x80000, 8 * 520, 9)], &mapped, &[(1, 0)], &mut segs));
+        // overflow and an empty offer
+        let huge = [(u64::MAX - 100, 512u64, 256u64), (0x80100, 512, 256)];
+        assert!(!plan_segments(&huge, &allocs, &mapped, &[(1, 0)], &mut segs));
+        assert!(!plan_segments(&src, &allocs, &mapped, &[], &mut segs));
     }
 }

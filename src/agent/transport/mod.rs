@@ -262,13 +262,14 @@ pub(super) trait Backend: Send + Sync {
     /// peer's next request).
     fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool;
 
-    /// Whether destination blocks are withheld now (a fetch worker then calls [`Backend::reap`]
-    /// every 50 ms).
-    fn has_withheld(&self) -> bool {
+    /// Whether the backend has something to look at again (destination blocks withheld, the
+    /// mappings of peers that may have gone): an idle fetch worker then calls
+    /// [`Backend::reap`] every 50 ms.
+    fn wants_reap(&self) -> bool {
         false
     }
 
-    /// Hand back withheld blocks whose writes are over.
+    /// Hand back withheld blocks whose writes are over; let go of what gone peers left.
     fn reap(&self, inner: &Inner) {
         let _ = inner;
     }

@@ -424,7 +424,7 @@ impl Backend for Nixl {
         super::serve_in_place(inner, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device)
     }
 
-    fn has_withheld(&self) -> bool {
+    fn wants_reap(&self) -> bool {
         !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
     }
 

@@ -47,6 +47,8 @@ pub(super) struct Kernels {
     pub(super) ring: sys::CUfunction,
     /// `kvrelay_sum`: block checksums.
     pub(super) sum: sys::CUfunction,
+    /// `kvrelay_copy_sum`: copy from another pool and sum on the way.
+    pub(super) copy_sum: sys::CUfunction,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (each call makes it current first).

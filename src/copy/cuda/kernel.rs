@@ -102,6 +102,65 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p)
     if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
   }
 }
+struct SrcSeg { unsigned long long base, stride; };
+struct CopySumParams {
+  unsigned long long segs, src_segs, sums;
+  unsigned int n_seg, n_ids, n_pieces, pad;
+  unsigned int ids[480];
+  unsigned int src_ids[480];
+};
+__device__ __forceinline__ unsigned long long kvrelay_terms(const uint4 v, const unsigned long long pos) {
+  const unsigned long long w0 = (unsigned long long)v.x | ((unsigned long long)v.y << 32);
+  const unsigned long long w1 = (unsigned long long)v.z | ((unsigned long long)v.w << 32);
+  return kvrelay_fmix64(w0 ^ (pos * 0x9E3779B97F4A7C15ULL)) + kvrelay_fmix64(w1 ^ ((pos + 1ULL) * 0x9E3779B97F4A7C15ULL));
+}
+// Copy blocks of another pool (src_segs: its segments' bases, mapped here, and strides) into
+// this pool's blocks and sum them on the way, with kvrelay_sum's pieces and keys: the words
+// summed are the registers written, so sums[i] is block ids[i]'s sum as it landed, for the
+// HBM traffic of a copy alone (one read, one write per byte). 16-byte words, four in flight
+// per lane.
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySumParams p) {
+  const Seg* segs = (const Seg*)p.segs;
+  const SrcSeg* src_segs = (const SrcSeg*)p.src_segs;
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned long long wpc = blockDim.x >> 5;
+  const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
+  const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
+  const unsigned long long per_block = (unsigned long long)p.n_seg * p.n_pieces;
+  const unsigned long long n_chunks = (unsigned long long)p.n_ids * per_block;
+  const unsigned long long piece = SUM_PIECE_WORDS / 2ULL;
+  for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
+    const unsigned i = (unsigned)(c / per_block);
+    const unsigned long long r = c - (unsigned long long)i * per_block;
+    const unsigned s = (unsigned)(r / p.n_pieces);
+    const unsigned long long q = r - (unsigned long long)s * p.n_pieces;
+    const Seg g = segs[s];
+    const SrcSeg sg = src_segs[s];
+    const unsigned long long n = g.bytes >> 4, first = g.stage_off >> 3;
+    const unsigned long long lo = q * piece;
+    if (lo >= n) continue;
+    const unsigned long long hi = lo + piece < n ? lo + piece : n;
+    const uint4* src = (const uint4*)(sg.base + (unsigned long long)p.src_ids[i] * sg.stride);
+    uint4* dst = (uint4*)(g.base + (unsigned long long)p.ids[i] * g.stride);
+    unsigned long long acc = 0;
+    unsigned long long k = lo + lane;
+    for (; k + 96 < hi; k += 128) {
+      const uint4 a = src[k], b = src[k + 32], c2 = src[k + 64], d = src[k + 96];
+      dst[k] = a; dst[k + 32] = b; dst[k + 64] = c2; dst[k + 96] = d;
+      acc += kvrelay_terms(a, first + 2ULL * k + 1ULL);
+      acc += kvrelay_terms(b, first + 2ULL * (k + 32) + 1ULL);
+      acc += kvrelay_terms(c2, first + 2ULL * (k + 64) + 1ULL);
+      acc += kvrelay_terms(d, first + 2ULL * (k + 96) + 1ULL);
+    }
+    for (; k < hi; k += 32) {
+      const uint4 a = src[k];
+      dst[k] = a;
+      acc += kvrelay_terms(a, first + 2ULL * k + 1ULL);
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
+  }
+}
 extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
   copy_chunks((const Seg*)p.segs, p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
 }
@@ -164,6 +223,22 @@ pub(super) struct SumParams {
     pub(super) n_pieces: u32,
     pub(super) pad: u32,
     pub(super) ids: [u32; IDS_PER_LAUNCH],
+}
+
+/// Blocks one launch of the copy-and-sum kernel carries (destination and source ids).
+pub(super) const COPY_SUM_IDS: usize = 480;
+
+#[repr(C)]
+pub(super) struct CopySumParams {
+    pub(super) segs: u64,
+    pub(super) src_segs: u64,
+    pub(super) sums: u64,
+    pub(super) n_seg: u32,
+    pub(super) n_ids: u32,
+    pub(super) n_pieces: u32,
+    pub(super) pad: u32,
+    pub(super) ids: [u32; COPY_SUM_IDS],
+    pub(super) src_ids: [u32; COPY_SUM_IDS],
 }
 
 /// Words one warp of the checksum kernel sums in one piece (the kernel's `SUM_PIECE_WORDS`).
@@ -329,7 +404,128 @@ impl CudaEngine {
     }
 }
 
+/// The summing kernels' buffers, made on an engine's first checksum call: the per-block sums
+/// (device, zeroed before each launch, and the pinned host copy they come back to), both
+/// kernels' parameter blocks, and the source segment table of a copy from another pool.
+pub(super) struct SumState {
+    dev: DeviceBuffer,
+    host: PinnedBuffer,
+    params: Box<SumParams>,
+    copy: Box<CopySumParams>,
+    src_dev: DeviceBuffer,
+    src_host: PinnedBuffer,
+}
+
 impl CudaEngine {
+    /// The summing buffers (made on first use).
+    fn sum_state(&mut self) -> Result<&mut SumState, CopyError> {
+        if self.sum_func.is_null() || self.copy_sum_func.is_null() {
+            return Err(CopyError::Unsupported("checksums need the copy kernel (methods Kernel, Staged)"));
+        }
+        if self.sums.is_none() {
+            let n_pieces = self
+                .layout
+                .segments()
+                .iter()
+                .map(|g| (g.bytes_per_block / 8).div_ceil(SUM_PIECE_WORDS).max(1))
+                .max()
+                .unwrap_or(1)
+                .try_into()
+                .unwrap_or(u32::MAX);
+            let dev = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?;
+            let n_seg = self.params.n_seg;
+            let src_bytes = (n_seg as usize * 16).max(16);
+            let src_dev = DeviceBuffer::alloc(&self.dev, src_bytes)?;
+            let (segs, sums) = (self.params.segs, dev.ptr());
+            self.sums = Some(Box::new(SumState {
+                host: PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?,
+                src_host: PinnedBuffer::alloc(&self.dev, src_bytes)?,
+                params: Box::new(SumParams { segs, sums, n_seg, n_ids: 0, n_pieces, pad: 0, ids: [0; IDS_PER_LAUNCH] }),
+                copy: Box::new(CopySumParams {
+                    segs,
+                    src_segs: src_dev.ptr(),
+                    sums,
+                    n_seg,
+                    n_ids: 0,
+                    n_pieces,
+                    pad: 0,
+                    ids: [0; COPY_SUM_IDS],
+                    src_ids: [0; COPY_SUM_IDS],
+                }),
+                dev,
+                src_dev,
+            }));
+        }
+        Ok(self.sums.as_mut().expect("set above"))
+    }
+
+    /// The CTAs of a summing launch over `n` blocks: one warp per piece, at most four CTAs per
+    /// SM (the copy kernels' CTA budget is for PCIe traffic; these read HBM and need every SM).
+    fn sum_ctas(&self, n: usize, n_seg: u32, n_pieces: u32) -> u32 {
+        let pieces = n as u64 * u64::from(n_seg) * u64::from(n_pieces);
+        let warps_per_cta = u64::from(self.opts.threads / 32).max(1);
+        pieces.div_ceil(warps_per_cta).min(u64::from(self.dev.multiprocessors()) * 4).max(1) as u32
+    }
+
+    /// Zero `n` sums, launch `func` with the parameter block `params`, bring the sums back,
+    /// wait for `stream`, and finish them into `out`.
+    ///
+    /// # Safety
+    /// `func` takes one parameter block at `params` whose sums pointer is `st.dev` and which
+    /// touches only memory the caller's contract covers; `n` fits the sums buffer.
+    #[allow(clippy::too_many_arguments)] // the launch's parts
+    unsafe fn launch_summing(
+        st: &mut SumState,
+        func: sys::CUfunction,
+        params: *mut c_void,
+        ctas: u32,
+        threads: u32,
+        stream: &CudaStream,
+        sbb: u64,
+        out: &mut [u64],
+    ) -> Result<(), CopyError> {
+        let n = out.len();
+        let mut args = [params];
+        // SAFETY: the sums buffer holds IDS_PER_LAUNCH u64s (zeroed here first); the kernel and
+        // its parameter block are the caller's per the contract; the host copy lands in pinned
+        // memory of the right size and is read only after the stream synchronized; the stream
+        // is this library's.
+        unsafe {
+            check(sys::cuMemsetD8Async(st.dev.ptr(), 0, n * 8, stream.raw()), "cuMemsetD8Async")?;
+            check(
+                sys::cuLaunchKernel(
+                    func,
+                    ctas,
+                    1,
+                    1,
+                    threads,
+                    1,
+                    1,
+                    0,
+                    stream.raw(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+                "cuLaunchKernel",
+            )?;
+            check(
+                sys::cuMemcpyDtoHAsync_v2(
+                    st.host.as_mut_slice().as_mut_ptr().cast(),
+                    st.dev.ptr(),
+                    n * 8,
+                    stream.raw(),
+                ),
+                "cuMemcpyDtoHAsync",
+            )?;
+        }
+        stream.synchronize()?;
+        for (k, o) in out.iter_mut().enumerate() {
+            let b = &st.host.as_slice()[k * 8..k * 8 + 8];
+            *o = crate::checksum::kv_checksum_finish(u64::from_le_bytes(b.try_into().expect("8 bytes")), sbb);
+        }
+        Ok(())
+    }
+
     /// The checksums of blocks `ids` ([`crate::checksum::kv_checksum`] of each block's staged
     /// bytes), summed where the blocks lie by a kernel on `stream`: `out[i]` for `ids[i]`.
     /// Runs after the work enqueued on `stream` before it and waits for that stream only (no
@@ -338,82 +534,100 @@ impl CudaEngine {
     /// (methods `Kernel` and `Staged`; [`CopyError::Unsupported`] otherwise).
     pub fn checksums(&mut self, ids: &[u32], out: &mut [u64], stream: &CudaStream) -> Result<(), CopyError> {
         assert_eq!(ids.len(), out.len(), "CudaEngine::checksums: one output per id");
-        if self.sum_func.is_null() {
-            return Err(CopyError::Unsupported("checksums need the copy kernel (methods Kernel, Staged)"));
-        }
         // repeated ids are fine (reads only); the staging check is moot: no staging
         self.checker.check(&self.layout, ids, u64::MAX, false)?;
         let _ctx = self.dev.bind()?;
-        if self.sum_dev.is_none() {
-            let d = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?;
-            self.sum_host = Some(PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?);
-            self.sum_params = Some(Box::new(SumParams {
-                segs: self.params.segs,
-                sums: d.ptr(),
-                n_seg: self.params.n_seg,
-                n_ids: 0,
-                n_pieces: self
-                    .layout
-                    .segments()
-                    .iter()
-                    .map(|g| (g.bytes_per_block / 8).div_ceil(SUM_PIECE_WORDS).max(1))
-                    .max()
-                    .unwrap_or(1)
-                    .try_into()
-                    .unwrap_or(u32::MAX),
-                pad: 0,
-                ids: [0; IDS_PER_LAUNCH],
-            }));
-            self.sum_dev = Some(d);
-        }
-        let (dev_buf, host) = (self.sum_dev.as_ref().expect("set"), self.sum_host.as_mut().expect("set"));
-        let p = self.sum_params.as_mut().expect("set");
-        let sbb = self.layout.stage_block_bytes();
+        let (sbb, threads) = (self.layout.stage_block_bytes(), self.opts.threads);
+        let func = self.sum_func;
+        self.sum_state()?;
         for (part, o) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)) {
-            p.n_ids = part.len() as u32;
-            // one warp per piece, at most four CTAs per SM (the copy kernels' CTA budget is for
-            // PCIe traffic; this one reads HBM and needs every SM)
-            let pieces = part.len() as u64 * u64::from(p.n_seg) * u64::from(p.n_pieces);
-            let warps_per_cta = u64::from(self.opts.threads / 32).max(1);
-            let sum_ctas = pieces.div_ceil(warps_per_cta).min(u64::from(self.dev.multiprocessors()) * 4).max(1) as u32;
-            p.ids[..part.len()].copy_from_slice(part);
-            let mut args = [(&mut **p as *mut SumParams).cast::<c_void>()];
-            // SAFETY: the sums buffer holds IDS_PER_LAUNCH u64s (zeroed here first); the kernel
-            // takes one `SumParams` (same layout as the CUDA struct) and reads only blocks of
-            // the layout (ids checked); the host copy lands in pinned memory of the right size
-            // and is read only after the stream synchronized; the stream is this library's.
-            unsafe {
-                check(sys::cuMemsetD8Async(dev_buf.ptr(), 0, part.len() * 8, stream.raw()), "cuMemsetD8Async")?;
-                check(
-                    sys::cuLaunchKernel(
-                        self.sum_func,
-                        sum_ctas,
-                        1,
-                        1,
-                        self.opts.threads,
-                        1,
-                        1,
-                        0,
-                        stream.raw(),
-                        args.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    ),
-                    "cuLaunchKernel",
-                )?;
-                check(
-                    sys::cuMemcpyDtoHAsync_v2(
-                        host.as_mut_slice().as_mut_ptr().cast(),
-                        dev_buf.ptr(),
-                        part.len() * 8,
-                        stream.raw(),
-                    ),
-                    "cuMemcpyDtoHAsync",
-                )?;
-            }
-            stream.synchronize()?;
-            for (k, o) in o.iter_mut().enumerate() {
-                let b = &host.as_slice()[k * 8..k * 8 + 8];
-                *o = crate::checksum::kv_checksum_finish(u64::from_le_bytes(b.try_into().expect("8 bytes")), sbb);
+            let (n_seg, n_pieces) = {
+                let p = &self.sums.as_ref().expect("made above").params;
+                (p.n_seg, p.n_pieces)
+            };
+            let ctas = self.sum_ctas(part.len(), n_seg, n_pieces);
+            let st = self.sums.as_mut().expect("made above");
+            st.params.n_ids = part.len() as u32;
+            st.params.ids[..part.len()].copy_from_slice(part);
+            let params = (&mut *st.params as *mut SumParams).cast::<c_void>();
+            // SAFETY: `kvrelay_sum` takes one `SumParams` (same layout as the CUDA struct) and
+            // reads only blocks of the layout (ids checked); `part` fits the sums buffer.
+            unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o)? };
+        }
+        Ok(())
+    }
+
+    /// Copy blocks `src_ids` of another pool into this pool's blocks `ids` and sum them on the
+    /// way, in one kernel on `stream`: `out[i]` is [`crate::checksum::kv_checksum`] of block
+    /// `ids[i]` as it landed (the kernel sums the very words it writes), for the memory traffic
+    /// of the copy alone. The other pool has this layout's segment sizes; `src_segs[s]` is its
+    /// segment `s`'s base address (in this context: memory another process exported and this
+    /// one mapped, or this process's own) and block stride, both multiples of 16 bytes.
+    /// Runs after the work enqueued on `stream` before it; returns once the stream passed it,
+    /// also on an error. Host cost: a segment-table upload, then one memset, one launch and one
+    /// 8-byte-per-block copy per [`COPY_SUM_IDS`] blocks; no allocation after the first call.
+    ///
+    /// # Safety
+    /// For every `i` and segment `s`, the `bytes_per_block` bytes at `src_segs[s].0 +
+    /// src_ids[i] * src_segs[s].1` are device memory readable in this context and unwritten
+    /// until this returns; the destination blocks `ids` are not read or written by anything
+    /// else meanwhile.
+    pub unsafe fn copy_and_sum_from(
+        &mut self,
+        src_segs: &[(u64, u64)],
+        src_ids: &[u32],
+        ids: &[u32],
+        out: &mut [u64],
+        stream: &CudaStream,
+    ) -> Result<(), CopyError> {
+        assert!(
+            ids.len() == out.len() && ids.len() == src_ids.len(),
+            "CudaEngine::copy_and_sum_from: one source id and one output per id"
+        );
+        if src_segs.len() != self.layout.segments().len() || src_segs.iter().any(|&(b, s)| b % 16 != 0 || s % 16 != 0) {
+            return Err(CopyError::InvalidOptions);
+        }
+        // destination blocks: in the pool and each once (two writes to one block would race)
+        self.checker.check(&self.layout, ids, u64::MAX, true)?;
+        let _ctx = self.dev.bind()?;
+        let (sbb, threads, func) = (self.layout.stage_block_bytes(), self.opts.threads, self.copy_sum_func);
+        let st = self.sum_state()?;
+        for (o, &(base, stride)) in st.src_host.as_mut_slice().chunks_exact_mut(16).zip(src_segs) {
+            o[..8].copy_from_slice(&base.to_le_bytes());
+            o[8..].copy_from_slice(&stride.to_le_bytes());
+        }
+        // SAFETY: pinned host memory of at least `16 * n_seg` bytes into the device table of
+        // the same size, on this library's stream; the host side is rewritten only after the
+        // stream synchronized (every call ends with a synchronize, also on an error below).
+        let up = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                st.src_dev.ptr(),
+                st.src_host.as_slice().as_ptr().cast(),
+                src_segs.len() * 16,
+                stream.raw(),
+            )
+        };
+        if let Err(e) = check(up, "cuMemcpyHtoDAsync") {
+            let _ = stream.synchronize();
+            return Err(e);
+        }
+        let (n_seg, n_pieces) = (st.copy.n_seg, st.copy.n_pieces);
+        for ((part, from), o) in
+            ids.chunks(COPY_SUM_IDS).zip(src_ids.chunks(COPY_SUM_IDS)).zip(out.chunks_mut(COPY_SUM_IDS))
+        {
+            let ctas = self.sum_ctas(part.len(), n_seg, n_pieces);
+            let st = self.sums.as_mut().expect("made above");
+            st.copy.n_ids = part.len() as u32;
+            st.copy.ids[..part.len()].copy_from_slice(part);
+            st.copy.src_ids[..part.len()].copy_from_slice(from);
+            let params = (&mut *st.copy as *mut CopySumParams).cast::<c_void>();
+            // SAFETY: `kvrelay_copy_sum` takes one `CopySumParams` (same layout as the CUDA
+            // struct); it writes only blocks `ids` of the layout (checked, distinct) and reads
+            // the source ranges the caller's contract covers; `part` fits the sums buffer.
+            let r = unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o) };
+            if let Err(e) = r {
+                let _ = stream.synchronize();
+                return Err(e);
             }
         }
         Ok(())

@@ -82,9 +82,9 @@ fn load_kernels() -> Result<driver::Kernels, CopyError> {
         // SAFETY: looks a kernel up in the module just loaded, into a local.
         check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction").map(|_| f)
     };
-    match (func("kvrelay_copy"), func("kvrelay_copy_ring"), func("kvrelay_sum")) {
-        (Ok(copy), Ok(ring), Ok(sum)) => Ok(driver::Kernels { module, copy, ring, sum }),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+    match (func("kvrelay_copy"), func("kvrelay_copy_ring"), func("kvrelay_sum"), func("kvrelay_copy_sum")) {
+        (Ok(copy), Ok(ring), Ok(sum), Ok(copy_sum)) => Ok(driver::Kernels { module, copy, ring, sum, copy_sum }),
+        (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => {
             // SAFETY: the module loaded above, unloaded once; nothing was launched from it.
             unsafe { sys::cuModuleUnload(module) };
             Err(e)
@@ -211,9 +211,9 @@ pub struct CudaEngine {
     staged: Option<Staged>,
     /// The checksum kernel, and its per-call buffers (made on first use).
     sum_func: sys::CUfunction,
-    sum_dev: Option<DeviceBuffer>,
-    sum_host: Option<PinnedBuffer>,
-    sum_params: Option<Box<kernel::SumParams>>,
+    /// The copy-and-sum kernel (copies from another pool).
+    copy_sum_func: sys::CUfunction,
+    sums: Option<Box<kernel::SumState>>,
 }
 
 /// The internal stream and events of the staged method.
@@ -297,9 +297,8 @@ impl CudaEngine {
             scratch: None,
             staged: None,
             sum_func: std::ptr::null_mut(),
-            sum_dev: None,
-            sum_host: None,
-            sum_params: None,
+            copy_sum_func: std::ptr::null_mut(),
+            sums: None,
             layout,
         };
         match opts.method {
@@ -342,7 +341,7 @@ impl CudaEngine {
 
     fn setup_kernel(&mut self) -> Result<(), CopyError> {
         let k = self.dev.kernels(load_kernels)?;
-        (self.func, self.ring_func, self.sum_func) = (k.copy, k.ring, k.sum);
+        (self.func, self.ring_func, self.sum_func, self.copy_sum_func) = (k.copy, k.ring, k.sum, k.copy_sum);
         if self.opts.ids != IdTransport::Params {
             self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
             let mut done = PinnedBuffer::alloc(&self.dev, RING_SLOTS * 8)?;
