@@ -340,7 +340,11 @@ fn gpu_checksums_equal_the_hosts_for_small_and_large_segments() {
             let mut reference = unsafe { CpuEngine::new(m.host_layout.clone()) };
             let ids: Vec<u32> = rng.perm(blocks).into_iter().take(blocks as usize).collect();
             let mut got = vec![0u64; ids.len()];
+            // one block alone (the smallest pieces) and all together (the largest) sum alike
+            let mut one = [0u64];
+            e.checksums(&ids[..1], &mut one, &stream).unwrap();
             e.checksums(&ids, &mut got, &stream).unwrap();
+            assert_eq!(one[0], got[0], "{kind:?} kv={kv}: one block alone");
             let sbb = m.host_layout.stage_block_bytes() as usize;
             let mut one = vec![0u8; sbb];
             for (i, &id) in ids.iter().enumerate() {
@@ -364,27 +368,39 @@ fn gpu_copy_and_sum_from_another_pool_equals_the_hosts() {
     let stream = CudaStream::new(&d).unwrap();
     for kind in KINDS {
         for (layers, blocks, kv) in [(3, 1100, 16u64), (2, 40, 4096), (1, 24, 200 * 1024 + 16), (2, 6, 1 << 20)] {
-            let src = mirror(&d, kind, layers, blocks, kv, &mut rng);
+            let sources =
+                [mirror(&d, kind, layers, blocks, kv, &mut rng), mirror(&d, kind, layers, blocks, kv, &mut rng)];
             let dst = mirror(&d, kind, layers, blocks, kv, &mut rng);
             // SAFETY: the layout lies inside `dst.dev`, alive for the test.
             let mut e = unsafe { CudaEngine::new(&d, dst.dev_layout.clone(), EngineOptions::default()) }.unwrap();
-            // SAFETY: host mirror layouts inside their pools.
-            let mut src_ref = unsafe { CpuEngine::new(src.host_layout.clone()) };
-            let segs: Vec<(u64, u64)> = src.dev_layout.segments().iter().map(|g| (g.base, g.block_stride)).collect();
-            let from: Vec<u32> = rng.perm(blocks);
-            let ids: Vec<u32> = rng.perm(blocks);
-            let mut got = vec![0u64; ids.len()];
-            // SAFETY: every source block lies in `src.dev`, unwritten meanwhile.
-            unsafe { e.copy_and_sum_from(&segs, &from, &ids, &mut got, &stream) }.unwrap();
             let sbb = dst.host_layout.stage_block_bytes() as usize;
             let (mut want, landed) = (vec![0u8; sbb], PinnedBuffer::alloc(&d, sbb).unwrap());
             let done = CudaEvent::new(&d).unwrap();
-            for (i, (&s, &t)) in from.iter().zip(&ids).enumerate() {
-                src_ref.gather(&[s], &mut want).unwrap();
-                e.gather(&[t], &landed, &stream, Some(&done)).unwrap();
-                done.synchronize().unwrap();
-                assert!(landed.as_slice() == &want[..], "{kind:?} kv={kv}: block {i} ({s} -> {t}) differs");
-                assert_eq!(got[i], kvrelay::checksum::kv_checksum(&want), "{kind:?} kv={kv}: block {i}'s sum");
+            let mut segs: Vec<(u64, u64)> = Vec::new();
+            // two sources in turn into the same blocks: the engine's source table follows
+            for (k, src) in sources.iter().enumerate() {
+                // SAFETY: host mirror layout inside its pool.
+                let mut src_ref = unsafe { CpuEngine::new(src.host_layout.clone()) };
+                segs = src.dev_layout.segments().iter().map(|g| (g.base, g.block_stride)).collect();
+                let from: Vec<u32> = rng.perm(blocks);
+                let ids: Vec<u32> = rng.perm(blocks);
+                let mut got = vec![0u64; ids.len()];
+                // SAFETY: every source block lies in `src.dev`, unwritten meanwhile.
+                unsafe { e.copy_and_sum_from(&segs, &from, &ids, &mut got, &stream) }.unwrap();
+                for (i, (&s, &t)) in from.iter().zip(&ids).enumerate() {
+                    src_ref.gather(&[s], &mut want).unwrap();
+                    e.gather(&[t], &landed, &stream, Some(&done)).unwrap();
+                    done.synchronize().unwrap();
+                    assert!(
+                        landed.as_slice() == &want[..],
+                        "{kind:?} kv={kv} source {k}: block {i} ({s} -> {t}) differs"
+                    );
+                    assert_eq!(
+                        got[i],
+                        kvrelay::checksum::kv_checksum(&want),
+                        "{kind:?} kv={kv} source {k}: block {i}'s sum"
+                    );
+                }
             }
             // refused before any launch: a source table of another length, a misaligned
             // base or stride, a repeated destination, a destination past the pool

@@ -28,9 +28,10 @@ pub const TCP_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.002, bytes_per_s: 
 /// 0.15-0.3 ms (`benches/RESULTS.md`).
 pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0005, bytes_per_s: 150e9 };
 
-/// The same-host CUDA IPC default (GPU pool to GPU pool): 0.3 ms of setup (the offer, the
-/// mapping looked up, the copies and the checksum kernel launched) and 600 GB/s.
-pub const CUDA_IPC_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0003, bytes_per_s: 600e9 };
+/// The same-host CUDA IPC default (GPU pool to GPU pool): 0.1 ms of setup (the offer's round
+/// trip, the mapping looked up, one copy-and-sum kernel) and 1.1 TB/s: on one H200 a 1- or
+/// 8-block fetch took 81-128 us and 1 GiB moved at 1.14 TB/s (`benches/RESULTS.md`).
+pub const CUDA_IPC_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0001, bytes_per_s: 1.1e12 };
 
 /// The NIXL default into a host pool: 5 ms and 3 GB/s (UCX's host-memory READs measured
 /// 3.2-4.6 GB/s there).

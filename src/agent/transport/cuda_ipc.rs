@@ -16,11 +16,18 @@
 //!   is the source's host id (the kernel's boot id), process id and exported allocations. The
 //!   destination checks the offer against its own layout, refuses a source on another host,
 //!   maps each of the source's allocations once (`cuIpcOpenMemHandle`, kept until the agent
-//!   stops; within one process the addresses are used as they are), checks every source
-//!   range lies inside an exported allocation, enqueues one device-to-device copy per run of
-//!   pieces contiguous at both ends on a mover's stream, then the checksum kernel, and counts
-//!   each block whose sum matches. `DONE` tells the source how many blocks were taken; its
-//!   pins hold until then (or its transfer deadline).
+//!   stops, or until the source process no longer runs; within one process the addresses are
+//!   used as they are), checks that every offered block lies inside an exported allocation,
+//!   then one kernel on a mover's stream copies the blocks and sums each word as it writes it
+//!   (`CudaEngine::copy_and_sum_from`: the checksum of what landed, for the memory traffic of a
+//!   copy alone); where a segment's blocks span several allocations it enqueues one
+//!   device-to-device copy per run contiguous at both ends and the checksum kernel after. It
+//!   counts each block whose sum matches. `DONE` tells the source how many blocks were taken;
+//!   its pins hold until then (or its transfer deadline).
+//! - **Mappings.** Each is reference-counted: a fetch holds the ones it copies through until
+//!   its stream synchronized. While any is held, idle fetch workers look every 50 ms whether
+//!   its source process still runs (`/proc/<pid>`; agents that share a host through CUDA IPC see
+//!   each other's process ids) and let go of those of a process that ended (`ipc_unmapped`).
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that

@@ -59,15 +59,15 @@ __device__ __forceinline__ unsigned long long kvrelay_fmix64(unsigned long long 
 }
 struct SumParams {
   unsigned long long segs, sums;
-  unsigned int n_seg, n_ids, n_pieces, pad;
+  unsigned int n_seg, n_ids, n_pieces, piece_words;
   unsigned int ids[960];
 };
-// The terms of kvrelay::checksum summed where the bytes lie: one warp per piece (of at most
-// SUM_PIECE_WORDS words) of a (block, segment) chunk, so that a few large blocks still spread
-// over every SM; each word is keyed by its position in the block-major staged block; sums[i]
-// collects block i's terms (the host zeroes it first and applies the final mix). Each lane has
-// four loads in flight per step.
-#define SUM_PIECE_WORDS 8192ULL
+// The terms of kvrelay::checksum summed where the bytes lie: one warp per piece (of
+// piece_words words, a multiple of 256 the host sizes so that the launch fills every SM) of a
+// (block, segment) chunk, so that one block or a few large ones still spread over every SM;
+// each word is keyed by its position in the block-major staged block; sums[i] collects block
+// i's terms (the host zeroes it first and applies the final mix). Each lane has four loads in
+// flight per step.
 extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p) {
   const Seg* segs = (const Seg*)p.segs;
   const unsigned lane = threadIdx.x & 31u;
@@ -83,9 +83,10 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p)
     const unsigned long long q = r - (unsigned long long)s * p.n_pieces;
     const Seg g = segs[s];
     const unsigned long long n = g.bytes >> 3, first = g.stage_off >> 3;
-    const unsigned long long lo = q * SUM_PIECE_WORDS;
+    const unsigned long long piece = p.piece_words;
+    const unsigned long long lo = q * piece;
     if (lo >= n) continue;
-    const unsigned long long hi = lo + SUM_PIECE_WORDS < n ? lo + SUM_PIECE_WORDS : n;
+    const unsigned long long hi = lo + piece < n ? lo + piece : n;
     const unsigned long long* w = (const unsigned long long*)(g.base + (unsigned long long)p.ids[i] * g.stride);
     unsigned long long acc = 0;
     unsigned long long k = lo + lane;
@@ -105,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p)
 struct SrcSeg { unsigned long long base, stride; };
 struct CopySumParams {
   unsigned long long segs, src_segs, sums;
-  unsigned int n_seg, n_ids, n_pieces, pad;
+  unsigned int n_seg, n_ids, n_pieces, piece_words;
   unsigned int ids[480];
   unsigned int src_ids[480];
 };
@@ -128,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySum
   const unsigned long long nwarps = (unsigned long long)gridDim.x * wpc;
   const unsigned long long per_block = (unsigned long long)p.n_seg * p.n_pieces;
   const unsigned long long n_chunks = (unsigned long long)p.n_ids * per_block;
-  const unsigned long long piece = SUM_PIECE_WORDS / 2ULL;
+  const unsigned long long piece = p.piece_words / 2ULL;
   for (unsigned long long c = warp; c < n_chunks; c += nwarps) {
     const unsigned i = (unsigned)(c / per_block);
     const unsigned long long r = c - (unsigned long long)i * per_block;
@@ -219,9 +220,10 @@ pub(super) struct SumParams {
     pub(super) sums: u64,
     pub(super) n_seg: u32,
     pub(super) n_ids: u32,
-    /// Pieces of `SUM_PIECE_WORDS` words in the largest segment (each a warp's work).
+    /// Pieces of `piece_words` words in the largest segment (each a warp's work).
     pub(super) n_pieces: u32,
-    pub(super) pad: u32,
+    /// Words of one piece (a multiple of 256, at most [`SUM_PIECE_WORDS`]).
+    pub(super) piece_words: u32,
     pub(super) ids: [u32; IDS_PER_LAUNCH],
 }
 
@@ -236,13 +238,15 @@ pub(super) struct CopySumParams {
     pub(super) n_seg: u32,
     pub(super) n_ids: u32,
     pub(super) n_pieces: u32,
-    pub(super) pad: u32,
+    pub(super) piece_words: u32,
     pub(super) ids: [u32; COPY_SUM_IDS],
     pub(super) src_ids: [u32; COPY_SUM_IDS],
 }
 
-/// Words one warp of the checksum kernel sums in one piece (the kernel's `SUM_PIECE_WORDS`).
+/// Most words one warp of the summing kernels takes in one piece (64 KiB: large calls).
 pub(super) const SUM_PIECE_WORDS: u64 = 8192;
+/// Fewest words of one piece (2 KiB: one step of a warp of the copy-and-sum kernel).
+pub(super) const MIN_PIECE_WORDS: u64 = 256;
 
 #[repr(C)]
 pub(super) struct Params {
@@ -414,6 +418,8 @@ pub(super) struct SumState {
     copy: Box<CopySumParams>,
     src_dev: DeviceBuffer,
     src_host: PinnedBuffer,
+    /// What `src_dev` holds (empty: unknown), so that fetches from one source upload it once.
+    src_uploaded: Vec<(u64, u64)>,
 }
 
 impl CudaEngine {
@@ -423,15 +429,6 @@ impl CudaEngine {
             return Err(CopyError::Unsupported("checksums need the copy kernel (methods Kernel, Staged)"));
         }
         if self.sums.is_none() {
-            let n_pieces = self
-                .layout
-                .segments()
-                .iter()
-                .map(|g| (g.bytes_per_block / 8).div_ceil(SUM_PIECE_WORDS).max(1))
-                .max()
-                .unwrap_or(1)
-                .try_into()
-                .unwrap_or(u32::MAX);
             let dev = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?;
             let n_seg = self.params.n_seg;
             let src_bytes = (n_seg as usize * 16).max(16);
@@ -440,31 +437,52 @@ impl CudaEngine {
             self.sums = Some(Box::new(SumState {
                 host: PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?,
                 src_host: PinnedBuffer::alloc(&self.dev, src_bytes)?,
-                params: Box::new(SumParams { segs, sums, n_seg, n_ids: 0, n_pieces, pad: 0, ids: [0; IDS_PER_LAUNCH] }),
+                params: Box::new(SumParams {
+                    segs,
+                    sums,
+                    n_seg,
+                    n_ids: 0,
+                    n_pieces: 0,
+                    piece_words: 0,
+                    ids: [0; IDS_PER_LAUNCH],
+                }),
                 copy: Box::new(CopySumParams {
                     segs,
                     src_segs: src_dev.ptr(),
                     sums,
                     n_seg,
                     n_ids: 0,
-                    n_pieces,
-                    pad: 0,
+                    n_pieces: 0,
+                    piece_words: 0,
                     ids: [0; COPY_SUM_IDS],
                     src_ids: [0; COPY_SUM_IDS],
                 }),
                 dev,
                 src_dev,
+                src_uploaded: Vec::with_capacity(n_seg as usize),
             }));
         }
         Ok(self.sums.as_mut().expect("set above"))
     }
 
-    /// The CTAs of a summing launch over `n` blocks: one warp per piece, at most four CTAs per
-    /// SM (the copy kernels' CTA budget is for PCIe traffic; these read HBM and need every SM).
-    fn sum_ctas(&self, n: usize, n_seg: u32, n_pieces: u32) -> u32 {
-        let pieces = n as u64 * u64::from(n_seg) * u64::from(n_pieces);
+    /// How a summing launch over `n` blocks is cut: `(piece_words, n_pieces, ctas)`. One warp
+    /// per piece, at most four CTAs per SM (the copy kernels' CTA budget is for PCIe traffic;
+    /// these read HBM and need every SM); pieces as large as [`SUM_PIECE_WORDS`] when the call
+    /// fills every SM with them, smaller (down to [`MIN_PIECE_WORDS`]) when it does not, so
+    /// that a one-block call still runs on every SM instead of one per (block, segment).
+    fn sum_grid(&self, n: usize) -> (u32, u32, u32) {
+        let segs = self.layout.segments();
+        let words: u64 = n as u64 * segs.iter().map(|g| g.bytes_per_block / 8).sum::<u64>();
         let warps_per_cta = u64::from(self.opts.threads / 32).max(1);
-        pieces.div_ceil(warps_per_cta).min(u64::from(self.dev.multiprocessors()) * 4).max(1) as u32
+        let max_ctas = u64::from(self.dev.multiprocessors()) * 4;
+        let piece = words
+            .div_ceil(max_ctas * warps_per_cta)
+            .next_multiple_of(MIN_PIECE_WORDS)
+            .clamp(MIN_PIECE_WORDS, SUM_PIECE_WORDS);
+        let n_pieces = segs.iter().map(|g| (g.bytes_per_block / 8).div_ceil(piece)).max().unwrap_or(1).max(1);
+        let pieces = n as u64 * segs.len() as u64 * n_pieces;
+        let ctas = pieces.div_ceil(warps_per_cta).clamp(1, max_ctas);
+        (piece as u32, n_pieces.try_into().unwrap_or(u32::MAX), ctas as u32)
     }
 
     /// Zero `n` sums, launch `func` with the parameter block `params`, bring the sums back,
@@ -541,12 +559,9 @@ impl CudaEngine {
         let func = self.sum_func;
         self.sum_state()?;
         for (part, o) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)) {
-            let (n_seg, n_pieces) = {
-                let p = &self.sums.as_ref().expect("made above").params;
-                (p.n_seg, p.n_pieces)
-            };
-            let ctas = self.sum_ctas(part.len(), n_seg, n_pieces);
+            let (piece_words, n_pieces, ctas) = self.sum_grid(part.len());
             let st = self.sums.as_mut().expect("made above");
+            (st.params.piece_words, st.params.n_pieces) = (piece_words, n_pieces);
             st.params.n_ids = part.len() as u32;
             st.params.ids[..part.len()].copy_from_slice(part);
             let params = (&mut *st.params as *mut SumParams).cast::<c_void>();
@@ -564,8 +579,9 @@ impl CudaEngine {
     /// segment `s`'s base address (in this context: memory another process exported and this
     /// one mapped, or this process's own) and block stride, both multiples of 16 bytes.
     /// Runs after the work enqueued on `stream` before it; returns once the stream passed it,
-    /// also on an error. Host cost: a segment-table upload, then one memset, one launch and one
-    /// 8-byte-per-block copy per [`COPY_SUM_IDS`] blocks; no allocation after the first call.
+    /// also on an error. Host cost: a segment-table upload when `src_segs` differs from the
+    /// last call's, then one memset, one launch and one 8-byte-per-block copy per
+    /// [`COPY_SUM_IDS`] blocks; no allocation after the first call.
     ///
     /// # Safety
     /// For every `i` and segment `s`, the `bytes_per_block` bytes at `src_segs[s].0 +
@@ -592,31 +608,35 @@ impl CudaEngine {
         let _ctx = self.dev.bind()?;
         let (sbb, threads, func) = (self.layout.stage_block_bytes(), self.opts.threads, self.copy_sum_func);
         let st = self.sum_state()?;
-        for (o, &(base, stride)) in st.src_host.as_mut_slice().chunks_exact_mut(16).zip(src_segs) {
-            o[..8].copy_from_slice(&base.to_le_bytes());
-            o[8..].copy_from_slice(&stride.to_le_bytes());
+        if st.src_uploaded != src_segs {
+            st.src_uploaded.clear();
+            for (o, &(base, stride)) in st.src_host.as_mut_slice().chunks_exact_mut(16).zip(src_segs) {
+                o[..8].copy_from_slice(&base.to_le_bytes());
+                o[8..].copy_from_slice(&stride.to_le_bytes());
+            }
+            // SAFETY: pinned host memory of at least `16 * n_seg` bytes into the device table
+            // of the same size, on this library's stream; the host side is rewritten only after
+            // the stream synchronized (every call ends with a synchronize, also on an error).
+            let up = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    st.src_dev.ptr(),
+                    st.src_host.as_slice().as_ptr().cast(),
+                    src_segs.len() * 16,
+                    stream.raw(),
+                )
+            };
+            if let Err(e) = check(up, "cuMemcpyHtoDAsync") {
+                let _ = stream.synchronize();
+                return Err(e);
+            }
+            st.src_uploaded.extend_from_slice(src_segs);
         }
-        // SAFETY: pinned host memory of at least `16 * n_seg` bytes into the device table of
-        // the same size, on this library's stream; the host side is rewritten only after the
-        // stream synchronized (every call ends with a synchronize, also on an error below).
-        let up = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                st.src_dev.ptr(),
-                st.src_host.as_slice().as_ptr().cast(),
-                src_segs.len() * 16,
-                stream.raw(),
-            )
-        };
-        if let Err(e) = check(up, "cuMemcpyHtoDAsync") {
-            let _ = stream.synchronize();
-            return Err(e);
-        }
-        let (n_seg, n_pieces) = (st.copy.n_seg, st.copy.n_pieces);
         for ((part, from), o) in
             ids.chunks(COPY_SUM_IDS).zip(src_ids.chunks(COPY_SUM_IDS)).zip(out.chunks_mut(COPY_SUM_IDS))
         {
-            let ctas = self.sum_ctas(part.len(), n_seg, n_pieces);
+            let (piece_words, n_pieces, ctas) = self.sum_grid(part.len());
             let st = self.sums.as_mut().expect("made above");
+            (st.copy.piece_words, st.copy.n_pieces) = (piece_words, n_pieces);
             st.copy.n_ids = part.len() as u32;
             st.copy.ids[..part.len()].copy_from_slice(part);
             st.copy.src_ids[..part.len()].copy_from_slice(from);
@@ -627,6 +647,7 @@ impl CudaEngine {
             let r = unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o) };
             if let Err(e) = r {
                 let _ = stream.synchronize();
+                st.src_uploaded.clear(); // whether the table arrived is unknown
                 return Err(e);
             }
         }
