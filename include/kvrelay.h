@@ -34,7 +34,7 @@
 #define KVRELAY_VERSION_MAJOR 0
 
 // Minor version.
-#define KVRELAY_VERSION_MINOR 2
+#define KVRELAY_VERSION_MINOR 3
 
 // Patch version.
 #define KVRELAY_VERSION_PATCH 0
@@ -299,8 +299,8 @@ typedef int32_t kvrelay_fetch_failure;
 // One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
 // name, so that limits can be added without changing a struct a caller compiled in). Fixed
 // values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
-// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES` and
-// `KVRELAY_LIMIT_WRITE_GRACE_MS`.
+// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
+// `KVRELAY_LIMIT_WRITE_GRACE_MS` and `KVRELAY_LIMIT_TCP_FALLBACK`.
 enum kvrelay_agent_limit
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : int32_t
@@ -344,6 +344,13 @@ enum kvrelay_agent_limit
   // finish or fail before the destination blocks it may write are withheld (1000 ms; at most
   // 60000; 0: withheld at once). Withheld blocks come back through the holder's `returned`.
   KVRELAY_LIMIT_WRITE_GRACE_MS = 14,
+  // When the agent's transport is not TCP (NIXL, CUDA IPC): a fetch whose source cannot be
+  // reached that way (it does not serve the transport, it runs on another host for CUDA IPC,
+  // its memory cannot be mapped or registered here) is made again over TCP, once, and that
+  // source is fetched from over TCP for the next 60 s (1, the default; counted in
+  // `transport_fallbacks`). 0 pins the transport: such a fetch fails with the reason.
+  // Since 0.3.0.
+  KVRELAY_LIMIT_TCP_FALLBACK = 15,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -544,6 +551,9 @@ typedef struct kvrelay_agent_stats {
   uint64_t ipc_mapped_now;
   // CUDA IPC: mappings let go because their source process no longer runs.
   uint64_t ipc_unmapped;
+  // Fetches made again over TCP because the agent's own transport could not reach their
+  // source (`tcp_fallback`); that source is then fetched from over TCP for a while.
+  uint64_t transport_fallbacks;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

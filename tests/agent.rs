@@ -234,7 +234,8 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
 
 /// NIXL between host pools: the destination READs the blocks in place, verifies them against
 /// the checksums the source recorded and the source unpins them at DONE; a TCP destination is
-/// still served by a NIXL source, a NIXL destination is refused by a TCP-only one.
+/// still served by a NIXL source; a NIXL destination falls back to TCP for a TCP-only source
+/// (once, then straight to TCP), and with the transport pinned it is refused.
 #[cfg(feature = "nixl")]
 #[test]
 fn nixl_reads_blocks_in_place_verified() {
@@ -264,12 +265,29 @@ fn nixl_reads_blocks_in_place_verified() {
     let r = tcp.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
     assert_eq!(tcp.pool.read(1), content(NAMES[1], bb));
-    // a NIXL reader of a TCP-only source
+    // a NIXL reader of a TCP-only source: refused as NIXL, made again over TCP, and the next
+    // fetch from it goes over TCP at once
     tcp.hold(&NAMES, 0);
-    let r = b.fetch(&tcp.endpoint(), &NAMES, 0, vec![0, 1]);
+    let c = instance_with(|c| c.transport = t.clone());
+    let r = c.fetch(&tcp.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(c.pool.read(1), content(NAMES[1], bb));
+    assert_eq!((tcp.agent.stats().refused_unsupported, c.agent.stats().transport_fallbacks), (1, 1));
+    let r = c.fetch(&tcp.endpoint(), &NAMES, 2, vec![7]);
+    assert_eq!((r.failure, r.blocks), (None, 1), "{}", r.detail);
+    assert_eq!(c.pool.read(7), content(NAMES[2], bb));
+    assert_eq!((tcp.agent.stats().refused_unsupported, c.agent.stats().transport_fallbacks), (1, 1), "no second try");
+    assert!(c.agent.prometheus().contains("kvrelay_kv_agent_transport_fallbacks_total 1"));
+    eventually("every pin released", || tcp.cache.pinned() == 0);
+    // the transport pinned: refused, with the reason
+    let pinned = instance_with(|c| {
+        c.transport = t.clone();
+        c.limits.tcp_fallback = false;
+    });
+    let r = pinned.fetch(&tcp.endpoint(), &NAMES, 0, vec![0, 1]);
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Refused), 0), "{}", r.detail);
     assert!(r.detail.contains("unsupported"), "{}", r.detail);
-    assert_eq!(tcp.agent.stats().refused_unsupported, 1);
+    assert_eq!((tcp.agent.stats().refused_unsupported, pinned.agent.stats().transport_fallbacks), (2, 0));
     // memory that went bad at the source after its checksum was recorded
     a.pool.corrupt(4, 7);
     let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![10, 11, 13, 14]);
@@ -813,12 +831,28 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     let r = tcp.fetch(&ep, &NAMES, 0, vec![0, 1]);
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
     assert_eq!(tcp.pool.read(1), content(NAMES[1], bb));
-    // an IPC reader of a TCP-only source is refused
+    // an IPC reader of a TCP-only source falls back to TCP (the blocks land in its device
+    // pool through its mover's slots); with the transport pinned it is refused
     tcp.hold(&NAMES, 8);
     let r = dst_agent.submit(req(&tcp.endpoint(), 0, vec![5]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 1), "{}", r.detail);
+    assert_eq!(dst.read(5), content(NAMES[0], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 1);
+    let pinned_pool = DevPool::new(&dev);
+    let pinned = {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = kvrelay::agent::Transport::CudaIpc;
+        c.limits.tcp_fallback = false;
+        // SAFETY: the pool outlives the agent (dropped first, below).
+        unsafe { Agent::new(c, pinned_pool.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let r = pinned.submit(req(&tcp.endpoint(), 0, vec![5]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Refused), 0), "{}", r.detail);
     assert!(r.detail.contains("unsupported"), "{}", r.detail);
-    eprintln!("{test}: TCP reader and refused IPC reader done");
+    drop(pinned);
+    drop(pinned_pool);
+    eprintln!("{test}: TCP reader, IPC reader falling back to TCP, pinned IPC reader refused");
     // cancels at any point of a fetch (before, during or after the copy): each completes as
     // whole or as cancelled with only leading blocks counted, those byte-exact (the pins are
     // checked below)

@@ -70,6 +70,14 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(kvrelay_agent_config_set_limit(cfg, idle, 0), KVRELAY_OK, "0 turns reuse off");
         assert_eq!(kvrelay_agent_config_get_limit(cfg, streams, &mut v), KVRELAY_OK);
         assert_eq!(v, 8);
+        // a switch: 1 (the default) or 0, nothing else
+        let fallback = kvrelay_agent_limit::KVRELAY_LIMIT_TCP_FALLBACK as i32;
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, fallback, &mut v), KVRELAY_OK);
+        assert_eq!(v, 1, "falls back to TCP by default");
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, fallback, 2), KVRELAY_ERR_INVALID_CONFIG);
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, fallback, 0), KVRELAY_OK);
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, fallback, &mut v), KVRELAY_OK);
+        assert_eq!(v, 0);
         kvrelay_agent_config_free(cfg);
     }
 }

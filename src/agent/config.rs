@@ -69,7 +69,17 @@ pub struct Limits {
     /// finish or fail before the destination blocks it may write are withheld (1 s; NIXL only:
     /// a TCP stream stops when its socket closes). Zero withholds at once.
     pub write_grace: Duration,
+    /// When the agent's transport is not TCP: a fetch whose source cannot be reached that way
+    /// (it does not serve the transport, it runs on another host for CUDA IPC, its memory
+    /// cannot be mapped here) is made again over TCP, once, and that source is fetched from
+    /// over TCP for the next [`TCP_FALLBACK_MEMORY`] (true, the default). False pins the
+    /// transport: such a fetch fails with the reason.
+    pub tcp_fallback: bool,
 }
+
+/// How long a source that could not be reached with the agent's own transport is fetched from
+/// over TCP before the transport is tried again (a source may restart with it).
+pub const TCP_FALLBACK_MEMORY: Duration = Duration::from_secs(60);
 
 impl Default for Limits {
     fn default() -> Limits {
@@ -88,6 +98,7 @@ impl Default for Limits {
             idle_timeout: Duration::from_secs(5),
             socket_buffer_bytes: 0,
             write_grace: Duration::from_secs(1),
+            tcp_fallback: true,
         }
     }
 }
@@ -125,6 +136,8 @@ crate::labels::labelled_enum! {
         SocketBufferBytes = 13 => "socket_buffer_bytes",
         /// [`Limits::write_grace`], ms.
         WriteGraceMs = 14 => "write_grace_ms",
+        /// [`Limits::tcp_fallback`]: 1 (the default) or 0.
+        TcpFallback = 15 => "tcp_fallback",
     }
 }
 
@@ -154,6 +167,7 @@ impl Limits {
             LimitKey::IdleTimeoutMs => ms(self.idle_timeout),
             LimitKey::SocketBufferBytes => self.socket_buffer_bytes.into(),
             LimitKey::WriteGraceMs => ms(self.write_grace),
+            LimitKey::TcpFallback => self.tcp_fallback.into(),
         }
     }
 
@@ -179,6 +193,13 @@ impl Limits {
             LimitKey::IdleTimeoutMs => next.idle_timeout = ms,
             LimitKey::SocketBufferBytes => next.socket_buffer_bytes = small()?,
             LimitKey::WriteGraceMs => next.write_grace = ms,
+            LimitKey::TcpFallback => {
+                next.tcp_fallback = match value {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(refuse()),
+                }
+            }
         }
         next.check()?;
         *self = next;

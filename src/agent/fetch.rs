@@ -244,7 +244,7 @@ fn pull(
         }
         p
     };
-    let n = inner.backend.streams(inner, asked.len());
+    let n = inner.backend_for(addr).streams(inner, asked.len());
     if n == 1 {
         let p = part(0, 0, asked.len(), &mut w.mover, &mut w.buf);
         (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
@@ -385,6 +385,16 @@ impl Stream<'_> {
             (self.stopped)()?;
             match self.exchange(&mut s, reused, mover, buf, land) {
                 Exchange::Stale => continue,
+                // the agent's own transport cannot reach this source and nothing moved: once
+                // more over TCP, on a new connection (`Limits::tcp_fallback`)
+                Exchange::Close(Err(_))
+                    if land.unusable && land.blocks == 0 && land.withheld == 0 && inner.fall_back(addr) =>
+                {
+                    land.unusable = false;
+                    land.offered = false;
+                    (self.stopped)()?;
+                    continue;
+                }
                 Exchange::Close(r) => return r,
                 Exchange::Reusable => {
                     if reused {
@@ -415,7 +425,7 @@ impl Stream<'_> {
     ) -> Exchange {
         let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
         let c: &mut dyn Conn = s;
-        let backend = &*inner.backend;
+        let backend = inner.backend_for(self.addr);
         let by = inner.io_deadline().min(deadline);
         if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
             return if reused { Exchange::Stale } else { Exchange::Close(Err(io_fail(&e, "the hello"))) };

@@ -43,7 +43,16 @@ pub(super) struct Inner {
     pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
     /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam.
     pub(super) backend: Box<dyn transport::Backend>,
+    /// Sources the agent's own backend could not reach, fetched from over TCP since then
+    /// (`Limits::tcp_fallback`), with when they were marked.
+    pub(super) tcp_sources: Mutex<HashMap<SocketAddr, Instant>>,
 }
+
+/// The TCP backend a fetch falls back to.
+static TCP: transport::tcp::Tcp = transport::tcp::Tcp;
+
+/// Most sources remembered as reachable over TCP only (the oldest marks go first beyond).
+const MAX_TCP_SOURCES: usize = 4096;
 
 /// Set a socket's send and receive buffers to `bytes` (0: leave the kernel's autotuning).
 pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
@@ -71,6 +80,39 @@ pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
 pub(super) const MAX_IDLE_PER_SOURCE: usize = 16;
 
 impl Inner {
+    /// The backend fetches from `addr` use: the agent's own, or TCP for a source that it could
+    /// not reach within the last [`super::config::TCP_FALLBACK_MEMORY`].
+    pub(super) fn backend_for(&self, addr: SocketAddr) -> &dyn transport::Backend {
+        if self.limits.tcp_fallback && self.backend.hello() != super::wire::HELLO {
+            let m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
+            if m.get(&addr).is_some_and(|since| since.elapsed() < super::config::TCP_FALLBACK_MEMORY) {
+                return &TCP;
+            }
+        }
+        &*self.backend
+    }
+
+    /// Whether a fetch from `addr` that failed unreachable by the agent's own backend is made
+    /// again over TCP; if so, `addr` is marked for TCP from now (and counted).
+    pub(super) fn fall_back(&self, addr: SocketAddr) -> bool {
+        if !self.limits.tcp_fallback || self.backend.hello() == super::wire::HELLO {
+            return false;
+        }
+        let mut m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() >= MAX_TCP_SOURCES && !m.contains_key(&addr) {
+            let memory = super::config::TCP_FALLBACK_MEMORY;
+            m.retain(|_, since| since.elapsed() < memory);
+            if m.len() >= MAX_TCP_SOURCES {
+                if let Some(oldest) = m.iter().min_by_key(|(_, since)| **since).map(|(a, _)| *a) {
+                    m.remove(&oldest);
+                }
+            }
+        }
+        m.insert(addr, Instant::now());
+        Stats::add(&self.stats.transport_fallbacks, 1);
+        true
+    }
+
     /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
     pub(super) fn take_idle(&self, addr: SocketAddr) -> Option<TcpStream> {
         let fresh = self.limits.idle_timeout / 2;

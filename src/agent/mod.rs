@@ -77,7 +77,7 @@ use std::time::Duration;
 
 pub use allow::PeerAllow;
 pub use auth::Psk;
-pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport};
+pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport, TCP_FALLBACK_MEMORY};
 pub use estimate::{SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
 use handle::{FetchState, Job};
@@ -259,6 +259,7 @@ impl Agent {
             jobs_ready: Condvar::new(),
             idle: Mutex::new(HashMap::new()),
             backend,
+            tcp_sources: Mutex::new(HashMap::new()),
         });
         let mut agent =
             Agent { inner: inner.clone(), local, endpoint: local.map(|a| format!("tcp://{a}")), threads: vec![] };

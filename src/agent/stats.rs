@@ -89,6 +89,9 @@ pub struct AgentStats {
     pub ipc_mapped_now: u64,
     /// CUDA IPC: mappings let go because their source process no longer runs.
     pub ipc_unmapped: u64,
+    /// Fetches made again over TCP because the agent's own transport could not reach their
+    /// source (`tcp_fallback`); that source is then fetched from over TCP for a while.
+    pub transport_fallbacks: u64,
 }
 
 macro_rules! stats {
@@ -115,6 +118,7 @@ stats! {
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
     fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
+    transport_fallbacks,
 }
 
 impl Stats {
@@ -189,6 +193,11 @@ impl Stats {
             ),
             ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
             ("ipc_unmapped", "CUDA IPC mappings let go because their source process no longer runs.", s.ipc_unmapped),
+            (
+                "transport_fallbacks",
+                "Fetches made again over TCP because the agent's own transport could not reach the source.",
+                s.transport_fallbacks,
+            ),
             ("reused", "Served transfers that came on a kept-alive connection.", s.reused),
             ("streams_reused", "Fetch streams that went over a kept-alive connection.", s.streams_reused),
             (

@@ -57,7 +57,7 @@ pub enum kvrelay_status {
 /// Major version of the library the header belongs to (checked against the crate version).
 pub const KVRELAY_VERSION_MAJOR: u32 = 0;
 /// Minor version.
-pub const KVRELAY_VERSION_MINOR: u32 = 2;
+pub const KVRELAY_VERSION_MINOR: u32 = 3;
 /// Patch version.
 pub const KVRELAY_VERSION_PATCH: u32 = 0;
 

@@ -14,7 +14,7 @@ from typing import Any, Optional, TypeVar
 
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
-KVRELAY_VERSION_MINOR = 2  # Minor version.
+KVRELAY_VERSION_MINOR = 3  # Minor version.
 KVRELAY_VERSION_PATCH = 0  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
@@ -156,7 +156,7 @@ class FetchFailure(CEnum):
 
 
 class AgentLimit(CEnum):
-    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES` and `KVRELAY_LIMIT_WRITE_GRACE_MS`."""
+    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`, `KVRELAY_LIMIT_WRITE_GRACE_MS` and `KVRELAY_LIMIT_TCP_FALLBACK`."""
 
     MAX_CONNECTIONS = ("max_connections", 1)
     MAX_PER_PEER = ("max_per_peer", 2)
@@ -172,6 +172,7 @@ class AgentLimit(CEnum):
     IDLE_TIMEOUT_MS = ("idle_timeout_ms", 12)
     SOCKET_BUFFER_BYTES = ("socket_buffer_bytes", 13)
     WRITE_GRACE_MS = ("write_grace_ms", 14)
+    TCP_FALLBACK = ("tcp_fallback", 15)
 
 
 # every enumerator as an int, for the calls
@@ -252,6 +253,7 @@ KVRELAY_LIMIT_MIN_STREAM_BYTES = 11
 KVRELAY_LIMIT_IDLE_TIMEOUT_MS = 12
 KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13
 KVRELAY_LIMIT_WRITE_GRACE_MS = 14
+KVRELAY_LIMIT_TCP_FALLBACK = 15
 
 
 # --- structs (in header order: what one uses is defined before it)
@@ -351,6 +353,7 @@ class kvrelay_agent_stats(Structure):
         ("fetch_failed_internal", c_uint64),  # Fetches that failed: internal (a panic inside the agent).
         ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
         ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
+        ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
     ]
 
 

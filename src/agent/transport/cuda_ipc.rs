@@ -376,6 +376,7 @@ impl Backend for CudaIpc {
             let exports = decode_exports(&offer.metadata)
                 .ok_or((FailReason::Corrupt, "the offer's CUDA IPC exports do not decode".to_string()))?;
             if exports.host != self.host {
+                land.unusable = true;
                 return Err((
                     FailReason::Refused,
                     "the source runs on another host: CUDA IPC needs both agents on one host".to_string(),
@@ -387,7 +388,10 @@ impl Backend for CudaIpc {
             if offer.blocks.is_empty() {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
-            let (mapped, _held) = self.map(inner, &exports)?;
+            let (mapped, _held) = self.map(inner, &exports).inspect_err(|e| {
+                // memory this process cannot map (another IPC namespace, say): TCP may do
+                land.unusable = e.0 == FailReason::Connect;
+            })?;
             let count = offer.blocks.len();
             // one kernel that copies and sums where every segment's blocks lie in one exported
             // allocation (the usual pool); else one copy per contiguous run, then the sums

@@ -109,11 +109,15 @@ pub(super) struct Landing<'a> {
     pub(super) withheld: usize,
     /// The source answered the hello (an offer came): a kept-alive connection was not stale.
     pub(super) offered: bool,
+    /// The source cannot be reached with this backend (it does not serve it, it runs on
+    /// another host, its memory cannot be mapped or registered here), set with the failure
+    /// before any block moved: the fetch may be made again over TCP.
+    pub(super) unusable: bool,
 }
 
 impl<'a> Landing<'a> {
     pub(super) fn new(inner: &'a Inner, dst: &'a [u32]) -> Landing<'a> {
-        Landing { inner, dst, blocks: 0, first: None, withheld: 0, offered: false }
+        Landing { inner, dst, blocks: 0, first: None, withheld: 0, offered: false, unusable: false }
     }
 
     /// The one verification rule: block `i`, summed where its bytes lie to `got`, against the
@@ -209,6 +213,7 @@ pub(super) fn read_in_place_offer(
     buf.resize(len, 0);
     c.read_by(buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
     if got == wire::REFUSE {
+        land.unusable = wire::decode_refusal(buf).0 == Some(Refusal::Unsupported);
         return Err(refusal(buf));
     }
     land.offered = true;

@@ -505,6 +505,8 @@ fn pull(
     }
     if let Err(e) = nx.ensure_remote(&offer.agent, &offer.metadata, deadline, stopped) {
         done(c, 0);
+        // UCX cannot reach that source's memory from here: TCP may (when the agent falls back)
+        land.unusable = e.0 == FailReason::Connect;
         return Err(e);
     }
     let mut reqs = Vec::new();

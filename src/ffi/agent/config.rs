@@ -28,8 +28,8 @@ pub struct kvrelay_agent_fingerprint {
 /// One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
 /// name, so that limits can be added without changing a struct a caller compiled in). Fixed
 /// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
-/// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES` and
-/// `KVRELAY_LIMIT_WRITE_GRACE_MS`.
+/// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
+/// `KVRELAY_LIMIT_WRITE_GRACE_MS` and `KVRELAY_LIMIT_TCP_FALLBACK`.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum kvrelay_agent_limit {
@@ -71,6 +71,13 @@ pub enum kvrelay_agent_limit {
     /// finish or fail before the destination blocks it may write are withheld (1000 ms; at most
     /// 60000; 0: withheld at once). Withheld blocks come back through the holder's `returned`.
     KVRELAY_LIMIT_WRITE_GRACE_MS = 14,
+    /// When the agent's transport is not TCP (NIXL, CUDA IPC): a fetch whose source cannot be
+    /// reached that way (it does not serve the transport, it runs on another host for CUDA IPC,
+    /// its memory cannot be mapped or registered here) is made again over TCP, once, and that
+    /// source is fetched from over TCP for the next 60 s (1, the default; counted in
+    /// `transport_fallbacks`). 0 pins the transport: such a fetch fails with the reason.
+    /// Since 0.3.0.
+    KVRELAY_LIMIT_TCP_FALLBACK = 15,
 }
 
 /// An agent's configuration under construction. Owned: `_free`.
