@@ -30,7 +30,8 @@ pub const NIXL_VRAM_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0005, bytes_
 
 /// The same-host CUDA IPC default (GPU pool to GPU pool): 0.1 ms of setup (the offer's round
 /// trip, the mapping looked up, one copy-and-sum kernel) and 1.1 TB/s: on one H200 a 1- or
-/// 8-block fetch took 81-128 us and 1 GiB moved at 1.14 TB/s (`benches/RESULTS.md`).
+/// 8-block fetch took 81-180 us (the thread wake-ups vary by machine) and 1 GiB moved at
+/// 1.1 TB/s (`benches/RESULTS.md`).
 pub const CUDA_IPC_DEFAULT: SourceSpeed = SourceSpeed { setup_s: 0.0001, bytes_per_s: 1.1e12 };
 
 /// The NIXL default into a host pool: 5 ms and 3 GB/s (UCX's host-memory READs measured
