@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
@@ -37,4 +37,14 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildWithLibrary}, distclass=BinaryDistribution)
+# The compiled helper for the per-request calls (admit, a fetch submission): optional, so that a
+# machine without a C compiler still installs the package (every call then goes through ctypes).
+FAST = Extension(
+    "kvrelay._fast",
+    sources=["src/kvrelay/_fast.c"],
+    include_dirs=[str(ROOT / "include")],
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildWithLibrary}, distclass=BinaryDistribution, ext_modules=[FAST])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
 
 from . import _bindings as B
 
@@ -76,6 +78,27 @@ DISCARD_SLOTS = B.KVRELAY_DISCARD_SLOTS
 OK = B.KVRELAY_OK
 ERR_BUFFER_TOO_SMALL = B.KVRELAY_ERR_BUFFER_TOO_SMALL
 ERR_PENDING = B.KVRELAY_ERR_PENDING
+
+
+def _address(f: Any) -> int:
+    a = ctypes.cast(f, ctypes.c_void_p).value
+    assert a, "a loaded function has an address"
+    return a
+
+
+# The compiled helper for the per-request calls (`_fast.c`; built by `pip install` where a C
+# compiler is present), bound to this library's functions: None without it, or with
+# KVRELAY_PYTHON_CTYPES_ONLY=1 (every call through ctypes; what the helper is measured and
+# tested against).
+fast: Optional[ModuleType]
+try:
+    from . import _fast as fast
+except ImportError:
+    fast = None
+if fast is not None and os.environ.get("KVRELAY_PYTHON_CTYPES_ONLY") == "1":
+    fast = None
+if fast is not None:
+    fast.bind(_address(lib.kvrelay_admit), _address(lib.kvrelay_agent_submit), _address(lib.kvrelay_snapshot_release))
 
 
 def text(s: Str) -> str:

@@ -230,6 +230,17 @@ class Admission(_Handle):
     def admit(self, raw: Optional[Any]) -> Outcome:
         """Admit one raw hint (bytes as received; ``None`` or empty: absent). Never raises for
         a bad hint: it is ``ignored`` with its reason and inference goes on."""
+        fast = L.fast
+        if fast is not None:
+            p = self._ptr
+            if p:
+                r = fast.admit(p, raw)
+                if isinstance(r, tuple):
+                    kind, reason, detail, handle = r
+                    return Outcome(_label(OutcomeKind, kind), _label(Reason, reason), detail, Snapshot(handle) if handle else None)
+                if isinstance(r, int):
+                    _check("kvrelay_admit", r)
+            # NotImplemented (a closed edge, or raw not plain bytes or None): the checking path
         o, snap = L.Outcome(), ctypes.c_void_p()
         if raw is None:
             buf, n = None, 0

@@ -120,6 +120,21 @@ def _endpoint(endpoint: Any) -> tuple[Any, L.Str]:
             _endpoints.clear()
         _endpoints[endpoint] = entry
     return entry
+
+
+_endpoint_bytes: dict[str, bytes] = {}
+
+
+def _endpoint_utf8(endpoint: str) -> bytes:
+    """``endpoint`` as UTF-8 bytes, kept for the next submission (as ``_endpoint`` keeps its
+    C string)."""
+    e: bytes = _utf8("endpoint", endpoint)
+    if len(_endpoint_bytes) >= _ENDPOINTS_KEPT:
+        _endpoint_bytes.clear()
+    _endpoint_bytes[endpoint] = e
+    return e
+
+
 _WAIT_SLICE_MS = 50  # result() waits in slices this long, so that Ctrl-C (signals) get through
 
 
@@ -358,6 +373,21 @@ class Agent(_Handle):
         ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
+        fast = L.fast
+        if fast is not None and callback is None and type(endpoint) is str:
+            # the compiled helper: plain lists or tuples of ints and ints in range, taken as
+            # they are; anything else answers NotImplemented and takes the checking path below
+            e = _endpoint_bytes.get(endpoint)
+            if e is None:
+                e = _endpoint_utf8(endpoint)
+            agent = self._ptr
+            if agent:
+                f = Fetch(self, None)
+                st = fast.submit(agent, e, names, held, dst_blocks, deadline_ms, 0, ctypes.addressof(f._handle))
+                if st == 0:
+                    return f
+                if isinstance(st, int):
+                    _check("kvrelay_agent_submit", st)
         ebuf, es = _endpoint(endpoint)  # ebuf holds the bytes es points at until the call returns
         n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
         if type(held) is not int or not 0 <= held <= SIZE_MAX:

@@ -1,0 +1,195 @@
+/* kvrelay._fast: the two per-request calls (an admission, a fetch submission) made from C, for
+ * the microsecond a ctypes call costs. Optional: `pip install ./python` builds it where a C
+ * compiler is present; without it the package makes the same calls through ctypes.
+ *
+ * It takes only what it can take as is (exact bytes, exact ints, lists or tuples of exact ints,
+ * every value in range, every precondition of the call met) and answers NotImplemented for
+ * anything else: the Python wrapper then takes its checking path, whose errors name the
+ * argument. It calls the library the package loaded (the functions' addresses come through
+ * `bind`, from ctypes), so there is one libkvrelay in the process whatever KVRELAY_LIBRARY says.
+ * Neither call blocks: the GIL is held throughout. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrelay.h"
+
+typedef kvrelay_status (*admit_fn)(const struct kvrelay_admission *, const uint8_t *, size_t,
+                                   struct kvrelay_outcome *, struct kvrelay_snapshot **);
+typedef kvrelay_status (*submit_fn)(const struct kvrelay_agent *, const struct kvrelay_fetch_params *,
+                                    const struct kvrelay_fetch_callbacks *, struct kvrelay_fetch **);
+
+typedef void (*release_fn)(struct kvrelay_snapshot *);
+
+static admit_fn admit_p = NULL;
+static submit_fn submit_p = NULL;
+static release_fn release_p = NULL;
+
+/* Ids converted on the stack up to this many; a larger request allocates. */
+#define STACK_IDS 512
+
+static PyObject *not_implemented(void) {
+  PyErr_Clear();
+  Py_INCREF(Py_NotImplemented);
+  return Py_NotImplemented;
+}
+
+/* An address from a Python int: NULL (no error set) when it is not one or is 0. */
+static void *address(PyObject *o) {
+  if (!PyLong_CheckExact(o)) return NULL;
+  void *p = PyLong_AsVoidPtr(o);
+  if (p == NULL) PyErr_Clear();
+  return p;
+}
+
+/* bind(admit, submit, release): the addresses of kvrelay_admit, kvrelay_agent_submit and
+ * kvrelay_snapshot_release. */
+static PyObject *fast_bind(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+  (void)self;
+  if (n != 3) {
+    PyErr_SetString(PyExc_TypeError, "bind(admit, submit, release) takes three addresses");
+    return NULL;
+  }
+  void *a = address(args[0]), *s = address(args[1]), *r = address(args[2]);
+  if (a == NULL || s == NULL || r == NULL) {
+    PyErr_SetString(PyExc_ValueError, "bind: an address is not a non-zero int");
+    return NULL;
+  }
+  /* POSIX: a function's address travels as a data pointer (dlsym does the same) */
+  memcpy(&admit_p, &a, sizeof a);
+  memcpy(&submit_p, &s, sizeof s);
+  memcpy(&release_p, &r, sizeof r);
+  Py_RETURN_NONE;
+}
+
+/* admit(admission, raw) -> (kind, reason, detail, snapshot) | status | NotImplemented.
+ * `raw` exact bytes or None; `detail` the malformed reason's text, else "". */
+static PyObject *fast_admit(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+  (void)self;
+  if (n != 2 || admit_p == NULL || release_p == NULL) return not_implemented();
+  void *p = address(args[0]);
+  if (p == NULL) return not_implemented();
+  const uint8_t *buf = NULL;
+  size_t len = 0;
+  if (PyBytes_CheckExact(args[1])) {
+    buf = (const uint8_t *)PyBytes_AS_STRING(args[1]);
+    len = (size_t)PyBytes_GET_SIZE(args[1]);
+  } else if (args[1] != Py_None) {
+    return not_implemented();
+  }
+  struct kvrelay_outcome o;
+  struct kvrelay_snapshot *snap = NULL;
+  kvrelay_status st = admit_p((const struct kvrelay_admission *)p, buf, len, &o, &snap);
+  if (st != KVRELAY_OK) return PyLong_FromLong((long)st);
+  PyObject *detail;
+  if (o.reason == KVRELAY_REASON_MALFORMED) {
+    size_t k = 0;
+    while (k < sizeof o.detail && o.detail[k] != '\0') k++;
+    detail = PyUnicode_DecodeUTF8(o.detail, (Py_ssize_t)k, "replace");
+  } else {
+    detail = PyUnicode_FromStringAndSize("", 0);
+  }
+  PyObject *kind = PyLong_FromLong((long)o.kind), *reason = PyLong_FromLong((long)o.reason);
+  PyObject *handle = PyLong_FromVoidPtr(snap);
+  PyObject *t = PyTuple_New(4);
+  if (detail == NULL || kind == NULL || reason == NULL || handle == NULL || t == NULL) {
+    Py_XDECREF(detail);
+    Py_XDECREF(kind);
+    Py_XDECREF(reason);
+    Py_XDECREF(handle);
+    Py_XDECREF(t);
+    /* out of memory: nothing will own the snapshot, so it goes now */
+    if (snap != NULL) release_p(snap);
+    return NULL;
+  }
+  PyTuple_SET_ITEM(t, 0, kind);
+  PyTuple_SET_ITEM(t, 1, reason);
+  PyTuple_SET_ITEM(t, 2, detail);
+  PyTuple_SET_ITEM(t, 3, handle);
+  return t;
+}
+
+/* Each of `seq` (a list or a tuple of exact ints, each at most `max`) into `out`; 0 when one is
+ * not taken as is. */
+static int ids(PyObject *seq, uint64_t max, uint64_t *out64, uint32_t *out32) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject **items = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *x = items[i];
+    if (!PyLong_CheckExact(x)) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(x);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    if (v > max) return 0;
+    if (out64 != NULL) out64[i] = (uint64_t)v;
+    else out32[i] = (uint32_t)v;
+  }
+  return 1;
+}
+
+/* A non-negative exact int at most `max` into `*out`; 0 when not. */
+static int small(PyObject *o, unsigned long long max, unsigned long long *out) {
+  if (!PyLong_CheckExact(o)) return 0;
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+  if (v > max) return 0;
+  *out = v;
+  return 1;
+}
+
+/* submit(agent, endpoint, names, held, dst_blocks, deadline_ms, callbacks, out) -> status |
+ * NotImplemented. `endpoint` exact bytes; `callbacks` the address of a kvrelay_fetch_callbacks
+ * or 0; `out` the address of the fetch handle to write. */
+static PyObject *fast_submit(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+  (void)self;
+  if (n != 8 || submit_p == NULL) return not_implemented();
+  void *agent = address(args[0]);
+  void *out = address(args[7]);
+  PyObject *names = args[2], *dst = args[4];
+  if (agent == NULL || out == NULL || !PyBytes_CheckExact(args[1])) return not_implemented();
+  if (!(PyList_CheckExact(names) || PyTuple_CheckExact(names)) || !(PyList_CheckExact(dst) || PyTuple_CheckExact(dst)))
+    return not_implemented();
+  unsigned long long held, deadline, cbs;
+  if (!small(args[3], SIZE_MAX, &held) || !small(args[5], UINT32_MAX, &deadline) || !small(args[6], UINTPTR_MAX, &cbs))
+    return not_implemented();
+  size_t nn = (size_t)PySequence_Fast_GET_SIZE(names), nd = (size_t)PySequence_Fast_GET_SIZE(dst);
+  if (nd == 0 || deadline == 0 || held > nn || nd > nn - held) return not_implemented();
+  uint64_t names_stack[STACK_IDS];
+  uint32_t dst_stack[STACK_IDS];
+  uint64_t *nv = nn <= STACK_IDS ? names_stack : malloc(nn * sizeof *nv);
+  uint32_t *dv = nd <= STACK_IDS ? dst_stack : malloc(nd * sizeof *dv);
+  PyObject *r;
+  if (nv == NULL || dv == NULL) {
+    r = PyErr_NoMemory();
+  } else if (!ids(names, UINT64_MAX, nv, NULL) || !ids(dst, UINT32_MAX, NULL, dv)) {
+    r = not_implemented();
+  } else {
+    struct kvrelay_fetch_params p;
+    p.endpoint.ptr = PyBytes_AS_STRING(args[1]);
+    p.endpoint.len = (size_t)PyBytes_GET_SIZE(args[1]);
+    p.names = nv;
+    p.names_len = nn;
+    p.held = (size_t)held;
+    p.dst_blocks = dv;
+    p.dst_len = nd;
+    p.deadline_ms = (uint32_t)deadline;
+    kvrelay_status st = submit_p((const struct kvrelay_agent *)agent, &p,
+                                 (const struct kvrelay_fetch_callbacks *)(uintptr_t)cbs, (struct kvrelay_fetch **)out);
+    r = PyLong_FromLong((long)st);
+  }
+  if (nv != names_stack) free(nv);
+  if (dv != dst_stack) free(dv);
+  return r;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))fast_bind, METH_FASTCALL, "bind(admit, submit): the library's functions"},
+    {"admit", (PyCFunction)(void (*)(void))fast_admit, METH_FASTCALL, "kvrelay_admit, or NotImplemented"},
+    {"submit", (PyCFunction)(void (*)(void))fast_submit, METH_FASTCALL, "kvrelay_agent_submit, or NotImplemented"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvrelay._fast", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fast(void) { return PyModule_Create(&module); }

@@ -1,0 +1,16 @@
+# The optional compiled helper (_fast.c): each call answers NotImplemented for an input it does
+# not take as is, and the caller then takes the ctypes path.
+from types import NotImplementedType
+
+def bind(admit: int, submit: int, release: int) -> None: ...
+def admit(admission: int, raw: object) -> tuple[int, int, str, int] | int | NotImplementedType: ...
+def submit(
+    agent: int,
+    endpoint: bytes,
+    names: object,
+    held: object,
+    dst_blocks: object,
+    deadline_ms: object,
+    callbacks: int,
+    out: int,
+) -> int | NotImplementedType: ...
