@@ -228,7 +228,7 @@ pub(super) struct SumParams {
 }
 
 /// Blocks one launch of the copy-and-sum kernel carries (destination and source ids).
-pub(super) const COPY_SUM_IDS: usize = 480;
+pub const COPY_SUM_IDS: usize = 480;
 
 #[repr(C)]
 pub(super) struct CopySumParams {

@@ -36,7 +36,7 @@ mod staged;
 use driver::check;
 pub use driver::{driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, IpcExport, PinnedBuffer};
 use kernel::{Params, SegRow, KERNEL, RING_SLOTS};
-pub use kernel::{DEFAULT_CTAS, DEFAULT_THREADS, IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH};
+pub use kernel::{COPY_SUM_IDS, DEFAULT_CTAS, DEFAULT_THREADS, IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH};
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;

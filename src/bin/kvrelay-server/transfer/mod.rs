@@ -382,8 +382,10 @@ pub async fn fetch_into_cache(
     // dropped) cancels the fetch; the blocks come back once nothing writes them.
     let cancel = CancelOnDrop(Some(pending.canceller()));
     let bt = engine.config.shape.block_tokens;
-    // the run's tokens and the name before it, for the KV events of what gets committed
-    let run_tokens = tokens[held * bt..(held + run.len()) * bt].to_vec();
+    // the run's tokens (copied only when KV events are published) and the name before it, for
+    // the events of what gets committed
+    let run_tokens =
+        if engine.cache.publishes() { tokens[held * bt..(held + run.len()) * bt].to_vec() } else { Vec::new() };
     let parent = held.checked_sub(1).map(|p| names[p]);
     let (engine, names, run) = (engine.clone(), names.to_vec(), run.to_vec());
     let completion = tokio::spawn(async move {
@@ -392,7 +394,7 @@ pub async fn fetch_into_cache(
         let committed = r.blocks.min(run.len());
         for (i, &name) in run.iter().enumerate().take(committed) {
             let parent = if i == 0 { parent } else { Some(run[i - 1]) };
-            lease.commit(i, name, parent, &run_tokens[i * bt..(i + 1) * bt]);
+            lease.commit(i, name, parent, run_tokens.get(i * bt..(i + 1) * bt).unwrap_or(&[]));
         }
         // Destination blocks the agent withheld (a NIXL READ not proven stopped) keep their
         // reference until the holder's `returned`; the rest of the lease goes back on drop.
