@@ -40,13 +40,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
-
-os.environ.setdefault("DYN_LOG", "error")
-
-from dynamo._core import SelectionService  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from dynamo_selection import Router, fetch_payload  # noqa: E402
 WORKER = os.path.join(ROOT, "scripts", "dynamo_worker.py")
 
 FETCHED = "kvrelay_server_fetched_tokens_total"
@@ -172,71 +170,6 @@ def same_answer(got, cold, what):
     if got["logits"] is not None or cold["logits"] is not None:
         assert got["logits"] == cold["logits"], f"{what}: logits {got['logits']} != cold {cold['logits']}"
         LOGITS_COMPARED.append(what)
-
-
-def fetch_payload(hint):
-    """The `kv.fetch` action's payload of a Dynamo hint, or None."""
-    for a in (hint or {}).get("actions", []):
-        if a.get("action_type") == "kv.fetch":
-            assert a.get("action_version") == "1.0", a
-            return a["payload"]
-    return None
-
-
-class Router:
-    """A Dynamo SelectionService and the kvrelay servers registered with it."""
-
-    def __init__(self):
-        self.svc = SelectionService(indexer_threads=1)
-
-    async def register(self, server, worker_id, model_name=None):
-        d = server.info["dynamo"]
-        reg = dict(d, worker_id=worker_id, endpoint=server.base)
-        if model_name is not None:
-            reg["model_name"] = model_name
-        # JSON keys are strings; Dynamo takes the data-parallel rank as an integer
-        reg["router_hint_source_control_endpoints"] = {
-            int(k): v for k, v in d["router_hint_source_control_endpoints"].items()
-        }
-        rec = await self.svc.upsert_worker(reg)
-        # upsert_worker ignores keys it does not know: every key given must come back
-        for k, v in reg.items():
-            got = rec.get(k)
-            if k == "router_hint_source_control_endpoints":
-                got, v = {str(a): b for a, b in (got or {}).items()}, {str(a): b for a, b in v.items()}
-            assert got == v, f"{server.name}: Dynamo's record has {k}={got!r}, registered {v!r}"
-        assert rec["lifecycle"] == "schedulable", rec
-        return rec
-
-    async def held(self, model, tokens, worker_id):
-        """Blocks of `tokens` the router believes `worker_id` holds (any tier)."""
-        sc = await self.svc.overlap_scores({"model_name": model, "token_ids": tokens})
-        for w in sc["workers"]:
-            if w["worker_id"] == worker_id:
-                return max(w["device_blocks"], w["host_pinned_blocks"])
-        return 0
-
-    async def wait_held(self, model, tokens, worker_id, pred, what, timeout=30):
-        end = time.monotonic() + timeout
-        while True:
-            n = await self.held(model, tokens, worker_id)
-            if pred(n):
-                return n
-            if time.monotonic() > end:
-                raise AssertionError(f"{what}: the router shows {n} blocks after {timeout} s")
-            await asyncio.sleep(0.1)
-
-    async def hint(self, model, tokens, target):
-        sid = "sel-" + uuid.uuid4().hex
-        r = await self.svc.select_and_reserve(
-            {"model_name": model, "selection_id": sid, "token_ids": tokens, "allowed_worker_ids": [target]}
-        )
-        await self.svc.free_reservation(sid)
-        assert r["worker_id"] == target, r
-        return r.get("kv_hint") or r.get("router_hint")
-
-    def close(self):
-        self.svc.shutdown()
 
 
 async def run(binary, flags):

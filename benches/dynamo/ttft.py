@@ -44,9 +44,9 @@ import urllib.error
 import urllib.request
 import uuid
 
-os.environ.setdefault("DYN_LOG", "error")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 
-from dynamo._core import SelectionService  # noqa: E402
+from dynamo_selection import Router, fetch_payload  # noqa: E402
 
 FETCHED = "kvrelay_server_fetched_tokens_total"
 XFER_SUM = "kvrelay_server_kv_transfer_seconds_sum"
@@ -216,63 +216,6 @@ def fresh_prompt(server, seed, n):
     raise RuntimeError(f"could not build a {n}-token prompt")
 
 
-def fetch_payload(hint):
-    for a in (hint or {}).get("actions", []):
-        if a.get("action_type") == "kv.fetch":
-            return a["payload"]
-    return None
-
-
-class Router:
-    def __init__(self):
-        self.svc = SelectionService(indexer_threads=1)
-
-    async def register(self, server, worker_id):
-        d = server.info["dynamo"]
-        reg = dict(d, worker_id=worker_id, endpoint=server.base)
-        reg["router_hint_source_control_endpoints"] = {
-            int(k): v for k, v in d["router_hint_source_control_endpoints"].items()
-        }
-        rec = await self.svc.upsert_worker(reg)
-        if rec.get("lifecycle") != "schedulable":
-            raise RuntimeError(f"{server.name}: {rec}")
-        return rec
-
-    async def held(self, model, tokens, worker_id):
-        sc = await self.svc.overlap_scores({"model_name": model, "token_ids": tokens})
-        for w in sc["workers"]:
-            if w["worker_id"] == worker_id:
-                return max(w["device_blocks"], w["host_pinned_blocks"])
-        return 0
-
-    async def wait_held(self, model, tokens, worker_id, n, timeout=60):
-        t0 = time.perf_counter()
-        end = time.monotonic() + timeout
-        while True:
-            got = await self.held(model, tokens, worker_id)
-            if got >= n:
-                return time.perf_counter() - t0
-            if time.monotonic() > end:
-                raise RuntimeError(f"the router shows {got} of {n} blocks of worker {worker_id} after {timeout} s")
-            await asyncio.sleep(0.02)
-
-    async def select(self, model, tokens, allowed=None):
-        """select_and_reserve + free_reservation; returns (result, seconds of both calls)."""
-        sid = "sel-" + uuid.uuid4().hex
-        req = {"model_name": model, "selection_id": sid, "token_ids": tokens}
-        if allowed is not None:
-            req["allowed_worker_ids"] = allowed
-        t0 = time.perf_counter()
-        r = await self.svc.select_and_reserve(req)
-        t1 = time.perf_counter()
-        await self.svc.free_reservation(sid)
-        t2 = time.perf_counter()
-        return r, t2 - t0, t1 - t0
-
-    def close(self):
-        self.svc.shutdown()
-
-
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -302,7 +245,8 @@ async def measure(args):
         w = fresh_prompt(A, "warmup-" + uuid.uuid4().hex[:8], 256)
         A.stream(w, args.max_tokens)
         B.stream(fresh_prompt(A, "warmupb-" + uuid.uuid4().hex[:8], 256), args.max_tokens)
-        await router.wait_held(model, w, IA, A.lookup(w)["blocks_held"])
+        want = A.lookup(w)["blocks_held"]
+        await router.wait_held(model, w, IA, lambda n: n >= want, "the router indexes A's warm-up", timeout=60)
         r, _, _ = await router.select(model, w, [IB])
         B.stream(w, args.max_tokens, r.get("kv_hint") or r.get("router_hint"))
 
@@ -334,8 +278,9 @@ async def measure(args):
                 held = A.lookup(p)["blocks_held"]
                 held_h = A.lookup(h)["blocks_held"]
                 assert held >= 1 and held_h >= 1, (held, held_h)
-                index_wait = await router.wait_held(model, p, IA, held)
-                index_wait = max(index_wait, await router.wait_held(model, h, IA, held_h))
+                _, index_wait = await router.wait_held(model, p, IA, lambda n: n >= held, "the router indexes A's P", 60)
+                _, wait_h = await router.wait_held(model, h, IA, lambda n: n >= held_h, "the router indexes A's H", 60)
+                index_wait = max(index_wait, wait_h)
 
                 async def routed_path():
                     # 2. routed: no restriction, the router picks the holder

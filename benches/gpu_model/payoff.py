@@ -8,8 +8,10 @@ kvrelay agent straight from the cache tensors: the layout has one segment per (l
 head), block `b` of a segment being that head's 32 rows at positions 32b..32b+31 (8 KiB), so a
 block is 512 strided runs, 4 MiB. Process B (this one) fetches the prompt's prefix (every block
 but the last) through the agent straight into its own cache tensors, over TCP (the agent stages
-through pinned host memory) and, with `--nixl-lib-dir`, over NIXL (VRAM to VRAM), then runs the
-last block and generates greedily.
+through pinned host memory), with `--nixl-lib-dir` over NIXL (VRAM to VRAM) and with
+`--cuda-ipc` over the same-host CUDA IPC transport (the source serves it, and TCP too; B maps
+A's cache tensors and one kernel copies and verifies), then runs the last block and generates
+greedily.
 
 Per prompt length (1k-32k tokens) it reports B's time to first token with fetch against its own
 real prefill of the whole prompt, the fetch's bytes/s against the copy ceilings measured in
@@ -22,7 +24,7 @@ prefill of the whole prompt too, with that prefill's top-two logit margin (bf16 
 
 Usage (PYTHONPATH holding the kvrelay package, KVRELAY_LIBRARY its library, built with the
 `nixl` feature for `--nixl-lib-dir`):
-    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR] [--streams N]
+    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR | --cuda-ipc] [--streams N]
 Bounded: fixed lengths, each fetch has a deadline, the source exits when B closes its stdin.
 """
 
@@ -141,7 +143,7 @@ def source(args):
         def unpin(self, ids):
             pass
 
-    transport = "nixl" if args.nixl_lib_dir else "tcp"
+    transport = "nixl" if args.nixl_lib_dir else "cuda-ipc" if args.cuda_ipc else "tcp"
     agent = kvrelay.Agent(
         FP, layout, Holder(), device=0, transport=transport, nixl_lib_dir=args.nixl_lib_dir, limits=limits(args)
     )
@@ -191,6 +193,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--nixl-lib-dir", default=None)
+    ap.add_argument("--cuda-ipc", action="store_true", help="the same-host CUDA IPC transport too")
     ap.add_argument("--check", action="store_true", help="compare the whole cache after each fetch (diagnostics)")
     ap.add_argument("--no-warmup", action="store_true", help="measure first-use costs too (no warm-up fetches)")
     ap.add_argument("--streams", type=int, default=0, help="TCP streams per fetch (0: the library's default)")
@@ -206,6 +209,8 @@ def main():
     cmd += ["--streams", str(args.streams)]
     if args.nixl_lib_dir:
         cmd += ["--nixl-lib-dir", args.nixl_lib_dir]
+    if args.cuda_ipc:
+        cmd += ["--cuda-ipc"]
     src = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         hello = json.loads(src.stdout.readline())
@@ -224,6 +229,8 @@ def main():
             agents["nixl"] = kvrelay.Agent(
                 FP, layout, NoHolder(), listen=None, device=0, transport="nixl", nixl_lib_dir=args.nixl_lib_dir
             )
+        if args.cuda_ipc:
+            agents["cuda-ipc"] = kvrelay.Agent(FP, layout, NoHolder(), listen=None, device=0, transport="cuda-ipc")
         print(
             f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, allocator {torch.cuda.get_allocator_backend()} "
             f"(source: {hello['allocator']}); kvrelay {kvrelay.version()}; Llama-3-8B shape, bf16, SDPA, static cache "
@@ -309,8 +316,8 @@ def main():
                     f"{str(torch.equal(logits_f, two_part)):>9} {str(got == cold):>9} {margin:>7.3f}",
                     flush=True,
                 )
-        for a in agents.values():
-            print(f"{a is agents['tcp'] and 'tcp' or 'nixl'} agent: {json.dumps({k: v for k, v in a.stats.items() if v})}")
+        for name, a in agents.items():
+            print(f"{name} agent: {json.dumps({k: v for k, v in a.stats.items() if v})}")
             a.close()
     finally:
         if src.stdin:
