@@ -26,8 +26,9 @@
 //!   its pins hold until then (or its transfer deadline).
 //! - **Mappings.** Each is reference-counted: a fetch holds the ones it copies through until
 //!   its stream synchronized. While any is held, idle fetch workers look every 50 ms whether
-//!   its source process still runs (`/proc/<pid>`; agents that share a host through CUDA IPC see
-//!   each other's process ids) and let go of those of a process that ended (`ipc_unmapped`).
+//!   its source process still runs (`/proc/<pid>`) and let go of those of a process that ended
+//!   (`ipc_unmapped`). A source in another PID namespace (not in this process's `/proc` when
+//!   it was mapped) cannot be looked at: its mappings stay until the agent stops.
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
@@ -203,6 +204,10 @@ type MappedKey = ([u8; 16], u32, [u8; 64]);
 struct Mapping {
     dev: Arc<CudaDevice>,
     ptr: u64,
+    /// Whether its source process showed in this process's `/proc` when it was mapped (one in
+    /// another PID namespace does not: its mapping is then kept until the agent stops, never
+    /// let go and made again at every look).
+    watched: bool,
 }
 
 impl Drop for Mapping {
@@ -214,8 +219,7 @@ impl Drop for Mapping {
 }
 
 /// Whether process `pid` of this host still runs (its `/proc` entry; a zombie counts as
-/// running until reaped). Agents that share a host through CUDA IPC see each other's process
-/// ids (legacy CUDA IPC needs that too).
+/// running until reaped). Only asked of a process that showed there when it was mapped.
 fn process_runs(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -303,7 +307,7 @@ impl CudaIpc {
             // it does not know); the mapping is kept until that process goes or the agent stops.
             let ptr = unsafe { self.dev.ipc_open(&a.handle) }
                 .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
-            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr });
+            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, watched: process_runs(e.pid) });
             m.insert(key, p.clone());
             out.push(ptr);
             held.push(p);
@@ -317,7 +321,10 @@ impl CudaIpc {
     fn sweep_locked(&self, inner: &Inner, m: &mut HashMap<MappedKey, Arc<Mapping>>) {
         let before = m.len();
         let mut gone: Vec<u32> = Vec::new();
-        m.retain(|&(_, pid, _), _| {
+        m.retain(|&(_, pid, _), mapping| {
+            if !mapping.watched {
+                return true;
+            }
             if gone.contains(&pid) {
                 return false;
             }
