@@ -287,8 +287,9 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
     assert!(err.contains("--kv-transport cuda-ipc") && err.contains("CUDA device"), "{err}");
 }
 
-/// A NIXL reader against a TCP-only source is refused (a cold run); a NIXL source still serves
-/// TCP readers. Runs in both transfer runs of the test command (it picks each instance's
+/// A NIXL reader against a TCP-only source falls back to TCP (the blocks are fetched, counted
+/// as a fallback); with `--kv-transport-fallback false` it is refused (a cold run); a NIXL
+/// source still serves TCP readers. Runs in both transfer runs of the test command (it picks each instance's
 /// transport itself); needs a server built with the `nixl` feature and the NIXL libraries
 /// (`KVRELAY_NIXL_LIB_DIR`, e.g. from `source scripts/nixl-env.sh`).
 #[test]
@@ -301,14 +302,22 @@ fn nixl_and_tcp_instances_meet() {
     let ucx: &[(&str, &str)] = if gpu { &[] } else { &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")] };
     let tcp_src = start(true, &["--kv-transport", "tcp"]);
     let ep = kv_endpoint(&tcp_src);
-    let dst = start_env(true, &["--trusted-endpoint", ep.as_str(), "--kv-transport", "nixl"], ucx);
+    let pinned = ["--trusted-endpoint", ep.as_str(), "--kv-transport", "nixl", "--kv-transport-fallback", "false"];
+    let dst = start_env(true, &pinned, ucx);
     let p = blocks_text("india", 4);
     let want = cold(&dst, &p);
     tcp_src.complete(json!({"prompt": p}));
-    let v = dst.complete(json!({"prompt": p, "kv_hints": fetch_hint(&kv_endpoint(&tcp_src), &hashes(&tcp_src, &p))}));
+    let hint = fetch_hint(&kv_endpoint(&tcp_src), &hashes(&tcp_src, &p));
+    let v = dst.complete(json!({"prompt": p, "kv_hints": hint}));
     assert_eq!((cached(&v), text(&v)), (0, want.clone()));
     assert_eq!(failed(&dst, "refused"), 1.0);
     assert_eq!(blocks(&dst, "held"), 0.0);
+    // by default the same reader falls back to TCP for that source
+    let falls = start_env(true, &["--trusted-endpoint", ep.as_str(), "--kv-transport", "nixl"], ucx);
+    let v = falls.complete(json!({"prompt": p, "kv_hints": hint}));
+    assert_eq!((cached(&v), text(&v)), (128, want.clone()));
+    assert_eq!(failed(&falls, "refused"), 0.0);
+    assert_eq!(falls.metric("kvrelay_kv_agent_transport_fallbacks_total"), 1.0);
 
     let nixl_src = start_env(true, &["--kv-transport", "nixl"], ucx);
     let tcp_dst = destination(&nixl_src, &["--kv-transport", "tcp"]);

@@ -156,6 +156,12 @@ pub struct ServeArgs {
     /// Control always runs on the KV service.
     #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
     pub kv_transport: String,
+    /// With --kv-transport nixl or cuda-ipc: fetch over TCP from a source that transport cannot
+    /// reach (it does not serve it, another host for CUDA IPC, memory that cannot be mapped),
+    /// once, and from that source over TCP for the next 60 s (true); false pins the transport
+    /// (such a fetch fails as `refused` and the request prefills).
+    #[arg(long, env = "KVRELAY_KV_TRANSPORT_FALLBACK", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_transport_fallback: bool,
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
     #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
     pub nixl_lib_dir: Option<std::path::PathBuf>,
@@ -341,6 +347,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         device: engine.store.region().device,
         transport,
         nixl_lib_dir: args.nixl_lib_dir.as_deref(),
+        tcp_fallback: args.kv_transport_fallback,
     };
     let holder = transfer::CacheHolder { cache: engine.cache.clone(), engine: Arc::downgrade(&engine), fault };
     // SAFETY: the pool's memory lives in `engine`, which `TransferState` keeps alive until after

@@ -68,10 +68,12 @@ pub struct AgentSettings<'a> {
     pub allow: &'a [String],
     /// The pool's CUDA device (`None`: host memory).
     pub device: Option<i32>,
-    /// `tcp` or `nixl`.
+    /// `tcp`, `nixl` or `cuda-ipc`.
     pub transport: &'a str,
     /// Folder of the NIXL libraries.
     pub nixl_lib_dir: Option<&'a std::path::Path>,
+    /// Fetch over TCP from a source the transport cannot reach (the library's `tcp_fallback`).
+    pub tcp_fallback: bool,
 }
 
 /// A running KV agent (`kvrelay_agent`).
@@ -201,6 +203,14 @@ impl KvAgent {
                 settings.transport.len(),
                 dir.as_ptr().cast(),
                 dir.len(),
+            )
+        })?;
+        // SAFETY: live config.
+        check_detail("kvrelay_agent_config_set_limit", unsafe {
+            kvrelay_agent_config_set_limit(
+                cfg.0,
+                kvrelay_agent_limit::KVRELAY_LIMIT_TCP_FALLBACK as i32,
+                u64::from(settings.tcp_fallback),
             )
         })?;
         let ud = Box::into_raw(Box::new(holder)) as *mut c_void;
