@@ -27,6 +27,65 @@ static admit_fn admit_p = NULL;
 static submit_fn submit_p = NULL;
 static release_fn release_p = NULL;
 
+static void *address(PyObject *o);
+
+/* SnapshotRef(address): one reference to a C snapshot, released when the object dies (the
+ * package's `_SnapshotRef` in C: no Python finalizer and no ctypes call per admitted hint). */
+typedef struct {
+  PyObject_HEAD void *ptr;
+  PyObject *weakrefs;
+} SnapRef;
+
+static void snapref_dealloc(PyObject *o) {
+  SnapRef *s = (SnapRef *)o;
+  if (s->weakrefs != NULL) PyObject_ClearWeakRefs(o);
+  void *p = s->ptr;
+  s->ptr = NULL;
+  if (p != NULL && release_p != NULL) release_p((struct kvrelay_snapshot *)p);
+  Py_TYPE(o)->tp_free(o);
+}
+
+static PyObject *snapref_ptr(PyObject *o, void *closure) {
+  (void)closure;
+  SnapRef *s = (SnapRef *)o;
+  if (s->ptr == NULL) Py_RETURN_NONE;
+  return PyLong_FromVoidPtr(s->ptr);
+}
+
+static PyGetSetDef snapref_getset[] = {
+    {"ptr", snapref_ptr, NULL, "the snapshot's address", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *snapref_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
+  PyObject *a;
+  if (kw != NULL && PyDict_GET_SIZE(kw) != 0) {
+    PyErr_SetString(PyExc_TypeError, "SnapshotRef(address) takes no keywords");
+    return NULL;
+  }
+  if (!PyArg_ParseTuple(args, "O", &a)) return NULL;
+  void *p = address(a);
+  if (p == NULL) {
+    PyErr_SetString(PyExc_ValueError, "SnapshotRef: the address is not a non-zero int");
+    return NULL;
+  }
+  SnapRef *s = (SnapRef *)t->tp_alloc(t, 0);
+  if (s == NULL) return NULL;
+  s->ptr = p;
+  return (PyObject *)s;
+}
+
+static PyTypeObject SnapRefType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvrelay._fast.SnapshotRef",
+    .tp_basicsize = sizeof(SnapRef),
+    .tp_dealloc = snapref_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One reference to a C snapshot, released when this object dies.",
+    .tp_weaklistoffset = offsetof(SnapRef, weakrefs),
+    .tp_getset = snapref_getset,
+    .tp_new = snapref_new,
+};
+
 /* Ids converted on the stack up to this many; a larger request allocates. */
 #define STACK_IDS 512
 
@@ -64,7 +123,7 @@ static PyObject *fast_bind(PyObject *self, PyObject *const *args, Py_ssize_t n) 
   Py_RETURN_NONE;
 }
 
-/* admit(admission, raw) -> (kind, reason, detail, snapshot) | status | NotImplemented.
+/* admit(admission, raw) -> (kind, reason, detail, SnapshotRef | None) | status | NotImplemented.
  * `raw` exact bytes or None; `detail` the malformed reason's text, else "". */
 static PyObject *fast_admit(PyObject *self, PyObject *const *args, Py_ssize_t n) {
   (void)self;
@@ -92,7 +151,18 @@ static PyObject *fast_admit(PyObject *self, PyObject *const *args, Py_ssize_t n)
     detail = PyUnicode_FromStringAndSize("", 0);
   }
   PyObject *kind = PyLong_FromLong((long)o.kind), *reason = PyLong_FromLong((long)o.reason);
-  PyObject *handle = PyLong_FromVoidPtr(snap);
+  PyObject *handle;
+  if (snap == NULL) {
+    Py_INCREF(Py_None);
+    handle = Py_None;
+  } else {
+    SnapRef *r = (SnapRef *)SnapRefType.tp_alloc(&SnapRefType, 0);
+    if (r != NULL) {
+      r->ptr = snap;
+      snap = NULL; /* the SnapshotRef owns it now */
+    }
+    handle = (PyObject *)r;
+  }
   PyObject *t = PyTuple_New(4);
   if (detail == NULL || kind == NULL || reason == NULL || handle == NULL || t == NULL) {
     Py_XDECREF(detail);
@@ -192,4 +262,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvrelay._fast", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__fast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fast(void) {
+  if (PyType_Ready(&SnapRefType) < 0) return NULL;
+  PyObject *m = PyModule_Create(&module);
+  if (m == NULL) return NULL;
+  Py_INCREF(&SnapRefType);
+  if (PyModule_AddObject(m, "SnapshotRef", (PyObject *)&SnapRefType) < 0) {
+    Py_DECREF(&SnapRefType);
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

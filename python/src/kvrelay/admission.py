@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from . import _bindings as B
 from . import _lib as L
@@ -47,16 +47,34 @@ class _SnapshotRef:
             _release(p)
 
 
+class _Ref(Protocol):
+    """One reference to a C snapshot: ``_SnapshotRef``, or the compiled helper's
+    ``SnapshotRef`` (the same in C: no Python finalizer, no ctypes call)."""
+
+    @property
+    def ptr(self) -> Optional[int]: ...
+
+
+_new_ref: Callable[[int], _Ref] = L.fast.SnapshotRef if L.fast is not None else _SnapshotRef
+
+
 class Snapshot(_Handle):
     """An admitted envelope, immutable: canonical bytes and zero-copy accessors. Share it with
     ``retain()`` (another reference to the same snapshot: a child request, a queue, a rank).
     ``close()`` gives up this handle's reference; the views it handed out (``canonical``,
     ``Action.payload``, ``Action.canonical``) hold their own and stay valid."""
 
-    _ref: Optional[_SnapshotRef]  # None once closed (set through object.__setattr__: immutable)
+    _ref: Optional[_Ref]  # None once closed (set through object.__setattr__: immutable)
 
     def __init__(self, ptr: int):
-        object.__setattr__(self, "_ref", _SnapshotRef(ptr))
+        object.__setattr__(self, "_ref", _new_ref(ptr))
+
+    @classmethod
+    def _of(cls, ref: _Ref) -> "Snapshot":
+        """A handle over the reference ``ref`` (the compiled helper's admit made it)."""
+        s = cls.__new__(cls)
+        object.__setattr__(s, "_ref", ref)
+        return s
 
     def close(self) -> None:
         object.__setattr__(self, "_ref", None)
@@ -236,8 +254,8 @@ class Admission(_Handle):
             if p:
                 r = fast.admit(p, raw)
                 if isinstance(r, tuple):
-                    kind, reason, detail, handle = r
-                    return Outcome(_label(OutcomeKind, kind), _label(Reason, reason), detail, Snapshot(handle) if handle else None)
+                    kind, reason, detail, ref = r
+                    return Outcome(_label(OutcomeKind, kind), _label(Reason, reason), detail, Snapshot._of(ref) if ref is not None else None)
                 if isinstance(r, int):
                     _check("kvrelay_admit", r)
             # NotImplemented (a closed edge, or raw not plain bytes or None): the checking path
