@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pool::Mover;
-use super::transport::{io_fail, read_reply, Failure, Landing, Pull};
+use super::transport::{io_fail, read_reply, Failure, Landing, Pull, Scratch};
 use super::wire::{self, Conn};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 
@@ -65,7 +65,7 @@ fn resolve(
 #[derive(Default)]
 struct Worker {
     mover: Option<Mover>,
-    buf: Vec<u8>,
+    scratch: Scratch,
 }
 
 pub(super) fn worker(inner: &Arc<Inner>) {
@@ -218,7 +218,7 @@ fn pull(
     // a part that ends short (failed, or the source's run ended inside it) makes every later
     // part useless: those stop at once (their connections are shut down) instead of moving
     // blocks that could never be reported
-    let part = |k: usize, lo: usize, hi: usize, mover: &mut Option<Mover>, buf: &mut Vec<u8>| {
+    let part = |k: usize, lo: usize, hi: usize, mover: &mut Option<Mover>, scratch: &mut Scratch| {
         let stopped_k = || -> Result<(), Failure> {
             stopped()?;
             if state.stop_after.load(Ordering::Acquire) < k {
@@ -237,7 +237,7 @@ fn pull(
             stopped: &stopped_k,
         };
         let mut land = Landing::new(inner, &dst[lo..hi]);
-        let result = job.run(mover, buf, &mut land);
+        let result = job.run(mover, scratch, &mut land);
         let p = Part { blocks: land.blocks, first: land.first, withheld: land.withheld, result };
         if p.result.is_err() || p.blocks < hi - lo {
             state.stop_parts_after(k);
@@ -246,7 +246,7 @@ fn pull(
     };
     let n = inner.backend_for(addr).streams(inner, asked.len());
     if n == 1 {
-        let p = part(0, 0, asked.len(), &mut w.mover, &mut w.buf);
+        let p = part(0, 0, asked.len(), &mut w.mover, &mut w.scratch);
         (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
         return p.result;
     }
@@ -262,8 +262,8 @@ fn pull(
             .enumerate()
             .map(|(k, &(lo, hi))| {
                 sc.spawn(move || {
-                    let (mut mover, mut buf) = (None, Vec::new());
-                    let p = part(k + 1, lo, hi, &mut mover, &mut buf);
+                    let (mut mover, mut scratch) = (None, Scratch::default());
+                    let p = part(k + 1, lo, hi, &mut mover, &mut scratch);
                     if let Some(m) = mover {
                         inner.movers.put(m);
                     }
@@ -272,7 +272,7 @@ fn pull(
             })
             .collect();
         let (lo, hi) = parts[0];
-        results.push(part(0, lo, hi, &mut w.mover, &mut w.buf));
+        results.push(part(0, lo, hi, &mut w.mover, &mut w.scratch));
         for h in helpers {
             results.push(h.join().unwrap_or_else(|_| Part {
                 blocks: 0,
@@ -366,14 +366,14 @@ impl Stream<'_> {
     /// Ask for `asked` on a kept-alive connection to `addr` (or a new, authenticated one),
     /// receive into `dst` with the stream's mover (taken from the agent's when `None`) and
     /// buffer; keep the connection for the next fetch when the exchange ended cleanly.
-    fn run(&self, mover: &mut Option<Mover>, buf: &mut Vec<u8>, land: &mut Landing<'_>) -> Result<(), Failure> {
+    fn run(&self, mover: &mut Option<Mover>, scratch: &mut Scratch, land: &mut Landing<'_>) -> Result<(), Failure> {
         let (inner, addr) = (self.inner, self.addr);
         let mut kept = inner.take_idle(addr);
         loop {
             let reused = kept.is_some();
             let mut s = match kept.take() {
                 Some(s) => s,
-                None => open(inner, addr, self.deadline, buf)?,
+                None => open(inner, addr, self.deadline, &mut scratch.buf)?,
             };
             let Some(id) = inner.register(&s) else { return Err(shutting_down()) };
             let reg = Registered(inner, Some(id));
@@ -383,7 +383,7 @@ impl Stream<'_> {
             let published = Published(self.state, id);
             // a cancel (or a sibling's stop) that came before the socket was published
             (self.stopped)()?;
-            match self.exchange(&mut s, reused, mover, buf, land) {
+            match self.exchange(&mut s, reused, mover, scratch, land) {
                 Exchange::Stale => continue,
                 // the agent's own transport cannot reach this source and nothing moved: once
                 // more over TCP, on a new connection (`Limits::tcp_fallback`)
@@ -420,7 +420,7 @@ impl Stream<'_> {
         s: &mut TcpStream,
         reused: bool,
         mover: &mut Option<Mover>,
-        buf: &mut Vec<u8>,
+        scratch: &mut Scratch,
         land: &mut Landing<'_>,
     ) -> Exchange {
         let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
@@ -430,7 +430,7 @@ impl Stream<'_> {
         if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
             return if reused { Exchange::Stale } else { Exchange::Close(Err(io_fail(&e, "the hello"))) };
         }
-        let mut job = Pull { asked, dst, deadline, stopped, mover, buf };
+        let mut job = Pull { asked, dst, deadline, stopped, mover, scratch };
         match backend.pull(inner, c, &mut job, land) {
             Ok(true) => Exchange::Reusable,
             Ok(false) => Exchange::Close(Ok(())),
@@ -448,13 +448,13 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
     let start = Instant::now();
     let deadline = start + std::time::Duration::from_secs(10);
     let stopped = || Ok(());
-    let (mut mover, mut buf) = (None, Vec::new());
+    let (mut mover, mut scratch) = (None, Scratch::default());
     let asked = &names[..dst.len()];
     let mut land = Landing::new(inner, dst);
     let r = (|| {
         let hello = wire::encode_hello(&inner.fingerprint, asked);
         wire::write_frame(c, inner.backend.hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
-        let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, buf: &mut buf };
+        let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, scratch: &mut scratch };
         inner.backend.pull(inner, c, &mut job, &mut land).map(|_| ())
     })();
     if let Some(m) = mover {

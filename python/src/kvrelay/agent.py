@@ -374,18 +374,20 @@ class Agent(_Handle):
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
         fast = L.fast
+        plain: Optional[Fetch] = None
         if fast is not None and callback is None and type(endpoint) is str:
             # the compiled helper: plain lists or tuples of ints and ints in range, taken as
-            # they are; anything else answers NotImplemented and takes the checking path below
+            # they are; anything else answers NotImplemented (nothing submitted, the handle
+            # still empty) and takes the checking path below with the same Fetch
             e = _endpoint_bytes.get(endpoint)
             if e is None:
                 e = _endpoint_utf8(endpoint)
             agent = self._ptr
             if agent:
-                f = Fetch(self, None)
-                st = fast.submit(agent, e, names, held, dst_blocks, deadline_ms, 0, ctypes.addressof(f._handle))
+                plain = Fetch(self, None)
+                st = fast.submit(agent, e, names, held, dst_blocks, deadline_ms, 0, ctypes.addressof(plain._handle))
                 if st == 0:
-                    return f
+                    return plain
                 if isinstance(st, int):
                     _check("kvrelay_agent_submit", st)
         ebuf, es = _endpoint(endpoint)  # ebuf holds the bytes es points at until the call returns
@@ -403,7 +405,7 @@ class Agent(_Handle):
         p = L.FetchParams(es, n, len(n), held, d, len(d), deadline_ms)
         # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
         if callback is None:
-            f = Fetch(self, None)
+            f = plain if plain is not None else Fetch(self, None)
             _check("kvrelay_agent_submit", _submit(self._p, p, None, f._handle))
             return f
         fut: Future[FetchResult] = Future()

@@ -234,8 +234,9 @@ pub(in crate::agent) struct CudaIpc {
     metadata: Vec<u8>,
     /// Source allocations mapped here, by source.
     mapped: Mutex<HashMap<MappedKey, Arc<Mapping>>>,
-    /// Entries of `mapped` (read without its lock by the fetch workers' idle loop).
-    mapped_now: AtomicUsize,
+    /// Entries of `mapped` whose source process can be looked at (`Mapping::watched`), read
+    /// without the lock by the fetch workers' idle loop: only those can be let go by a sweep.
+    watched_now: AtomicUsize,
 }
 
 impl CudaIpc {
@@ -276,7 +277,7 @@ impl CudaIpc {
             pid,
             metadata,
             mapped: Mutex::new(HashMap::new()),
-            mapped_now: AtomicUsize::new(0),
+            watched_now: AtomicUsize::new(0),
         })
     }
 
@@ -290,6 +291,7 @@ impl CudaIpc {
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::with_capacity(e.allocs.len());
         let mut held = Vec::with_capacity(e.allocs.len());
+        let mut added = false;
         for a in &e.allocs {
             let key = (e.host, e.pid, a.handle);
             if let Some(p) = m.get(&key) {
@@ -309,10 +311,13 @@ impl CudaIpc {
                 .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
             let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, watched: process_runs(e.pid) });
             m.insert(key, p.clone());
+            added = true;
             out.push(ptr);
             held.push(p);
         }
-        self.count(inner, m.len());
+        if added {
+            self.count(inner, &m);
+        }
         Ok((out, held))
     }
 
@@ -334,13 +339,16 @@ impl CudaIpc {
             }
             runs
         });
-        Stats::add(&inner.stats.ipc_unmapped, (before - m.len()) as u64);
-        self.count(inner, m.len());
+        if m.len() < before {
+            Stats::add(&inner.stats.ipc_unmapped, (before - m.len()) as u64);
+            self.count(inner, m);
+        }
     }
 
-    fn count(&self, inner: &Inner, n: usize) {
-        self.mapped_now.store(n, Ordering::Relaxed);
-        inner.stats.ipc_mapped_now.store(n as u64, Ordering::Relaxed);
+    /// After the table changed: the gauge of mappings, and how many of them a sweep can let go.
+    fn count(&self, inner: &Inner, m: &HashMap<MappedKey, Arc<Mapping>>) {
+        self.watched_now.store(m.values().filter(|p| p.watched).count(), Ordering::Relaxed);
+        inner.stats.ipc_mapped_now.store(m.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -377,8 +385,17 @@ impl Backend for CudaIpc {
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
     ) -> Result<bool, Failure> {
-        let offer =
-            read_in_place_offer(inner, c, wire::IPC_OFFER, Some(AGENT), job.asked.len(), job.deadline, job.buf, land)?;
+        let scratch = &mut *job.scratch;
+        let offer = read_in_place_offer(
+            inner,
+            c,
+            wire::IPC_OFFER,
+            Some(AGENT),
+            job.asked.len(),
+            job.deadline,
+            &mut scratch.buf,
+            land,
+        )?;
         let r = (|| {
             let exports = decode_exports(&offer.metadata)
                 .ok_or((FailReason::Corrupt, "the offer's CUDA IPC exports do not decode".to_string()))?;
@@ -402,9 +419,7 @@ impl Backend for CudaIpc {
             let count = offer.blocks.len();
             // one kernel that copies and sums where every segment's blocks lie in one exported
             // allocation (the usual pool); else one copy per contiguous run, then the sums
-            let mut segs = Vec::with_capacity(offer.segments.len());
-            let mut runs = Vec::new();
-            let fused = plan_segments(&offer.segments, &exports.allocs, &mapped, &offer.blocks, &mut segs);
+            let fused = plan_segments(&offer.segments, &exports.allocs, &mapped, &offer.blocks, &mut scratch.segs);
             if !fused {
                 plan_copies(
                     &inner.layout,
@@ -413,7 +428,7 @@ impl Backend for CudaIpc {
                     &mapped,
                     &offer.blocks,
                     &job.dst[..count],
-                    &mut runs,
+                    &mut scratch.runs,
                 )
                 .map_err(|e| (FailReason::Corrupt, e))?;
             }
@@ -425,24 +440,26 @@ impl Backend for CudaIpc {
             }
             let mover = job.mover.as_mut().expect("set above");
             let ids = &job.dst[..count];
-            let mut sums = vec![0u64; count];
+            scratch.sums.clear();
+            scratch.sums.resize(count, 0);
             let copied = if fused {
-                let from: Vec<u32> = offer.blocks.iter().map(|b| b.0).collect();
+                scratch.ids.clear();
+                scratch.ids.extend(offer.blocks.iter().map(|b| b.0));
                 // SAFETY: the destinations are this fetch's blocks; every offered block's
                 // segment lies inside an allocation the source exported (`plan_segments`),
                 // mapped and held here (`_held`), and pinned at the source until our DONE.
-                unsafe { mover.copy_sum_from(&segs, &from, ids, &mut sums) }
+                unsafe { mover.copy_sum_from(&scratch.segs, &scratch.ids, ids, &mut scratch.sums) }
             } else {
                 // SAFETY: every run's destination is one of this fetch's blocks; every source
                 // range lies inside an allocation the source exported (`plan_copies`), mapped
                 // and held here, pinned until our DONE.
-                unsafe { mover.copy_in_and_sum(&runs, ids, &mut sums) }
+                unsafe { mover.copy_in_and_sum(&scratch.runs, ids, &mut scratch.sums) }
             };
             if let Err(e) = copied {
                 *job.mover = None; // a mover whose stream failed is not reused
                 return Err((FailReason::Truncated, format!("CUDA IPC copy: {e}")));
             }
-            for (i, &sum) in sums.iter().enumerate() {
+            for (i, &sum) in scratch.sums.iter().enumerate() {
                 Landing::check(i, sum, offer.blocks[i].1)?;
                 land.landed(i, sum);
             }
@@ -456,10 +473,11 @@ impl Backend for CudaIpc {
         super::serve_in_place(inner, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
     }
 
-    /// While other processes' memory is mapped here: the fetch workers look every 50 ms
-    /// whether those processes still run.
+    /// While memory of other processes that can be looked at is mapped here: the fetch
+    /// workers look every 50 ms whether those processes still run (mappings of a source in
+    /// another PID namespace alone wake nobody: no sweep could let them go).
     fn wants_reap(&self) -> bool {
-        self.mapped_now.load(Ordering::Relaxed) > 0
+        self.watched_now.load(Ordering::Relaxed) > 0
     }
 
     fn reap(&self, inner: &Inner) {

@@ -92,8 +92,25 @@ pub(super) struct Pull<'a> {
     /// The stream's mover (taken from the agent's when `None`, kept for the stream's next
     /// request; a backend that cannot show its copies finished drops it).
     pub(super) mover: &'a mut Option<Mover>,
-    /// A control buffer the stream reuses.
-    pub(super) buf: &'a mut Vec<u8>,
+    /// Buffers the stream reuses from one request to the next.
+    pub(super) scratch: &'a mut Scratch,
+}
+
+/// What a stream keeps between requests so that a fetch allocates no buffers of its own once
+/// the stream has served one of its size: the control buffer, and the copy plan and sums of
+/// an in-place backend.
+#[derive(Default)]
+pub(super) struct Scratch {
+    /// Control frames.
+    pub(super) buf: Vec<u8>,
+    /// The source's segments as mapped here (CUDA IPC).
+    pub(super) segs: Vec<(u64, u64)>,
+    /// Copy runs `(to, from, bytes)` (CUDA IPC, when the kernel cannot take the segments).
+    pub(super) runs: Vec<(u64, u64, u64)>,
+    /// Per-block sums of what landed.
+    pub(super) sums: Vec<u64>,
+    /// Source block ids.
+    pub(super) ids: Vec<u32>,
 }
 
 /// Where one stream's blocks landed: the one verifier and committer above every backend.

@@ -417,7 +417,7 @@ impl Backend for Nixl {
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
     ) -> Result<bool, Failure> {
-        pull(inner, self, c, job.asked, job.dst, job.deadline, job.stopped, land).map(|()| true)
+        pull(inner, self, c, job.asked, job.dst, job.deadline, job.stopped, &mut job.scratch.buf, land).map(|()| true)
     }
 
     fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
@@ -483,7 +483,8 @@ fn wait(
 }
 
 /// Fetch over NIXL after the handshake: `asked` names went out in a `NIXL_HELLO` on `c`. Reads
-/// the offer, READs the blocks into `dst`, and lets `land` verify and count them in order.
+/// the offer (into `buf`), READs the blocks into `dst`, and lets `land` verify and count them
+/// in order.
 #[allow(clippy::too_many_arguments)]
 fn pull(
     inner: &Inner,
@@ -493,10 +494,10 @@ fn pull(
     dst: &[u32],
     deadline: Instant,
     stopped: &dyn Fn() -> Result<(), Failure>,
+    buf: &mut Vec<u8>,
     land: &mut Landing<'_>,
 ) -> Result<(), Failure> {
-    let mut buf = Vec::new();
-    let offer = read_in_place_offer(inner, c, wire::NIXL_OFFER, None, asked.len(), deadline, &mut buf, land)?;
+    let offer = read_in_place_offer(inner, c, wire::NIXL_OFFER, None, asked.len(), deadline, buf, land)?;
     let count = offer.blocks.len();
     let done = |c: &mut dyn Conn, n: usize| send_done(inner, c, n);
     if count == 0 {

@@ -45,10 +45,10 @@ impl Backend for Tcp {
         land: &mut Landing<'_>,
     ) -> Result<bool, Failure> {
         let by = || inner.io_deadline().min(job.deadline);
-        let kind = read_reply(c, job.buf, wire::MAX_CONTROL, "the offer", by())?;
+        let kind = read_reply(c, &mut job.scratch.buf, wire::MAX_CONTROL, "the offer", by())?;
         land.offered = true;
         let bb = inner.block_bytes;
-        let (count, offered_bb) = match (kind, wire::decode_offer(job.buf)) {
+        let (count, offered_bb) = match (kind, wire::decode_offer(&job.scratch.buf)) {
             (wire::OFFER, Some(o)) => o,
             _ => return Err((FailReason::Corrupt, "expected an offer".into())),
         };

@@ -1,0 +1,229 @@
+//! The KV agent's same-host GPU transport (CUDA IPC): a host pool is refused at start; two
+//! processes on one GPU (the H200) serve and fetch through mapped device memory, verified by
+//! the checksum kernel, with partial runs, corruption, cancels, a source that exits while
+//! mapped, and the TCP fallback. The two-process test runs this test binary again as the
+//! source; without a CUDA driver it skips, saying why. Every wait is on a completion, a
+//! counter or a line of the source's output, bounded, never a sleep.
+#![cfg(feature = "agent")]
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvrelay::agent::{Agent, AgentConfig, FailReason, FetchRequest};
+use kvrelay::checksum::kv_checksum;
+use kvrelay::copy::KvLayout;
+
+mod agent_fixture;
+use agent_fixture::*;
+
+/// The CUDA IPC transport refuses a host pool when the agent starts, with the reason.
+#[test]
+fn cuda_ipc_needs_a_device_pool() {
+    let pool = Pool::new();
+    let mut c = AgentConfig::new(fp());
+    c.transport = kvrelay::agent::Transport::CudaIpc;
+    let cache = Arc::new(Cache::default());
+    // SAFETY: the pool outlives the (refused) agent.
+    let e = unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache))) }.unwrap_err();
+    assert!(e.to_string().contains("device"), "{e}");
+}
+
+/// Same-host GPU transport between two processes (the H200): the source process serves a
+/// device pool over CUDA IPC; this process maps it, copies device to device and verifies with
+/// the checksum kernel; memory that went bad at the source after recording is caught; a TCP
+/// reader of the IPC source and an IPC reader of a TCP-only source behave as with NIXL; two
+/// agents of one process use the addresses as they are. Skips without a CUDA driver.
+#[test]
+fn cuda_ipc_copies_between_two_processes_verified() {
+    use std::io::{BufRead, BufReader};
+    let test = "cuda_ipc_copies_between_two_processes_verified";
+    let Some(dev) = cuda_device(test) else { return };
+    let bb = Pool::new().block_bytes();
+    let mk = |layout: &KvLayout, cache: &Arc<Cache>, t: kvrelay::agent::Transport| {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = t;
+        // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
+        unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
+    };
+    if std::env::var_os("KVRELAY_TEST_IPC_SOURCE").is_some() {
+        // the source process: serve NAMES from blocks 4.., take commands on stdin until EOF
+        eprintln!("{test} (source): device open");
+        let mut src = DevPool::new(&dev);
+        eprintln!("{test} (source): pool made");
+        let cache = Arc::new(Cache::default());
+        let agent = mk(&src.layout, &cache, kvrelay::agent::Transport::CudaIpc);
+        eprintln!("{test} (source): agent started");
+        for (i, &n) in NAMES.iter().enumerate() {
+            src.write(i as u32 + 4, &content(n, bb));
+            cache.held.lock().unwrap().insert(n, i as u32 + 4);
+        }
+        agent.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+        println!("ENDPOINT {}", agent.endpoint().unwrap());
+        for line in std::io::stdin().lines() {
+            let line = line.unwrap();
+            if let Some(id) = line.strip_prefix("corrupt ") {
+                let id: u32 = id.trim().parse().unwrap();
+                let mut b = src.read(id);
+                b[bb / 2] ^= 0x40;
+                src.write(id, &b);
+                println!("CORRUPTED {id}");
+            } else if line == "pinned" {
+                println!("PINNED {}", cache.pinned());
+            }
+        }
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("KVRELAY_TEST_IPC_SOURCE", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the test binary runs itself as the source");
+    eprintln!("{test}: the source process started");
+    let mut to = child.stdin.take().unwrap();
+    // the source's stdout, line by line, through a channel: every wait for it is bounded (its
+    // words may follow libtest's "test NAME ... " on the same line)
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let expect = |word: &str| -> String {
+        loop {
+            let l = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("the source never said {word}: {e}"));
+            if let Some(at) = l.find(word) {
+                return l[at + word.len()..].split_whitespace().next().unwrap_or("").to_string();
+            }
+        }
+    };
+    let ep = expect("ENDPOINT ");
+    eprintln!("{test}: the source process serves {ep}");
+    let mut dst = DevPool::new(&dev);
+    let dst_cache = Arc::new(Cache::default());
+    let dst_agent = mk(&dst.layout, &dst_cache, kvrelay::agent::Transport::CudaIpc);
+    assert_eq!(dst_agent.speed(&ep), kvrelay::agent::CUDA_IPC_DEFAULT);
+    let req = |endpoint: &str, held: usize, dst: Vec<u32>| FetchRequest {
+        endpoint: endpoint.to_string(),
+        names: NAMES.to_vec(),
+        held,
+        dst,
+        deadline: Duration::from_secs(20),
+    };
+    let ids = vec![9u32, 2, 11, 0, 15, 1];
+    let r = dst_agent.submit(req(&ep, 0, ids.clone()), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 6), "{}", r.detail);
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[i], bb), "block {i} copied over CUDA IPC");
+        assert_eq!(dst_agent.recorded_checksum(id), Some(kv_checksum(&content(NAMES[i], bb))));
+    }
+    assert!(dst_agent.stats().ipc_mapped_now >= 1, "the source's pool is mapped here");
+    eprintln!("{test}: first fetch verified");
+    // the second fetch reuses the mapping
+    let r = dst_agent.submit(req(&ep, 2, vec![3, 4]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(dst.read(4), content(NAMES[3], bb));
+    eprintln!("{test}: second fetch verified");
+    // a TCP reader of the IPC source
+    let tcp = instance();
+    let r = tcp.fetch(&ep, &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(tcp.pool.read(1), content(NAMES[1], bb));
+    // an IPC reader of a TCP-only source falls back to TCP (the blocks land in its device
+    // pool through its mover's slots); with the transport pinned it is refused
+    tcp.hold(&NAMES, 8);
+    let r = dst_agent.submit(req(&tcp.endpoint(), 0, vec![5]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 1), "{}", r.detail);
+    assert_eq!(dst.read(5), content(NAMES[0], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 1);
+    let pinned_pool = DevPool::new(&dev);
+    let pinned = {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = kvrelay::agent::Transport::CudaIpc;
+        c.limits.tcp_fallback = false;
+        // SAFETY: the pool outlives the agent (dropped first, below).
+        unsafe { Agent::new(c, pinned_pool.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let r = pinned.submit(req(&tcp.endpoint(), 0, vec![5]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Refused), 0), "{}", r.detail);
+    assert!(r.detail.contains("unsupported"), "{}", r.detail);
+    drop(pinned);
+    drop(pinned_pool);
+    eprintln!("{test}: TCP reader, IPC reader falling back to TCP, pinned IPC reader refused");
+    // cancels at any point of a fetch (before, during or after the copy): each completes as
+    // whole or as cancelled with only leading blocks counted, those byte-exact (the pins are
+    // checked below)
+    let mut outcomes = Vec::new();
+    for _ in 0..8 {
+        let ids = vec![5u32, 6, 7, 8, 10, 12];
+        let f = dst_agent.submit(req(&ep, 0, ids.clone()), None).unwrap();
+        f.cancel();
+        let r = f.wait(Duration::from_secs(30)).expect("a cancelled fetch completes");
+        match r.failure {
+            None => assert_eq!(r.blocks, 6, "{}", r.detail),
+            Some(FailReason::Cancelled) => assert!(r.blocks < 6, "{}", r.detail),
+            other => panic!("a cancel ended as {other:?}: {}", r.detail),
+        }
+        for (i, &id) in ids.iter().enumerate().take(r.blocks) {
+            assert_eq!(dst.read(id), content(NAMES[i], bb), "counted block {i} of a cancelled fetch");
+        }
+        outcomes.push((r.failure, r.blocks));
+    }
+    eprintln!("{test}: cancels: {outcomes:?}");
+    // the source's memory goes bad after recording: the third block fails, two are counted
+    writeln!(to, "corrupt 6").unwrap();
+    assert_eq!(expect("CORRUPTED "), "6");
+    let r = dst_agent.submit(req(&ep, 0, vec![10, 12, 13, 14]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
+    assert_eq!(dst_agent.recorded_checksum(13), None, "the bad block was not recorded");
+    // every pin released at DONE (asked again until it is, bounded)
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        writeln!(to, "pinned").unwrap();
+        let n = expect("PINNED ");
+        if n == "0" {
+            break;
+        }
+        assert!(Instant::now() < end, "the source still holds {n} pins");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!("{test}: corruption caught, pins released");
+    // two agents of one process: the addresses are used as they are
+    let mut local_src = DevPool::new(&dev);
+    let local_cache = Arc::new(Cache::default());
+    let local = mk(&local_src.layout, &local_cache, kvrelay::agent::Transport::CudaIpc);
+    for (i, &n) in NAMES.iter().enumerate() {
+        local_src.write(i as u32, &content(n, bb));
+        local_cache.held.lock().unwrap().insert(n, i as u32);
+    }
+    local.record_checksums(&(0..NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+    let r = dst_agent
+        .submit(req(local.endpoint().unwrap(), 0, vec![7, 8]), None)
+        .unwrap()
+        .wait(Duration::from_secs(30))
+        .unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(dst.read(8), content(NAMES[1], bb));
+    // the source process exits while its pool is mapped here: the mappings are let go (the
+    // idle fetch workers look every 50 ms), nothing is left mapped, and a fetch from the gone
+    // source fails cleanly
+    let mapped = dst_agent.stats().ipc_mapped_now;
+    assert!(mapped >= 1);
+    drop(to);
+    assert!(child.wait().unwrap().success(), "the source process failed");
+    eventually("the gone source's mappings to be let go", || dst_agent.stats().ipc_mapped_now == 0);
+    assert_eq!(dst_agent.stats().ipc_unmapped, mapped, "each mapping let go once");
+    let r = dst_agent.submit(req(&ep, 0, vec![3]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Connect), 0), "{}", r.detail);
+    assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_ipc_mapped 0"), "the gauge is exported");
+    eprintln!("{test}: ran on CUDA device 0, source in its own process");
+}
