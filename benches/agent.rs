@@ -25,6 +25,9 @@
 //! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy, and
 //! the CUDA IPC transport's copy-and-sum kernel alone over the same bytes (pool to pool).
 //!
+//! `KVRELAY_BENCH_POLL_US=N` sets `Limits::poll` of every agent of the run (source and
+//! destination): their threads poll N microseconds for the next step before they sleep.
+//!
 //! Bounded: fixed sizes, `KVRELAY_BENCH_REPS` repetitions (default 10), every fetch a 60 s deadline.
 
 use std::collections::HashMap;
@@ -133,6 +136,9 @@ fn main() {
     // with NIXL the source runs in a process of its own (as between two instances: UCX moves
     // VRAM with CUDA IPC only across processes); over TCP both agents share this one
     let names: Vec<u64> = (1..=u64::from(BLOCKS)).collect();
+    // every agent's poll (`KVRELAY_BENCH_POLL_US`; the source process reads it too)
+    let poll =
+        Duration::from_micros(std::env::var("KVRELAY_BENCH_POLL_US").ok().and_then(|s| s.parse().ok()).unwrap_or(0));
     let source_role = std::env::var_os(SOURCE_ENV).is_some();
     let mut child = None;
     let mut _source = None;
@@ -154,6 +160,7 @@ fn main() {
         let mut src_cfg = AgentConfig::new(fp.clone());
         src_cfg.device = device;
         src_cfg.transport = transport.clone();
+        src_cfg.limits.poll = poll;
         src_cfg.limits.socket_buffer_bytes =
             std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
         // SAFETY: the pool (host or device memory, as configured) lives in `_source` until the
@@ -182,6 +189,7 @@ fn main() {
     cfg.device = device;
     cfg.transport = transport.clone();
     cfg.limits.streams = streams as u32;
+    cfg.limits.poll = poll;
     // socket buffers of both sides (`KVRELAY_BENCH_SOCKET_BUFFER`, bytes; 0: the kernel's)
     let sockbuf: u32 = std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     cfg.limits.socket_buffer_bytes = sockbuf;
@@ -372,6 +380,7 @@ fn main() {
     cold_cfg.limits.idle_timeout = Duration::ZERO;
     cold_cfg.limits.streams = streams as u32;
     cold_cfg.limits.min_stream_bytes = min_stream;
+    cold_cfg.limits.poll = poll;
     let (_cold_mem, cold_layout) = pool(dev.as_ref());
     // SAFETY: the pool lives until the end of main, after the agent is dropped.
     let cold = unsafe { Agent::new(cold_cfg, cold_layout, Box::new(Held(Mutex::new(HashMap::new())))) }.unwrap();
@@ -407,8 +416,9 @@ fn main() {
             );
         }
         println!(
-            "  {k}-block fetch   median {warm:.0} us on kept-alive connections, {fresh:.0} us on new ones (50 each; {} stream(s), min_stream_bytes {min_stream})",
-            if separate { 1 } else { streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k) }
+            "  {k}-block fetch   median {warm:.0} us on kept-alive connections, {fresh:.0} us on new ones (50 each; {} stream(s), min_stream_bytes {min_stream}, poll {} us)",
+            if separate { 1 } else { streams.min(((k * dst.block_bytes()) as u64 / min_stream).max(1) as usize).min(k) },
+            poll.as_micros()
         );
     }
     drop(cold);

@@ -298,9 +298,10 @@ typedef int32_t kvrelay_fetch_failure;
 
 // One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
 // name, so that limits can be added without changing a struct a caller compiled in). Fixed
-// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must
-// be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
-// `KVRELAY_LIMIT_WRITE_GRACE_MS` and `KVRELAY_LIMIT_TCP_FALLBACK`.
+// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but
+// `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except
+// `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
+// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK` and `KVRELAY_LIMIT_POLL_US`.
 enum kvrelay_agent_limit
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : int32_t
@@ -351,6 +352,12 @@ enum kvrelay_agent_limit
   // `transport_fallbacks`). 0 pins the transport: such a fetch fails with the reason.
   // Since 0.3.0.
   KVRELAY_LIMIT_TCP_FALLBACK = 15,
+  // How long an agent thread that just did its part of a fetch polls (busy) for the next
+  // step before it sleeps, microseconds (0, the default: it sleeps at once; at most 10000).
+  // Each sleep costs a wake-up when work comes (tens of microseconds on a busy or
+  // virtualised host, several per fetch); polling takes them off back-to-back fetches for
+  // up to this much CPU time per step. Since 0.3.0.
+  KVRELAY_LIMIT_POLL_US = 16,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -78,6 +78,14 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(kvrelay_agent_config_set_limit(cfg, fallback, 0), KVRELAY_OK);
         assert_eq!(kvrelay_agent_config_get_limit(cfg, fallback, &mut v), KVRELAY_OK);
         assert_eq!(v, 0);
+        // microseconds, 0 (the default) allowed, at most 10 ms
+        let poll = kvrelay_agent_limit::KVRELAY_LIMIT_POLL_US as i32;
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, poll, &mut v), KVRELAY_OK);
+        assert_eq!(v, 0, "threads sleep at once by default");
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, poll, 10_001), KVRELAY_ERR_INVALID_CONFIG);
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, poll, 50), KVRELAY_OK);
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, poll, &mut v), KVRELAY_OK);
+        assert_eq!(v, 50, "read back in microseconds");
         kvrelay_agent_config_free(cfg);
     }
 }

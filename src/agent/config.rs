@@ -75,7 +75,19 @@ pub struct Limits {
     /// over TCP for the next [`TCP_FALLBACK_MEMORY`] (true, the default). False pins the
     /// transport: such a fetch fails with the reason.
     pub tcp_fallback: bool,
+    /// How long an agent thread that just did its part of a fetch polls for the next step
+    /// before it sleeps (0, the default: it sleeps at once; at most 10 ms). A sleeping thread
+    /// costs a wake-up when work comes, tens of microseconds on a busy or virtualised host,
+    /// several per fetch (the fetch worker for the next submission, the source's connection
+    /// for the next request and for the end of a transfer, the fetch for the source's
+    /// answer): polling takes them off back-to-back fetches, a 1-block CUDA IPC fetch most of
+    /// all, for up to this much busy CPU time per step. It does not help the first fetch after
+    /// a pause. Microseconds through the C ABI.
+    pub poll: Duration,
 }
+
+/// The longest [`Limits::poll`].
+const MAX_POLL: Duration = Duration::from_millis(10);
 
 /// How long a source that could not be reached with the agent's own transport is fetched from
 /// over TCP before the transport is tried again (a source may restart with it).
@@ -99,6 +111,7 @@ impl Default for Limits {
             socket_buffer_bytes: 0,
             write_grace: Duration::from_secs(1),
             tcp_fallback: true,
+            poll: Duration::ZERO,
         }
     }
 }
@@ -106,7 +119,7 @@ impl Default for Limits {
 crate::labels::labelled_enum! {
     /// One limit by name: the C ABI's `kvrelay_agent_limit` (`kvrelay_agent_config_set_limit`),
     /// so that limits can be added without changing a struct a caller compiled in. Durations
-    /// are in milliseconds. The discriminants are stable; new limits get new ones.
+    /// are in milliseconds (but `poll_us`). The discriminants are stable; new limits get new ones.
     pub enum LimitKey: i32 {
         /// [`Limits::max_connections`].
         MaxConnections = 1 => "max_connections",
@@ -138,6 +151,8 @@ crate::labels::labelled_enum! {
         WriteGraceMs = 14 => "write_grace_ms",
         /// [`Limits::tcp_fallback`]: 1 (the default) or 0.
         TcpFallback = 15 => "tcp_fallback",
+        /// [`Limits::poll`], microseconds.
+        PollUs = 16 => "poll_us",
     }
 }
 
@@ -149,7 +164,7 @@ impl LimitKey {
 }
 
 impl Limits {
-    /// The value of one limit (durations in milliseconds).
+    /// The value of one limit (durations in milliseconds, `poll_us` in microseconds).
     pub fn get(&self, key: LimitKey) -> u64 {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         match key {
@@ -168,10 +183,11 @@ impl Limits {
             LimitKey::SocketBufferBytes => self.socket_buffer_bytes.into(),
             LimitKey::WriteGraceMs => ms(self.write_grace),
             LimitKey::TcpFallback => self.tcp_fallback.into(),
+            LimitKey::PollUs => u64::try_from(self.poll.as_micros()).unwrap_or(u64::MAX),
         }
     }
 
-    /// Set one limit (durations in milliseconds), checked as [`Limits`]'s ranges say; on an
+    /// Set one limit (durations in milliseconds, `poll_us` in microseconds), checked as [`Limits`]'s ranges say; on an
     /// error nothing changed. A value never wraps: one past its field's range is refused.
     pub fn set(&mut self, key: LimitKey, value: u64) -> Result<(), String> {
         let refuse = || format!("limit {} = {value}: out of range", key.as_str());
@@ -200,6 +216,7 @@ impl Limits {
                     _ => return Err(refuse()),
                 }
             }
+            LimitKey::PollUs => next.poll = Duration::from_micros(value),
         }
         next.check()?;
         *self = next;
@@ -226,6 +243,9 @@ impl Limits {
         }
         if ms(self.idle_timeout) > 3_600_000 {
             return Err(format!("limit idle_timeout = {} ms: expected 0..=3600000 ms", ms(self.idle_timeout)));
+        }
+        if self.poll > MAX_POLL {
+            return Err(format!("limit poll = {} us: expected 0..=10000 us", self.poll.as_micros()));
         }
         if ms(self.write_grace) > 60_000 {
             return Err(format!("limit write_grace = {} ms: expected 0..=60000 ms", ms(self.write_grace)));

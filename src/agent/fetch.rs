@@ -70,6 +70,8 @@ struct Worker {
 
 pub(super) fn worker(inner: &Arc<Inner>) {
     let mut w = Worker::default();
+    // after a fetch, the next submission is polled for until then (`Limits::poll`)
+    let mut poll_until: Option<Instant> = None;
     loop {
         let job = {
             let mut q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
@@ -79,6 +81,17 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 }
                 if inner.stop.load(Ordering::Acquire) {
                     break None;
+                }
+                if let Some(end) = poll_until {
+                    if Instant::now() < end {
+                        drop(q);
+                        for _ in 0..32 {
+                            std::hint::spin_loop();
+                        }
+                        q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+                        continue;
+                    }
+                    poll_until = None;
                 }
                 if inner.backend.wants_reap() {
                     // withheld blocks, or mappings of peers: look at them every 50 ms
@@ -124,6 +137,9 @@ pub(super) fn worker(inner: &Arc<Inner>) {
         Stats::add(&inner.stats.blocks_fetched, r.blocks as u64);
         Stats::add(&inner.stats.bytes_fetched, r.bytes);
         state.complete(r);
+        if !inner.limits.poll.is_zero() {
+            poll_until = Some(Instant::now() + inner.limits.poll);
+        }
     }
 }
 
@@ -430,6 +446,8 @@ impl Stream<'_> {
         if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
             return if reused { Exchange::Stale } else { Exchange::Close(Err(io_fail(&e, "the hello"))) };
         }
+        // the source's answer comes after its connection woke, pinned and offered
+        c.poll_readable(inner.limits.poll);
         let mut job = Pull { asked, dst, deadline, stopped, mover, scratch };
         match backend.pull(inner, c, &mut job, land) {
             Ok(true) => Exchange::Reusable,

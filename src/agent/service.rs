@@ -389,6 +389,8 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         held.slot = Slot::Pending;
         release_peer(inner, ip);
         held.counted = false;
+        // a peer fetching back to back sends its next hello within microseconds
+        c.poll_readable(inner.limits.poll);
         match read_hello(inner, c, scratch, Instant::now() + inner.limits.idle_timeout) {
             Ok(()) => {}
             Err(Hs::Refuse(r, text)) => {

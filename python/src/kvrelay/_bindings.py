@@ -156,7 +156,7 @@ class FetchFailure(CEnum):
 
 
 class AgentLimit(CEnum):
-    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds; every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`, `KVRELAY_LIMIT_WRITE_GRACE_MS` and `KVRELAY_LIMIT_TCP_FALLBACK`."""
+    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`, `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK` and `KVRELAY_LIMIT_POLL_US`."""
 
     MAX_CONNECTIONS = ("max_connections", 1)
     MAX_PER_PEER = ("max_per_peer", 2)
@@ -173,6 +173,7 @@ class AgentLimit(CEnum):
     SOCKET_BUFFER_BYTES = ("socket_buffer_bytes", 13)
     WRITE_GRACE_MS = ("write_grace_ms", 14)
     TCP_FALLBACK = ("tcp_fallback", 15)
+    POLL_US = ("poll_us", 16)
 
 
 # every enumerator as an int, for the calls
@@ -254,6 +255,7 @@ KVRELAY_LIMIT_IDLE_TIMEOUT_MS = 12
 KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13
 KVRELAY_LIMIT_WRITE_GRACE_MS = 14
 KVRELAY_LIMIT_TCP_FALLBACK = 15
+KVRELAY_LIMIT_POLL_US = 16
 
 
 # --- structs (in header order: what one uses is defined before it)

@@ -189,6 +189,8 @@ pub(super) fn serve_in_place(
         return false;
     }
     // the reader moves the blocks at its own pace; its DONE (or the deadline) ends the pin
+    // (a small copy is over within the poll)
+    c.poll_readable(inner.limits.poll);
     let mut done = [0u8; 8];
     let got = wire::read_header(c, wire::MAX_CONTROL, end)
         .ok()
