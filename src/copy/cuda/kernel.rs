@@ -466,15 +466,15 @@ impl CudaEngine {
     }
 
     /// How a summing launch over `n` blocks is cut: `(piece_words, n_pieces, ctas)`. One warp
-    /// per piece, at most four CTAs per SM (the copy kernels' CTA budget is for PCIe traffic;
-    /// these read HBM and need every SM); pieces as large as [`SUM_PIECE_WORDS`] when the call
+    /// per piece, at most one wave of CTAs (as many per SM as fit at once; the copy kernels'
+    /// CTA budget is for PCIe traffic, these read HBM and need every SM); pieces as large as [`SUM_PIECE_WORDS`] when the call
     /// fills every SM with them, smaller (down to [`MIN_PIECE_WORDS`]) when it does not, so
     /// that a one-block call still runs on every SM instead of one per (block, segment).
     fn sum_grid(&self, n: usize) -> (u32, u32, u32) {
         let segs = self.layout.segments();
         let words: u64 = n as u64 * segs.iter().map(|g| g.bytes_per_block / 8).sum::<u64>();
         let warps_per_cta = u64::from(self.opts.threads / 32).max(1);
-        let max_ctas = u64::from(self.dev.multiprocessors()) * 4;
+        let max_ctas = u64::from(self.dev.multiprocessors()) * u64::from(self.sum_ctas_per_sm);
         let piece = words
             .div_ceil(max_ctas * warps_per_cta)
             .next_multiple_of(MIN_PIECE_WORDS)

@@ -213,6 +213,9 @@ pub struct CudaEngine {
     sum_func: sys::CUfunction,
     /// The copy-and-sum kernel (copies from another pool).
     copy_sum_func: sys::CUfunction,
+    /// CTAs of the summing kernels that fit on one SM at once (their registers, the engine's
+    /// threads per CTA): their grids are one wave of that many per SM.
+    sum_ctas_per_sm: u32,
     sums: Option<Box<kernel::SumState>>,
 }
 
@@ -298,6 +301,7 @@ impl CudaEngine {
             staged: None,
             sum_func: std::ptr::null_mut(),
             copy_sum_func: std::ptr::null_mut(),
+            sum_ctas_per_sm: 1,
             sums: None,
             layout,
         };
@@ -342,6 +346,26 @@ impl CudaEngine {
     fn setup_kernel(&mut self) -> Result<(), CopyError> {
         let k = self.dev.kernels(load_kernels)?;
         (self.func, self.ring_func, self.sum_func, self.copy_sum_func) = (k.copy, k.ring, k.sum, k.copy_sum);
+        // one wave: as many CTAs per SM as the driver says fit at once (a grid of more leaves
+        // a partial second wave whose SMs idle while it runs); 4, as before this was asked,
+        // where the query fails
+        let threads = self.opts.threads;
+        self.sum_ctas_per_sm = [k.sum, k.copy_sum]
+            .into_iter()
+            .map(|f| {
+                let mut n: std::ffi::c_int = 0;
+                // SAFETY: `f` is a kernel of the module just loaded in this device's context,
+                // current on this thread (`new` bound it); `n` is a writable int.
+                let r = unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, threads as i32, 0) };
+                if r == sys::CUresult::CUDA_SUCCESS && n > 0 {
+                    n as u32
+                } else {
+                    4
+                }
+            })
+            .min()
+            .unwrap_or(4)
+            .clamp(1, 2048 / threads);
         if self.opts.ids != IdTransport::Params {
             self.ring = Some(PinnedBuffer::alloc(&self.dev, RING_SLOTS * RING_IDS_PER_LAUNCH * 4)?);
             let mut done = PinnedBuffer::alloc(&self.dev, RING_SLOTS * 8)?;
