@@ -169,7 +169,12 @@ fn kv_transfer_refuses_an_advertised_endpoint_off_the_registry_and_the_sources_h
     assert_eq!(sent(&src), 0.0, "nothing was fetched from the advertised endpoint");
     // the same endpoint on the registry is used
     let ep = kv_endpoint(&src);
-    let dst2 = start_env(true, &["--trusted-endpoint", ep.as_str()], &[("KV_TRANSFER_SOURCE_ALLOW", &src_url)]);
+    // (this destination's agent threads poll between the steps of a fetch: `--kv-poll-us`)
+    let dst2 = start_env(
+        true,
+        &["--trusted-endpoint", ep.as_str(), "--kv-poll-us", "200"],
+        &[("KV_TRANSFER_SOURCE_ALLOW", &src_url)],
+    );
     assert_eq!(dst2.post("/v1/kv_transfer", &json!({"source": src_url, "prompt": p})).status, 202);
     wait_until("the transfer", || dst2.post_get("/v1/kv_transfer/stats")["transferred"] == 1);
     assert_eq!(sent_since(&src, 0.0, 3.0), 3.0);
@@ -285,6 +290,14 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
     let err = String::from_utf8_lossy(&host.stderr);
     assert!(!host.status.success() && host.stdout.is_empty(), "started a CUDA IPC transport over host memory: {err}");
     assert!(err.contains("--kv-transport cuda-ipc") && err.contains("CUDA device"), "{err}");
+    // a poll past the library's ceiling: refused at startup, naming the limit
+    let poll = std::process::Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--kv-poll-us", "20000"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&poll.stderr);
+    assert!(!poll.status.success() && poll.stdout.is_empty(), "started with a 20 ms poll: {err}");
+    assert!(err.contains("poll"), "{err}");
 }
 
 /// A NIXL reader against a TCP-only source falls back to TCP (the blocks are fetched, counted

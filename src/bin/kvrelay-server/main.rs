@@ -162,6 +162,11 @@ pub struct ServeArgs {
     /// (such a fetch fails as `refused` and the request prefills).
     #[arg(long, env = "KVRELAY_KV_TRANSPORT_FALLBACK", default_value_t = true, action = clap::ArgAction::Set)]
     pub kv_transport_fallback: bool,
+    /// Microseconds the KV agent's threads poll (busy) for the next step of a fetch before they
+    /// sleep (the library's `poll`, at most 10000; 0: they sleep at once). Takes the thread
+    /// wake-ups off back-to-back fetches, for up to this much CPU time per step.
+    #[arg(long, env = "KVRELAY_KV_POLL_US", default_value_t = 0)]
+    pub kv_poll_us: u64,
     /// Folder holding `libnixl_capi.so` (else the loader's search path, e.g. LD_LIBRARY_PATH).
     #[arg(long, env = "KVRELAY_NIXL_LIB_DIR")]
     pub nixl_lib_dir: Option<std::path::PathBuf>,
@@ -348,6 +353,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
         transport,
         nixl_lib_dir: args.nixl_lib_dir.as_deref(),
         tcp_fallback: args.kv_transport_fallback,
+        poll_us: args.kv_poll_us,
     };
     let holder = transfer::CacheHolder { cache: engine.cache.clone(), engine: Arc::downgrade(&engine), fault };
     // SAFETY: the pool's memory lives in `engine`, which `TransferState` keeps alive until after

@@ -74,6 +74,9 @@ pub struct AgentSettings<'a> {
     pub nixl_lib_dir: Option<&'a std::path::Path>,
     /// Fetch over TCP from a source the transport cannot reach (the library's `tcp_fallback`).
     pub tcp_fallback: bool,
+    /// How long the agent's threads poll for the next step before they sleep, microseconds
+    /// (the library's `poll_us`).
+    pub poll_us: u64,
 }
 
 /// A running KV agent (`kvrelay_agent`).
@@ -212,6 +215,10 @@ impl KvAgent {
                 kvrelay_agent_limit::KVRELAY_LIMIT_TCP_FALLBACK as i32,
                 u64::from(settings.tcp_fallback),
             )
+        })?;
+        // SAFETY: live config.
+        check_detail("kvrelay_agent_config_set_limit", unsafe {
+            kvrelay_agent_config_set_limit(cfg.0, kvrelay_agent_limit::KVRELAY_LIMIT_POLL_US as i32, settings.poll_us)
         })?;
         let ud = Box::into_raw(Box::new(holder)) as *mut c_void;
         let h = kvrelay_block_holder {
