@@ -1073,7 +1073,8 @@ kvrelay_status kvrelay_agent_config_set_listen(struct kvrelay_agent_config *conf
 // two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL)
 // or `cuda-ipc` (two agents of one host with device pools: the destination maps the source's
 // pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
-// pool or memory CUDA IPC cannot export; a mapped pool is readable and writable by the peer's
+// pool or memory it cannot export: it takes `cudaMalloc` memory and `cuMemCreate` memory
+// created with the POSIX file-descriptor handle type, not `cudaMallocAsync`; a mapped pool is readable and writable by the peer's
 // process, so only allowlisted, authenticated peers of one trust domain should share it).
 // `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
 // by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this

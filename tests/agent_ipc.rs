@@ -17,6 +17,78 @@ use kvrelay::copy::KvLayout;
 mod agent_fixture;
 use agent_fixture::*;
 
+/// Set in the source process of a two-process test.
+const SOURCE_ENV: &str = "KVRELAY_TEST_IPC_SOURCE";
+
+/// The source process of a two-process test: serve NAMES from blocks 4.. of `src` over CUDA
+/// IPC, print the endpoint, and take commands on stdin until EOF (`corrupt ID`, `pinned`).
+fn serve_source(test: &str, mut src: DevPool) {
+    let bb = src.layout.stage_block_bytes() as usize;
+    let cache = Arc::new(Cache::default());
+    let mut c = AgentConfig::new(fp());
+    c.device = Some(0);
+    c.transport = kvrelay::agent::Transport::CudaIpc;
+    // SAFETY: the pool outlives the agent (dropped first, at the end of this function).
+    let agent = unsafe { Agent::new(c, src.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
+    eprintln!("{test} (source): agent started");
+    for (i, &n) in NAMES.iter().enumerate() {
+        src.write(i as u32 + 4, &content(n, bb));
+        cache.held.lock().unwrap().insert(n, i as u32 + 4);
+    }
+    agent.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+    println!("ENDPOINT {}", agent.endpoint().unwrap());
+    for line in std::io::stdin().lines() {
+        let line = line.unwrap();
+        if let Some(id) = line.strip_prefix("corrupt ") {
+            let id: u32 = id.trim().parse().unwrap();
+            let mut b = src.read(id);
+            b[bb / 2] ^= 0x40;
+            src.write(id, &b);
+            println!("CORRUPTED {id}");
+        } else if line == "pinned" {
+            println!("PINNED {}", cache.pinned());
+        }
+    }
+    drop(agent);
+}
+
+/// Run this test binary again as the source of test `test`: the child, its stdin, and a
+/// bounded wait for a word on its stdout (what follows the word).
+fn spawn_source(test: &str) -> (std::process::Child, std::process::ChildStdin, impl Fn(&str) -> String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(SOURCE_ENV, "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the test binary runs itself as the source");
+    eprintln!("{test}: the source process started");
+    let to = child.stdin.take().unwrap();
+    // the source's stdout, line by line, through a channel: every wait for it is bounded (its
+    // words may follow libtest's "test NAME ... " on the same line)
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let expect = move |word: &str| -> String {
+        loop {
+            let l = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("the source never said {word}: {e}"));
+            if let Some(at) = l.find(word) {
+                return l[at + word.len()..].split_whitespace().next().unwrap_or("").to_string();
+            }
+        }
+    };
+    (child, to, expect)
+}
+
 /// The CUDA IPC transport refuses a host pool when the agent starts, with the reason.
 #[test]
 fn cuda_ipc_needs_a_device_pool() {
@@ -36,7 +108,6 @@ fn cuda_ipc_needs_a_device_pool() {
 /// agents of one process use the addresses as they are. Skips without a CUDA driver.
 #[test]
 fn cuda_ipc_copies_between_two_processes_verified() {
-    use std::io::{BufRead, BufReader};
     let test = "cuda_ipc_copies_between_two_processes_verified";
     let Some(dev) = cuda_device(test) else { return };
     let bb = Pool::new().block_bytes();
@@ -47,64 +118,11 @@ fn cuda_ipc_copies_between_two_processes_verified() {
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
         unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
     };
-    if std::env::var_os("KVRELAY_TEST_IPC_SOURCE").is_some() {
-        // the source process: serve NAMES from blocks 4.., take commands on stdin until EOF
-        eprintln!("{test} (source): device open");
-        let mut src = DevPool::new(&dev);
-        eprintln!("{test} (source): pool made");
-        let cache = Arc::new(Cache::default());
-        let agent = mk(&src.layout, &cache, kvrelay::agent::Transport::CudaIpc);
-        eprintln!("{test} (source): agent started");
-        for (i, &n) in NAMES.iter().enumerate() {
-            src.write(i as u32 + 4, &content(n, bb));
-            cache.held.lock().unwrap().insert(n, i as u32 + 4);
-        }
-        agent.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
-        println!("ENDPOINT {}", agent.endpoint().unwrap());
-        for line in std::io::stdin().lines() {
-            let line = line.unwrap();
-            if let Some(id) = line.strip_prefix("corrupt ") {
-                let id: u32 = id.trim().parse().unwrap();
-                let mut b = src.read(id);
-                b[bb / 2] ^= 0x40;
-                src.write(id, &b);
-                println!("CORRUPTED {id}");
-            } else if line == "pinned" {
-                println!("PINNED {}", cache.pinned());
-            }
-        }
+    if std::env::var_os(SOURCE_ENV).is_some() {
+        serve_source(test, DevPool::new(&dev));
         return;
     }
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("KVRELAY_TEST_IPC_SOURCE", "1")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("the test binary runs itself as the source");
-    eprintln!("{test}: the source process started");
-    let mut to = child.stdin.take().unwrap();
-    // the source's stdout, line by line, through a channel: every wait for it is bounded (its
-    // words may follow libtest's "test NAME ... " on the same line)
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    let expect = |word: &str| -> String {
-        loop {
-            let l = rx
-                .recv_timeout(Duration::from_secs(30))
-                .unwrap_or_else(|e| panic!("the source never said {word}: {e}"));
-            if let Some(at) = l.find(word) {
-                return l[at + word.len()..].split_whitespace().next().unwrap_or("").to_string();
-            }
-        }
-    };
+    let (mut child, mut to, expect) = spawn_source(test);
     let ep = expect("ENDPOINT ");
     eprintln!("{test}: the source process serves {ep}");
     let mut dst = DevPool::new(&dev);
@@ -225,5 +243,69 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     let r = dst_agent.submit(req(&ep, 0, vec![3]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Connect), 0), "{}", r.detail);
     assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_ipc_mapped 0"), "the gauge is exported");
+    eprintln!("{test}: ran on CUDA device 0, source in its own process");
+}
+
+/// A source pool of the virtual memory API (`cuMemCreate`, three allocations side by side, one
+/// layer straddling two), as a runtime's allocator may hand out (the H200): its allocations go
+/// to the destination as POSIX descriptors over the source's Unix socket, the destination maps
+/// them side by side once and copies as from any pool, byte-exact and verified; the second
+/// fetch reuses the mapping; when the source exits the mapping is let go. The destination's
+/// own pool is of the same kind (exported at start, in this process). Memory of that API
+/// created without the POSIX handle type is refused when the agent starts, saying why. Skips
+/// without a CUDA driver.
+#[test]
+fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
+    let test = "cuda_ipc_serves_a_pool_of_the_virtual_memory_api";
+    let Some(dev) = cuda_device(test) else { return };
+    if std::env::var_os(SOURCE_ENV).is_some() {
+        serve_source(test, DevPool::new_vmm(&dev, true));
+        return;
+    }
+    let bb = Pool::new().block_bytes();
+    let agent_over = |pool: &DevPool, cache: &Arc<Cache>| {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = kvrelay::agent::Transport::CudaIpc;
+        c.limits.tcp_fallback = false; // a fetch that did not go over CUDA IPC fails
+                                       // SAFETY: the pool outlives the agent (dropped first).
+        unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }
+    };
+    // no POSIX handle type: refused at start with the reason
+    let plain = DevPool::new_vmm(&dev, false);
+    let Err(e) = agent_over(&plain, &Arc::new(Cache::default())) else {
+        panic!("started over memory it cannot export")
+    };
+    assert!(e.to_string().contains("POSIX"), "{e}");
+    drop(plain);
+    let (mut child, to, expect) = spawn_source(test);
+    let ep = expect("ENDPOINT ");
+    let mut dst = DevPool::new_vmm(&dev, true);
+    let dst_agent = agent_over(&dst, &Arc::new(Cache::default())).unwrap();
+    let req = |held: usize, dst: Vec<u32>| FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held,
+        dst,
+        deadline: Duration::from_secs(20),
+    };
+    let ids = vec![9u32, 2, 11, 0, 15, 1];
+    let r = dst_agent.submit(req(0, ids.clone()), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 6), "{}", r.detail);
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[i], bb), "block {i} copied out of the source's mapped range");
+        assert_eq!(dst_agent.recorded_checksum(id), Some(kv_checksum(&content(NAMES[i], bb))));
+    }
+    let s = dst_agent.stats();
+    assert_eq!((s.ipc_mapped_now, s.transport_fallbacks), (1, 0), "one range mapped, nothing over TCP");
+    let r = dst_agent.submit(req(3, vec![4, 5, 6]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 3), "{}", r.detail);
+    assert_eq!(dst.read(6), content(NAMES[5], bb));
+    assert_eq!(dst_agent.stats().ipc_mapped_now, 1, "the mapping was reused");
+    eprintln!("{test}: two fetches from a source pool of the virtual memory API verified");
+    drop(to);
+    assert!(child.wait().unwrap().success(), "the source process failed");
+    eventually("the gone source's range to be let go", || dst_agent.stats().ipc_mapped_now == 0);
+    assert_eq!(dst_agent.stats().ipc_unmapped, 1);
     eprintln!("{test}: ran on CUDA device 0, source in its own process");
 }

@@ -300,8 +300,9 @@ pub enum Transport {
     },
     /// Blocks move device to device between two agents of one host: the destination maps the
     /// source's pool through CUDA IPC and copies the blocks straight into its own
-    /// (`transport::cuda_ipc`). Both pools must be device memory exportable through CUDA IPC
-    /// (`cuMemAlloc`/`cudaMalloc`). The service then serves both CUDA IPC and TCP readers;
+    /// (`transport::cuda_ipc`). Both pools must be device memory it can export: from
+    /// `cuMemAlloc`/`cudaMalloc`, or from `cuMemCreate` with the POSIX file-descriptor handle
+    /// type (not `cudaMallocAsync`). The service then serves both CUDA IPC and TCP readers;
     /// fetches copy over CUDA IPC and fail (refused) from a source on another host.
     CudaIpc,
 }

@@ -212,11 +212,80 @@ pub struct DevPool {
     pub engine: kvrelay::copy::CudaEngine,
     pub stream: kvrelay::copy::CudaStream,
     pub staging: kvrelay::copy::PinnedBuffer,
+    pub _vmm: Option<VmmMem>,
+}
+
+/// Device memory of the virtual memory API, as a runtime's allocator may hand out: one
+/// reserved range backed by `chunks` allocations side by side (`cuMemCreate`), with the POSIX
+/// descriptor handle type when `posix`; unmapped and released when dropped.
+pub struct VmmMem {
+    dev: Arc<kvrelay::copy::CudaDevice>,
+    pub va: u64,
+    /// Bytes of each allocation (the range holds `chunks` of them).
+    pub chunk: u64,
+    pub size: u64,
+    handles: Vec<u64>,
+}
+
+impl VmmMem {
+    pub fn new(dev: &Arc<kvrelay::copy::CudaDevice>, at_least: u64, chunks: u64, posix: bool) -> VmmMem {
+        use cudarc::driver::sys;
+        let ok = sys::CUresult::CUDA_SUCCESS;
+        let _ctx = dev.bind().unwrap();
+        // SAFETY: a plain C struct; zero is its "none" for every field not set below.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location =
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev.ordinal() };
+        if posix {
+            prop.requestedHandleTypes = sys::CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
+        let mut gran = 0usize;
+        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: the driver writes one usize; `prop` is initialised.
+        assert_eq!(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, ok);
+        let chunk = at_least.div_ceil(chunks).next_multiple_of(gran as u64);
+        let size = chunk * chunks;
+        let mut va = 0u64;
+        let mut handles = Vec::new();
+        // SAFETY: reserve, create, map and grant access over the range this struct owns (all
+        // undone in Drop); every out-pointer is a local.
+        unsafe {
+            assert_eq!(sys::cuMemAddressReserve(&mut va, size as usize, 0, 0, 0), ok);
+            for k in 0..chunks {
+                let mut h = 0u64;
+                assert_eq!(sys::cuMemCreate(&mut h, chunk as usize, &prop, 0), ok);
+                assert_eq!(sys::cuMemMap(va + k * chunk, chunk as usize, 0, h, 0), ok);
+                handles.push(h);
+            }
+            let desc = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            assert_eq!(sys::cuMemSetAccess(va, size as usize, &desc, 1), ok);
+        }
+        VmmMem { dev: dev.clone(), va, chunk, size, handles }
+    }
+}
+
+impl Drop for VmmMem {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        let _ctx = self.dev.bind().unwrap();
+        // SAFETY: undoes what `new` did, once; nothing uses the range any more.
+        unsafe {
+            sys::cuMemUnmap(self.va, self.size as usize);
+            for &h in &self.handles {
+                sys::cuMemRelease(h);
+            }
+            sys::cuMemAddressFree(self.va, self.size as usize);
+        }
+    }
 }
 
 impl DevPool {
     pub fn new(dev: &Arc<kvrelay::copy::CudaDevice>) -> DevPool {
-        use kvrelay::copy::{CudaEngine, CudaStream, DeviceBuffer, EngineOptions, PinnedBuffer};
+        use kvrelay::copy::DeviceBuffer;
         let mem: Vec<DeviceBuffer> = (0..LAYERS)
             .map(|_| DeviceBuffer::alloc(dev, (2 * u64::from(BLOCKS) * KV_BLOCK) as usize).unwrap())
             .collect();
@@ -224,8 +293,39 @@ impl DevPool {
             m.write(0, &vec![0u8; m.len()]).unwrap();
         }
         let bases: Vec<u64> = mem.iter().map(|m| m.ptr()).collect();
-        let layout = KvLayout::per_layer_kv_first(&bases, BLOCKS, KV_BLOCK).unwrap();
-        // SAFETY: the pool's device memory lives in `_mem` as long as the engine.
+        Self::over(dev, &bases, mem, None)
+    }
+
+    /// A pool in memory of the virtual memory API: three allocations side by side, the first
+    /// layer at the start of the first, the second straddling the first two, the third in the
+    /// third (`posix`: created with the POSIX descriptor handle type).
+    pub fn new_vmm(dev: &Arc<kvrelay::copy::CudaDevice>, posix: bool) -> DevPool {
+        let layer = 2 * u64::from(BLOCKS) * KV_BLOCK;
+        let m = VmmMem::new(dev, 3 * layer, 3, posix);
+        assert!(m.chunk >= 2 * layer, "the layers fit as placed");
+        let bases = [m.va, m.va + m.chunk - layer / 2, m.va + 2 * m.chunk + layer];
+        let zero = kvrelay::copy::CudaStream::new(dev).unwrap();
+        {
+            let _ctx = dev.bind().unwrap();
+            for b in bases {
+                // SAFETY: each layer lies inside the mapped range; the context is current.
+                let r = unsafe { cudarc::driver::sys::cuMemsetD8Async(b, 0, layer as usize, zero.raw()) };
+                assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+            }
+        }
+        zero.synchronize().unwrap();
+        Self::over(dev, &bases[..LAYERS], Vec::new(), Some(m))
+    }
+
+    fn over(
+        dev: &Arc<kvrelay::copy::CudaDevice>,
+        bases: &[u64],
+        mem: Vec<kvrelay::copy::DeviceBuffer>,
+        vmm: Option<VmmMem>,
+    ) -> DevPool {
+        use kvrelay::copy::{CudaEngine, CudaStream, EngineOptions, PinnedBuffer};
+        let layout = KvLayout::per_layer_kv_first(bases, BLOCKS, KV_BLOCK).unwrap();
+        // SAFETY: the pool's device memory lives in `_mem` or `_vmm` as long as the engine.
         let engine = unsafe { CudaEngine::new(dev, layout.clone(), EngineOptions::default()) }.unwrap();
         let bb = layout.stage_block_bytes() as usize;
         DevPool {
@@ -234,6 +334,7 @@ impl DevPool {
             engine,
             stream: CudaStream::new(dev).unwrap(),
             staging: PinnedBuffer::alloc(dev, bb).unwrap(),
+            _vmm: vmm,
         }
     }
     pub fn write(&mut self, id: u32, bytes: &[u8]) {

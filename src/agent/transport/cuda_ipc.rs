@@ -4,20 +4,26 @@
 //! checksum kernel verifies them where they landed. Control (the handshake, authentication,
 //! the offer, the end) stays on the agent's TCP connection.
 //!
-//! - **Start.** The agent exports each allocation its pool's segments lie in once
-//!   (`cuIpcGetMemHandle`; memory from `cuMemAlloc`/`cudaMalloc`, what caching allocators hand
-//!   out). Memory of the virtual memory API (`cuMemCreate`) or of a stream-ordered pool
-//!   (`cudaMallocAsync`) cannot be exported that way: [`crate::agent::Agent::new`] then fails
-//!   with that reason (POSIX file-descriptor handles for such memory are a later step). A
-//!   host pool is refused: this transport moves device memory only.
+//! - **Start.** The agent exports each allocation its pool's segments lie in once: memory from
+//!   `cuMemAlloc`/`cudaMalloc` (what caching allocators hand out) with `cuIpcGetMemHandle`;
+//!   memory of the virtual memory API (`cuMemCreate`, as expandable or VMM-based allocators
+//!   hand out), allocation by allocation over each segment's range, as POSIX file descriptors
+//!   (`cuMemExportToShareableHandle`; the allocations must be created with the handle type
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), which a Unix socket of the agent's own hands
+//!   to destinations ([`super::vmm_fds`]). Memory of a stream-ordered pool
+//!   (`cudaMallocAsync`), or of that API without the POSIX handle type, cannot be exported:
+//!   [`crate::agent::Agent::new`] then fails with that reason. A host pool is refused: this
+//!   transport moves device memory only.
 //! - **A fetch.** The destination sends `IPC_HELLO`. The source pins the leading run it holds,
 //!   as over TCP, and answers `IPC_OFFER`: an in-place offer (its segment table and, per
 //!   offered block, its id and the checksum recorded when it became reusable) whose metadata
 //!   is the source's host id (the kernel's boot id), process id and exported allocations. The
 //!   destination checks the offer against its own layout, refuses a source on another host,
-//!   maps each of the source's allocations once (`cuIpcOpenMemHandle`, kept until the agent
-//!   stops, or until the source process no longer runs; within one process the addresses are
-//!   used as they are), checks that every offered block lies inside an exported allocation,
+//!   maps each of the source's allocations once (`cuIpcOpenMemHandle`; for a virtual-memory
+//!   range, its descriptors taken over the source's Unix socket with the offer's token and
+//!   mapped side by side into one reserved range, so that the range reads as the source's
+//!   does; kept until the agent stops, or until the source process no longer runs; within one
+//!   process the addresses are used as they are), checks that every offered block lies inside an exported allocation,
 //!   then one kernel on a mover's stream copies the blocks and sums each word as it writes it
 //!   (`CudaEngine::copy_and_sum_from`: the checksum of what landed, for the memory traffic of a
 //!   copy alone); where a segment's blocks span several allocations it enqueues one
@@ -32,7 +38,9 @@
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
-//!   share a host under one trust domain. Across two GPUs of a host the same copies go over
+//!   share a host under one trust domain (a source that lies about its allocations' sizes can
+//!   make a destination's copy fault). The descriptor socket hands descriptors only to a
+//!   connection that presents the token of an offer. Across two GPUs of a host the same copies go over
 //!   peer access (NVLink where present); multi-node NVLink fabric handles
 //!   (`CU_MEM_HANDLE_TYPE_FABRIC`, memory from `cuMemCreate` with that handle type, exported
 //!   with `cuMemExportToShareableHandle` and imported by the peer's IMEX channel) are a later
@@ -41,12 +49,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use super::{read_in_place_offer, send_done, Backend, Failure, Landing, Pull};
+use super::{read_in_place_offer, send_done, vmm_fds, Backend, Failure, Landing, Pull};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
 use crate::agent::wire::{self, Conn};
 use crate::agent::{FailReason, Inner, Limits, Stats};
-use crate::copy::{CudaDevice, IpcExport, KvLayout};
+use crate::copy::{CudaDevice, IpcExport, KvLayout, VmmChunk, VmmHandle};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
 const AGENT: &str = "cuda-ipc";
@@ -79,10 +88,47 @@ fn host_id() -> Result<[u8; 16], String> {
 pub(crate) struct Exports {
     host: [u8; 16],
     pid: u32,
+    /// Allocations of `cuMemAlloc` (CUDA IPC handles).
     allocs: Vec<IpcExport>,
+    /// Allocations of the virtual memory API, when the source's pool has any.
+    vmm: Option<VmmOffer>,
 }
 
-/// `host (16) | pid u32 | count u32 | count x (handle 64 | base u64 | size u64)`.
+/// The virtual-memory part of an offer: where to get the descriptors, and what they map.
+#[derive(Debug, PartialEq)]
+pub(crate) struct VmmOffer {
+    /// The source's descriptor socket (an abstract Unix socket name).
+    socket: Vec<u8>,
+    /// What the destination proves with there.
+    token: [u8; vmm_fds::TOKEN],
+    /// Contiguous ranges of the source's address space: each its base and the sizes of the
+    /// allocations mapped side by side from it; the socket sends their descriptors in this
+    /// order.
+    ranges: Vec<(u64, Vec<u64>)>,
+}
+
+impl VmmOffer {
+    fn chunks(&self) -> usize {
+        self.ranges.iter().map(|r| r.1.len()).sum()
+    }
+}
+
+/// Most contiguous virtual-memory ranges, and allocations in them, one offer may list.
+const MAX_VMM_RANGES: usize = 4096;
+const MAX_VMM_CHUNKS: usize = 16384;
+
+impl Exports {
+    /// Every exported range as `(base, size)`: the CUDA IPC allocations, then the
+    /// virtual-memory ranges (the order [`CudaIpc::map`] maps them in).
+    fn ranges(&self) -> Vec<(u64, u64)> {
+        let vmm = self.vmm.iter().flat_map(|v| v.ranges.iter().map(|(b, c)| (*b, c.iter().sum::<u64>())));
+        self.allocs.iter().map(|a| (a.base, a.size)).chain(vmm).collect()
+    }
+}
+
+/// `host (16) | pid u32 | count u32 | count x (handle 64 | base u64 | size u64)`, then, when
+/// the pool has memory of the virtual memory API: `ranges u32 | token 32 | socket_len u16 |
+/// socket | ranges x (base u64 | n u32 | n x size u64)`.
 fn encode_exports(e: &Exports) -> Vec<u8> {
     let mut p = Vec::with_capacity(24 + EXPORT_BYTES * e.allocs.len());
     p.extend_from_slice(&e.host);
@@ -93,37 +139,108 @@ fn encode_exports(e: &Exports) -> Vec<u8> {
         p.extend_from_slice(&a.base.to_le_bytes());
         p.extend_from_slice(&a.size.to_le_bytes());
     }
+    if let Some(v) = &e.vmm {
+        p.extend_from_slice(&(v.ranges.len() as u32).to_le_bytes());
+        p.extend_from_slice(&v.token);
+        p.extend_from_slice(&(v.socket.len() as u16).to_le_bytes());
+        p.extend_from_slice(&v.socket);
+        for (base, sizes) in &v.ranges {
+            p.extend_from_slice(&base.to_le_bytes());
+            p.extend_from_slice(&(sizes.len() as u32).to_le_bytes());
+            for s in sizes {
+                p.extend_from_slice(&s.to_le_bytes());
+            }
+        }
+    }
     p
 }
 
-/// Decode an offer's metadata; `None` unless it decodes exactly, within [`MAX_EXPORTS`], and
-/// no allocation's end overflows.
+/// Reads little-endian fields off the front of a slice.
+struct Reader<'a>(&'a [u8]);
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let (a, b) = (self.0.get(..n)?, self.0.get(n..)?);
+        self.0 = b;
+        Some(a)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+}
+
+/// Decode an offer's metadata; `None` unless it decodes exactly, within [`MAX_EXPORTS`] (and
+/// the virtual-memory limits), with at least one range, and no range's end overflows.
 pub(crate) fn decode_exports(p: &[u8]) -> Option<Exports> {
-    let head = p.get(..24)?;
-    let n = u32::from_le_bytes(head[20..24].try_into().ok()?) as usize;
-    if n == 0 || n > MAX_EXPORTS || p.len() != 24 + EXPORT_BYTES * n {
+    let mut r = Reader(p);
+    let host: [u8; 16] = r.take(16)?.try_into().ok()?;
+    let pid = r.u32()?;
+    let n = r.u32()? as usize;
+    if n > MAX_EXPORTS || r.0.len() < EXPORT_BYTES * n {
         return None;
     }
     let mut allocs = Vec::with_capacity(n);
-    for r in p[24..].chunks_exact(EXPORT_BYTES) {
-        let handle: [u8; 64] = r[..64].try_into().ok()?;
-        let base = u64::from_le_bytes(r[64..72].try_into().ok()?);
-        let size = u64::from_le_bytes(r[72..80].try_into().ok()?);
+    for _ in 0..n {
+        let handle: [u8; 64] = r.take(64)?.try_into().ok()?;
+        let (base, size) = (r.u64()?, r.u64()?);
         base.checked_add(size)?;
         allocs.push(IpcExport { handle, base, size });
     }
-    Some(Exports { host: head[..16].try_into().ok()?, pid: u32::from_le_bytes(head[16..20].try_into().ok()?), allocs })
+    let vmm = if r.0.is_empty() {
+        None
+    } else {
+        let k = r.u32()? as usize;
+        let token: [u8; vmm_fds::TOKEN] = r.take(vmm_fds::TOKEN)?.try_into().ok()?;
+        let len = usize::from(r.u16()?);
+        let socket = r.take(len)?.to_vec();
+        if k == 0 || k > MAX_VMM_RANGES || socket.is_empty() || socket.len() > 107 {
+            return None;
+        }
+        let (mut ranges, mut chunks) = (Vec::with_capacity(k), 0usize);
+        for _ in 0..k {
+            let (base, m) = (r.u64()?, r.u32()? as usize);
+            chunks += m;
+            if m == 0 || chunks > MAX_VMM_CHUNKS {
+                return None;
+            }
+            let mut sizes = Vec::with_capacity(m);
+            let mut end = base;
+            for _ in 0..m {
+                let s = r.u64()?;
+                if s == 0 {
+                    return None;
+                }
+                end = end.checked_add(s)?;
+                sizes.push(s);
+            }
+            ranges.push((base, sizes));
+        }
+        if !r.0.is_empty() {
+            return None;
+        }
+        Some(VmmOffer { socket, token, ranges })
+    };
+    if allocs.is_empty() && vmm.is_none() {
+        return None;
+    }
+    Some(Exports { host, pid, allocs, vmm })
 }
 
 /// The device-to-device copies that move offered blocks `blocks` (source ids) into `dst`:
 /// `(dst address, source address, bytes)` runs, pieces contiguous at both ends merged. Every
-/// source piece must lie inside one of `allocs` (source addresses), mapped here at `mapped[k]`;
+/// source piece must lie inside one of the exported `ranges` (`(base, size)`, source
+/// addresses), mapped here at `mapped[k]`;
 /// `Err` names the first that does not. Pure: what a hostile source sends is checked here
 /// before any address is used.
 pub(crate) fn plan_copies(
     layout: &KvLayout,
     src_segments: &[(u64, u64, u64)],
-    allocs: &[IpcExport],
+    ranges: &[(u64, u64)],
     mapped: &[u64],
     blocks: &[(u32, u64)],
     dst: &[u32],
@@ -139,11 +256,11 @@ pub(crate) fn plan_copies(
                 .and_then(|x| x.checked_add(sbase))
                 .filter(|x| x.checked_add(len).is_some())
                 .ok_or_else(|| format!("block {i}, segment {s}: the source's address overflows"))?;
-            let k = allocs
+            let k = ranges
                 .iter()
-                .position(|a| a.base <= at && at + len <= a.base + a.size)
+                .position(|&(b, n)| b <= at && at + len <= b + n)
                 .ok_or_else(|| format!("block {i}, segment {s}: outside the memory the source exported"))?;
-            let from = mapped[k] + (at - allocs[k].base);
+            let from = mapped[k] + (at - ranges[k].0);
             let to = m.base + u64::from(d) * m.block_stride;
             run = match run {
                 Some((rt, rf, n)) if rt + n == to && rf + n == from => Some((rt, rf, n + len)),
@@ -160,14 +277,14 @@ pub(crate) fn plan_copies(
 }
 
 /// The source's segments as the copy-and-sum kernel reads them, into `out`: per segment, its
-/// base translated to where the source's memory is mapped here (`mapped[k]` for `allocs[k]`)
+/// base translated to where the source's memory is mapped here (`mapped[k]` for `ranges[k]`)
 /// and its stride. `false` when a segment's offered blocks do not all lie inside one exported
 /// allocation, or a translated base or a stride is not a multiple of 16 bytes: the caller then
 /// copies run by run ([`plan_copies`], which checks every piece). Pure: nothing the source sent
 /// is used as an address unless it passed here.
 pub(crate) fn plan_segments(
     src_segments: &[(u64, u64, u64)],
-    allocs: &[IpcExport],
+    ranges: &[(u64, u64)],
     mapped: &[u64],
     blocks: &[(u32, u64)],
     out: &mut Vec<(u64, u64)>,
@@ -182,12 +299,12 @@ pub(crate) fn plan_segments(
         let (Some(lo), Some(hi)) = (at(lo_id), at(hi_id).and_then(|x| x.checked_add(len))) else {
             return false;
         };
-        let Some(k) = allocs.iter().position(|a| a.base <= lo && hi <= a.base + a.size) else {
+        let Some(k) = ranges.iter().position(|&(b, n)| b <= lo && hi <= b + n) else {
             return false;
         };
         // modulo 2^64, as the kernel adds id * stride: base + id * stride lands at
         // mapped[k] + (its offset in the allocation), inside the mapping
-        let here = mapped[k].wrapping_add(base.wrapping_sub(allocs[k].base));
+        let here = mapped[k].wrapping_add(base.wrapping_sub(ranges[k].0));
         if here % 16 != 0 || stride % 16 != 0 {
             return false;
         }
@@ -196,14 +313,27 @@ pub(crate) fn plan_segments(
     true
 }
 
-/// A source allocation: the source's host id, process id and the allocation's IPC handle.
+/// A source allocation: the source's host id, process id and the allocation's IPC handle (for
+/// a virtual-memory range: [`vmm_key`]).
 type MappedKey = ([u8; 16], u32, [u8; 64]);
 
-/// One source allocation mapped here; unmapped when the last fetch using it lets go after the
-/// table dropped it (its source went, or the agent stops).
+/// The key of a source's virtual-memory range: a marker no CUDA IPC handle starts with
+/// (theirs begin with the allocation's nonzero tag), its base and its size.
+fn vmm_key(base: u64, size: u64) -> [u8; 64] {
+    let mut k = [0u8; 64];
+    k[..8].copy_from_slice(b"\0kvrvmm\0");
+    k[8..16].copy_from_slice(&base.to_le_bytes());
+    k[16..24].copy_from_slice(&size.to_le_bytes());
+    k
+}
+
+/// One source allocation (or virtual-memory range) mapped here; unmapped when the last fetch
+/// using it lets go after the table dropped it (its source went, or the agent stops).
 struct Mapping {
     dev: Arc<CudaDevice>,
     ptr: u64,
+    /// A virtual-memory range's size (`None`: a CUDA IPC mapping).
+    vmm: Option<u64>,
     /// Whether its source process showed in this process's `/proc` when it was mapped (one in
     /// another PID namespace does not: its mapping is then kept until the agent stops, never
     /// let go and made again at every look).
@@ -212,9 +342,15 @@ struct Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: mapped by `CudaIpc::map` on this device; the last user let go (every copy
-        // through it synchronized before its fetch dropped its reference).
-        let _ = unsafe { self.dev.ipc_close(self.ptr) };
+        // SAFETY: mapped by `CudaIpc::map` on this device (`ipc_open`, or `vmm_map` of `size`
+        // bytes); the last user let go (every copy through it synchronized before its fetch
+        // dropped its reference).
+        let _ = unsafe {
+            match self.vmm {
+                None => self.dev.ipc_close(self.ptr),
+                Some(size) => self.dev.vmm_unmap(self.ptr, size),
+            }
+        };
     }
 }
 
@@ -237,6 +373,9 @@ pub(in crate::agent) struct CudaIpc {
     /// Entries of `mapped` whose source process can be looked at (`Mapping::watched`), read
     /// without the lock by the fetch workers' idle loop: only those can be let go by a sweep.
     watched_now: AtomicUsize,
+    /// Where destinations get the descriptors of this pool's virtual-memory allocations (when
+    /// it has any); stops with the agent.
+    _fds: Option<vmm_fds::FdServer>,
 }
 
 impl CudaIpc {
@@ -250,26 +389,64 @@ impl CudaIpc {
         let dev = CudaDevice::open(device).map_err(|e| format!("CUDA IPC: device {device}: {e}"))?;
         let host = host_id()?;
         let mut allocs: Vec<IpcExport> = Vec::new();
+        // allocations of the virtual memory API under every segment (merged into ranges below)
+        let mut chunks: Vec<VmmChunk> = Vec::new();
         let last = u64::from(layout.num_blocks().saturating_sub(1));
         for (s, g) in layout.segments().iter().enumerate() {
             let end = g.base + last * g.block_stride + g.bytes_per_block;
-            if let Some(a) = allocs.iter().find(|a| a.base <= g.base && end <= a.base + a.size) {
-                let _ = a;
+            if allocs.iter().any(|a| a.base <= g.base && end <= a.base + a.size) {
                 continue;
             }
-            let e = dev.ipc_export(g.base).map_err(|e| {
+            let ipc = match dev.ipc_export(g.base) {
+                Ok(e) => {
+                    if end > e.base + e.size {
+                        return Err(format!("CUDA IPC: segment {s} runs past the allocation it starts in"));
+                    }
+                    allocs.push(e);
+                    continue;
+                }
+                Err(e) => e,
+            };
+            // memory of the virtual memory API: its allocations as POSIX descriptors
+            let under = dev.vmm_export(g.base, end).map_err(|vmm| {
                 format!(
-                    "CUDA IPC: segment {s}'s memory cannot be exported ({e}): memory from cuMemAlloc/cudaMalloc can, \
-                     memory from cuMemCreate or cudaMallocAsync cannot; use the TCP or NIXL transport"
+                    "CUDA IPC: segment {s}'s memory cannot be exported (as cuMemAlloc memory: {ipc}; as memory of \
+                     the virtual memory API: {vmm}): memory from cuMemAlloc/cudaMalloc can, and from cuMemCreate with \
+                     the handle type CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; memory from cudaMallocAsync cannot; use \
+                     the TCP or NIXL transport"
                 )
             })?;
-            if end > e.base + e.size {
-                return Err(format!("CUDA IPC: segment {s} runs past the allocation it starts in"));
+            chunks.extend(under);
+        }
+        // each allocation once (segments may share one), in address order; allocations that
+        // touch form one range, mapped side by side at the destination as here
+        chunks.sort_by_key(|c| c.base);
+        chunks.dedup_by_key(|c| c.base);
+        let (mut ranges, mut fds): (Vec<(u64, Vec<u64>)>, Vec<std::os::fd::OwnedFd>) = (Vec::new(), Vec::new());
+        let mut end = 0u64; // where the last range ends
+        for c in chunks {
+            match ranges.last_mut() {
+                Some((_, sizes)) if end == c.base => sizes.push(c.size),
+                _ => ranges.push((c.base, vec![c.size])),
             }
-            allocs.push(e);
+            end = c.base + c.size;
+            fds.push(c.fd);
+        }
+        if ranges.len() > MAX_VMM_RANGES || fds.len() > MAX_VMM_CHUNKS {
+            return Err(format!(
+                "CUDA IPC: the pool spans more than {MAX_VMM_RANGES} ranges or {MAX_VMM_CHUNKS} allocations of the \
+                 virtual memory API"
+            ));
         }
         let pid = std::process::id();
-        let metadata = encode_exports(&Exports { host, pid, allocs });
+        let (vmm, server) = if ranges.is_empty() {
+            (None, None)
+        } else {
+            let server = vmm_fds::FdServer::start(fds)?;
+            let offer = VmmOffer { socket: server.name().to_vec(), token: *server.token(), ranges };
+            (Some(offer), Some(server))
+        };
+        let metadata = encode_exports(&Exports { host, pid, allocs, vmm });
         Ok(CudaIpc {
             dev,
             device,
@@ -278,20 +455,34 @@ impl CudaIpc {
             metadata,
             mapped: Mutex::new(HashMap::new()),
             watched_now: AtomicUsize::new(0),
+            _fds: server,
         })
     }
 
-    /// The base address here of each of `e`'s allocations (mapped once per source process and
-    /// kept until that process goes; within this process, the addresses themselves), and the
-    /// mappings to hold until the copies through them synchronized.
-    fn map(&self, inner: &Inner, e: &Exports) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
+    /// The base address here of each of `e`'s ranges ([`Exports::ranges`]: mapped once per
+    /// source process and kept until that process goes; within this process, the addresses
+    /// themselves), and the mappings to hold until the copies through them synchronized. A
+    /// source's virtual-memory ranges not mapped yet take its descriptors first, over its
+    /// socket, by `deadline`.
+    fn map(&self, inner: &Inner, e: &Exports, deadline: Instant) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
         if e.pid == self.pid && e.host == self.host {
-            return Ok((e.allocs.iter().map(|a| a.base).collect(), Vec::new()));
+            return Ok((e.ranges().iter().map(|r| r.0).collect(), Vec::new()));
         }
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = Vec::with_capacity(e.allocs.len());
-        let mut held = Vec::with_capacity(e.allocs.len());
+        let vmm_ranges = e.vmm.as_ref().map_or(0, |v| v.ranges.len());
+        let mut out = Vec::with_capacity(e.allocs.len() + vmm_ranges);
+        let mut held = Vec::with_capacity(e.allocs.len() + vmm_ranges);
         let mut added = false;
+        let room = |m: &mut HashMap<MappedKey, Arc<Mapping>>| {
+            if m.len() >= MAX_MAPPED {
+                self.sweep_locked(inner, m);
+            }
+            if m.len() >= MAX_MAPPED {
+                return Err((FailReason::Refused, format!("CUDA IPC: {MAX_MAPPED} source allocations mapped already")));
+            }
+            Ok(())
+        };
+        let watched = process_runs(e.pid);
         for a in &e.allocs {
             let key = (e.host, e.pid, a.handle);
             if let Some(p) = m.get(&key) {
@@ -299,21 +490,64 @@ impl CudaIpc {
                 held.push(p.clone());
                 continue;
             }
-            if m.len() >= MAX_MAPPED {
-                self.sweep_locked(inner, &mut m);
-            }
-            if m.len() >= MAX_MAPPED {
-                return Err((FailReason::Refused, format!("CUDA IPC: {MAX_MAPPED} source allocations mapped already")));
-            }
+            room(&mut m)?;
             // SAFETY: a handle another process of this host exported (the driver refuses one
             // it does not know); the mapping is kept until that process goes or the agent stops.
             let ptr = unsafe { self.dev.ipc_open(&a.handle) }
                 .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
-            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, watched: process_runs(e.pid) });
+            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: None, watched });
             m.insert(key, p.clone());
             added = true;
             out.push(ptr);
             held.push(p);
+        }
+        if let Some(v) = &e.vmm {
+            let keys: Vec<(MappedKey, u64)> = v
+                .ranges
+                .iter()
+                .map(|(b, sizes)| {
+                    let total = sizes.iter().sum::<u64>();
+                    ((e.host, e.pid, vmm_key(*b, total)), total)
+                })
+                .collect();
+            if keys.iter().any(|(k, _)| !m.contains_key(k)) {
+                // every descriptor of the source, each imported as it arrives
+                let mut handles: Vec<VmmHandle> = Vec::with_capacity(v.chunks());
+                let by = inner.io_deadline().min(deadline);
+                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, |fd| {
+                    // SAFETY: a descriptor the source process of this host sent as one of its
+                    // exported allocations (the driver refuses any other file).
+                    let h = unsafe { self.dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?;
+                    handles.push(h);
+                    Ok(())
+                })
+                .map_err(|err| {
+                    (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
+                })?;
+                let mut at = 0;
+                for ((base, sizes), (key, total)) in v.ranges.iter().zip(&keys) {
+                    let hs = &handles[at..at + sizes.len()];
+                    at += sizes.len();
+                    if m.contains_key(key) {
+                        continue;
+                    }
+                    room(&mut m)?;
+                    // SAFETY: handles imported just above, each with the size its source
+                    // exported it with (a source that lies is refused by the driver, or maps
+                    // less than it offers: agents of one host are one trust domain, module
+                    // docs); kept until that process goes or the agent stops.
+                    let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
+                        (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
+                    })?;
+                    m.insert(*key, Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: Some(*total), watched }));
+                    added = true;
+                }
+            }
+            for (key, _) in &keys {
+                let p = &m[key];
+                out.push(p.ptr);
+                held.push(p.clone());
+            }
         }
         if added {
             self.count(inner, &m);
@@ -412,19 +646,20 @@ impl Backend for CudaIpc {
             if offer.blocks.is_empty() {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
-            let (mapped, _held) = self.map(inner, &exports).inspect_err(|e| {
+            let (mapped, _held) = self.map(inner, &exports, job.deadline).inspect_err(|e| {
                 // memory this process cannot map (another IPC namespace, say): TCP may do
                 land.unusable = e.0 == FailReason::Connect;
             })?;
             let count = offer.blocks.len();
             // one kernel that copies and sums where every segment's blocks lie in one exported
             // allocation (the usual pool); else one copy per contiguous run, then the sums
-            let fused = plan_segments(&offer.segments, &exports.allocs, &mapped, &offer.blocks, &mut scratch.segs);
+            let ranges = exports.ranges();
+            let fused = plan_segments(&offer.segments, &ranges, &mapped, &offer.blocks, &mut scratch.segs);
             if !fused {
                 plan_copies(
                     &inner.layout,
                     &offer.segments,
-                    &exports.allocs,
+                    &ranges,
                     &mapped,
                     &offer.blocks,
                     &job.dst[..count],
@@ -497,7 +732,12 @@ mod tests {
 
     #[test]
     fn exports_round_trip_and_refuse_garbage() {
-        let e = Exports { host: [7; 16], pid: 42, allocs: vec![export(0x1000, 0x4000, 1), export(0x9000, 0x100, 2)] };
+        let e = Exports {
+            host: [7; 16],
+            pid: 42,
+            allocs: vec![export(0x1000, 0x4000, 1), export(0x9000, 0x100, 2)],
+            vmm: None,
+        };
         let p = encode_exports(&e);
         assert_eq!(decode_exports(&p), Some(e));
         assert_eq!(decode_exports(&p[..p.len() - 1]), None, "short");
@@ -505,11 +745,53 @@ mod tests {
         let mut none = p.clone();
         none[20..24].copy_from_slice(&0u32.to_le_bytes());
         assert_eq!(decode_exports(&none[..24]), None, "no allocation");
-        let mut wrap = encode_exports(&Exports { host: [0; 16], pid: 1, allocs: vec![export(u64::MAX - 4, 8, 0)] });
+        let mut wrap =
+            encode_exports(&Exports { host: [0; 16], pid: 1, allocs: vec![export(u64::MAX - 4, 8, 0)], vmm: None });
         assert_eq!(decode_exports(&wrap), None, "an end past u64");
         wrap[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode_exports(&wrap), None, "a count past the limit");
         assert_eq!(decode_exports(&[]), None);
+    }
+
+    /// The virtual-memory section: round trip (alone and beside CUDA IPC allocations), its
+    /// ranges as the plans see them, and every malformed variant refused.
+    #[test]
+    fn virtual_memory_exports_round_trip_and_refuse_garbage() {
+        let vmm = VmmOffer {
+            socket: b"kvrelay-cuda-ipc-1-00".to_vec(),
+            token: [5; vmm_fds::TOKEN],
+            ranges: vec![(0x10_0000, vec![0x20_0000, 0x40_0000]), (0x100_0000, vec![0x20_0000])],
+        };
+        let e = Exports { host: [1; 16], pid: 9, allocs: vec![export(0x1000, 0x4000, 1)], vmm: Some(vmm) };
+        let p = encode_exports(&e);
+        let d = decode_exports(&p).unwrap();
+        assert_eq!(d, e);
+        assert_eq!(d.ranges(), vec![(0x1000, 0x4000), (0x10_0000, 0x60_0000), (0x100_0000, 0x20_0000)]);
+        assert_eq!(d.vmm.as_ref().unwrap().chunks(), 3);
+        // no CUDA IPC allocation, only virtual memory: fine
+        let only = Exports { allocs: vec![], ..decode_exports(&p).unwrap() };
+        assert_eq!(decode_exports(&encode_exports(&only)), Some(only));
+        // neither: refused
+        assert_eq!(decode_exports(&encode_exports(&Exports { allocs: vec![], vmm: None, ..d })), None);
+        // cut anywhere in the section, or one byte more: refused
+        let ipc_end = 24 + EXPORT_BYTES;
+        for cut in ipc_end + 1..p.len() {
+            assert_eq!(decode_exports(&p[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(decode_exports(&[p.as_slice(), &[0]].concat()), None);
+        let at_ranges = ipc_end;
+        let at_socket_len = at_ranges + 4 + vmm_fds::TOKEN;
+        let at_first_range = at_socket_len + 2 + 21;
+        let patch = |at: usize, bytes: &[u8]| {
+            let mut q = p.clone();
+            q[at..at + bytes.len()].copy_from_slice(bytes);
+            decode_exports(&q)
+        };
+        assert_eq!(patch(at_ranges, &0u32.to_le_bytes()), None, "no range");
+        assert_eq!(patch(at_socket_len, &0u16.to_le_bytes()), None, "no socket name");
+        assert_eq!(patch(at_first_range + 8, &0u32.to_le_bytes()), None, "a range of no allocation");
+        assert_eq!(patch(at_first_range + 12, &0u64.to_le_bytes()), None, "an allocation of no bytes");
+        assert_eq!(patch(at_first_range, &u64::MAX.to_le_bytes()), None, "a range past u64");
     }
 
     #[test]
@@ -526,7 +808,7 @@ mod tests {
         .unwrap();
         // the source: the same shape at 0x80000, exported as one allocation mapped at 0x5000000
         let src = [(0x80000u64, 512u64, 256u64), (0x80100, 512, 256)];
-        let allocs = [export(0x80000, 8 * 512, 9)];
+        let allocs = [(0x80000u64, 8 * 512u64)];
         let mapped = [0x500_0000u64];
         let mut runs = Vec::new();
         // blocks 2, 3 into 5, 6: K and V of consecutive blocks touch at both ends: one run
@@ -549,7 +831,7 @@ mod tests {
         // the source: K and V of 8 blocks (strides 512) in one allocation at 0x80000, mapped
         // here at 0x5000000
         let src = [(0x80000u64, 512u64, 256u64), (0x80100, 512, 256)];
-        let allocs = [export(0x80000, 8 * 512, 9)];
+        let allocs = [(0x80000u64, 8 * 512u64)];
         let mapped = [0x500_0000u64];
         let mut segs = Vec::new();
         assert!(plan_segments(&src, &allocs, &mapped, &[(2, 0), (7, 0), (0, 0)], &mut segs));
@@ -559,21 +841,21 @@ mod tests {
         assert!(segs.len() < 2, "no table for a refused offer");
         // the segments in two allocations: each is translated by its own mapping
         let split = [(0x80000u64, 512u64, 256u64), (0x90000, 512, 256)];
-        let two = [export(0x80000, 8 * 512, 1), export(0x90000, 8 * 512, 2)];
+        let two = [(0x80000u64, 8 * 512u64), (0x90000, 8 * 512)];
         assert!(plan_segments(&split, &two, &[0x100_0000, 0x700_0000], &[(0, 0), (7, 0)], &mut segs));
         assert_eq!(segs, vec![(0x100_0000, 512), (0x700_0000, 512)]);
         // one segment's blocks spread over two allocations: no single table (run by run instead)
-        let spread = [export(0x80000, 4 * 512, 1), export(0x80000 + 4 * 512, 4 * 512, 2)];
+        let spread = [(0x80000u64, 4 * 512u64), (0x80000 + 4 * 512, 4 * 512)];
         assert!(!plan_segments(&src, &spread, &[0x100_0000, 0x200_0000], &[(1, 0), (6, 0)], &mut segs));
         // a base before the allocation is fine when the offered blocks are inside (modular)
-        let late = [export(0x80000 + 2 * 512, 6 * 512, 3)];
+        let late = [(0x80000u64 + 2 * 512, 6 * 512u64)];
         assert!(plan_segments(&src, &late, &[0x900_0000], &[(2, 0), (7, 0)], &mut segs));
         assert_eq!(segs[0].0.wrapping_add(2 * 512), 0x900_0000);
         // misaligned: an odd base or stride is never handed to the 16-byte kernel
         let odd = [(0x80008u64, 512u64, 256u64), (0x80108, 512, 256)];
         assert!(!plan_segments(&odd, &allocs, &mapped, &[(0, 0)], &mut segs));
         let odd_stride = [(0x80000u64, 520u64, 256u64), (0x80100, 520, 256)];
-        assert!(!plan_segments(&odd_stride, &[export(0x80000, 8 * 520, 9)], &mapped, &[(1, 0)], &mut segs));
+        assert!(!plan_segments(&odd_stride, &[(0x80000u64, 8 * 520u64)], &mapped, &[(1, 0)], &mut segs));
         // overflow and an empty offer
         let huge = [(u64::MAX - 100, 512u64, 256u64), (0x80100, 512, 256)];
         assert!(!plan_segments(&huge, &allocs, &mapped, &[(1, 0)], &mut segs));

@@ -21,6 +21,7 @@ pub(super) mod cuda_ipc;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub(super) mod tcp;
+pub(super) mod vmm_fds;
 
 use std::time::Instant;
 

@@ -1,0 +1,291 @@
+//! How the CUDA IPC transport hands the POSIX file descriptors of a pool of the virtual memory
+//! API (`cuMemCreate`) to a destination on the same host: descriptors travel only over a Unix
+//! socket (`SCM_RIGHTS`), not over the agent's TCP connection.
+//!
+//! - **The source** exports its pool's allocations once when the agent starts and listens on
+//!   a Unix socket in the abstract namespace (`kvrelay-cuda-ipc-<pid>-<random>`: nothing in the
+//!   file system, gone with the process). Its offers, sent only on authenticated, allowlisted
+//!   connections, name the socket and carry a random 32-byte token drawn at start.
+//! - **A destination** that has not mapped those allocations yet connects, writes the token,
+//!   and reads every descriptor, in batches of at most [`BATCH`] per message.
+//! - **Bounds.** Any local process of the network namespace can connect. One that does not
+//!   send the right token within [`DEADLINE`] is closed having received nothing; at most
+//!   [`MAX_HANDLERS`] connections are served at once (more are closed at once), each for at
+//!   most [`DEADLINE`] per read and per write. A peer that fails here fetches over TCP (the
+//!   transport's fallback).
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bytes of the token a destination proves it received an offer with.
+pub(crate) const TOKEN: usize = 32;
+/// Descriptors per message (the kernel's limit, `SCM_MAX_FD`, is 253).
+pub(crate) const BATCH: usize = 250;
+/// Connections served at once.
+const MAX_HANDLERS: usize = 8;
+/// Time a connection has for the token, and each write of descriptors.
+const DEADLINE: Duration = Duration::from_secs(1);
+
+/// Equal in time independent of where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The source's listener: hands `fds` to whoever sends the token. Stops when dropped.
+pub(crate) struct FdServer {
+    name: Vec<u8>,
+    token: [u8; TOKEN],
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FdServer {
+    /// Listen on a new abstract socket and serve `fds` from a thread of its own.
+    pub(crate) fn start(fds: Vec<OwnedFd>) -> Result<FdServer, String> {
+        let token = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random token: {e}"))?;
+        let salt = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random name: {e}"))?;
+        let hex: String = salt[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("kvrelay-cuda-ipc-{}-{hex}", std::process::id()).into_bytes();
+        let addr = SocketAddr::from_abstract_name(&name).map_err(|e| format!("CUDA IPC: socket name: {e}"))?;
+        let listener =
+            UnixListener::bind_addr(&addr).map_err(|e| format!("CUDA IPC: listening for descriptor requests: {e}"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (fds, stop2) = (Arc::new(fds), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("kvrelay-ipc-fds".into())
+            .stack_size(256 << 10)
+            .spawn(move || accept_loop(&listener, &fds, &token, &stop2))
+            .map_err(|e| format!("CUDA IPC: starting the descriptor thread: {e}"))?;
+        Ok(FdServer { name, token, stop, thread: Some(thread) })
+    }
+
+    /// The socket's abstract name.
+    pub(crate) fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    /// The token offers carry.
+    pub(crate) fn token(&self) -> &[u8; TOKEN] {
+        &self.token
+    }
+}
+
+impl Drop for FdServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // wake the accept with a connection of our own
+        if let Ok(addr) = SocketAddr::from_abstract_name(&self.name) {
+            let _ = UnixStream::connect_addr(&addr);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TOKEN], stop: &AtomicBool) {
+    let active = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(s) = conn else { continue };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_HANDLERS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            continue; // closed at once
+        }
+        let (fds, token, active2) = (fds.clone(), *token, active.clone());
+        let spawned =
+            std::thread::Builder::new().name("kvrelay-ipc-fd".into()).stack_size(128 << 10).spawn(move || {
+                let _ = serve_one(s, &fds, &token);
+                active2.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN]) -> io::Result<()> {
+    s.set_read_timeout(Some(DEADLINE))?;
+    s.set_write_timeout(Some(DEADLINE))?;
+    let mut got = [0u8; TOKEN];
+    s.read_exact(&mut got)?;
+    if !same(&got, token) {
+        return Err(io::ErrorKind::PermissionDenied.into());
+    }
+    for batch in fds.chunks(BATCH) {
+        send_batch(&s, batch)?;
+    }
+    Ok(())
+}
+
+/// One message: a byte (the batch's count) and the descriptors as `SCM_RIGHTS`.
+fn send_batch(s: &UnixStream, batch: &[OwnedFd]) -> io::Result<()> {
+    let raw: Vec<libc::c_int> = batch.iter().map(AsRawFd::as_raw_fd).collect();
+    let bytes = raw.len() * std::mem::size_of::<libc::c_int>();
+    // SAFETY: pure size computations.
+    let (space, len) = unsafe { (libc::CMSG_SPACE(bytes as u32) as usize, libc::CMSG_LEN(bytes as u32) as usize) };
+    let mut control = vec![0u64; space.div_ceil(8)]; // aligned for cmsghdr
+    let mut payload = [raw.len() as u8];
+    let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
+    // SAFETY: a zeroed msghdr is valid (no pointers yet); every pointer set below points into
+    // locals that outlive the sendmsg call, with the lengths given; CMSG_FIRSTHDR is non-null
+    // because the control buffer holds at least one header (CMSG_SPACE of the data).
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = len as _;
+        std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), bytes);
+        libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    match sent {
+        1 => Ok(()),
+        n if n < 0 => Err(io::Error::last_os_error()),
+        _ => Err(io::ErrorKind::WriteZero.into()),
+    }
+}
+
+/// Destination side: connect to the source's socket `name`, prove `token`, and pass each of
+/// the `want` descriptors it sends to `each` as it arrives (so that at most one batch is open
+/// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does.
+pub(crate) fn receive(
+    name: &[u8],
+    token: &[u8; TOKEN],
+    want: usize,
+    deadline: Instant,
+    mut each: impl FnMut(OwnedFd) -> Result<(), String>,
+) -> Result<(), String> {
+    let addr = SocketAddr::from_abstract_name(name).map_err(|e| format!("the source's descriptor socket: {e}"))?;
+    let mut s = UnixStream::connect_addr(&addr)
+        .map_err(|e| format!("connecting to the source's descriptor socket (another network namespace?): {e}"))?;
+    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    s.set_write_timeout(Some(left())).map_err(|e| e.to_string())?;
+    s.write_all(token).map_err(|e| format!("sending the token: {e}"))?;
+    let mut got = 0usize;
+    let bytes = BATCH * std::mem::size_of::<libc::c_int>();
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    while got < want {
+        s.set_read_timeout(Some(left())).map_err(|e| e.to_string())?;
+        let mut payload = [0u8; 1];
+        let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        // SAFETY: a zeroed msghdr is valid; its pointers point into locals that outlive the
+        // call, with their lengths; every descriptor the kernel passed is taken into an
+        // OwnedFd (closed on every path), read unaligned out of the control buffer within the
+        // length its header gives.
+        let (n, flags) = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let n = libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n > 0 {
+                let mut c = libc::CMSG_FIRSTHDR(&msg);
+                while !c.is_null() {
+                    if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                        let data = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                        let p = libc::CMSG_DATA(c);
+                        for k in 0..data / std::mem::size_of::<libc::c_int>() {
+                            let fd = std::ptr::read_unaligned(
+                                p.add(k * std::mem::size_of::<libc::c_int>()).cast::<libc::c_int>(),
+                            );
+                            fds.push(OwnedFd::from_raw_fd(fd));
+                        }
+                    }
+                    c = libc::CMSG_NXTHDR(&msg, c);
+                }
+            }
+            (n, msg.msg_flags)
+        };
+        if n < 0 {
+            return Err(format!("reading descriptors: {}", io::Error::last_os_error()));
+        }
+        if n == 0 {
+            return Err(format!("the source closed its descriptor socket after {got} of {want} (a wrong token?)"));
+        }
+        if flags & libc::MSG_CTRUNC != 0 {
+            return Err("descriptors were cut off (this process's open-file limit?)".into());
+        }
+        if fds.is_empty() || fds.len() != usize::from(payload[0]) || got + fds.len() > want {
+            return Err(format!("the source sent {} descriptors in a batch it said held {}", fds.len(), payload[0]));
+        }
+        got += fds.len();
+        for fd in fds {
+            each(fd)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipes(n: usize) -> Vec<OwnedFd> {
+        (0..n)
+            .map(|_| {
+                let mut p = [0 as libc::c_int; 2];
+                // SAFETY: `p` holds two ints for the kernel to write.
+                assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+                // SAFETY: the write end is ours; the read end becomes the OwnedFd.
+                unsafe {
+                    libc::close(p[1]);
+                    OwnedFd::from_raw_fd(p[0])
+                }
+            })
+            .collect()
+    }
+
+    /// Descriptors cross in batches to the holder of the token, and to nobody else.
+    #[test]
+    fn descriptors_go_to_the_token_holder_only() {
+        let n = BATCH + 7;
+        let server = FdServer::start(pipes(n)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut received = Vec::new();
+        receive(server.name(), server.token(), n, deadline, |fd| {
+            received.push(fd);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(received.len(), n);
+        // each is a live descriptor of this process (a pipe's read end)
+        for fd in &received {
+            // SAFETY: an open descriptor; F_GETFD only reads its flags.
+            let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+            assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "received close-on-exec");
+        }
+        // a wrong token: nothing, and the error says the source closed
+        let mut wrong = *server.token();
+        wrong[0] ^= 1;
+        let mut none = 0;
+        let e = receive(server.name(), &wrong, n, deadline, |_| {
+            none += 1;
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(none, 0, "{e}");
+        assert!(e.contains("closed"), "{e}");
+        // asking for fewer than the source sends: an excess, refused
+        let e = receive(server.name(), server.token(), 3, deadline, |_| Ok(())).unwrap_err();
+        assert!(e.contains("batch"), "{e}");
+        // a socket nobody listens on
+        drop(server);
+        assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, |_| Ok(())).is_err());
+    }
+}
