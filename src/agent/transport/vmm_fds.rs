@@ -94,7 +94,11 @@ fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TO
         if stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(s) = conn else { continue };
+        let Ok(s) = conn else {
+            // out of descriptors or memory for a moment: do not spin on it
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         if active.fetch_add(1, Ordering::AcqRel) >= MAX_HANDLERS {
             active.fetch_sub(1, Ordering::AcqRel);
             continue; // closed at once
