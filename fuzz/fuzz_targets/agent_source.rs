@@ -5,8 +5,12 @@
 //!   offers, their bytes, each with its true checksum) and then one byte of it, chosen by the
 //!   input, is flipped or the answer is cut short, so the fuzzer reaches deep into the block
 //!   frames;
-//! - odd, `& 2 == 2`: the bytes are a NIXL in-place offer (`NIXL_OFFER`'s payload), decoded
-//!   and checked against the destination's layout as a NIXL fetch does before any READ.
+//! - odd, `& 2 == 2`, `& 4 == 0`: the bytes are a NIXL in-place offer (`NIXL_OFFER`'s
+//!   payload), decoded and checked against the destination's layout as a NIXL fetch does
+//!   before any READ;
+//! - odd, `& 6 == 6`: the bytes are a CUDA IPC offer (`IPC_OFFER`'s payload): decoded,
+//!   checked, its exports decoded and both copy plans made with made-up mappings
+//!   (`kvrelay::agent::check_offer_plans`), which must never read outside a mapping.
 //!
 //! The fetch must never panic, never read past the input, never report more blocks than it
 //! asked for, and every block it reports verified must hold bytes whose checksum is the one
@@ -74,6 +78,12 @@ fuzz_target!(|data: &[u8]| {
     let d = dest();
     let Some((&form, rest)) = data.split_first() else { return };
     let bb = d.agent.block_bytes();
+    if form & 7 == 7 {
+        // a CUDA IPC offer: nothing the copy plans would read lies outside the mappings
+        let dst: Vec<u32> = (0..NAMES.len() as u32).map(|i| BLOCKS - 1 - i).collect();
+        kvrelay::agent::check_offer_plans(&d.layout, rest, NAMES.len(), &dst);
+        return;
+    }
     if form & 3 == 3 {
         // a NIXL in-place offer
         if let Some(o) = wire::decode_in_place_offer(rest) {

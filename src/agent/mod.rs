@@ -85,6 +85,8 @@ use inner::{set_buffers, Inner};
 pub use stats::AgentStats;
 use stats::Stats;
 use sums::{sum_host, SumTable};
+#[doc(hidden)]
+pub use transport::cuda_ipc::check_offer_plans;
 pub use wire::{Conn, Refusal};
 
 use crate::copy::KvLayout;

@@ -313,6 +313,50 @@ pub(crate) fn plan_segments(
     true
 }
 
+/// What a destination does with a CUDA IPC offer before any address is used, with made-up
+/// mappings (range `k` mapped at `k << 44`, nothing overlapping): the offer (`IPC_OFFER`'s
+/// payload) decoded and checked against `layout` for `asked` names into `dst`, its metadata
+/// decoded, both copy plans made; panics when a plan would touch a byte outside a mapping or
+/// past the source's exported ranges. For fuzzing what a hostile source can send.
+#[doc(hidden)]
+pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &[u32]) {
+    let Some(offer) = wire::decode_in_place_offer(payload) else { return };
+    if offer.check(layout, asked).is_err() || offer.blocks.is_empty() || offer.blocks.len() > dst.len() {
+        return;
+    }
+    let Some(exports) = decode_exports(&offer.metadata) else { return };
+    assert_eq!(encode_exports(&exports), offer.metadata, "metadata decodes only from its exact encoding");
+    let ranges = exports.ranges();
+    let mapped: Vec<u64> = (0..ranges.len() as u64).map(|k| k << 44).collect();
+    // inside mapping k: [k << 44, (k << 44) + size), the size within the mapping's 2^44 bytes
+    let inside = |at: u64, len: u64| {
+        mapped.iter().zip(&ranges).any(|(&m, &(_, size))| size < 1 << 44 && m <= at && at + len <= m + size)
+    };
+    let segs = layout.segments();
+    let mut runs = Vec::new();
+    if plan_copies(layout, &offer.segments, &ranges, &mapped, &offer.blocks, &dst[..offer.blocks.len()], &mut runs)
+        .is_ok()
+    {
+        for &(_, from, len) in &runs {
+            // a run may join pieces of several mappings only when they touch, and they never do
+            assert!(inside(from, len) || ranges.iter().any(|r| r.1 >= 1 << 44), "a run reads outside the mappings");
+        }
+    }
+    let mut table = Vec::new();
+    if plan_segments(&offer.segments, &ranges, &mapped, &offer.blocks, &mut table) {
+        assert_eq!(table.len(), segs.len());
+        for &(id, _) in &offer.blocks {
+            for (&(here, stride), g) in table.iter().zip(segs) {
+                let at = here.wrapping_add(u64::from(id).wrapping_mul(stride));
+                assert!(
+                    inside(at, g.bytes_per_block) || ranges.iter().any(|r| r.1 >= 1 << 44),
+                    "the kernel would read block {id} outside the mappings"
+                );
+            }
+        }
+    }
+}
+
 /// A source allocation: the source's host id, process id and the allocation's IPC handle (for
 /// a virtual-memory range: [`vmm_key`]).
 type MappedKey = ([u8; 16], u32, [u8; 64]);
@@ -792,6 +836,54 @@ mod tests {
         assert_eq!(patch(at_first_range + 8, &0u32.to_le_bytes()), None, "a range of no allocation");
         assert_eq!(patch(at_first_range + 12, &0u64.to_le_bytes()), None, "an allocation of no bytes");
         assert_eq!(patch(at_first_range, &u64::MAX.to_le_bytes()), None, "a range past u64");
+    }
+
+    /// The fuzz target's check on a well-formed offer: it gets as far as both plans (a plan
+    /// reading outside its mapping would panic), and an offer whose blocks lie past the
+    /// export is planned by neither.
+    #[test]
+    fn the_offer_check_plans_a_good_offer_and_refuses_a_bad_one() {
+        let l = KvLayout::new(
+            8,
+            vec![
+                Segment { base: 0x10000, block_stride: 512, bytes_per_block: 256 },
+                Segment { base: 0x10100, block_stride: 512, bytes_per_block: 256 },
+            ],
+            &[],
+        )
+        .unwrap();
+        let offer = |size: u64| wire::InPlaceOffer {
+            agent: AGENT.into(),
+            metadata: encode_exports(&Exports {
+                host: [3; 16],
+                pid: 77,
+                allocs: vec![],
+                vmm: Some(VmmOffer {
+                    socket: b"s".to_vec(),
+                    token: [0; vmm_fds::TOKEN],
+                    ranges: vec![(0x80000, vec![size])],
+                }),
+            }),
+            block_bytes: 512,
+            device: Some(0),
+            num_blocks: 8,
+            segments: vec![(0x80000, 512, 256), (0x80100, 512, 256)],
+            blocks: vec![(6, 1), (7, 2)],
+        };
+        let good = wire::encode_in_place_offer(&offer(8 * 512));
+        check_offer_plans(&l, &good, 2, &[0, 1]);
+        let e = decode_exports(&offer(8 * 512).metadata).unwrap();
+        let mapped: Vec<u64> = (0..e.ranges().len() as u64).map(|k| k << 44).collect();
+        let mut segs = Vec::new();
+        assert!(plan_segments(&offer(8 * 512).segments, &e.ranges(), &mapped, &[(6, 1), (7, 2)], &mut segs));
+        assert_eq!(segs[0].0.wrapping_add(6 * 512), 6 * 512, "block 6 read at its offset in mapping 0");
+        // the export ends inside block 7: neither plan takes the offer
+        let short = offer(7 * 512 + 100);
+        let e = decode_exports(&short.metadata).unwrap();
+        assert!(!plan_segments(&short.segments, &e.ranges(), &mapped, &short.blocks, &mut segs));
+        let mut runs = Vec::new();
+        assert!(plan_copies(&l, &short.segments, &e.ranges(), &mapped, &short.blocks, &[0, 1], &mut runs).is_err());
+        check_offer_plans(&l, &wire::encode_in_place_offer(&short), 2, &[0, 1]);
     }
 
     #[test]
