@@ -25,6 +25,9 @@
 //! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy, and
 //! the CUDA IPC transport's copy-and-sum kernel alone over the same bytes (pool to pool).
 //!
+//! `KVRELAY_BENCH_VMM=N` (GPU pools) makes every pool of the run device memory of the virtual
+//! memory API, N allocations side by side (`VmmBuffer`; a CUDA IPC source then hands its
+//! allocations out as file descriptors).
 //! `KVRELAY_BENCH_POLL_US=N` sets `Limits::poll` of every agent of the run (source and
 //! destination): their threads poll N microseconds for the next step before they sleep.
 //!
@@ -57,10 +60,11 @@ impl BlockHolder for Held {
     fn unpin(&self, _: &[u32]) {}
 }
 
-/// The pool's memory: host, or a device buffer.
+/// The pool's memory: host, a device buffer, or device memory of the virtual memory API.
 enum Mem {
     Host(#[allow(dead_code)] Vec<u128>),
     Device(#[allow(dead_code)] kvrelay::copy::DeviceBuffer),
+    Vmm(#[allow(dead_code)] kvrelay::copy::VmmBuffer),
 }
 
 fn pool(device: Option<&std::sync::Arc<kvrelay::copy::CudaDevice>>) -> (Mem, KvLayout) {
@@ -75,9 +79,17 @@ fn pool(device: Option<&std::sync::Arc<kvrelay::copy::CudaDevice>>) -> (Mem, KvL
             (Mem::Host(mem), layout)
         }
         Some(dev) => {
-            let d = kvrelay::copy::DeviceBuffer::alloc(dev, bytes as usize).unwrap();
             // SAFETY: a plain byte view of the u128 vector.
             let host = unsafe { std::slice::from_raw_parts(mem.as_ptr().cast::<u8>(), bytes as usize) };
+            // `KVRELAY_BENCH_VMM=N`: N allocations of the virtual memory API side by side
+            let vmm: usize = std::env::var("KVRELAY_BENCH_VMM").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+            if vmm > 0 {
+                let d = kvrelay::copy::VmmBuffer::alloc(dev, bytes as usize, vmm, true).unwrap();
+                d.write(0, host).unwrap();
+                let layout = KvLayout::all_layers_per_block(d.ptr(), LAYERS, BLOCKS, KV_BLOCK).unwrap();
+                return (Mem::Vmm(d), layout);
+            }
+            let d = kvrelay::copy::DeviceBuffer::alloc(dev, bytes as usize).unwrap();
             d.write(0, host).unwrap();
             let layout = KvLayout::all_layers_per_block(d.ptr(), LAYERS, BLOCKS, KV_BLOCK).unwrap();
             (Mem::Device(d), layout)
@@ -289,7 +301,11 @@ fn main() {
         between_rates.push(bytes as f64 / p / 1e9);
         between_ratio.push(p / r.seconds);
     }
-    let pools = device.map_or("host pools".to_string(), |d| format!("GPU pools (cuda:{d}, both agents)"));
+    let vmm = std::env::var("KVRELAY_BENCH_VMM").ok().filter(|v| v != "0" && !v.is_empty());
+    let pools = device.map_or("host pools".to_string(), |d| match &vmm {
+        Some(n) => format!("GPU pools (cuda:{d}, both agents; virtual memory API, {n} allocations each)"),
+        None => format!("GPU pools (cuda:{d}, both agents)"),
+    });
     let how = if ipc {
         "CUDA IPC from a source process".to_string()
     } else if nixl {

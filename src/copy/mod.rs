@@ -22,7 +22,7 @@ use std::fmt;
 pub use cpu::CpuEngine;
 pub use cuda::{
     driver_present, CopyMethod, CudaDevice, CudaEngine, CudaEvent, CudaStream, DeviceBuffer, EngineOptions,
-    IdTransport, IpcExport, PinnedBuffer, VmmChunk, VmmHandle, COPY_SUM_IDS, DEFAULT_CTAS, DEFAULT_THREADS,
+    IdTransport, IpcExport, PinnedBuffer, VmmBuffer, VmmChunk, VmmHandle, COPY_SUM_IDS, DEFAULT_CTAS, DEFAULT_THREADS,
     IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH,
 };
 pub use layout::{KvLayout, LayoutError, Segment, MAX_SEGMENTS};

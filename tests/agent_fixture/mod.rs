@@ -212,75 +212,7 @@ pub struct DevPool {
     pub engine: kvrelay::copy::CudaEngine,
     pub stream: kvrelay::copy::CudaStream,
     pub staging: kvrelay::copy::PinnedBuffer,
-    pub _vmm: Option<VmmMem>,
-}
-
-/// Device memory of the virtual memory API, as a runtime's allocator may hand out: one
-/// reserved range backed by `chunks` allocations side by side (`cuMemCreate`), with the POSIX
-/// descriptor handle type when `posix`; unmapped and released when dropped.
-pub struct VmmMem {
-    dev: Arc<kvrelay::copy::CudaDevice>,
-    pub va: u64,
-    /// Bytes of each allocation (the range holds `chunks` of them).
-    pub chunk: u64,
-    pub size: u64,
-    handles: Vec<u64>,
-}
-
-impl VmmMem {
-    pub fn new(dev: &Arc<kvrelay::copy::CudaDevice>, at_least: u64, chunks: u64, posix: bool) -> VmmMem {
-        use cudarc::driver::sys;
-        let ok = sys::CUresult::CUDA_SUCCESS;
-        let _ctx = dev.bind().unwrap();
-        // SAFETY: a plain C struct; zero is its "none" for every field not set below.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location =
-            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev.ordinal() };
-        if posix {
-            prop.requestedHandleTypes = sys::CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        }
-        let mut gran = 0usize;
-        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-        // SAFETY: the driver writes one usize; `prop` is initialised.
-        assert_eq!(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, ok);
-        let chunk = at_least.div_ceil(chunks).next_multiple_of(gran as u64);
-        let size = chunk * chunks;
-        let mut va = 0u64;
-        let mut handles = Vec::new();
-        // SAFETY: reserve, create, map and grant access over the range this struct owns (all
-        // undone in Drop); every out-pointer is a local.
-        unsafe {
-            assert_eq!(sys::cuMemAddressReserve(&mut va, size as usize, 0, 0, 0), ok);
-            for k in 0..chunks {
-                let mut h = 0u64;
-                assert_eq!(sys::cuMemCreate(&mut h, chunk as usize, &prop, 0), ok);
-                assert_eq!(sys::cuMemMap(va + k * chunk, chunk as usize, 0, h, 0), ok);
-                handles.push(h);
-            }
-            let desc = sys::CUmemAccessDesc {
-                location: prop.location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            assert_eq!(sys::cuMemSetAccess(va, size as usize, &desc, 1), ok);
-        }
-        VmmMem { dev: dev.clone(), va, chunk, size, handles }
-    }
-}
-
-impl Drop for VmmMem {
-    fn drop(&mut self) {
-        use cudarc::driver::sys;
-        let _ctx = self.dev.bind().unwrap();
-        // SAFETY: undoes what `new` did, once; nothing uses the range any more.
-        unsafe {
-            sys::cuMemUnmap(self.va, self.size as usize);
-            for &h in &self.handles {
-                sys::cuMemRelease(h);
-            }
-            sys::cuMemAddressFree(self.va, self.size as usize);
-        }
-    }
+    pub _vmm: Option<kvrelay::copy::VmmBuffer>,
 }
 
 impl DevPool {
@@ -301,9 +233,10 @@ impl DevPool {
     /// third (`posix`: created with the POSIX descriptor handle type).
     pub fn new_vmm(dev: &Arc<kvrelay::copy::CudaDevice>, posix: bool) -> DevPool {
         let layer = 2 * u64::from(BLOCKS) * KV_BLOCK;
-        let m = VmmMem::new(dev, 3 * layer, 3, posix);
-        assert!(m.chunk >= 2 * layer, "the layers fit as placed");
-        let bases = [m.va, m.va + m.chunk - layer / 2, m.va + 2 * m.chunk + layer];
+        let m = kvrelay::copy::VmmBuffer::alloc(dev, 3 * layer as usize, 3, posix).unwrap();
+        let (va, chunk) = (m.ptr(), m.chunk_bytes() as u64);
+        assert!(chunk >= 2 * layer, "the layers fit as placed");
+        let bases = [va, va + chunk - layer / 2, va + 2 * chunk + layer];
         let zero = kvrelay::copy::CudaStream::new(dev).unwrap();
         {
             let _ctx = dev.bind().unwrap();
@@ -321,7 +254,7 @@ impl DevPool {
         dev: &Arc<kvrelay::copy::CudaDevice>,
         bases: &[u64],
         mem: Vec<kvrelay::copy::DeviceBuffer>,
-        vmm: Option<VmmMem>,
+        vmm: Option<kvrelay::copy::VmmBuffer>,
     ) -> DevPool {
         use kvrelay::copy::{CudaEngine, CudaStream, EngineOptions, PinnedBuffer};
         let layout = KvLayout::per_layer_kv_first(bases, BLOCKS, KV_BLOCK).unwrap();

@@ -324,6 +324,119 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Device memory of the virtual memory API, as VMM-based and expandable allocators hand out:
+/// one reserved address range backed by several allocations side by side (`cuMemCreate`,
+/// `cuMemMap`), readable and writable by this device's context. With `shareable` each
+/// allocation is created with the POSIX file-descriptor handle type, which the agent's CUDA IPC
+/// transport needs to export it; without, as an allocator that does not ask for it (the
+/// transport then refuses the pool). Unmapped and released when dropped.
+#[derive(Debug)]
+pub struct VmmBuffer {
+    dev: Arc<CudaDevice>,
+    ptr: u64,
+    len: usize,
+    chunk: usize,
+    /// Bytes of the reservation.
+    reserved: usize,
+    handles: Vec<sys::CUmemGenericAllocationHandle>,
+}
+
+// SAFETY: device memory is used through addresses from any thread.
+unsafe impl Send for VmmBuffer {}
+// SAFETY: as above; the struct itself is read-only after `alloc`.
+unsafe impl Sync for VmmBuffer {}
+
+impl VmmBuffer {
+    /// At least `len` bytes in `chunks` allocations of equal size (each rounded up to the
+    /// allocation granularity, 2 MiB on current GPUs). Cost: a reservation, then one create
+    /// and one map per allocation.
+    pub fn alloc(dev: &Arc<CudaDevice>, len: usize, chunks: usize, shareable: bool) -> Result<VmmBuffer, CopyError> {
+        if chunks == 0 || len == 0 {
+            return Err(CopyError::InvalidOptions);
+        }
+        let _ctx = dev.bind()?;
+        // SAFETY: a plain C struct; zero is "none" for every field not set below.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location =
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev.ordinal };
+        if shareable {
+            prop.requestedHandleTypes = POSIX_FD;
+        }
+        let mut gran = 0usize;
+        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: the driver writes one usize; `prop` is initialised.
+        check(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "cuMemGetAllocationGranularity")?;
+        let chunk = len.div_ceil(chunks).next_multiple_of(gran.max(1));
+        let total = chunk.checked_mul(chunks).ok_or(CopyError::InvalidOptions)?;
+        let mut ptr = 0u64;
+        // SAFETY: reserves address space only, into a local.
+        check(unsafe { sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0) }, "cuMemAddressReserve")?;
+        // from here the Drop of `b` undoes whatever was done (unmap of the mapped prefix,
+        // release of the handles, free of the reservation)
+        let mut b =
+            VmmBuffer { dev: dev.clone(), ptr, len: 0, chunk, reserved: total, handles: Vec::with_capacity(chunks) };
+        for k in 0..chunks {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: creates one allocation of a granularity multiple into a local.
+            check(unsafe { sys::cuMemCreate(&mut h, chunk, &prop, 0) }, "cuMemCreate")?;
+            b.handles.push(h);
+            // SAFETY: maps it at its place inside the reservation made above.
+            check(unsafe { sys::cuMemMap(ptr + (k * chunk) as u64, chunk, 0, h, 0) }, "cuMemMap")?;
+            b.len += chunk;
+        }
+        let desc = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range is mapped; one descriptor.
+        check(unsafe { sys::cuMemSetAccess(ptr, total, &desc, 1) }, "cuMemSetAccess")?;
+        Ok(b)
+    }
+    /// The device address of the range.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Size in bytes (all allocations).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it is empty (never, once allocated).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Bytes of each allocation.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk
+    }
+    /// Copy `src` to offset `at` (synchronous).
+    pub fn write(&self, at: usize, src: &[u8]) -> Result<(), CopyError> {
+        if at.checked_add(src.len()).is_none_or(|e| e > self.len) {
+            return Err(CopyError::OutOfBounds);
+        }
+        let _ctx = self.dev.bind()?;
+        // SAFETY: the range is inside the mapped range (checked); `src` is readable.
+        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
+    }
+}
+
+impl Drop for VmmBuffer {
+    fn drop(&mut self) {
+        let _ctx = self.dev.bind();
+        // SAFETY: undoes `alloc`, once: the mapped prefix, each created allocation, the
+        // reservation.
+        unsafe {
+            if self.len > 0 {
+                sys::cuMemUnmap(self.ptr, self.len);
+            }
+            for &h in &self.handles {
+                sys::cuMemRelease(h);
+            }
+            sys::cuMemAddressFree(self.ptr, self.reserved);
+        }
+    }
+}
+
 /// A CUDA stream (non-blocking), for callers that do not bring their own.
 #[derive(Debug)]
 pub struct CudaStream {

@@ -35,7 +35,8 @@ mod staged;
 
 use driver::check;
 pub use driver::{
-    driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, IpcExport, PinnedBuffer, VmmChunk, VmmHandle,
+    driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, IpcExport, PinnedBuffer, VmmBuffer, VmmChunk,
+    VmmHandle,
 };
 use kernel::{Params, SegRow, KERNEL, RING_SLOTS};
 pub use kernel::{COPY_SUM_IDS, DEFAULT_CTAS, DEFAULT_THREADS, IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH};
