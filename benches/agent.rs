@@ -246,6 +246,15 @@ fn main() {
     let (mut between_rates, mut between_ratio) = (vec![], vec![]);
     #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
     let mut bare_rates: Vec<f64> = vec![];
+    #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
+    let mut bare_split_rates: Vec<f64> = vec![];
+    // the agent's requests per 1 GiB fetch (`nixl::REQUEST_BYTES_GPU` / `REQUEST_BYTES`)
+    #[cfg(feature = "nixl")]
+    let bare_requests = bytes.div_ceil(if device.is_some() {
+        kvrelay::agent::nixl::REQUEST_BYTES_GPU
+    } else {
+        kvrelay::agent::nixl::REQUEST_BYTES
+    });
     // GPU pools: a device-to-device copy of the same bytes in this process (the copy engines'
     // ceiling the same-host transport is measured against)
     let d2d = dev.as_ref().map(|d| {
@@ -282,6 +291,7 @@ fn main() {
         #[cfg(feature = "nixl")]
         if let Some(b) = &bare {
             bare_rates.push(b.read());
+            bare_split_rates.push(b.read_split(bare_requests));
         }
         let p = bytes as f64 / loopback_copy_between(&between.0, &mut between.1, streams);
         let c0 = cpu_seconds();
@@ -349,6 +359,14 @@ fn main() {
         println!(
             "  bare NIXL READ   median {:.2} GB/s (anchor, same repetitions, between two processes); agent / bare READ median {:.0}% (per repetition {:.0}-{:.0}%)",
             median(bare_rates.clone()) / 1e9,
+            100.0 * median(r.clone()),
+            100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
+            100.0 * r.iter().cloned().fold(0.0, f64::max)
+        );
+        let r: Vec<f64> = fetch.iter().zip(&bare_split_rates).map(|(f, b)| f / b).collect();
+        println!(
+            "  bare NIXL, split median {:.2} GB/s (anchor, same repetitions: the same bytes in as many READ requests as the agent posts, one descriptor each, all posted at once); agent / it median {:.0}% (per repetition {:.0}-{:.0}%)",
+            median(bare_split_rates.clone()) / 1e9,
             100.0 * median(r.clone()),
             100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
             100.0 * r.iter().cloned().fold(0.0, f64::max)

@@ -176,6 +176,34 @@ impl Bare {
         }
     }
 
+    /// The bytes in `n` READ requests of equal parts, each one descriptor, all posted before
+    /// the first is polled, as the agent posts a fetch of contiguous blocks (it merges
+    /// descriptors that touch at both ends): bytes per second.
+    pub fn read_split(&self, n: usize) -> f64 {
+        let (lt, ld) = self.mem.kind();
+        let (rt, rd) = self.remote_kind;
+        let part = self.bytes.div_ceil(n.max(1));
+        let t = Instant::now();
+        let mut reqs = Vec::new();
+        for start in (0..self.bytes).step_by(part) {
+            let end = (start + part).min(self.bytes);
+            let mut l = XferDescList::new(lt).unwrap();
+            let mut r = XferDescList::new(rt).unwrap();
+            l.add_desc(self.mem.addr() + start, end - start, ld);
+            r.add_desc(self.remote_addr + start, end - start, rd);
+            let req = self.agent.create_xfer_req(XferOp::Read, &l, &r, &self.remote, None).unwrap();
+            let busy = self.agent.post_xfer_req(&req, None).unwrap();
+            reqs.push((req, busy));
+        }
+        for (req, busy) in &mut reqs {
+            while *busy {
+                assert!(t.elapsed() < Duration::from_secs(60), "a bare NIXL READ ran past 60 s");
+                *busy = self.agent.get_xfer_status(req).unwrap() == XferStatus::InProgress;
+            }
+        }
+        self.bytes as f64 / t.elapsed().as_secs_f64()
+    }
+
     /// One READ of all the bytes in 4 MiB descriptors: bytes per second.
     pub fn read(&self) -> f64 {
         let (lt, ld) = self.mem.kind();
