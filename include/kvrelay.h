@@ -1075,7 +1075,10 @@ kvrelay_status kvrelay_agent_config_set_listen(struct kvrelay_agent_config *conf
 // pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
 // pool or memory it cannot export: it takes `cudaMalloc` memory and `cuMemCreate` memory
 // created with the POSIX file-descriptor handle type, not `cudaMallocAsync`; a mapped pool is readable and writable by the peer's
-// process, so only allowlisted, authenticated peers of one trust domain should share it).
+// process, so only allowlisted, authenticated peers of one trust domain should share it),
+// or both in order of preference, `cuda-ipc,nixl` (or `nixl,cuda-ipc`): each source is
+// fetched from with the first that reaches it (CUDA IPC for a source on this host, NIXL for
+// the others), then TCP as `KVRELAY_LIMIT_TCP_FALLBACK` allows; the service serves both.
 // `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
 // by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
 // library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.

@@ -477,6 +477,87 @@ fn nixl_gpu_pools_read_in_place_verified() {
     eprintln!("{test}: ran on CUDA device 0");
 }
 
+/// One agent holding both non-TCP transports (`Transport::Prefer([CudaIpc, Nixl])`, GPU pools):
+/// a source that serves CUDA IPC is fetched from over it; a NIXL-only source refuses the IPC
+/// hello and is fetched from over NIXL from then on (one fallback counted, the next fetch goes
+/// straight to NIXL); a TCP-only source refuses both and is fetched from over TCP; every fetch
+/// byte-exact and verified. Skips without a CUDA driver or the NIXL libraries.
+#[cfg(feature = "nixl")]
+#[test]
+fn one_agent_prefers_cuda_ipc_then_nixl_then_tcp_per_source() {
+    let test = "one_agent_prefers_cuda_ipc_then_nixl_then_tcp_per_source";
+    let Some(dev) = cuda_device(test) else { return };
+    let Some(nx) = nixl(test) else { return };
+    let bb = Pool::new().block_bytes();
+    let serving = |pool: &mut DevPool, t: kvrelay::agent::Transport| {
+        let cache = Arc::new(Cache::default());
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = t;
+        // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
+        let a = unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
+        for (i, &n) in NAMES.iter().enumerate() {
+            pool.write(i as u32 + 4, &content(n, bb));
+            cache.held.lock().unwrap().insert(n, i as u32 + 4);
+        }
+        a.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+        a
+    };
+    let both = kvrelay::agent::Transport::Prefer(vec![kvrelay::agent::Transport::CudaIpc, nx.clone()]);
+    let mut ipc_pool = DevPool::new(&dev);
+    let ipc_src = serving(&mut ipc_pool, kvrelay::agent::Transport::CudaIpc);
+    let mut nixl_pool = DevPool::new(&dev);
+    let nixl_src = serving(&mut nixl_pool, nx.clone());
+    let tcp_src = instance();
+    tcp_src.hold(&NAMES, 8);
+    let mut dst = DevPool::new(&dev);
+    let dst_agent = {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = both;
+        // SAFETY: the pool outlives the agent.
+        unsafe { Agent::new(c, dst.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let fetch = |ep: &str, ids: Vec<u32>| {
+        let r = dst_agent
+            .submit(
+                FetchRequest {
+                    endpoint: ep.into(),
+                    names: NAMES.to_vec(),
+                    held: 0,
+                    dst: ids,
+                    deadline: Duration::from_secs(20),
+                },
+                None,
+            )
+            .unwrap()
+            .wait(Duration::from_secs(30))
+            .unwrap();
+        assert_eq!((r.failure, r.blocks), (None, 2), "from {ep}: {}", r.detail);
+    };
+    // a same-process CUDA IPC source: over CUDA IPC, no fallback
+    fetch(ipc_src.endpoint().unwrap(), vec![0, 1]);
+    assert_eq!(dst.read(1), content(NAMES[1], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 0);
+    assert_eq!(ipc_src.stats().blocks_sent, 2, "the IPC source counted what the reader took");
+    // a NIXL-only source: refused over CUDA IPC, read over NIXL; then NIXL straight away
+    fetch(nixl_src.endpoint().unwrap(), vec![2, 3]);
+    assert_eq!(dst.read(3), content(NAMES[1], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 1);
+    fetch(nixl_src.endpoint().unwrap(), vec![4, 5]);
+    assert_eq!(dst.read(5), content(NAMES[1], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 1, "remembered: no second refusal");
+    let s = nixl_src.stats();
+    assert_eq!((s.refused_unsupported, s.blocks_sent), (1, 4), "one IPC hello refused, four blocks read over NIXL");
+    // a TCP-only source: refused twice, then over TCP into the device pool
+    fetch(&tcp_src.endpoint(), vec![6, 7]);
+    assert_eq!(dst.read(7), content(NAMES[1], bb));
+    assert_eq!(dst_agent.stats().transport_fallbacks, 3);
+    assert_eq!(tcp_src.agent.stats().refused_unsupported, 2);
+    drop(dst_agent);
+    eprintln!("{test}: ran on CUDA device 0");
+}
+
 /// A source whose stream ends halfway through a block: the fetch fails as `truncated`, and
 /// nothing of the cut block is reported written.
 #[test]

@@ -90,6 +90,39 @@ fn limits_are_set_by_name_and_never_wrap() {
     }
 }
 
+/// Transport names: one of `tcp`, `nixl`, `cuda-ipc`, or NIXL and CUDA IPC in order of
+/// preference; anything else refused, naming what is taken.
+#[test]
+fn transports_are_set_by_name_one_or_a_preference() {
+    let fp =
+        kvrelay_agent_fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 64, dtype_bytes: 2, naming: 7 };
+    let mut cfg = ptr::null_mut();
+    let set = |cfg: *mut kvrelay_agent_config, t: &str| {
+        // SAFETY: a live config; the name readable for its length; no library folder.
+        unsafe { kvrelay_agent_config_set_transport(cfg, t.as_ptr().cast(), t.len(), ptr::null(), 0) }
+    };
+    let nixl = if cfg!(feature = "nixl") { KVRELAY_OK } else { KVRELAY_ERR_UNSUPPORTED };
+    // SAFETY: a live out-pointer, then the config it returned, freed once.
+    unsafe {
+        assert_eq!(kvrelay_agent_config_new(&fp, &mut cfg), KVRELAY_OK);
+        for (t, want) in [
+            ("tcp", KVRELAY_OK),
+            ("cuda-ipc", KVRELAY_OK),
+            ("nixl", nixl),
+            ("cuda-ipc,nixl", nixl),
+            ("nixl,cuda-ipc", nixl),
+            ("tcp,nixl", if cfg!(feature = "nixl") { KVRELAY_ERR_INVALID_CONFIG } else { nixl }),
+            ("cuda-ipc,cuda-ipc", KVRELAY_ERR_INVALID_CONFIG),
+            ("cuda-ipc", KVRELAY_OK),
+            ("cuda-ipc,", KVRELAY_ERR_INVALID_CONFIG),
+            ("carrier-pigeon", KVRELAY_ERR_INVALID_CONFIG),
+        ] {
+            assert_eq!(set(cfg, t), want, "transport {t:?}");
+        }
+        kvrelay_agent_config_free(cfg);
+    }
+}
+
 #[test]
 fn counters_are_read_at_the_callers_size() {
     let a = agent();

@@ -281,7 +281,10 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
         .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "carrier-pigeon"])
         .output()
         .unwrap();
-    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("expected tcp, nixl or cuda-ipc"));
+    assert!(
+        !bad.status.success()
+            && String::from_utf8_lossy(&bad.stderr).contains("expected tcp, nixl, cuda-ipc, or cuda-ipc,nixl")
+    );
     // the same-host GPU transport with a host pool: refused at startup, with the reason
     let host = std::process::Command::new(server_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "cuda-ipc"])
@@ -290,6 +293,16 @@ fn nixl_transport_fails_at_startup_without_its_libraries() {
     let err = String::from_utf8_lossy(&host.stderr);
     assert!(!host.status.success() && host.stdout.is_empty(), "started a CUDA IPC transport over host memory: {err}");
     assert!(err.contains("--kv-transport cuda-ipc") && err.contains("CUDA device"), "{err}");
+    // both, in order of preference, over a host pool: refused at startup for CUDA IPC's sake
+    // (or for the missing NIXL support)
+    let both = std::process::Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--kv-transport", "cuda-ipc,nixl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&both.stderr);
+    assert!(!both.status.success() && both.stdout.is_empty(), "started cuda-ipc,nixl over host memory: {err}");
+    let why = if cfg!(feature = "nixl") { "CUDA device" } else { "no NIXL support" };
+    assert!(err.contains("--kv-transport cuda-ipc,nixl") && err.contains(why), "{err}");
     // a poll past the library's ceiling: refused at startup, naming the limit
     let poll = std::process::Command::new(server_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--kv-poll-us", "20000"])

@@ -305,6 +305,39 @@ pub enum Transport {
     /// type (not `cudaMallocAsync`). The service then serves both CUDA IPC and TCP readers;
     /// fetches copy over CUDA IPC and fail (refused) from a source on another host.
     CudaIpc,
+    /// Several transports in order of preference, each source fetched from with the first of
+    /// them that reaches it: a fetch that one of them cannot make (the source does not serve
+    /// it, runs on another host for CUDA IPC, its memory cannot be mapped or registered here)
+    /// before any block moved is made again with the next, and that source is fetched from
+    /// with the next for [`TCP_FALLBACK_MEMORY`]; after the last comes TCP when
+    /// [`Limits::tcp_fallback`] allows. The service serves every one of them, and TCP. Both of
+    /// [`Transport::CudaIpc`] and [`Transport::Nixl`], once each, in either order (say,
+    /// `[CudaIpc, Nixl]`: same-host sources over CUDA IPC, the others over NIXL).
+    Prefer(Vec<Transport>),
+}
+
+impl Transport {
+    /// The transports a fetch may use in order (TCP not included); `Err` for a preference list
+    /// other than NIXL and CUDA IPC once each.
+    pub(crate) fn chain(&self) -> Result<Vec<&Transport>, String> {
+        match self {
+            Transport::Prefer(list) => {
+                let kind = |t: &Transport| match t {
+                    Transport::Nixl { .. } => Some(0),
+                    Transport::CudaIpc => Some(1),
+                    _ => None,
+                };
+                let kinds: Vec<Option<u8>> = list.iter().map(kind).collect();
+                if list.len() != 2 || kinds.iter().any(Option::is_none) || kinds[0] == kinds[1] {
+                    return Err("a transport preference lists nixl and cuda-ipc, once each, in either order (TCP \
+                                comes last by itself)"
+                        .into());
+                }
+                Ok(list.iter().collect())
+            }
+            t => Ok(vec![t]),
+        }
+    }
 }
 
 impl AgentConfig {

@@ -93,10 +93,10 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                     }
                     poll_until = None;
                 }
-                if inner.backend.wants_reap() {
+                if inner.wants_reap() {
                     // withheld blocks, or mappings of peers: look at them every 50 ms
                     drop(q);
-                    inner.backend.reap(inner);
+                    inner.reap();
                     q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
                     if q.is_empty() && !inner.stop.load(Ordering::Acquire) {
                         q = inner

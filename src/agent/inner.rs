@@ -41,11 +41,14 @@ pub(super) struct Inner {
     pub(super) jobs_ready: Condvar,
     /// Kept-alive fetch connections per source address, with when each went idle.
     pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
-    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam.
+    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam. The
+    /// first preference.
     pub(super) backend: Box<dyn transport::Backend>,
-    /// Sources the agent's own backend could not reach, fetched from over TCP since then
-    /// (`Limits::tcp_fallback`), with when they were marked.
-    pub(super) tcp_sources: Mutex<HashMap<SocketAddr, Instant>>,
+    /// The next preferences (`Transport::Prefer`), in order.
+    pub(super) more: Vec<Box<dyn transport::Backend>>,
+    /// Sources a preferred backend could not reach: how many preferences down they are
+    /// fetched from since when (past the last of `more`: TCP, `Limits::tcp_fallback`).
+    pub(super) tcp_sources: Mutex<HashMap<SocketAddr, (usize, Instant)>>,
 }
 
 /// The TCP backend a fetch falls back to.
@@ -80,37 +83,71 @@ pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
 pub(super) const MAX_IDLE_PER_SOURCE: usize = 16;
 
 impl Inner {
-    /// The backend fetches from `addr` use: the agent's own, or TCP for a source that it could
-    /// not reach within the last [`super::config::TCP_FALLBACK_MEMORY`].
+    /// The backend fetches from `addr` use: the agent's first preference, or the one a fetch
+    /// from it fell back to within the last [`super::config::TCP_FALLBACK_MEMORY`] (a later
+    /// preference, or TCP).
     pub(super) fn backend_for(&self, addr: SocketAddr) -> &dyn transport::Backend {
-        if self.limits.tcp_fallback && self.backend.hello() != super::wire::HELLO {
-            let m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
-            if m.get(&addr).is_some_and(|since| since.elapsed() < super::config::TCP_FALLBACK_MEMORY) {
-                return &TCP;
-            }
+        match self.level(addr) {
+            0 => &*self.backend,
+            l if l <= self.more.len() => &*self.more[l - 1],
+            _ => &TCP,
         }
-        &*self.backend
     }
 
-    /// Whether a fetch from `addr` that failed unreachable by the agent's own backend is made
-    /// again over TCP; if so, `addr` is marked for TCP from now (and counted).
+    /// How many preferences down `addr` is fetched from now (0: the first; past `more`: TCP).
+    fn level(&self, addr: SocketAddr) -> usize {
+        if self.backend.hello() == super::wire::HELLO {
+            return 0;
+        }
+        let m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
+        match m.get(&addr) {
+            Some(&(l, since)) if since.elapsed() < super::config::TCP_FALLBACK_MEMORY => l,
+            _ => 0,
+        }
+    }
+
+    /// Whether a fetch from `addr` that failed unreachable by the backend it used is made again
+    /// with the next preference (TCP after the last, when `Limits::tcp_fallback` allows); if
+    /// so, `addr` is marked for it from now (and counted).
     pub(super) fn fall_back(&self, addr: SocketAddr) -> bool {
-        if !self.limits.tcp_fallback || self.backend.hello() == super::wire::HELLO {
+        if self.backend.hello() == super::wire::HELLO {
+            return false;
+        }
+        let next = self.level(addr) + 1;
+        if next > self.more.len() + 1 || (next == self.more.len() + 1 && !self.limits.tcp_fallback) {
             return false;
         }
         let mut m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() >= MAX_TCP_SOURCES && !m.contains_key(&addr) {
             let memory = super::config::TCP_FALLBACK_MEMORY;
-            m.retain(|_, since| since.elapsed() < memory);
+            m.retain(|_, (_, since)| since.elapsed() < memory);
             if m.len() >= MAX_TCP_SOURCES {
-                if let Some(oldest) = m.iter().min_by_key(|(_, since)| **since).map(|(a, _)| *a) {
+                if let Some(oldest) = m.iter().min_by_key(|(_, (_, since))| *since).map(|(a, _)| *a) {
                     m.remove(&oldest);
                 }
             }
         }
-        m.insert(addr, Instant::now());
+        m.insert(addr, (next, Instant::now()));
         Stats::add(&self.stats.transport_fallbacks, 1);
         true
+    }
+
+    /// The backend that serves hellos of `kind` other than TCP's, if any.
+    pub(super) fn serving(&self, kind: u8) -> Option<&dyn transport::Backend> {
+        std::iter::once(&self.backend).chain(&self.more).find(|b| b.hello() == kind).map(|b| &**b)
+    }
+
+    /// Whether any backend has something to look at again ([`transport::Backend::wants_reap`]).
+    pub(super) fn wants_reap(&self) -> bool {
+        self.backend.wants_reap() || self.more.iter().any(|b| b.wants_reap())
+    }
+
+    /// Every backend looks at what it withholds or holds mapped ([`transport::Backend::reap`]).
+    pub(super) fn reap(&self) {
+        self.backend.reap(self);
+        for b in &self.more {
+            b.reap(self);
+        }
     }
 
     /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).

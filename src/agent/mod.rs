@@ -232,12 +232,16 @@ impl Agent {
         };
         let movers = pool::Movers::new(memory);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-        let backend = unsafe { transport::open(&config.transport, &layout, config.device) }?;
+        let mut more = unsafe { transport::open(&config.transport, &layout, config.device) }?;
+        let backend = more.remove(0);
         let default_speed = backend.default_speed(config.device.is_some());
         // one mover per stream of a fetch (NIXL fetches use one), made now rather than on a
         // first fetch's critical path (a device pool's kernel compiles and loads here, and a
         // failure shows at once)
-        let warm = backend.movers_at_start(&config.limits);
+        let warm = more
+            .iter()
+            .map(|b| b.movers_at_start(&config.limits))
+            .fold(backend.movers_at_start(&config.limits), usize::max);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
@@ -261,6 +265,7 @@ impl Agent {
             jobs_ready: Condvar::new(),
             idle: Mutex::new(HashMap::new()),
             backend,
+            more,
             tcp_sources: Mutex::new(HashMap::new()),
         });
         let mut agent =
@@ -477,7 +482,10 @@ impl Drop for Agent {
         // holder does
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             let backend = std::mem::replace(&mut inner.backend, Box::new(transport::tcp::Tcp));
-            let ids = backend.teardown();
+            let mut ids = backend.teardown();
+            for b in std::mem::take(&mut inner.more) {
+                ids.extend(b.teardown());
+            }
             inner.give_back(&ids);
         }
     }

@@ -291,7 +291,7 @@ fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: 
         return Err(Hs::Refuse(Refusal::BadRequest, "expected a hello"));
     }
     // every agent serves frames; a hello of another kind only when it is its backend's
-    if kind != wire::HELLO && kind != inner.backend.hello() {
+    if kind != wire::HELLO && inner.serving(kind).is_none() {
         return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve that transport"));
     }
     scratch.kind = kind;
@@ -451,6 +451,9 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) -> bool {
     if scratch.kind == wire::HELLO {
         super::transport::tcp::serve(inner, c, ids, &scratch.names)
     } else {
-        inner.backend.serve(inner, c, ids, &scratch.names)
+        match inner.serving(scratch.kind) {
+            Some(b) => b.serve(inner, c, ids, &scratch.names),
+            None => false, // checked at the hello
+        }
     }
 }

@@ -254,7 +254,8 @@ class Agent(_Handle):
     ``holder``) and fetches named blocks from them into it. ``listen`` ``None`` makes a
     fetch-only agent; ``allow`` the peers served (``loopback``, addresses, ``ADDR/PREFIX``);
     ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it; ``transport``
-    ``tcp``, ``nixl`` (with ``nixl_lib_dir``) or ``cuda-ipc`` (device pools of one host); ``limits`` overrides of the default limits
+    ``tcp``, ``nixl`` (with ``nixl_lib_dir``), ``cuda-ipc`` (device pools of one host) or
+    ``cuda-ipc,nixl`` (both, each source fetched from with the first that reaches it); ``limits`` overrides of the default limits
     (``{"streams": 1, ...}``); ``device`` the CUDA device of a GPU pool."""
 
     def __init__(

@@ -306,12 +306,31 @@ pub(super) trait Backend: Send + Sync {
     }
 }
 
-/// The backend of `transport` over `layout` (memory of `device`, host memory when `None`).
+/// The backends of `transport` over `layout` (memory of `device`, host memory when `None`), in
+/// order of preference: one, or one per transport of a [`Transport::Prefer`].
 ///
 /// # Safety
 /// As [`super::Agent::new`]: the layout's blocks are memory of `device`, valid for the agent's
 /// whole life.
 pub(super) unsafe fn open(
+    transport: &Transport,
+    layout: &KvLayout,
+    device: Option<i32>,
+) -> Result<Vec<Box<dyn Backend>>, AgentError> {
+    let chain = transport.chain().map_err(AgentError::Config)?;
+    let mut out = Vec::with_capacity(chain.len());
+    for t in chain {
+        // SAFETY: forwarded contract.
+        out.push(unsafe { open_one(t, layout, device) }?);
+    }
+    Ok(out)
+}
+
+/// One backend (not a preference list).
+///
+/// # Safety
+/// As [`open`].
+unsafe fn open_one(
     transport: &Transport,
     layout: &KvLayout,
     device: Option<i32>,
@@ -336,5 +355,6 @@ pub(super) unsafe fn open(
         Transport::Nixl { .. } => {
             Err(AgentError::Config("the NIXL transport needs kvrelay built with the cargo feature `nixl`".into()))
         }
+        Transport::Prefer(_) => Err(AgentError::Config("a transport preference inside a preference".into())),
     }
 }

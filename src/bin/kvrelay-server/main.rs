@@ -152,7 +152,8 @@ pub struct ServeArgs {
     /// embedded transport) or `nixl` (NIXL over UCX; builds with the `nixl` feature; the pool,
     /// VRAM with --device cuda:N, is registered with NIXL at startup and this instance serves
     /// NIXL and TCP readers) or `cuda-ipc` (instances of one host with --device cuda:N: the
-    /// destination maps the source's pool through CUDA IPC and copies device to device).
+    /// destination maps the source's pool through CUDA IPC and copies device to device) or
+    /// `cuda-ipc,nixl` (both, each source fetched from with the first that reaches it).
     /// Control always runs on the KV service.
     #[arg(long, env = "KVRELAY_KV_TRANSPORT", default_value = "tcp")]
     pub kv_transport: String,
@@ -215,7 +216,13 @@ fn transport(args: &ServeArgs) -> Result<&'static str, String> {
         "nixl" if cfg!(feature = "nixl") => Ok("nixl"),
         "nixl" => Err("--kv-transport nixl: this build has no NIXL support (build with `--features nixl`)".into()),
         "cuda-ipc" => Ok("cuda-ipc"),
-        t => Err(format!("--kv-transport {t}: expected tcp, nixl or cuda-ipc")),
+        "cuda-ipc,nixl" | "nixl,cuda-ipc" if !cfg!(feature = "nixl") => Err(format!(
+            "--kv-transport {}: this build has no NIXL support (build with `--features nixl`)",
+            args.kv_transport
+        )),
+        "cuda-ipc,nixl" => Ok("cuda-ipc,nixl"),
+        "nixl,cuda-ipc" => Ok("nixl,cuda-ipc"),
+        t => Err(format!("--kv-transport {t}: expected tcp, nixl, cuda-ipc, or cuda-ipc,nixl")),
     }
 }
 

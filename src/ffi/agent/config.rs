@@ -158,7 +158,10 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_listen(
 /// pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
 /// pool or memory it cannot export: it takes `cudaMalloc` memory and `cuMemCreate` memory
 /// created with the POSIX file-descriptor handle type, not `cudaMallocAsync`; a mapped pool is readable and writable by the peer's
-/// process, so only allowlisted, authenticated peers of one trust domain should share it).
+/// process, so only allowlisted, authenticated peers of one trust domain should share it),
+/// or both in order of preference, `cuda-ipc,nixl` (or `nixl,cuda-ipc`): each source is
+/// fetched from with the first that reaches it (CUDA IPC for a source on this host, NIXL for
+/// the others), then TCP as `KVRELAY_LIMIT_TCP_FALLBACK` allows; the service serves both.
 /// `lib_dir`: the folder of `libnixl_capi.so` (`(NULL, 0)`: the loader's search path); checked
 /// by `kvrelay_agent_new`, which loads it. `KVRELAY_ERR_UNSUPPORTED` for `nixl` when this
 /// library was built without its `nixl` feature, `KVRELAY_ERR_INVALID_CONFIG` for another name.
@@ -178,20 +181,27 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_transport(
         // SAFETY: forwarded contract.
         let (c, t, d) =
             unsafe { (input_mut(config)?, text(transport.cast(), transport_len)?, text(lib_dir.cast(), lib_dir_len)?) };
-        c.inner.transport = match t {
-            "tcp" => Transport::Tcp,
-            "cuda-ipc" => Transport::CudaIpc,
+        let one = |name: &str| match name {
+            "tcp" => Ok(Transport::Tcp),
+            "cuda-ipc" => Ok(Transport::CudaIpc),
             "nixl" if cfg!(feature = "nixl") => {
-                Transport::Nixl { lib_dir: (!d.is_empty()).then(|| std::path::PathBuf::from(d)) }
+                Ok(Transport::Nixl { lib_dir: (!d.is_empty()).then(|| std::path::PathBuf::from(d)) })
             }
-            "nixl" => {
-                return Err(with_detail(
-                    KVRELAY_ERR_UNSUPPORTED,
-                    "this libkvrelay was built without the `nixl` feature",
-                ))
-            }
-            _ => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "transport: tcp, nixl or cuda-ipc")),
+            "nixl" => Err(with_detail(KVRELAY_ERR_UNSUPPORTED, "this libkvrelay was built without the `nixl` feature")),
+            _ => Err(with_detail(
+                KVRELAY_ERR_INVALID_CONFIG,
+                "transport: tcp, nixl, cuda-ipc, or cuda-ipc,nixl / nixl,cuda-ipc",
+            )),
         };
+        let transport = if t.contains(',') {
+            let list = t.split(',').map(one).collect::<Result<Vec<_>, _>>()?;
+            let p = Transport::Prefer(list);
+            p.chain().map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, &e))?;
+            p
+        } else {
+            one(t)?
+        };
+        c.inner.transport = transport;
         Ok(())
     })
 }
