@@ -385,6 +385,9 @@ impl Stream<'_> {
     fn run(&self, mover: &mut Option<Mover>, scratch: &mut Scratch, land: &mut Landing<'_>) -> Result<(), Failure> {
         let (inner, addr) = (self.inner, self.addr);
         let mut kept = inner.take_idle(addr);
+        // the preference this stream fetches with (it moves down when a backend cannot reach
+        // the source)
+        let mut level = inner.level(addr);
         loop {
             let reused = kept.is_some();
             let mut s = match kept.take() {
@@ -399,13 +402,14 @@ impl Stream<'_> {
             let published = Published(self.state, id);
             // a cancel (or a sibling's stop) that came before the socket was published
             (self.stopped)()?;
-            match self.exchange(&mut s, reused, mover, scratch, land) {
+            match self.exchange(&mut s, reused, inner.backend_at(level), mover, scratch, land) {
                 Exchange::Stale => continue,
-                // the agent's own transport cannot reach this source and nothing moved: once
-                // more over TCP, on a new connection (`Limits::tcp_fallback`)
-                Exchange::Close(Err(_))
-                    if land.unusable && land.blocks == 0 && land.withheld == 0 && inner.fall_back(addr) =>
-                {
+                // this backend cannot reach the source and nothing moved: once more with the
+                // next preference (TCP after the last, `Limits::tcp_fallback`), on a new
+                // connection
+                Exchange::Close(Err(e)) if land.unusable && land.blocks == 0 && land.withheld == 0 => {
+                    let Some(next) = inner.fall_back(addr, level) else { return Err(e) };
+                    level = next;
                     land.unusable = false;
                     land.offered = false;
                     (self.stopped)()?;
@@ -435,13 +439,13 @@ impl Stream<'_> {
         &self,
         s: &mut TcpStream,
         reused: bool,
+        backend: &dyn super::transport::Backend,
         mover: &mut Option<Mover>,
         scratch: &mut Scratch,
         land: &mut Landing<'_>,
     ) -> Exchange {
         let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
         let c: &mut dyn Conn = s;
-        let backend = inner.backend_for(self.addr);
         let by = inner.io_deadline().min(deadline);
         if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
             return if reused { Exchange::Stale } else { Exchange::Close(Err(io_fail(&e, "the hello"))) };

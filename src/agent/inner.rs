@@ -87,7 +87,12 @@ impl Inner {
     /// from it fell back to within the last [`super::config::TCP_FALLBACK_MEMORY`] (a later
     /// preference, or TCP).
     pub(super) fn backend_for(&self, addr: SocketAddr) -> &dyn transport::Backend {
-        match self.level(addr) {
+        self.backend_at(self.level(addr))
+    }
+
+    /// The backend of preference `level` (0: the first; past `more`: TCP).
+    pub(super) fn backend_at(&self, level: usize) -> &dyn transport::Backend {
+        match level {
             0 => &*self.backend,
             l if l <= self.more.len() => &*self.more[l - 1],
             _ => &TCP,
@@ -95,7 +100,7 @@ impl Inner {
     }
 
     /// How many preferences down `addr` is fetched from now (0: the first; past `more`: TCP).
-    fn level(&self, addr: SocketAddr) -> usize {
+    pub(super) fn level(&self, addr: SocketAddr) -> usize {
         if self.backend.hello() == super::wire::HELLO {
             return 0;
         }
@@ -106,20 +111,26 @@ impl Inner {
         }
     }
 
-    /// Whether a fetch from `addr` that failed unreachable by the backend it used is made again
-    /// with the next preference (TCP after the last, when `Limits::tcp_fallback` allows); if
-    /// so, `addr` is marked for it from now (and counted).
-    pub(super) fn fall_back(&self, addr: SocketAddr) -> bool {
+    /// A fetch from `addr` with the backend of preference `used` failed, unable to reach it:
+    /// the level to make it again with, if any. A source another fetch already moved past
+    /// `used` is tried at its level (not counted again); otherwise the next preference (TCP
+    /// after the last, when `Limits::tcp_fallback` allows), marked for `addr` from now and
+    /// counted.
+    pub(super) fn fall_back(&self, addr: SocketAddr, used: usize) -> Option<usize> {
         if self.backend.hello() == super::wire::HELLO {
-            return false;
+            return None;
         }
-        let next = self.level(addr) + 1;
-        if next > self.more.len() + 1 || (next == self.more.len() + 1 && !self.limits.tcp_fallback) {
-            return false;
-        }
+        let memory = super::config::TCP_FALLBACK_MEMORY;
         let mut m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
+        let now_at = m.get(&addr).filter(|(_, since)| since.elapsed() < memory).map_or(0, |&(l, _)| l);
+        if now_at > used {
+            return Some(now_at);
+        }
+        let next = used + 1;
+        if next > self.more.len() + 1 || (next == self.more.len() + 1 && !self.limits.tcp_fallback) {
+            return None;
+        }
         if m.len() >= MAX_TCP_SOURCES && !m.contains_key(&addr) {
-            let memory = super::config::TCP_FALLBACK_MEMORY;
             m.retain(|_, (_, since)| since.elapsed() < memory);
             if m.len() >= MAX_TCP_SOURCES {
                 if let Some(oldest) = m.iter().min_by_key(|(_, (_, since))| *since).map(|(a, _)| *a) {
@@ -129,7 +140,7 @@ impl Inner {
         }
         m.insert(addr, (next, Instant::now()));
         Stats::add(&self.stats.transport_fallbacks, 1);
-        true
+        Some(next)
     }
 
     /// The backend that serves hellos of `kind` other than TCP's, if any.

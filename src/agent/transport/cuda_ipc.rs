@@ -260,10 +260,14 @@ pub(crate) fn plan_copies(
                 .iter()
                 .position(|&(b, n)| b <= at && at + len <= b + n)
                 .ok_or_else(|| format!("block {i}, segment {s}: outside the memory the source exported"))?;
-            let from = mapped[k] + (at - ranges[k].0);
+            let from = mapped[k]
+                .checked_add(at - ranges[k].0)
+                .ok_or_else(|| format!("block {i}, segment {s}: past the end of the address space"))?;
             let to = m.base + u64::from(d) * m.block_stride;
             run = match run {
-                Some((rt, rf, n)) if rt + n == to && rf + n == from => Some((rt, rf, n + len)),
+                Some((rt, rf, n)) if rt.checked_add(n) == Some(to) && rf.checked_add(n) == Some(from) => {
+                    Some((rt, rf, n + len))
+                }
                 Some(prev) => {
                     runs.push(prev);
                     Some((to, from, len))
@@ -362,12 +366,15 @@ pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &
 type MappedKey = ([u8; 16], u32, [u8; 64]);
 
 /// The key of a source's virtual-memory range: a marker no CUDA IPC handle starts with
-/// (theirs begin with the allocation's nonzero tag), its base and its size.
-fn vmm_key(base: u64, size: u64) -> [u8; 64] {
+/// (theirs begin with the allocation's nonzero tag), its base, its size, and the source's
+/// token (drawn at each start: a restarted source, or one of the same pid in another PID
+/// namespace, never finds the mapping of another).
+fn vmm_key(base: u64, size: u64, token: &[u8; vmm_fds::TOKEN]) -> [u8; 64] {
     let mut k = [0u8; 64];
     k[..8].copy_from_slice(b"\0kvrvmm\0");
     k[8..16].copy_from_slice(&base.to_le_bytes());
     k[16..24].copy_from_slice(&size.to_le_bytes());
+    k[24..24 + vmm_fds::TOKEN].copy_from_slice(token);
     k
 }
 
@@ -512,8 +519,43 @@ impl CudaIpc {
         if e.pid == self.pid && e.host == self.host {
             return Ok((e.ranges().iter().map(|r| r.0).collect(), Vec::new()));
         }
+        // the source's virtual-memory ranges: when any is not mapped yet, its descriptors are
+        // taken and imported first, without the table's lock (the source's socket may be slow)
+        let vmm_keys: Vec<(MappedKey, u64)> = e.vmm.as_ref().map_or_else(Vec::new, |v| {
+            v.ranges
+                .iter()
+                .map(|(b, sizes)| {
+                    let total = sizes.iter().sum::<u64>();
+                    ((e.host, e.pid, vmm_key(*b, total, &v.token)), total)
+                })
+                .collect()
+        });
+        let mut handles: Vec<VmmHandle> = Vec::new();
+        if let Some(v) = &e.vmm {
+            let missing = {
+                let m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+                vmm_keys.iter().any(|(k, _)| !m.contains_key(k))
+            };
+            if missing {
+                if !vmm_fds::is_socket_of(&v.socket, e.pid) {
+                    return Err((FailReason::Corrupt, "CUDA IPC: the offer names another process's socket".into()));
+                }
+                handles.reserve(v.chunks());
+                let by = inner.io_deadline().min(deadline);
+                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, |fd| {
+                    // SAFETY: a descriptor the source process of this host sent as one of its
+                    // exported allocations (the driver refuses any other file).
+                    let h = unsafe { self.dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?;
+                    handles.push(h);
+                    Ok(())
+                })
+                .map_err(|err| {
+                    (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
+                })?;
+            }
+        }
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        let vmm_ranges = e.vmm.as_ref().map_or(0, |v| v.ranges.len());
+        let vmm_ranges = vmm_keys.len();
         let mut out = Vec::with_capacity(e.allocs.len() + vmm_ranges);
         let mut held = Vec::with_capacity(e.allocs.len() + vmm_ranges);
         let mut added = false;
@@ -546,51 +588,32 @@ impl CudaIpc {
             held.push(p);
         }
         if let Some(v) = &e.vmm {
-            let keys: Vec<(MappedKey, u64)> = v
-                .ranges
-                .iter()
-                .map(|(b, sizes)| {
-                    let total = sizes.iter().sum::<u64>();
-                    ((e.host, e.pid, vmm_key(*b, total)), total)
-                })
-                .collect();
-            if keys.iter().any(|(k, _)| !m.contains_key(k)) {
-                // every descriptor of the source, each imported as it arrives
-                let mut handles: Vec<VmmHandle> = Vec::with_capacity(v.chunks());
-                let by = inner.io_deadline().min(deadline);
-                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, |fd| {
-                    // SAFETY: a descriptor the source process of this host sent as one of its
-                    // exported allocations (the driver refuses any other file).
-                    let h = unsafe { self.dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?;
-                    handles.push(h);
-                    Ok(())
-                })
-                .map_err(|err| {
-                    (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
-                })?;
-                let mut at = 0;
-                for ((base, sizes), (key, total)) in v.ranges.iter().zip(&keys) {
-                    let hs = &handles[at..at + sizes.len()];
-                    at += sizes.len();
-                    if m.contains_key(key) {
-                        continue;
-                    }
-                    room(&mut m)?;
-                    // SAFETY: handles imported just above, each with the size its source
-                    // exported it with (a source that lies is refused by the driver, or maps
-                    // less than it offers: agents of one host are one trust domain, module
-                    // docs); kept until that process goes or the agent stops.
-                    let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
-                        (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
-                    })?;
-                    m.insert(*key, Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: Some(*total), watched }));
-                    added = true;
+            let mut at = 0;
+            for ((base, sizes), (key, total)) in v.ranges.iter().zip(&vmm_keys) {
+                let hs = handles.get(at..at + sizes.len());
+                at += sizes.len();
+                if let Some(p) = m.get(key) {
+                    out.push(p.ptr);
+                    held.push(p.clone());
+                    continue;
                 }
-            }
-            for (key, _) in &keys {
-                let p = &m[key];
-                out.push(p.ptr);
-                held.push(p.clone());
+                // mapped when this fetch looked, let go since (a sweep): take it up again next time
+                let Some(hs) = hs else {
+                    return Err((FailReason::Connect, "CUDA IPC: the source's range was let go meanwhile".into()));
+                };
+                room(&mut m)?;
+                // SAFETY: handles imported just above, each with the size its source exported
+                // it with (a source that lies is refused by the driver, or maps less than it
+                // offers: agents of one host are one trust domain, module docs); kept until
+                // that process goes or the agent stops.
+                let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
+                    (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
+                })?;
+                let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: Some(*total), watched });
+                m.insert(*key, p.clone());
+                added = true;
+                out.push(ptr);
+                held.push(p);
             }
         }
         if added {

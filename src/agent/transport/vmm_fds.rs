@@ -31,6 +31,17 @@ const MAX_HANDLERS: usize = 8;
 /// Time a connection has for the token, and each write of descriptors.
 const DEADLINE: Duration = Duration::from_secs(1);
 
+/// The socket name prefix; the full name is `kvrelay-cuda-ipc-<pid>-<16 hex digits>`.
+const PREFIX: &str = "kvrelay-cuda-ipc-";
+
+/// Whether `name` is the descriptor socket of process `pid` as [`FdServer::start`] names it
+/// (so that an offer cannot aim a destination at any other socket).
+pub(crate) fn is_socket_of(name: &[u8], pid: u32) -> bool {
+    let head = format!("{PREFIX}{pid}-");
+    name.strip_prefix(head.as_bytes())
+        .is_some_and(|hex| hex.len() == 16 && hex.iter().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b)))
+}
+
 /// Equal in time independent of where they differ.
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -41,6 +52,8 @@ pub(crate) struct FdServer {
     name: Vec<u8>,
     token: [u8; TOKEN],
     stop: Arc<AtomicBool>,
+    /// The listener's descriptor (owned by the thread): shut down to wake its accept.
+    listener_fd: std::os::fd::RawFd,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -50,18 +63,19 @@ impl FdServer {
         let token = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random token: {e}"))?;
         let salt = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random name: {e}"))?;
         let hex: String = salt[..8].iter().map(|b| format!("{b:02x}")).collect();
-        let name = format!("kvrelay-cuda-ipc-{}-{hex}", std::process::id()).into_bytes();
+        let name = format!("{PREFIX}{}-{hex}", std::process::id()).into_bytes();
         let addr = SocketAddr::from_abstract_name(&name).map_err(|e| format!("CUDA IPC: socket name: {e}"))?;
         let listener =
             UnixListener::bind_addr(&addr).map_err(|e| format!("CUDA IPC: listening for descriptor requests: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
+        let listener_fd = listener.as_raw_fd();
         let (fds, stop2) = (Arc::new(fds), stop.clone());
         let thread = std::thread::Builder::new()
             .name("kvrelay-ipc-fds".into())
             .stack_size(256 << 10)
             .spawn(move || accept_loop(&listener, &fds, &token, &stop2))
             .map_err(|e| format!("CUDA IPC: starting the descriptor thread: {e}"))?;
-        Ok(FdServer { name, token, stop, thread: Some(thread) })
+        Ok(FdServer { name, token, stop, listener_fd, thread: Some(thread) })
     }
 
     /// The socket's abstract name.
@@ -78,10 +92,10 @@ impl FdServer {
 impl Drop for FdServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // wake the accept with a connection of our own
-        if let Ok(addr) = SocketAddr::from_abstract_name(&self.name) {
-            let _ = UnixStream::connect_addr(&addr);
-        }
+        // wake the accept: a listening socket shut down makes it return at once (Linux)
+        // SAFETY: the listener's descriptor, open until the thread (which owns it) ends, which
+        // is joined only below; shutdown neither closes nor frees it.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -115,15 +129,35 @@ fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TO
     }
 }
 
+/// The time left until `end`, at least a millisecond; `TimedOut` once it passed.
+fn left(end: Instant) -> io::Result<Duration> {
+    let l = end.saturating_duration_since(Instant::now());
+    if l.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    Ok(l.max(Duration::from_millis(1)))
+}
+
+/// One connection: the token within [`DEADLINE`] of the accept (however it trickles in), then
+/// the descriptors, each batch's write within [`DEADLINE`].
 fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN]) -> io::Result<()> {
-    s.set_read_timeout(Some(DEADLINE))?;
-    s.set_write_timeout(Some(DEADLINE))?;
+    let end = Instant::now() + DEADLINE;
     let mut got = [0u8; TOKEN];
-    s.read_exact(&mut got)?;
+    let mut n = 0;
+    while n < TOKEN {
+        s.set_read_timeout(Some(left(end)?))?;
+        match s.read(&mut got[n..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     if !same(&got, token) {
         return Err(io::ErrorKind::PermissionDenied.into());
     }
     for batch in fds.chunks(BATCH) {
+        s.set_write_timeout(Some(DEADLINE))?;
         send_batch(&s, batch)?;
     }
     Ok(())
@@ -161,6 +195,48 @@ fn send_batch(s: &UnixStream, batch: &[OwnedFd]) -> io::Result<()> {
     }
 }
 
+/// A connection to the abstract socket `name` by `deadline`: a connect that does not wait
+/// (a listener whose backlog is full answers "try again", retried every millisecond), then the
+/// stream made blocking for its timed reads and writes.
+fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
+    // SAFETY: a plain zeroed sockaddr_un is valid; the name fits (checked) after the leading 0
+    // byte of an abstract address.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if name.is_empty() || name.len() >= sa.sun_path.len() {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (o, &b) in sa.sun_path[1..].iter_mut().zip(name) {
+        *o = b as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+    // SAFETY: a new socket; its descriptor is owned by the OwnedFd right away.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the descriptor just opened, owned from here.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    loop {
+        // SAFETY: `sa` is a valid AF_UNIX address of `len` bytes; `fd` is open.
+        let r = unsafe { libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) };
+        if r == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EINTR) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Some(libc::EAGAIN) => return Err(io::ErrorKind::TimedOut.into()),
+            _ => return Err(e),
+        }
+    }
+    let s = UnixStream::from(owned);
+    s.set_nonblocking(false)?;
+    Ok(s)
+}
+
 /// Destination side: connect to the source's socket `name`, prove `token`, and pass each of
 /// the `want` descriptors it sends to `each` as it arrives (so that at most one batch is open
 /// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does.
@@ -171,11 +247,10 @@ pub(crate) fn receive(
     deadline: Instant,
     mut each: impl FnMut(OwnedFd) -> Result<(), String>,
 ) -> Result<(), String> {
-    let addr = SocketAddr::from_abstract_name(name).map_err(|e| format!("the source's descriptor socket: {e}"))?;
-    let mut s = UnixStream::connect_addr(&addr)
+    let mut s = connect_by(name, deadline)
         .map_err(|e| format!("connecting to the source's descriptor socket (another network namespace?): {e}"))?;
-    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    s.set_write_timeout(Some(left())).map_err(|e| e.to_string())?;
+    let remaining = || left(deadline).map_err(|_| "the source's descriptors ran past the deadline".to_string());
+    s.set_write_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
     s.write_all(token).map_err(|e| format!("sending the token: {e}"))?;
     let mut got = 0usize;
     let bytes = BATCH * std::mem::size_of::<libc::c_int>();
@@ -183,7 +258,7 @@ pub(crate) fn receive(
     let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     while got < want {
-        s.set_read_timeout(Some(left())).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
         let mut payload = [0u8; 1];
         let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
         let mut fds: Vec<OwnedFd> = Vec::new();
@@ -288,6 +363,14 @@ mod tests {
         // asking for fewer than the source sends: an excess, refused
         let e = receive(server.name(), server.token(), 3, deadline, |_| Ok(())).unwrap_err();
         assert!(e.contains("batch"), "{e}");
+        // the name is the server's own, and nothing else passes for one
+        let pid = std::process::id();
+        assert!(is_socket_of(server.name(), pid));
+        assert!(!is_socket_of(server.name(), pid + 1), "another process's");
+        for bad in [&b"kvrelay-cuda-ipc-1-0123456789abcdeg"[..], b"kvrelay-cuda-ipc-1-0123456789abcde", b"", b"x"] {
+            assert!(!is_socket_of(bad, 1), "{}", String::from_utf8_lossy(bad));
+        }
+        assert!(is_socket_of(b"kvrelay-cuda-ipc-1-0123456789abcdef", 1));
         // a socket nobody listens on
         drop(server);
         assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, |_| Ok(())).is_err());

@@ -773,10 +773,12 @@ impl CudaDevice {
     /// the range any more.
     pub unsafe fn vmm_unmap(&self, va: u64, size: u64) -> Result<(), CopyError> {
         let _ctx = self.bind()?;
-        // SAFETY: forwarded contract.
+        // SAFETY: forwarded contract. The reservation is freed whatever the unmap answered
+        // (a failed unmap must not leak the address range too).
         unsafe {
-            check(sys::cuMemUnmap(va, size as usize), "cuMemUnmap")?;
-            check(sys::cuMemAddressFree(va, size as usize), "cuMemAddressFree")
+            let unmapped = check(sys::cuMemUnmap(va, size as usize), "cuMemUnmap");
+            let freed = check(sys::cuMemAddressFree(va, size as usize), "cuMemAddressFree");
+            unmapped.and(freed)
         }
     }
 }
