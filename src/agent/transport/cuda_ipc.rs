@@ -793,6 +793,20 @@ mod tests {
     use super::*;
     use crate::copy::Segment;
 
+    /// The destination of the plan tests: two segments (K, V) of 256 bytes, block-major
+    /// strides of 512, 8 blocks at 0x10000.
+    fn kv_pool_of_8() -> KvLayout {
+        KvLayout::new(
+            8,
+            vec![
+                Segment { base: 0x10000, block_stride: 512, bytes_per_block: 256 },
+                Segment { base: 0x10100, block_stride: 512, bytes_per_block: 256 },
+            ],
+            &[],
+        )
+        .unwrap()
+    }
+
     fn export(base: u64, size: u64, tag: u8) -> IpcExport {
         IpcExport { handle: [tag; 64], base, size }
     }
@@ -866,15 +880,7 @@ mod tests {
     /// export is planned by neither.
     #[test]
     fn the_offer_check_plans_a_good_offer_and_refuses_a_bad_one() {
-        let l = KvLayout::new(
-            8,
-            vec![
-                Segment { base: 0x10000, block_stride: 512, bytes_per_block: 256 },
-                Segment { base: 0x10100, block_stride: 512, bytes_per_block: 256 },
-            ],
-            &[],
-        )
-        .unwrap();
+        let l = kv_pool_of_8();
         let offer = |size: u64| wire::InPlaceOffer {
             agent: AGENT.into(),
             metadata: encode_exports(&Exports {
@@ -911,16 +917,7 @@ mod tests {
 
     #[test]
     fn copies_merge_contiguous_runs_and_stay_inside_the_exports() {
-        // destination: two segments (K, V) of 256 bytes, block-major strides of 512
-        let l = KvLayout::new(
-            8,
-            vec![
-                Segment { base: 0x10000, block_stride: 512, bytes_per_block: 256 },
-                Segment { base: 0x10100, block_stride: 512, bytes_per_block: 256 },
-            ],
-            &[],
-        )
-        .unwrap();
+        let l = kv_pool_of_8();
         // the source: the same shape at 0x80000, exported as one allocation mapped at 0x5000000
         let src = [(0x80000u64, 512u64, 256u64), (0x80100, 512, 256)];
         let allocs = [(0x80000u64, 8 * 512u64)];

@@ -275,6 +275,17 @@ pub struct DeviceBuffer {
     len: usize,
 }
 
+/// Copy `src` to offset `at` of the `len` bytes of device memory at `ptr` (synchronous).
+fn write_device(dev: &CudaDevice, ptr: u64, len: usize, at: usize, src: &[u8]) -> Result<(), CopyError> {
+    if at.checked_add(src.len()).is_none_or(|e| e > len) {
+        return Err(CopyError::OutOfBounds);
+    }
+    let _ctx = dev.bind()?;
+    // SAFETY: the range is inside the caller's device memory (checked against `len`); `src`
+    // is readable.
+    check(unsafe { sys::cuMemcpyHtoD_v2(ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
+}
+
 impl DeviceBuffer {
     /// Allocate `len` bytes with `cuMemAlloc`.
     pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<DeviceBuffer, CopyError> {
@@ -298,12 +309,7 @@ impl DeviceBuffer {
     }
     /// Copy `src` to offset `at` (synchronous).
     pub fn write(&self, at: usize, src: &[u8]) -> Result<(), CopyError> {
-        if at.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(CopyError::OutOfBounds);
-        }
-        let _ctx = self.dev.bind()?;
-        // SAFETY: the range is inside the allocation (checked); `src` is readable.
-        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
+        write_device(&self.dev, self.ptr, self.len, at, src)
     }
     /// Copy from offset `at` into `dst` (synchronous).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<(), CopyError> {
@@ -411,12 +417,7 @@ impl VmmBuffer {
     }
     /// Copy `src` to offset `at` (synchronous).
     pub fn write(&self, at: usize, src: &[u8]) -> Result<(), CopyError> {
-        if at.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(CopyError::OutOfBounds);
-        }
-        let _ctx = self.dev.bind()?;
-        // SAFETY: the range is inside the mapped range (checked); `src` is readable.
-        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
+        write_device(&self.dev, self.ptr, self.len, at, src)
     }
 }
 
