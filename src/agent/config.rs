@@ -321,20 +321,13 @@ impl Transport {
     /// other than NIXL and CUDA IPC once each.
     pub(crate) fn chain(&self) -> Result<Vec<&Transport>, String> {
         match self {
-            Transport::Prefer(list) => {
-                let kind = |t: &Transport| match t {
-                    Transport::Nixl { .. } => Some(0),
-                    Transport::CudaIpc => Some(1),
-                    _ => None,
-                };
-                let kinds: Vec<Option<u8>> = list.iter().map(kind).collect();
-                if list.len() != 2 || kinds.iter().any(Option::is_none) || kinds[0] == kinds[1] {
-                    return Err("a transport preference lists nixl and cuda-ipc, once each, in either order (TCP \
-                                comes last by itself)"
-                        .into());
-                }
-                Ok(list.iter().collect())
-            }
+            Transport::Prefer(list) => match list.as_slice() {
+                [a @ Transport::CudaIpc, b @ Transport::Nixl { .. }]
+                | [a @ Transport::Nixl { .. }, b @ Transport::CudaIpc] => Ok(vec![a, b]),
+                _ => Err("a transport preference lists nixl and cuda-ipc, once each, in either order (TCP comes \
+                          last by itself)"
+                    .into()),
+            },
             t => Ok(vec![t]),
         }
     }

@@ -475,9 +475,9 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
     let mut land = Landing::new(inner, dst);
     let r = (|| {
         let hello = wire::encode_hello(&inner.fingerprint, asked);
-        wire::write_frame(c, inner.backend.hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
+        wire::write_frame(c, inner.backend().hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
         let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, scratch: &mut scratch };
-        inner.backend.pull(inner, c, &mut job, &mut land).map(|_| ())
+        inner.backend().pull(inner, c, &mut job, &mut land).map(|_| ())
     })();
     if let Some(m) = mover {
         inner.movers.put(m);

@@ -41,18 +41,25 @@ pub(super) struct Inner {
     pub(super) jobs_ready: Condvar,
     /// Kept-alive fetch connections per source address, with when each went idle.
     pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
-    /// How a fetch's bytes move (TCP frames, or NIXL READs in place): the transport seam. The
-    /// first preference.
-    pub(super) backend: Box<dyn transport::Backend>,
-    /// The next preferences (`Transport::Prefer`), in order.
-    pub(super) more: Vec<Box<dyn transport::Backend>>,
+    /// How a fetch's bytes move (TCP frames, NIXL READs in place, CUDA IPC copies): the
+    /// transport seam, in order of preference (one but for `Transport::Prefer`; never empty).
+    pub(super) backends: Vec<Box<dyn transport::Backend>>,
     /// Sources a preferred backend could not reach: how many preferences down they are
-    /// fetched from since when (past the last of `more`: TCP, `Limits::tcp_fallback`).
+    /// fetched from since when (past the last of `backends`: TCP, `Limits::tcp_fallback`).
     pub(super) tcp_sources: Mutex<HashMap<SocketAddr, (usize, Instant)>>,
 }
 
 /// The TCP backend a fetch falls back to.
 static TCP: transport::tcp::Tcp = transport::tcp::Tcp;
+
+/// The preference `addr` is marked for in `m`, if the mark is younger than
+/// [`super::config::TCP_FALLBACK_MEMORY`] (0 otherwise: the first).
+fn level_in(m: &HashMap<SocketAddr, (usize, Instant)>, addr: SocketAddr) -> usize {
+    match m.get(&addr) {
+        Some(&(l, since)) if since.elapsed() < super::config::TCP_FALLBACK_MEMORY => l,
+        _ => 0,
+    }
+}
 
 /// Most sources remembered as reachable over TCP only (the oldest marks go first beyond).
 const MAX_TCP_SOURCES: usize = 4096;
@@ -83,6 +90,11 @@ pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
 pub(super) const MAX_IDLE_PER_SOURCE: usize = 16;
 
 impl Inner {
+    /// The agent's first preference (its only backend but for `Transport::Prefer`).
+    pub(super) fn backend(&self) -> &dyn transport::Backend {
+        &*self.backends[0]
+    }
+
     /// The backend fetches from `addr` use: the agent's first preference, or the one a fetch
     /// from it fell back to within the last [`super::config::TCP_FALLBACK_MEMORY`] (a later
     /// preference, or TCP).
@@ -90,25 +102,17 @@ impl Inner {
         self.backend_at(self.level(addr))
     }
 
-    /// The backend of preference `level` (0: the first; past `more`: TCP).
+    /// The backend of preference `level` (0: the first; past the last: TCP).
     pub(super) fn backend_at(&self, level: usize) -> &dyn transport::Backend {
-        match level {
-            0 => &*self.backend,
-            l if l <= self.more.len() => &*self.more[l - 1],
-            _ => &TCP,
-        }
+        self.backends.get(level).map_or(&TCP, |b| &**b)
     }
 
-    /// How many preferences down `addr` is fetched from now (0: the first; past `more`: TCP).
+    /// How many preferences down `addr` is fetched from now (0: the first; past the last: TCP).
     pub(super) fn level(&self, addr: SocketAddr) -> usize {
-        if self.backend.hello() == super::wire::HELLO {
+        if self.backend().hello() == super::wire::HELLO {
             return 0;
         }
-        let m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
-        match m.get(&addr) {
-            Some(&(l, since)) if since.elapsed() < super::config::TCP_FALLBACK_MEMORY => l,
-            _ => 0,
-        }
+        level_in(&self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner()), addr)
     }
 
     /// A fetch from `addr` with the backend of preference `used` failed, unable to reach it:
@@ -117,20 +121,21 @@ impl Inner {
     /// after the last, when `Limits::tcp_fallback` allows), marked for `addr` from now and
     /// counted.
     pub(super) fn fall_back(&self, addr: SocketAddr, used: usize) -> Option<usize> {
-        if self.backend.hello() == super::wire::HELLO {
+        if self.backend().hello() == super::wire::HELLO {
             return None;
         }
-        let memory = super::config::TCP_FALLBACK_MEMORY;
         let mut m = self.tcp_sources.lock().unwrap_or_else(|e| e.into_inner());
-        let now_at = m.get(&addr).filter(|(_, since)| since.elapsed() < memory).map_or(0, |&(l, _)| l);
+        let now_at = level_in(&m, addr);
         if now_at > used {
             return Some(now_at);
         }
         let next = used + 1;
-        if next > self.more.len() + 1 || (next == self.more.len() + 1 && !self.limits.tcp_fallback) {
+        let tcp = self.backends.len();
+        if next > tcp || (next == tcp && !self.limits.tcp_fallback) {
             return None;
         }
         if m.len() >= MAX_TCP_SOURCES && !m.contains_key(&addr) {
+            let memory = super::config::TCP_FALLBACK_MEMORY;
             m.retain(|_, (_, since)| since.elapsed() < memory);
             if m.len() >= MAX_TCP_SOURCES {
                 if let Some(oldest) = m.iter().min_by_key(|(_, (_, since))| *since).map(|(a, _)| *a) {
@@ -145,18 +150,17 @@ impl Inner {
 
     /// The backend that serves hellos of `kind` other than TCP's, if any.
     pub(super) fn serving(&self, kind: u8) -> Option<&dyn transport::Backend> {
-        std::iter::once(&self.backend).chain(&self.more).find(|b| b.hello() == kind).map(|b| &**b)
+        self.backends.iter().find(|b| b.hello() == kind).map(|b| &**b)
     }
 
     /// Whether any backend has something to look at again ([`transport::Backend::wants_reap`]).
     pub(super) fn wants_reap(&self) -> bool {
-        self.backend.wants_reap() || self.more.iter().any(|b| b.wants_reap())
+        self.backends.iter().any(|b| b.wants_reap())
     }
 
     /// Every backend looks at what it withholds or holds mapped ([`transport::Backend::reap`]).
     pub(super) fn reap(&self) {
-        self.backend.reap(self);
-        for b in &self.more {
+        for b in &self.backends {
             b.reap(self);
         }
     }

@@ -232,16 +232,12 @@ impl Agent {
         };
         let movers = pool::Movers::new(memory);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-        let mut more = unsafe { transport::open(&config.transport, &layout, config.device) }?;
-        let backend = more.remove(0);
-        let default_speed = backend.default_speed(config.device.is_some());
+        let backends = unsafe { transport::open(&config.transport, &layout, config.device) }?;
+        let default_speed = backends[0].default_speed(config.device.is_some());
         // one mover per stream of a fetch (NIXL fetches use one), made now rather than on a
         // first fetch's critical path (a device pool's kernel compiles and loads here, and a
         // failure shows at once)
-        let warm = more
-            .iter()
-            .map(|b| b.movers_at_start(&config.limits))
-            .fold(backend.movers_at_start(&config.limits), usize::max);
+        let warm = backends.iter().map(|b| b.movers_at_start(&config.limits)).max().unwrap_or(1);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
@@ -264,8 +260,7 @@ impl Agent {
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
             idle: Mutex::new(HashMap::new()),
-            backend,
-            more,
+            backends,
             tcp_sources: Mutex::new(HashMap::new()),
         });
         let mut agent =
@@ -481,11 +476,7 @@ impl Drop for Agent {
         // then nothing can write into withheld blocks any more: they go back before the
         // holder does
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            let backend = std::mem::replace(&mut inner.backend, Box::new(transport::tcp::Tcp));
-            let mut ids = backend.teardown();
-            for b in std::mem::take(&mut inner.more) {
-                ids.extend(b.teardown());
-            }
+            let ids: Vec<u32> = std::mem::take(&mut inner.backends).into_iter().flat_map(|b| b.teardown()).collect();
             inner.give_back(&ids);
         }
     }

@@ -307,7 +307,7 @@ pub(super) trait Backend: Send + Sync {
 }
 
 /// The backends of `transport` over `layout` (memory of `device`, host memory when `None`), in
-/// order of preference: one, or one per transport of a [`Transport::Prefer`].
+/// order of preference: one, or one per transport of a [`Transport::Prefer`]; never empty.
 ///
 /// # Safety
 /// As [`super::Agent::new`]: the layout's blocks are memory of `device`, valid for the agent's
