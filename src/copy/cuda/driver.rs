@@ -342,9 +342,6 @@ pub struct VmmBuffer {
     ptr: u64,
     len: usize,
     chunk: usize,
-    /// Bytes of the reservation.
-    reserved: usize,
-    handles: Vec<sys::CUmemGenericAllocationHandle>,
 }
 
 // SAFETY: device memory is used through addresses from any thread.
@@ -354,8 +351,9 @@ unsafe impl Sync for VmmBuffer {}
 
 impl VmmBuffer {
     /// At least `len` bytes in `chunks` allocations of equal size (each rounded up to the
-    /// allocation granularity, 2 MiB on current GPUs). Cost: a reservation, then one create
-    /// and one map per allocation.
+    /// allocation granularity, 2 MiB on current GPUs), mapped side by side as
+    /// [`CudaDevice::vmm_map`] maps imported ones. Cost: one create per allocation, then a
+    /// reservation and one map per allocation.
     pub fn alloc(dev: &Arc<CudaDevice>, len: usize, chunks: usize, shareable: bool) -> Result<VmmBuffer, CopyError> {
         if chunks == 0 || len == 0 {
             return Err(CopyError::InvalidOptions);
@@ -364,8 +362,7 @@ impl VmmBuffer {
         // SAFETY: a plain C struct; zero is "none" for every field not set below.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location =
-            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: dev.ordinal };
+        prop.location = device_location(dev.ordinal);
         if shareable {
             prop.requestedHandleTypes = POSIX_FD;
         }
@@ -374,30 +371,20 @@ impl VmmBuffer {
         // SAFETY: the driver writes one usize; `prop` is initialised.
         check(unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, min) }, "cuMemGetAllocationGranularity")?;
         let chunk = len.div_ceil(chunks).next_multiple_of(gran.max(1));
-        let total = chunk.checked_mul(chunks).ok_or(CopyError::InvalidOptions)?;
-        let mut ptr = 0u64;
-        // SAFETY: reserves address space only, into a local.
-        check(unsafe { sys::cuMemAddressReserve(&mut ptr, total, 0, 0, 0) }, "cuMemAddressReserve")?;
-        // from here the Drop of `b` undoes whatever was done (unmap of the mapped prefix,
-        // release of the handles, free of the reservation)
-        let mut b =
-            VmmBuffer { dev: dev.clone(), ptr, len: 0, chunk, reserved: total, handles: Vec::with_capacity(chunks) };
-        for k in 0..chunks {
+        chunk.checked_mul(chunks).ok_or(CopyError::InvalidOptions)?;
+        // each allocation's handle is released when `handles` drops (after the map, which
+        // holds the memory, or on an error)
+        let mut handles = Vec::with_capacity(chunks);
+        for _ in 0..chunks {
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: creates one allocation of a granularity multiple into a local.
             check(unsafe { sys::cuMemCreate(&mut h, chunk, &prop, 0) }, "cuMemCreate")?;
-            b.handles.push(h);
-            // SAFETY: maps it at its place inside the reservation made above.
-            check(unsafe { sys::cuMemMap(ptr + (k * chunk) as u64, chunk, 0, h, 0) }, "cuMemMap")?;
-            b.len += chunk;
+            handles.push(VmmHandle { h });
         }
-        let desc = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped; one descriptor.
-        check(unsafe { sys::cuMemSetAccess(ptr, total, &desc, 1) }, "cuMemSetAccess")?;
-        Ok(b)
+        let sizes = vec![chunk as u64; chunks];
+        // SAFETY: every handle is an allocation of `chunk` bytes, created just above.
+        let ptr = unsafe { dev.vmm_map(&handles, &sizes) }?;
+        Ok(VmmBuffer { dev: dev.clone(), ptr, len: chunk * chunks, chunk })
     }
     /// The device address of the range.
     pub fn ptr(&self) -> u64 {
@@ -423,18 +410,9 @@ impl VmmBuffer {
 
 impl Drop for VmmBuffer {
     fn drop(&mut self) {
-        let _ctx = self.dev.bind();
-        // SAFETY: undoes `alloc`, once: the mapped prefix, each created allocation, the
-        // reservation.
-        unsafe {
-            if self.len > 0 {
-                sys::cuMemUnmap(self.ptr, self.len);
-            }
-            for &h in &self.handles {
-                sys::cuMemRelease(h);
-            }
-            sys::cuMemAddressFree(self.ptr, self.reserved);
-        }
+        // SAFETY: the range `alloc` mapped with `vmm_map`, unmapped once; nothing uses it any
+        // more (the owner drops it).
+        let _ = unsafe { self.dev.vmm_unmap(self.ptr, self.len as u64) };
     }
 }
 
@@ -639,6 +617,11 @@ impl Drop for VmmHandle {
     }
 }
 
+/// Device `ordinal` as a location of the virtual memory API.
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
+}
+
 const POSIX_FD: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType_enum::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
@@ -745,10 +728,7 @@ impl CudaDevice {
                 mapped += size;
             }
             let desc = sys::CUmemAccessDesc {
-                location: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: self.ordinal,
-                },
+                location: device_location(self.ordinal),
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             // SAFETY: the whole range is mapped (above); one descriptor.
