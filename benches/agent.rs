@@ -11,7 +11,11 @@
 //! 2. The agent's own host cost: the time of one `submit` call (checks and copies, no I/O), of
 //!    recording checksums per block (summed where the blocks lie), and the CPU time of the whole
 //!    process (both agents) per GB fetched, against the anchor's.
-//! 3. First use: the first fetch of two new agents (8 blocks) against warm 8-block fetches, and
+//! 3. Back to back: the same 1 GiB fetch repeated with nothing between (a busy runtime's steady
+//!    state), against the device copy (GPU pools) and the split bare NIXL READ (NIXL) run back
+//!    to back as well; in (1) the TCP anchors run between fetches, so every fetch starts from
+//!    idle threads.
+//! 4. First use: the first fetch of two new agents (8 blocks) against warm 8-block fetches, and
 //!    the first 1 GiB fetch (every stream's first use) against the median one.
 //!
 //! `KVRELAY_BENCH_DEVICE=cuda:N` puts both pools in the memory of GPU N (both agents on one
@@ -311,6 +315,33 @@ fn main() {
         between_rates.push(bytes as f64 / p / 1e9);
         between_ratio.push(p / r.seconds);
     }
+    // back to back: the same 1 GiB fetch `reps` times in a row with nothing between (a busy
+    // runtime's steady state: with `poll` set, no thread sleeps between steps), against its
+    // anchors run back to back as well; medians of each loop
+    let mut b2b: Vec<f64> = vec![];
+    for _ in 0..reps {
+        let r = dst.submit(req(), None).unwrap().wait(Duration::from_secs(90)).unwrap();
+        assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
+        b2b.push(bytes as f64 / r.seconds);
+    }
+    let mut b2b_d2d: Vec<f64> = vec![];
+    if let Some((a, b, st)) = &d2d {
+        for _ in 0..reps {
+            let t = Instant::now();
+            // SAFETY: two live device buffers of `bytes` each, used by nothing else.
+            unsafe { st.copy_device(b.ptr(), a.ptr(), bytes) }.unwrap();
+            st.synchronize().unwrap();
+            b2b_d2d.push(bytes as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
+    let mut b2b_bare: Vec<f64> = vec![];
+    #[cfg(feature = "nixl")]
+    if let Some(b) = &bare {
+        for _ in 0..reps {
+            b2b_bare.push(b.read_split(bare_requests));
+        }
+    }
     let vmm = std::env::var("KVRELAY_BENCH_VMM").ok().filter(|v| v != "0" && !v.is_empty());
     let pools = device.map_or("host pools".to_string(), |d| match &vmm {
         Some(n) => format!("GPU pools (cuda:{d}, both agents; virtual memory API, {n} allocations each)"),
@@ -371,6 +402,28 @@ fn main() {
             100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
             100.0 * r.iter().cloned().fold(0.0, f64::max)
         );
+    }
+    {
+        let mut line = format!(
+            "  back to back     agent median {:.2} GB/s ({reps} fetches in a row, poll {} us)",
+            median(b2b.clone()) / 1e9,
+            poll.as_micros()
+        );
+        if !b2b_d2d.is_empty() {
+            line += &format!(
+                "; device copy back to back {:.2} GB/s, agent / it {:.0}%",
+                median(b2b_d2d.clone()) / 1e9,
+                100.0 * median(b2b.clone()) / median(b2b_d2d)
+            );
+        }
+        if !b2b_bare.is_empty() {
+            line += &format!(
+                "; bare NIXL split back to back {:.2} GB/s, agent / it {:.0}%",
+                median(b2b_bare.clone()) / 1e9,
+                100.0 * median(b2b.clone()) / median(b2b_bare)
+            );
+        }
+        println!("{line}");
     }
     println!(
         "  first 1 GiB      {:.1} ms (its streams' first use), {:.2}x the median fetch's {:.1} ms",
