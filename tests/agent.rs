@@ -312,6 +312,13 @@ fn nixl_reads_blocks_in_place_verified() {
     assert!(r.detail.contains("unsupported"), "{}", r.detail);
     assert_eq!(tcp.agent.stats().refused_unsupported, refused_before + 1, "one NIXL hello refused");
     assert_eq!(pinned.agent.stats().transport_fallbacks, 0);
+    // a source that fell back is estimated from TCP's default, not NIXL's (a fetch that
+    // failed over TCP records nothing, so the estimate is the restarted default)
+    let e = instance_with(|c| c.transport = t.clone());
+    assert_eq!(e.agent.speed(&tcp.endpoint()), kvrelay::agent::NIXL_HOST_DEFAULT);
+    let r = e.fetch(&tcp.endpoint(), &[7, 8], 0, vec![0]);
+    assert_eq!((r.failure, e.agent.stats().transport_fallbacks), (Some(FailReason::SourceMiss), 1), "{}", r.detail);
+    assert_eq!(e.agent.speed(&tcp.endpoint()), kvrelay::agent::TCP_DEFAULT);
     // memory that went bad at the source after its checksum was recorded
     a.pool.corrupt(4, 7);
     let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![10, 11, 13, 14]);

@@ -67,10 +67,21 @@ impl Estimator {
         s.setup_s + bytes as f64 / s.bytes_per_s
     }
 
-    /// Fold in a finished transfer.
-    pub fn record(&self, source: &str, setup: Duration, bytes: u64, data_time: Duration) {
-        let t = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// Start `source` again from `default`, forgetting what was measured (the agent calls it
+    /// when a source falls back to another transport: the measurements were of the old one).
+    pub fn restart(&self, source: &str, default: SourceSpeed) {
         let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
+        self.entry(&mut m, source).0 = default;
+    }
+
+    /// `source`'s entry, made (at the default) when missing, the oldest entry dropped beyond
+    /// [`MAX_SOURCES`]; marked as the newest.
+    fn entry<'m>(
+        &self,
+        m: &'m mut HashMap<String, (SourceSpeed, u64)>,
+        source: &str,
+    ) -> &'m mut (SourceSpeed, u64) {
+        let t = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if !m.contains_key(source) && m.len() >= MAX_SOURCES {
             if let Some(oldest) = m.iter().min_by_key(|(_, v)| v.1).map(|(k, _)| k.clone()) {
                 m.remove(&oldest);
@@ -78,6 +89,13 @@ impl Estimator {
         }
         let e = m.entry(source.to_string()).or_insert((self.default, t));
         e.1 = t;
+        e
+    }
+
+    /// Fold in a finished transfer.
+    pub fn record(&self, source: &str, setup: Duration, bytes: u64, data_time: Duration) {
+        let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
+        let e = self.entry(&mut m, source);
         e.0.setup_s = 0.75 * e.0.setup_s + 0.25 * setup.as_secs_f64();
         if bytes > 0 && data_time > Duration::ZERO {
             e.0.bytes_per_s = 0.75 * e.0.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());
@@ -99,5 +117,9 @@ mod tests {
         assert!((s.bytes_per_s - (0.75 * 3e9 + 0.25 * 1e9)).abs() < 1.0);
         assert_eq!(e.speed("b"), TCP_DEFAULT);
         assert!(e.seconds("a", 0) == s.setup_s);
+        // a source that moved to another transport starts from that one's default
+        e.restart("a", NIXL_HOST_DEFAULT);
+        assert_eq!(e.speed("a"), NIXL_HOST_DEFAULT);
+        assert_eq!(e.speed("b"), TCP_DEFAULT);
     }
 }

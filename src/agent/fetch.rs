@@ -247,6 +247,7 @@ fn pull(
             state,
             part: k,
             addr,
+            endpoint: &req.endpoint,
             asked: &asked[lo..hi],
             dst: &dst[lo..hi],
             deadline,
@@ -372,6 +373,8 @@ struct Stream<'a> {
     /// Which part of the fetch (0 for the first).
     part: usize,
     addr: std::net::SocketAddr,
+    /// The endpoint as the request named it (the estimator's key).
+    endpoint: &'a str,
     asked: &'a [u64],
     dst: &'a [u32],
     deadline: Instant,
@@ -408,7 +411,7 @@ impl Stream<'_> {
                 // next preference (TCP after the last, `Limits::tcp_fallback`), on a new
                 // connection
                 Exchange::Close(Err(e)) if land.unusable && land.blocks == 0 && land.withheld == 0 => {
-                    let Some(next) = inner.fall_back(addr, level) else { return Err(e) };
+                    let Some(next) = inner.fall_back(addr, self.endpoint, level) else { return Err(e) };
                     level = next;
                     land.unusable = false;
                     land.offered = false;

@@ -119,8 +119,9 @@ impl Inner {
     /// the level to make it again with, if any. A source another fetch already moved past
     /// `used` is tried at its level (not counted again); otherwise the next preference (TCP
     /// after the last, when `Limits::tcp_fallback` allows), marked for `addr` from now and
-    /// counted.
-    pub(super) fn fall_back(&self, addr: SocketAddr, used: usize) -> Option<usize> {
+    /// counted; the estimate of `endpoint` (that source) then starts again from the new
+    /// backend's default, its measurements being of a transport it is no longer fetched with.
+    pub(super) fn fall_back(&self, addr: SocketAddr, endpoint: &str, used: usize) -> Option<usize> {
         if self.backend().hello() == super::wire::HELLO {
             return None;
         }
@@ -144,6 +145,9 @@ impl Inner {
             }
         }
         m.insert(addr, (next, Instant::now()));
+        drop(m);
+        let device_pool = matches!(self.movers.memory(), super::pool::Memory::Device(_));
+        self.estimator.restart(endpoint, self.backend_at(next).default_speed(device_pool));
         Stats::add(&self.stats.transport_fallbacks, 1);
         Some(next)
     }
