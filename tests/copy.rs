@@ -492,6 +492,24 @@ fn gpu_registered_caller_memory_works_as_staging() {
 }
 
 #[test]
+fn gpu_address_range_names_the_allocation_that_holds_an_address() {
+    let Some(d) = gpu() else { return };
+    let len = 3 << 20;
+    let buf = DeviceBuffer::alloc(&d, len).unwrap();
+    for at in [0u64, 1, 4096, len as u64 - 1] {
+        let (base, size) = d.address_range(buf.ptr() + at).unwrap();
+        assert_eq!(base, buf.ptr(), "offset {at}");
+        assert!(size >= len as u64, "offset {at}: {size} bytes");
+    }
+    // an address no allocation holds is an error, not a guess
+    let past = buf.ptr() + (64u64 << 40);
+    assert!(d.address_range(past).is_err(), "{past:#x} answered {:?}", d.address_range(past));
+    let export = d.ipc_export(buf.ptr() + 4096).unwrap();
+    assert_eq!((export.base, export.size), d.address_range(buf.ptr()).unwrap());
+    println!("ok address_range: base and size of a {len}-byte allocation from any address in it");
+}
+
+#[test]
 fn gpu_id_ring_backpressure_keeps_every_call_correct() {
     let Some(d) = gpu() else { return };
     let mut rng = Rng(0xF00D);

@@ -38,8 +38,10 @@
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
-//!   share a host under one trust domain (a source that lies about its allocations' sizes can
-//!   make a destination's copy fault). The descriptor socket hands descriptors only to a
+//!   share a host under one trust domain. The sizes a source reports are checked against the
+//!   driver's: an allocation must map here (`cuMemGetAddressRange`) at least as large as
+//!   offered, and a virtual-memory allocation maps only at its real size (`cuMemMap` refuses
+//!   more), so no copy plan reads past what is mapped. The descriptor socket hands descriptors only to a
 //!   connection that presents the token of an offer. Across two GPUs of a host the same copies go over
 //!   peer access (NVLink where present); multi-node NVLink fabric handles
 //!   (`CU_MEM_HANDLE_TYPE_FABRIC`, memory from `cuMemCreate` with that handle type, exported
@@ -581,6 +583,18 @@ impl CudaIpc {
             // it does not know); the mapping is kept until that process goes or the agent stops.
             let ptr = unsafe { self.dev.ipc_open(&a.handle) }
                 .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
+            // the copy plans trust the size the source reported: the driver's own must cover it
+            match self.dev.address_range(ptr) {
+                Ok((base, size)) if base == ptr && size >= a.size => {}
+                got => {
+                    // SAFETY: mapped just above, used by nothing yet.
+                    let _ = unsafe { self.dev.ipc_close(ptr) };
+                    return Err((
+                        FailReason::Corrupt,
+                        format!("CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here", a.size),
+                    ));
+                }
+            }
             let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: None, watched });
             m.insert(key, p.clone());
             added = true;

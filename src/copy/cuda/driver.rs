@@ -539,11 +539,10 @@ impl CudaDevice {
     /// (`cudaMallocAsync`) cannot be exported this way and gives an error. Cost: two driver
     /// calls; call once per allocation.
     pub fn ipc_export(&self, ptr: u64) -> Result<IpcExport, CopyError> {
+        let (base, size) = self.address_range(ptr)?;
         let _ctx = self.bind()?;
-        let (mut base, mut size) = (0u64, 0usize);
-        // SAFETY: plain queries into locals; `ptr` is only looked up, never dereferenced.
+        // SAFETY: a plain query into a local; `base` is only looked up, never dereferenced.
         unsafe {
-            check(sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr), "cuMemGetAddressRange")?;
             let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
             check(sys::cuIpcGetMemHandle(h.as_mut_ptr(), base), "cuIpcGetMemHandle")?;
             let h = h.assume_init();
@@ -551,8 +550,19 @@ impl CudaDevice {
             for (o, &c) in handle.iter_mut().zip(h.reserved.iter()) {
                 *o = c as u8;
             }
-            Ok(IpcExport { handle, base, size: size as u64 })
+            Ok(IpcExport { handle, base, size })
         }
+    }
+
+    /// The allocation (or mapping) that holds device address `ptr` in this context: its base
+    /// and size (`cuMemGetAddressRange`), an error for an address the driver does not know.
+    /// Cost: one driver call; `ptr` is only looked up, never dereferenced.
+    pub fn address_range(&self, ptr: u64) -> Result<(u64, u64), CopyError> {
+        let _ctx = self.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: a plain query into locals.
+        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
+        Ok((base, size as u64))
     }
 
     /// Map an allocation another process of this host exported ([`CudaDevice::ipc_export`])
