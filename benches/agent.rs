@@ -29,6 +29,10 @@
 //! copy of the same bytes in one process (`cuMemcpyDtoD`), the ceiling of a same-host copy, and
 //! the CUDA IPC transport's copy-and-sum kernel alone over the same bytes (pool to pool).
 //!
+//! `KVRELAY_BENCH_SOURCE_DEVICE=cuda:M` (with `KVRELAY_BENCH_DEVICE=cuda:N`) puts the source's
+//! pool on GPU M: two GPUs of one host. The anchors then copy from M to N with peer access on
+//! (NVLink where present): the device copy becomes the peer copy, the kernel alone reads over
+//! the link, and the bare NIXL READ reads M's memory from N.
 //! `KVRELAY_BENCH_VMM=N` (GPU pools) makes every pool of the run device memory of the virtual
 //! memory API, N allocations side by side (`VmmBuffer`; a CUDA IPC source then hands its
 //! allocations out as file descriptors).
@@ -133,6 +137,24 @@ fn main() {
         .filter(|s| !s.is_empty() && s != "cpu")
         .map(|s| s.trim_start_matches("cuda:").parse().expect("KVRELAY_BENCH_DEVICE=cuda:N"));
     let dev = device.map(|d| kvrelay::copy::CudaDevice::open(d).expect("the bench's GPU"));
+    // the source's GPU (`KVRELAY_BENCH_SOURCE_DEVICE=cuda:M`; default the same one): two GPUs
+    // of one host, the anchors then copying between them with peer access on
+    let src_device: Option<i32> = match std::env::var("KVRELAY_BENCH_SOURCE_DEVICE").ok().filter(|s| !s.is_empty()) {
+        Some(s) => {
+            assert!(device.is_some(), "KVRELAY_BENCH_SOURCE_DEVICE needs KVRELAY_BENCH_DEVICE=cuda:N");
+            Some(s.trim_start_matches("cuda:").parse().expect("KVRELAY_BENCH_SOURCE_DEVICE=cuda:M"))
+        }
+        None => device,
+    };
+    let src_dev = match (src_device, &dev) {
+        (Some(s), Some(d)) if s != d.ordinal() => {
+            let sd = kvrelay::copy::CudaDevice::open(s).expect("the source's GPU");
+            let peer = d.enable_peer_access(&sd).expect("peer access") && sd.enable_peer_access(d).expect("peer access");
+            println!("two GPUs: source cuda:{s}, destination cuda:{}, peer access {}", d.ordinal(), if peer { "on" } else { "not possible (through the host)" });
+            Some(sd)
+        }
+        _ => dev.clone(),
+    };
     let nixl = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "nixl");
     let ipc = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "cuda-ipc");
     // NIXL and CUDA IPC: the source in a process of its own (as between two instances)
@@ -159,7 +181,11 @@ fn main() {
     let mut child = None;
     let mut _source = None;
     let (ep, record) = if separate && !source_role {
-        let mut c = std::process::Command::new(std::env::current_exe().unwrap())
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+        if let Some(s) = src_device {
+            c.env("KVRELAY_BENCH_DEVICE", format!("cuda:{s}")).env_remove("KVRELAY_BENCH_SOURCE_DEVICE");
+        }
+        let mut c = c
             .env(SOURCE_ENV, "1")
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -171,10 +197,10 @@ fn main() {
         child = Some(c);
         (ep.to_string(), rec.parse::<f64>().unwrap())
     } else {
-        let (mem, layout) = pool(dev.as_ref());
+        let (mem, layout) = pool(src_dev.as_ref());
         let held = Held(Mutex::new(names.iter().enumerate().map(|(i, &n)| (n, i as u32)).collect()));
         let mut src_cfg = AgentConfig::new(fp.clone());
-        src_cfg.device = device;
+        src_cfg.device = src_device;
         src_cfg.transport = transport.clone();
         src_cfg.limits.poll = poll;
         src_cfg.limits.socket_buffer_bytes =
@@ -240,7 +266,7 @@ fn main() {
     assert_eq!((r.failure, r.blocks), (None, BLOCKS as usize), "{}", r.detail);
     let first = r.seconds;
     #[cfg(feature = "nixl")]
-    let bare = nixl.then(|| bare::Bare::new(bytes, device, device));
+    let bare = nixl.then(|| bare::Bare::new(bytes, src_device, device));
     let (mut agent, mut anchor, mut ratio, mut fetch_s) = (vec![], vec![], vec![], vec![]);
     // CPU seconds and wall seconds: anchor, then agent (this process holds both ends of both)
     let mut cpu = (0.0, 0.0, 0.0, 0.0);
@@ -262,7 +288,7 @@ fn main() {
     // GPU pools: a device-to-device copy of the same bytes in this process (the copy engines'
     // ceiling the same-host transport is measured against)
     let d2d = dev.as_ref().map(|d| {
-        let a = kvrelay::copy::DeviceBuffer::alloc(d, bytes).unwrap();
+        let a = kvrelay::copy::DeviceBuffer::alloc(src_dev.as_ref().unwrap_or(d), bytes).unwrap();
         let b = kvrelay::copy::DeviceBuffer::alloc(d, bytes).unwrap();
         (a, b, kvrelay::copy::CudaStream::new(d).unwrap())
     });
@@ -270,7 +296,7 @@ fn main() {
     // GPU pools: the CUDA IPC transport's copy-and-sum kernel alone over the same bytes, pool
     // to pool in this process (what the transport adds beyond it is its protocol)
     let mut kernel = dev.as_ref().map(|d| {
-        let ((from_mem, from), (to_mem, to)) = (pool(Some(d)), pool(Some(d)));
+        let ((from_mem, from), (to_mem, to)) = (pool(src_dev.as_ref().or(Some(d))), pool(Some(d)));
         // SAFETY: the layout lies in `to_mem`, kept beside the engine until the end of main.
         let e = unsafe { kvrelay::copy::CudaEngine::new(d, to, kvrelay::copy::EngineOptions::default()) }.unwrap();
         let segs: Vec<(u64, u64)> = from.segments().iter().map(|g| (g.base, g.block_stride)).collect();
@@ -343,9 +369,14 @@ fn main() {
         }
     }
     let vmm = std::env::var("KVRELAY_BENCH_VMM").ok().filter(|v| v != "0" && !v.is_empty());
-    let pools = device.map_or("host pools".to_string(), |d| match &vmm {
-        Some(n) => format!("GPU pools (cuda:{d}, both agents; virtual memory API, {n} allocations each)"),
-        None => format!("GPU pools (cuda:{d}, both agents)"),
+    let gpus = match (device, src_device) {
+        (Some(d), Some(s)) if s != d => format!("source cuda:{s}, destination cuda:{d}"),
+        (Some(d), _) => format!("cuda:{d}, both agents"),
+        _ => String::new(),
+    };
+    let pools = device.map_or("host pools".to_string(), |_| match &vmm {
+        Some(n) => format!("GPU pools ({gpus}; virtual memory API, {n} allocations each)"),
+        None => format!("GPU pools ({gpus})"),
     });
     let how = if ipc {
         "CUDA IPC from a source process".to_string()

@@ -510,6 +510,35 @@ fn gpu_address_range_names_the_allocation_that_holds_an_address() {
 }
 
 #[test]
+fn gpu_peer_access_between_two_gpus_copies_byte_exact() {
+    let Some(d) = gpu() else { return };
+    assert_eq!(d.enable_peer_access(&d), Ok(true), "a device reaches its own memory");
+    let e = match CudaDevice::open(1) {
+        Ok(e) => e,
+        Err(CopyError::NoDevice) => {
+            println!("one GPU: the two-GPU part of the peer-access test runs where a second is present");
+            return;
+        }
+        Err(e) => panic!("the second GPU is present but could not be opened: {e}"),
+    };
+    let peer = d.enable_peer_access(&e).unwrap();
+    assert_eq!(e.enable_peer_access(&d).unwrap(), peer, "peer access is symmetric on one host");
+    assert_eq!(d.enable_peer_access(&e), Ok(peer), "asked again: the same answer");
+    let len = 1 << 20;
+    let (a, b) = (DeviceBuffer::alloc(&e, len).unwrap(), DeviceBuffer::alloc(&d, len).unwrap());
+    let want: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    a.write(0, &want).unwrap();
+    let st = CudaStream::new(&d).unwrap();
+    // SAFETY: two live device buffers of `len` bytes, used by nothing else.
+    unsafe { st.copy_device(b.ptr(), a.ptr(), len) }.unwrap();
+    st.synchronize().unwrap();
+    let mut got = vec![0u8; len];
+    b.read(0, &mut got).unwrap();
+    assert!(got == want, "the copy from cuda:1 to cuda:0 differs");
+    println!("ok peer access cuda:0 <-> cuda:1: {peer}; 1 MiB copied byte-exact");
+}
+
+#[test]
 fn gpu_id_ring_backpressure_keeps_every_call_correct() {
     let Some(d) = gpu() else { return };
     let mut rng = Rng(0xF00D);

@@ -118,6 +118,31 @@ impl CudaDevice {
         self.ordinal
     }
 
+    /// Let kernels and copies of this device's context reach `peer`'s memory directly
+    /// (`cuCtxEnablePeerAccess`; NVLink where the GPUs have it). `Ok(true)` once it is on (or
+    /// was, or `peer` is this device); `Ok(false)` when the driver says this device cannot reach
+    /// the peer's memory directly (copies between them then go through the host). CUDA IPC
+    /// mappings turn it on by themselves (`CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`); this is for
+    /// memory of one process on two GPUs. Cost: two or three driver calls; it lasts as long as
+    /// both contexts.
+    pub fn enable_peer_access(&self, peer: &CudaDevice) -> Result<bool, CopyError> {
+        if peer.dev == self.dev {
+            return Ok(true);
+        }
+        let mut can = 0;
+        // SAFETY: a plain query into a local.
+        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.dev, peer.dev) }, "cuDeviceCanAccessPeer")?;
+        if can == 0 {
+            return Ok(false);
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: `peer.ctx` is a retained primary context; flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx, 0) } {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+            r => check(r, "cuCtxEnablePeerAccess").map(|()| true),
+        }
+    }
+
     /// The copy kernels, loaded by `load` (with this device's context current) the first time
     /// they are asked for; a failed load is not kept, so the next engine tries again.
     pub(super) fn kernels(&self, load: impl FnOnce() -> Result<Kernels, CopyError>) -> Result<Kernels, CopyError> {
