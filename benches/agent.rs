@@ -149,8 +149,13 @@ fn main() {
     let src_dev = match (src_device, &dev) {
         (Some(s), Some(d)) if s != d.ordinal() => {
             let sd = kvrelay::copy::CudaDevice::open(s).expect("the source's GPU");
-            let peer = d.enable_peer_access(&sd).expect("peer access") && sd.enable_peer_access(d).expect("peer access");
-            println!("two GPUs: source cuda:{s}, destination cuda:{}, peer access {}", d.ordinal(), if peer { "on" } else { "not possible (through the host)" });
+            let peer =
+                d.enable_peer_access(&sd).expect("peer access") && sd.enable_peer_access(d).expect("peer access");
+            println!(
+                "two GPUs: source cuda:{s}, destination cuda:{}, peer access {}",
+                d.ordinal(),
+                if peer { "on" } else { "not possible (through the host)" }
+            );
             Some(sd)
         }
         _ => dev.clone(),

@@ -76,11 +76,7 @@ impl Estimator {
 
     /// `source`'s entry, made (at the default) when missing, the oldest entry dropped beyond
     /// [`MAX_SOURCES`]; marked as the newest.
-    fn entry<'m>(
-        &self,
-        m: &'m mut HashMap<String, (SourceSpeed, u64)>,
-        source: &str,
-    ) -> &'m mut (SourceSpeed, u64) {
+    fn entry<'m>(&self, m: &'m mut HashMap<String, (SourceSpeed, u64)>, source: &str) -> &'m mut (SourceSpeed, u64) {
         let t = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if !m.contains_key(source) && m.len() >= MAX_SOURCES {
             if let Some(oldest) = m.iter().min_by_key(|(_, v)| v.1).map(|(k, _)| k.clone()) {
