@@ -10,8 +10,9 @@ block is 512 strided runs, 4 MiB. Process B (this one) fetches the prompt's pref
 but the last) through the agent straight into its own cache tensors, over TCP (the agent stages
 through pinned host memory), with `--nixl-lib-dir` over NIXL (VRAM to VRAM) and with
 `--cuda-ipc` over the same-host CUDA IPC transport (the source serves it, and TCP too; B maps
-A's cache tensors and one kernel copies and verifies), then runs the last block and generates
-greedily.
+A's cache tensors and one kernel copies and verifies); with both, all three in the same run (the
+source's agent then prefers CUDA IPC, then NIXL, and serves all three). Then B runs the last
+block and generates greedily.
 
 Per prompt length (1k-32k tokens) it reports B's time to first token with fetch against its own
 real prefill of the whole prompt, the fetch's bytes/s against the copy ceilings measured in
@@ -24,7 +25,7 @@ prefill of the whole prompt too, with that prefill's top-two logit margin (bf16 
 
 Usage (PYTHONPATH holding the kvrelay package, KVRELAY_LIBRARY its library, built with the
 `nixl` feature for `--nixl-lib-dir`):
-    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR | --cuda-ipc] [--streams N]
+    python3 benches/gpu_model/payoff.py [--max-tokens 32768] [--gen 16] [--nixl-lib-dir DIR] [--cuda-ipc] [--streams N]
 Bounded: fixed lengths, each fetch has a deadline, the source exits when B closes its stdin.
 """
 
@@ -143,7 +144,8 @@ def source(args):
         def unpin(self, ids):
             pass
 
-    transport = "nixl" if args.nixl_lib_dir else "cuda-ipc" if args.cuda_ipc else "tcp"
+    # with both: one agent that serves CUDA IPC, NIXL and TCP readers
+    transport = ",".join(t for t, on in (("cuda-ipc", args.cuda_ipc), ("nixl", args.nixl_lib_dir)) if on) or "tcp"
     agent = kvrelay.Agent(
         FP, layout, Holder(), device=0, transport=transport, nixl_lib_dir=args.nixl_lib_dir, limits=limits(args)
     )

@@ -554,34 +554,21 @@ fn read_into(
     let (lk, ld) = kind_of(nx.device);
     let (rk, rd) = kind_of(offer.device);
     let segs = inner.layout.segments();
+    // the pieces of one request, merged block by block and segment by segment (reused)
+    let mut runs = (Vec::new(), Vec::new());
     // post every request first: UCX moves them while the earlier ones are verified
     for start in (0..count).step_by(per) {
         let end = (start + per).min(count);
         let mut local = XferDescList::new(lk).map_err(|e| nixl_err("descriptor list", e))?;
         let mut far = XferDescList::new(rk).map_err(|e| nixl_err("descriptor list", e))?;
-        // pieces that continue the previous one at both ends become one descriptor (the
-        // segments of a block-major pool, consecutive blocks on both sides)
-        let mut run: Option<(u64, u64, u64)> = None;
-        let mut flush = |run: (u64, u64, u64)| {
-            local.add_desc(run.0 as usize, run.2 as usize, ld);
-            far.add_desc(run.1 as usize, run.2 as usize, rd);
-        };
-        for (&(src, _), &d) in offer.blocks[start..end].iter().zip(&dst[start..end]) {
-            let (src, d) = (u64::from(src), u64::from(d));
-            for (s, &(rbase, rstride, len)) in segs.iter().zip(&offer.segments) {
-                let (l, r) = (s.base + d * s.block_stride, rbase + src * rstride);
-                run = match run {
-                    Some((rl, rr, n)) if rl + n == l && rr + n == r => Some((rl, rr, n + len)),
-                    Some(prev) => {
-                        flush(prev);
-                        Some((l, r, len))
-                    }
-                    None => Some((l, r, len)),
-                };
-            }
-        }
-        if let Some(last) = run {
-            flush(last);
+        // one descriptor per piece contiguous at both ends, in whichever order merges more
+        let (blocks, ids) = (&offer.blocks[start..end], &dst[start..end]);
+        merge_runs(segs, &offer.segments, blocks, ids, false, &mut runs.0);
+        merge_runs(segs, &offer.segments, blocks, ids, true, &mut runs.1);
+        let best = if runs.1.len() < runs.0.len() { &runs.1 } else { &runs.0 };
+        for &(l, r, n) in best {
+            local.add_desc(l as usize, n as usize, ld);
+            far.add_desc(r as usize, n as usize, rd);
         }
         let req = nx
             .agent
@@ -635,6 +622,46 @@ fn read_into(
     r
 }
 
+/// The `(local address, remote address, bytes)` pieces that move offered `blocks` (source ids)
+/// into `dst`, into `out`, each piece that continues the previous one at both ends merged into
+/// it. Taken block by block (each block's segments in turn), which merges a block-major pool's
+/// consecutive blocks into one piece, or with `segment_major` segment by segment (each
+/// segment's blocks in turn), which merges a pool whose segments hold their blocks side by side
+/// (one segment per layer or per head: a run of blocks is one piece per segment). The caller
+/// takes the shorter list. Cost: one pass over blocks x segments, no allocation once `out` has
+/// grown. Addresses come from an offer `InPlaceOffer::check` passed (no overflow).
+fn merge_runs(
+    local: &[crate::copy::Segment],
+    remote: &[(u64, u64, u64)],
+    blocks: &[(u32, u64)],
+    dst: &[u32],
+    segment_major: bool,
+    out: &mut Vec<(u64, u64, u64)>,
+) {
+    out.clear();
+    let mut run: Option<(u64, u64, u64)> = None;
+    let mut add = |i: usize, s: usize| {
+        let (g, (rbase, rstride, len)) = (&local[s], remote[s]);
+        let l = g.base + u64::from(dst[i]) * g.block_stride;
+        let r = rbase + u64::from(blocks[i].0) * rstride;
+        run = match run {
+            Some((rl, rr, n)) if rl + n == l && rr + n == r => Some((rl, rr, n + len)),
+            Some(prev) => {
+                out.push(prev);
+                Some((l, r, len))
+            }
+            None => Some((l, r, len)),
+        };
+    };
+    let (n, segs) = (blocks.len().min(dst.len()), local.len().min(remote.len()));
+    if segment_major {
+        (0..segs).for_each(|s| (0..n).for_each(|i| add(i, s)));
+    } else {
+        (0..n).for_each(|i| (0..segs).for_each(|s| add(i, s)));
+    }
+    out.extend(run);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -644,6 +671,39 @@ mod tests {
         assert_eq!(ucx_options(None), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
         assert_eq!(ucx_options(Some(String::new())), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
         assert_eq!(ucx_options(Some("RNDV_THRESH=1".into())), "RNDV_THRESH=1,CUDA_IPC_ENABLE_GET_ZCOPY=y");
+    }
+
+    #[test]
+    fn runs_merge_in_the_order_that_joins_more() {
+        use crate::copy::Segment;
+        let seg = |base, block_stride, bytes_per_block| Segment { base, block_stride, bytes_per_block };
+        let remote = |l: &[Segment], off: u64| -> Vec<(u64, u64, u64)> {
+            l.iter().map(|g| (g.base + off, g.block_stride, g.bytes_per_block)).collect()
+        };
+        let blocks: Vec<(u32, u64)> = (2..6).map(|i| (i, 0)).collect();
+        let dst = [10u32, 11, 12, 13];
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        // block-major (two 256-byte segments per 512-byte block): one piece block by block,
+        // one per (block, segment) segment by segment
+        let bm = [seg(0x10000, 512, 256), seg(0x10100, 512, 256)];
+        merge_runs(&bm, &remote(&bm, 0x100000), &blocks, &dst, false, &mut a);
+        merge_runs(&bm, &remote(&bm, 0x100000), &blocks, &dst, true, &mut b);
+        assert_eq!(a, vec![(0x10000 + 10 * 512, 0x110000 + 2 * 512, 4 * 512)]);
+        assert_eq!(b.len(), 8);
+        // one segment per head, its blocks side by side: one piece per segment segment by
+        // segment, one per (block, segment) block by block
+        let hm = [seg(0x10000, 256, 256), seg(0x20000, 256, 256), seg(0x30000, 256, 256)];
+        merge_runs(&hm, &remote(&hm, 0x100000), &blocks, &dst, false, &mut a);
+        merge_runs(&hm, &remote(&hm, 0x100000), &blocks, &dst, true, &mut b);
+        assert_eq!(a.len(), 12);
+        let want: Vec<_> = hm.iter().map(|g| (g.base + 10 * 256, g.base + 0x100000 + 2 * 256, 4 * 256)).collect();
+        assert_eq!(b, want);
+        // every byte is moved once either way
+        let bytes = |v: &[(u64, u64, u64)]| v.iter().map(|r| r.2).sum::<u64>();
+        assert_eq!((bytes(&a), bytes(&b)), (3 * 4 * 256, 3 * 4 * 256));
+        // destinations out of order: nothing merges across a gap at either end
+        merge_runs(&hm, &remote(&hm, 0x100000), &blocks, &[13, 12, 11, 10], true, &mut b);
+        assert_eq!(b.len(), 12);
     }
 
     #[test]
