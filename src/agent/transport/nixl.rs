@@ -15,7 +15,11 @@
 //!   block its id and the checksum recorded when it became reusable. The destination checks
 //!   the offer against its own layout (the same segment sizes; ids inside the source's pool),
 //!   posts READs from the source's blocks into its destination blocks, in requests of
-//!   [`REQUEST_BYTES`] ([`REQUEST_BYTES_GPU`] into GPU memory), all posted at once, then request
+//!   [`REQUEST_BYTES`] ([`REQUEST_BYTES_GPU`] into GPU memory), all posted at once. A request's
+//!   descriptors are its pieces contiguous at both ends, merged block by block or segment by
+//!   segment, whichever gives fewer: UCX pays per descriptor, and a pool of one segment per
+//!   layer or head (8 KiB per block and segment in a static cache) moved at under 1 GB/s with a
+//!   descriptor per piece. Then request
 //!   by request in order sums each block where it landed (host memory in place, GPU memory with
 //!   the checksum kernel) and counts it verified when the sum matches. The first mismatch
 //!   stops the fetch (`corrupt`). `DONE` tells the source how many blocks were taken; it then
