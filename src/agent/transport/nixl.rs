@@ -54,6 +54,11 @@ pub const REQUEST_BYTES: usize = 64 << 20;
 /// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
 /// a setup and a checksum kernel launch, so fewer, larger ones.
 pub const REQUEST_BYTES_GPU: usize = 256 << 20;
+/// Bytes a descriptor should carry where a pool's pieces merge segment by segment (one segment
+/// per layer or head): UCX pays per descriptor (about 10 us each on one H200), so such a fetch's
+/// requests grow until each segment's descriptor holds this much, past [`REQUEST_BYTES_GPU`]
+/// when need be.
+pub const DESCRIPTOR_BYTES: usize = 4 << 20;
 /// Largest NIXL agent metadata an offer may carry.
 pub use crate::agent::wire::MAX_METADATA;
 
@@ -554,12 +559,21 @@ fn read_into(
 ) -> Result<(), Failure> {
     let bb = inner.block_bytes;
     let count = offer.blocks.len();
-    let per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
+    let mut per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
     let (lk, ld) = kind_of(nx.device);
     let (rk, rd) = kind_of(offer.device);
     let segs = inner.layout.segments();
     // the pieces of one request, merged block by block and segment by segment (reused)
     let mut runs = (Vec::new(), Vec::new());
+    // pieces that merge segment by segment: requests of enough blocks that each segment's
+    // descriptor carries DESCRIPTOR_BYTES (fewer checks in flight, far fewer descriptors)
+    let first = per.min(count);
+    merge_runs(segs, &offer.segments, &offer.blocks[..first], &dst[..first], false, &mut runs.0);
+    merge_runs(segs, &offer.segments, &offer.blocks[..first], &dst[..first], true, &mut runs.1);
+    if runs.1.len() < runs.0.len() {
+        let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
+        per = per.max(DESCRIPTOR_BYTES.div_ceil(smallest));
+    }
     // post every request first: UCX moves them while the earlier ones are verified
     for start in (0..count).step_by(per) {
         let end = (start + per).min(count);
