@@ -146,7 +146,7 @@ fn main() {
         }
         None => device,
     };
-    let src_dev = match (src_device, &dev) {
+    let (src_dev, peer) = match (src_device, &dev) {
         (Some(s), Some(d)) if s != d.ordinal() => {
             let sd = kvrelay::copy::CudaDevice::open(s).expect("the source's GPU");
             let peer =
@@ -154,11 +154,11 @@ fn main() {
             println!(
                 "two GPUs: source cuda:{s}, destination cuda:{}, peer access {}",
                 d.ordinal(),
-                if peer { "on" } else { "not possible (through the host)" }
+                if peer { "on" } else { "not possible (copies through the host; no kernel-alone anchor)" }
             );
-            Some(sd)
+            (Some(sd), peer)
         }
-        _ => dev.clone(),
+        _ => (dev.clone(), true),
     };
     let nixl = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "nixl");
     let ipc = std::env::var("KVRELAY_BENCH_TRANSPORT").is_ok_and(|t| t == "cuda-ipc");
@@ -300,7 +300,8 @@ fn main() {
     let mut d2d_rates: Vec<f64> = vec![];
     // GPU pools: the CUDA IPC transport's copy-and-sum kernel alone over the same bytes, pool
     // to pool in this process (what the transport adds beyond it is its protocol)
-    let mut kernel = dev.as_ref().map(|d| {
+    // (it reads the source's GPU from this one: only with peer access between two GPUs)
+    let mut kernel = dev.as_ref().filter(|_| peer).map(|d| {
         let ((from_mem, from), (to_mem, to)) = (pool(src_dev.as_ref().or(Some(d))), pool(Some(d)));
         // SAFETY: the layout lies in `to_mem`, kept beside the engine until the end of main.
         let e = unsafe { kvrelay::copy::CudaEngine::new(d, to, kvrelay::copy::EngineOptions::default()) }.unwrap();

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A source's measured speed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,8 +45,25 @@ pub const MAX_SOURCES: usize = 4096;
 /// Per-source moving averages.
 pub struct Estimator {
     default: SourceSpeed,
-    by_source: Mutex<HashMap<String, (SourceSpeed, u64)>>,
+    by_source: Mutex<HashMap<String, Entry>>,
     tick: std::sync::atomic::AtomicU64,
+}
+
+/// One source's estimate.
+struct Entry {
+    speed: SourceSpeed,
+    /// When it was last used (the oldest goes first beyond [`MAX_SOURCES`]).
+    tick: u64,
+    /// Until when `speed` is of a transport the source fell back to ([`Estimator::restart`]):
+    /// past it the source is fetched from with the first transport again, and starts again
+    /// from the default.
+    until: Option<Instant>,
+}
+
+impl Entry {
+    fn expired(&self, now: Instant) -> bool {
+        self.until.is_some_and(|u| now >= u)
+    }
 }
 
 impl Estimator {
@@ -58,7 +75,10 @@ impl Estimator {
     /// The current estimate for `source`.
     pub fn speed(&self, source: &str) -> SourceSpeed {
         let m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(source).map_or(self.default, |e| e.0)
+        match m.get(source) {
+            Some(e) if !e.expired(Instant::now()) => e.speed,
+            _ => self.default,
+        }
     }
 
     /// Seconds to fetch `bytes` from `source`.
@@ -67,34 +87,41 @@ impl Estimator {
         s.setup_s + bytes as f64 / s.bytes_per_s
     }
 
-    /// Start `source` again from `default`, forgetting what was measured (the agent calls it
-    /// when a source falls back to another transport: the measurements were of the old one).
-    pub fn restart(&self, source: &str, default: SourceSpeed) {
+    /// Start `source` again from `default` until `until`, forgetting what was measured (the
+    /// agent calls it when a source falls back to another transport for a while: the
+    /// measurements were of the old one). From `until` on, the source starts again from the
+    /// estimator's own default, as its fetches go back to the first transport.
+    pub fn restart(&self, source: &str, default: SourceSpeed, until: Instant) {
         let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
-        self.entry(&mut m, source).0 = default;
+        let e = self.entry(&mut m, source);
+        (e.speed, e.until) = (default, Some(until));
     }
 
-    /// `source`'s entry, made (at the default) when missing, the oldest entry dropped beyond
-    /// [`MAX_SOURCES`]; marked as the newest.
-    fn entry<'m>(&self, m: &'m mut HashMap<String, (SourceSpeed, u64)>, source: &str) -> &'m mut (SourceSpeed, u64) {
-        let t = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// `source`'s entry, made (at the default) when missing or when its fallback ended, the
+    /// oldest entry dropped beyond [`MAX_SOURCES`]; marked as the newest.
+    fn entry<'m>(&self, m: &'m mut HashMap<String, Entry>, source: &str) -> &'m mut Entry {
+        let tick = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if !m.contains_key(source) && m.len() >= MAX_SOURCES {
-            if let Some(oldest) = m.iter().min_by_key(|(_, v)| v.1).map(|(k, _)| k.clone()) {
+            if let Some(oldest) = m.iter().min_by_key(|(_, v)| v.tick).map(|(k, _)| k.clone()) {
                 m.remove(&oldest);
             }
         }
-        let e = m.entry(source.to_string()).or_insert((self.default, t));
-        e.1 = t;
+        let fresh = Entry { speed: self.default, tick, until: None };
+        let e = m.entry(source.to_string()).or_insert(fresh);
+        if e.expired(Instant::now()) {
+            (e.speed, e.until) = (self.default, None);
+        }
+        e.tick = tick;
         e
     }
 
     /// Fold in a finished transfer.
     pub fn record(&self, source: &str, setup: Duration, bytes: u64, data_time: Duration) {
         let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
-        let e = self.entry(&mut m, source);
-        e.0.setup_s = 0.75 * e.0.setup_s + 0.25 * setup.as_secs_f64();
+        let e = &mut self.entry(&mut m, source).speed;
+        e.setup_s = 0.75 * e.setup_s + 0.25 * setup.as_secs_f64();
         if bytes > 0 && data_time > Duration::ZERO {
-            e.0.bytes_per_s = 0.75 * e.0.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());
+            e.bytes_per_s = 0.75 * e.bytes_per_s + 0.25 * (bytes as f64 / data_time.as_secs_f64());
         }
     }
 }
@@ -113,9 +140,17 @@ mod tests {
         assert!((s.bytes_per_s - (0.75 * 3e9 + 0.25 * 1e9)).abs() < 1.0);
         assert_eq!(e.speed("b"), TCP_DEFAULT);
         assert!(e.seconds("a", 0) == s.setup_s);
-        // a source that moved to another transport starts from that one's default
-        e.restart("a", NIXL_HOST_DEFAULT);
+        // a source that moved to another transport starts from that one's default, measured
+        // transfers fold into it while the fallback lasts
+        e.restart("a", NIXL_HOST_DEFAULT, Instant::now() + Duration::from_secs(3600));
         assert_eq!(e.speed("a"), NIXL_HOST_DEFAULT);
         assert_eq!(e.speed("b"), TCP_DEFAULT);
+        e.record("a", Duration::from_millis(1), 0, Duration::ZERO);
+        assert!((e.speed("a").setup_s - (0.75 * 0.005 + 0.25 * 0.001)).abs() < 1e-12);
+        // once the fallback ended, the source starts again from the estimator's default
+        e.restart("a", NIXL_HOST_DEFAULT, Instant::now());
+        assert_eq!(e.speed("a"), TCP_DEFAULT);
+        e.record("a", Duration::from_millis(10), 0, Duration::ZERO);
+        assert!((e.speed("a").setup_s - (0.75 * 0.002 + 0.25 * 0.010)).abs() < 1e-12, "folded into the default");
     }
 }

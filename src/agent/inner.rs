@@ -120,7 +120,8 @@ impl Inner {
     /// `used` is tried at its level (not counted again); otherwise the next preference (TCP
     /// after the last, when `Limits::tcp_fallback` allows), marked for `addr` from now and
     /// counted; the estimate of `endpoint` (that source) then starts again from the new
-    /// backend's default, its measurements being of a transport it is no longer fetched with.
+    /// backend's default for as long as the mark holds, its measurements being of a transport
+    /// it is no longer fetched with (and from the first backend's default after).
     pub(super) fn fall_back(&self, addr: SocketAddr, endpoint: &str, used: usize) -> Option<usize> {
         if self.backend().hello() == super::wire::HELLO {
             return None;
@@ -147,7 +148,8 @@ impl Inner {
         m.insert(addr, (next, Instant::now()));
         drop(m);
         let device_pool = matches!(self.movers.memory(), super::pool::Memory::Device(_));
-        self.estimator.restart(endpoint, self.backend_at(next).default_speed(device_pool));
+        let until = Instant::now() + super::config::TCP_FALLBACK_MEMORY;
+        self.estimator.restart(endpoint, self.backend_at(next).default_speed(device_pool), until);
         Stats::add(&self.stats.transport_fallbacks, 1);
         Some(next)
     }

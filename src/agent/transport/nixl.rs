@@ -19,8 +19,9 @@
 //!   descriptors are its pieces contiguous at both ends, merged block by block or segment by
 //!   segment, whichever gives fewer: UCX pays per descriptor, and a pool of one segment per
 //!   layer or head (8 KiB per block and segment in a static cache) moved at under 1 GB/s with a
-//!   descriptor per piece. Then request
-//!   by request in order sums each block where it landed (host memory in place, GPU memory with
+//!   descriptor per piece. Where segment by segment gives fewer, the requests after the first
+//!   grow until each descriptor carries [`DESCRIPTOR_BYTES`]. Then request by request in
+//!   order the destination sums each block where it landed (host memory in place, GPU memory with
 //!   the checksum kernel) and counts it verified when the sum matches. The first mismatch
 //!   stops the fetch (`corrupt`). `DONE` tells the source how many blocks were taken; it then
 //!   unpins them (or after its transfer deadline, when no `DONE` comes).
@@ -52,7 +53,8 @@ use crate::copy::KvLayout;
 /// this size, all posted at once, verified in order while the later ones are in flight.
 pub const REQUEST_BYTES: usize = 64 << 20;
 /// Bytes per NIXL request into GPU memory: READs there run at 100+ GB/s and each request costs
-/// a setup and a checksum kernel launch, so fewer, larger ones.
+/// a setup and a checksum kernel launch, so fewer, larger ones. (The requests after a fetch's
+/// first may grow past it: [`DESCRIPTOR_BYTES`].)
 pub const REQUEST_BYTES_GPU: usize = 256 << 20;
 /// Bytes a descriptor should carry where a pool's pieces merge segment by segment (one segment
 /// per layer or head): UCX pays per descriptor (about 10 us each on one H200), so such a fetch's
@@ -559,31 +561,33 @@ fn read_into(
 ) -> Result<(), Failure> {
     let bb = inner.block_bytes;
     let count = offer.blocks.len();
-    let mut per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
+    let per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
     let (lk, ld) = kind_of(nx.device);
     let (rk, rd) = kind_of(offer.device);
     let segs = inner.layout.segments();
     // the pieces of one request, merged block by block and segment by segment (reused)
     let mut runs = (Vec::new(), Vec::new());
-    // pieces that merge segment by segment: requests of enough blocks that each segment's
-    // descriptor carries DESCRIPTOR_BYTES (fewer checks in flight, far fewer descriptors)
-    let first = per.min(count);
-    merge_runs(segs, &offer.segments, &offer.blocks[..first], &dst[..first], false, &mut runs.0);
-    merge_runs(segs, &offer.segments, &offer.blocks[..first], &dst[..first], true, &mut runs.1);
-    if runs.1.len() < runs.0.len() {
-        let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
-        per = per.max(DESCRIPTOR_BYTES.div_ceil(smallest));
-    }
+    // blocks per request after the first: where pieces merge segment by segment (decided on
+    // the first request), enough that each segment's descriptor carries DESCRIPTOR_BYTES. The
+    // first keeps `per` blocks, so that the first check (and the estimate's setup) does not
+    // wait for the whole fetch.
+    let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
+    let mut later = per;
     // post every request first: UCX moves them while the earlier ones are verified
-    for start in (0..count).step_by(per) {
-        let end = (start + per).min(count);
+    let mut start = 0;
+    while start < count {
+        let end = (start + if start == 0 { per } else { later }).min(count);
         let mut local = XferDescList::new(lk).map_err(|e| nixl_err("descriptor list", e))?;
         let mut far = XferDescList::new(rk).map_err(|e| nixl_err("descriptor list", e))?;
         // one descriptor per piece contiguous at both ends, in whichever order merges more
         let (blocks, ids) = (&offer.blocks[start..end], &dst[start..end]);
         merge_runs(segs, &offer.segments, blocks, ids, false, &mut runs.0);
         merge_runs(segs, &offer.segments, blocks, ids, true, &mut runs.1);
-        let best = if runs.1.len() < runs.0.len() { &runs.1 } else { &runs.0 };
+        let segment_major = runs.1.len() < runs.0.len();
+        if start == 0 && segment_major {
+            later = per.max(DESCRIPTOR_BYTES.div_ceil(smallest));
+        }
+        let best = if segment_major { &runs.1 } else { &runs.0 };
         for &(l, r, n) in best {
             local.add_desc(l as usize, n as usize, ld);
             far.add_desc(r as usize, n as usize, rd);
@@ -606,6 +610,7 @@ fn read_into(
                 return Err(nixl_err("posting a READ", e));
             }
         }
+        start = end;
     }
     let device_pool = nx.device.is_some();
     let mut mover = if device_pool {
@@ -646,8 +651,8 @@ fn read_into(
 /// consecutive blocks into one piece, or with `segment_major` segment by segment (each
 /// segment's blocks in turn), which merges a pool whose segments hold their blocks side by side
 /// (one segment per layer or per head: a run of blocks is one piece per segment). The caller
-/// takes the shorter list. Cost: one pass over blocks x segments, no allocation once `out` has
-/// grown. Addresses come from an offer `InPlaceOffer::check` passed (no overflow).
+/// takes the shorter list (so it calls this twice per request). Cost: one pass over blocks x
+/// segments, no allocation once `out` has grown. Addresses come from an offer `InPlaceOffer::check` passed (no overflow).
 fn merge_runs(
     local: &[crate::copy::Segment],
     remote: &[(u64, u64, u64)],
@@ -722,6 +727,42 @@ mod tests {
         // destinations out of order: nothing merges across a gap at either end
         merge_runs(&hm, &remote(&hm, 0x100000), &blocks, &[13, 12, 11, 10], true, &mut b);
         assert_eq!(b.len(), 12);
+        // byte by byte, both orders, layouts whose pieces touch within a block, across blocks,
+        // or not at all, ids with gaps: every destination byte of every (block, segment) piece
+        // is written once, from its source byte, and nothing else is written
+        let layouts: [&[Segment]; 3] = [
+            &[seg(0x1000, 48, 16), seg(0x1010, 48, 32)],
+            &[seg(0x1000, 16, 16), seg(0x2000, 32, 32), seg(0x3000, 16, 16)],
+            &[seg(0x1000, 64, 16), seg(0x1020, 64, 16)],
+        ];
+        let pairs: [&[(u32, u32)]; 3] = [&[(0, 0), (1, 1), (2, 2)], &[(4, 1), (5, 2), (7, 3), (2, 9)], &[(3, 3)]];
+        for l in layouts {
+            let r = remote(l, 0x40000);
+            for p in pairs {
+                let blocks: Vec<(u32, u64)> = p.iter().map(|&(s, _)| (s, 0)).collect();
+                let dst: Vec<u32> = p.iter().map(|&(_, d)| d).collect();
+                let mut want = std::collections::BTreeMap::new();
+                for &(src, d) in p {
+                    for (g, &(rb, rs, len)) in l.iter().zip(&r) {
+                        for o in 0..len {
+                            let to = g.base + u64::from(d) * g.block_stride + o;
+                            let from = rb + u64::from(src) * rs + o;
+                            assert!(want.insert(to, from).is_none());
+                        }
+                    }
+                }
+                for order in [false, true] {
+                    merge_runs(l, &r, &blocks, &dst, order, &mut a);
+                    let mut got = std::collections::BTreeMap::new();
+                    for &(to, from, n) in &a {
+                        for o in 0..n {
+                            assert!(got.insert(to + o, from + o).is_none(), "byte {:#x} written twice", to + o);
+                        }
+                    }
+                    assert_eq!(got, want, "layout {l:?}, pairs {p:?}, segment_major {order}");
+                }
+            }
+        }
     }
 
     #[test]

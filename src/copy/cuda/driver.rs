@@ -561,8 +561,8 @@ impl CudaDevice {
     /// Export the allocation that holds device address `ptr` for CUDA IPC. Works for memory
     /// from `cuMemAlloc`/`cudaMalloc` (what PyTorch's and most runtimes' caching allocators
     /// hand out); memory from the virtual memory API (`cuMemCreate`) or a stream-ordered pool
-    /// (`cudaMallocAsync`) cannot be exported this way and gives an error. Cost: two driver
-    /// calls; call once per allocation.
+    /// (`cudaMallocAsync`) cannot be exported this way and gives an error. Cost: three or four
+    /// driver calls; call once per allocation.
     pub fn ipc_export(&self, ptr: u64) -> Result<IpcExport, CopyError> {
         let (base, size) = self.address_range(ptr)?;
         let _ctx = self.bind()?;

@@ -92,8 +92,11 @@ fn vmm_key(base: u64, size: u64, token: &[u8; vmm_fds::TOKEN]) -> [u8; 64] {
 struct Mapping {
     dev: Arc<CudaDevice>,
     ptr: u64,
-    /// A virtual-memory range's size (`None`: a CUDA IPC mapping).
-    vmm: Option<u64>,
+    /// Bytes mapped: for a CUDA IPC mapping the driver's size of it (every later offer of the
+    /// same handle is checked against it), for a virtual-memory range its size.
+    size: u64,
+    /// A virtual-memory range (`vmm_map`), not a CUDA IPC mapping (`ipc_open`).
+    vmm: bool,
     /// Whether its source process showed in this process's `/proc` when it was mapped (one in
     /// another PID namespace does not: its mapping is then kept until the agent stops, never
     /// let go and made again at every look).
@@ -106,9 +109,10 @@ impl Drop for Mapping {
         // bytes); the last user let go (every copy through it synchronized before its fetch
         // dropped its reference).
         let _ = unsafe {
-            match self.vmm {
-                None => self.dev.ipc_close(self.ptr),
-                Some(size) => self.dev.vmm_unmap(self.ptr, size),
+            if self.vmm {
+                self.dev.vmm_unmap(self.ptr, self.size)
+            } else {
+                self.dev.ipc_close(self.ptr)
             }
         };
     }
@@ -278,72 +282,85 @@ impl CudaIpc {
             Ok(())
         };
         let watched = process_runs(e.pid);
-        for a in &e.allocs {
-            let key = (e.host, e.pid, a.handle);
-            if let Some(p) = m.get(&key) {
-                out.push(p.ptr);
-                held.push(p.clone());
-                continue;
-            }
-            room(&mut m)?;
-            // SAFETY: a handle another process of this host exported (the driver refuses one
-            // it does not know); the mapping is kept until that process goes or the agent stops.
-            let ptr = unsafe { self.dev.ipc_open(&a.handle) }
-                .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
-            // the copy plans trust the size the source reported: the driver's own must cover it
-            match self.dev.address_range(ptr) {
-                Ok((base, size)) if base == ptr && size >= a.size => {}
-                got => {
-                    // SAFETY: mapped just above, used by nothing yet.
-                    let _ = unsafe { self.dev.ipc_close(ptr) };
-                    return Err((
-                        FailReason::Corrupt,
-                        format!(
-                            "CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here",
-                            a.size
-                        ),
-                    ));
-                }
-            }
-            let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: None, watched });
-            m.insert(key, p.clone());
-            added = true;
-            out.push(ptr);
-            held.push(p);
-        }
-        if let Some(v) = &e.vmm {
-            let mut at = 0;
-            for ((base, sizes), (key, total)) in v.ranges.iter().zip(&vmm_keys) {
-                let hs = handles.get(at..at + sizes.len());
-                at += sizes.len();
-                if let Some(p) = m.get(key) {
+        // every mapping made is counted, whether or not a later one fails
+        let r = (|| -> Result<(), Failure> {
+            for a in &e.allocs {
+                let key = (e.host, e.pid, a.handle);
+                if let Some(p) = m.get(&key) {
+                    // the same allocation offered again: no larger than it maps
+                    if a.size > p.size {
+                        return Err((
+                            FailReason::Corrupt,
+                            format!(
+                                "CUDA IPC: the source offers {} bytes of an allocation that maps {} here",
+                                a.size, p.size
+                            ),
+                        ));
+                    }
                     out.push(p.ptr);
                     held.push(p.clone());
                     continue;
                 }
-                // mapped when this fetch looked, let go since (a sweep): take it up again next time
-                let Some(hs) = hs else {
-                    return Err((FailReason::Connect, "CUDA IPC: the source's range was let go meanwhile".into()));
-                };
                 room(&mut m)?;
-                // SAFETY: handles imported just above, each with the size its source exported
-                // it with (a source that lies is refused by the driver, or maps less than it
-                // offers: agents of one host are one trust domain, module docs); kept until
-                // that process goes or the agent stops.
-                let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
-                    (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
-                })?;
-                let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, vmm: Some(*total), watched });
-                m.insert(*key, p.clone());
+                // SAFETY: a handle another process of this host exported (the driver refuses one
+                // it does not know); the mapping is kept until that process goes or the agent stops.
+                let ptr = unsafe { self.dev.ipc_open(&a.handle) }
+                    .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
+                // the copy plans trust the size the source reported: the driver's own must cover it
+                let size = match self.dev.address_range(ptr) {
+                    Ok((base, size)) if base == ptr && size >= a.size => size,
+                    got => {
+                        // SAFETY: mapped just above, used by nothing yet.
+                        let _ = unsafe { self.dev.ipc_close(ptr) };
+                        return Err((
+                            FailReason::Corrupt,
+                            format!(
+                                "CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here",
+                                a.size
+                            ),
+                        ));
+                    }
+                };
+                let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, size, vmm: false, watched });
+                m.insert(key, p.clone());
                 added = true;
                 out.push(ptr);
                 held.push(p);
             }
-        }
+            if let Some(v) = &e.vmm {
+                let mut at = 0;
+                for ((base, sizes), (key, total)) in v.ranges.iter().zip(&vmm_keys) {
+                    let hs = handles.get(at..at + sizes.len());
+                    at += sizes.len();
+                    if let Some(p) = m.get(key) {
+                        out.push(p.ptr);
+                        held.push(p.clone());
+                        continue;
+                    }
+                    // mapped when this fetch looked, let go since (a sweep): take it up again next time
+                    let Some(hs) = hs else {
+                        return Err((FailReason::Connect, "CUDA IPC: the source's range was let go meanwhile".into()));
+                    };
+                    room(&mut m)?;
+                    // SAFETY: handles imported just above, each mapped at the size its source
+                    // offers (the driver refuses a size past the allocation's); kept until that
+                    // process goes or the agent stops.
+                    let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
+                        (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
+                    })?;
+                    let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, size: *total, vmm: true, watched });
+                    m.insert(*key, p.clone());
+                    added = true;
+                    out.push(ptr);
+                    held.push(p);
+                }
+            }
+            Ok(())
+        })();
         if added {
             self.count(inner, &m);
         }
-        Ok((out, held))
+        r.map(|()| (out, held))
     }
 
     /// Drop the mappings of source processes that no longer run (each unmapped once no fetch

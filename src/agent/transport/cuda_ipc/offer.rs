@@ -65,7 +65,7 @@ pub(super) const MAX_VMM_CHUNKS: usize = 16384;
 
 impl Exports {
     /// Every exported range as `(base, size)`: the CUDA IPC allocations, then the
-    /// virtual-memory ranges (the order [`CudaIpc::map`] maps them in).
+    /// virtual-memory ranges (the order `CudaIpc::map` maps them in).
     pub(super) fn ranges(&self) -> Vec<(u64, u64)> {
         let vmm = self.vmm.iter().flat_map(|v| v.ranges.iter().map(|(b, c)| (*b, c.iter().sum::<u64>())));
         self.allocs.iter().map(|a| (a.base, a.size)).chain(vmm).collect()
@@ -75,7 +75,7 @@ impl Exports {
 /// `host (16) | pid u32 | count u32 | count x (handle 64 | base u64 | size u64)`, then, when
 /// the pool has memory of the virtual memory API: `ranges u32 | token 32 | socket_len u16 |
 /// socket | ranges x (base u64 | n u32 | n x size u64)`.
-pub(crate) fn encode_exports(e: &Exports) -> Vec<u8> {
+pub(super) fn encode_exports(e: &Exports) -> Vec<u8> {
     let mut p = Vec::with_capacity(24 + EXPORT_BYTES * e.allocs.len());
     p.extend_from_slice(&e.host);
     p.extend_from_slice(&e.pid.to_le_bytes());
