@@ -569,6 +569,10 @@ fn main() {
         "  submit           {:.2} us per call (8 names, 1 destination block; includes building the request)",
         per * 1e6
     );
+    if nixl {
+        // a READ UCX had to emulate would show here (0 expected between two processes)
+        println!("  slow NIXL reads  {} (nixl_slow_reads of the destination agent)", dst.stats().nixl_slow_reads);
+    }
     drop(dst);
     if let Some(mut c) = child {
         drop(c.stdin.take()); // the source process ends at EOF

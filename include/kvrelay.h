@@ -37,7 +37,7 @@
 #define KVRELAY_VERSION_MINOR 3
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 0
+#define KVRELAY_VERSION_PATCH 1
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -561,6 +561,9 @@ typedef struct kvrelay_agent_stats {
   // Fetches made again over TCP because the agent's own transport could not reach their
   // source (`tcp_fallback`); that source is then fetched from over TCP for a while.
   uint64_t transport_fallbacks;
+  // NIXL: fetches of device memory into device memory that ran under 2 GB/s (at least
+  // 32 MiB): UCX most likely emulated the READ in software (see `nixl::ucx_options`).
+  uint64_t nixl_slow_reads;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

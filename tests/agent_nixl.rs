@@ -289,6 +289,73 @@ fn nixl_gpu_pools_read_in_place_verified() {
     eprintln!("{test}: ran on CUDA device 0");
 }
 
+/// A NIXL fetch of device memory that UCX can only emulate (two agents of one process: no CUDA
+/// IPC within a process) is counted in `nixl_slow_reads` and its Prometheus counter, once per
+/// such fetch of at least 32 MiB; a small one is not judged. The blocks still land byte-exact.
+/// Skips without a CUDA driver or the NIXL libraries.
+#[test]
+fn nixl_counts_a_device_read_it_had_to_emulate() {
+    let test = "nixl_counts_a_device_read_it_had_to_emulate";
+    let Some(dev) = cuda_device(test) else { return };
+    let Some(t) = nixl(test) else { return };
+    // one layer of 10 blocks of 2 MiB of K and 2 MiB of V: 40 MiB in all
+    const N: u32 = 10;
+    const KV: u64 = 2 << 20;
+    let pool = |fill: &dyn Fn(usize) -> u8| {
+        let m = kvrelay::copy::DeviceBuffer::alloc(&dev, (2 * u64::from(N) * KV) as usize).unwrap();
+        m.write(0, &(0..m.len()).map(fill).collect::<Vec<u8>>()).unwrap();
+        let layout = KvLayout::per_layer_kv_first(&[m.ptr()], N, KV).unwrap();
+        (m, layout)
+    };
+    let (src, src_layout) = pool(&|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8);
+    let (dst, dst_layout) = pool(&|_| 0);
+    let mk = |layout: KvLayout, cache: &Arc<Cache>| {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = t.clone();
+        // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
+        unsafe { Agent::new(c, layout, Box::new(Holder(cache.clone()))) }.unwrap()
+    };
+    let names: Vec<u64> = (0..u64::from(N)).map(|i| 0x5100 + i).collect();
+    let src_cache = Arc::new(Cache::default());
+    src_cache.held.lock().unwrap().extend(names.iter().copied().zip(0..N));
+    let src_agent = mk(src_layout, &src_cache);
+    src_agent.record_checksums(&(0..N).collect::<Vec<_>>()).unwrap();
+    let dst_agent = mk(dst_layout, &Arc::new(Cache::default()));
+    let ep = src_agent.endpoint().unwrap().to_string();
+    let fetch = |k: usize| {
+        let req = FetchRequest {
+            endpoint: ep.clone(),
+            names: names[..k].to_vec(),
+            held: 0,
+            dst: (0..k as u32).collect(),
+            deadline: Duration::from_secs(60),
+        };
+        let started = std::time::Instant::now();
+        let r = dst_agent.submit(req, None).unwrap().wait(Duration::from_secs(90)).unwrap();
+        assert_eq!((r.failure, r.blocks), (None, k), "{}", r.detail);
+        (k as u64 * 2 * KV) as f64 / started.elapsed().as_secs_f64() / 1e9
+    };
+    // 2 blocks (8 MiB): too small to judge
+    let small = fetch(2);
+    assert_eq!(dst_agent.stats().nixl_slow_reads, 0, "8 MiB at {small:.2} GB/s is not judged");
+    // 10 blocks (40 MiB), emulated within one process
+    let rate = fetch(N as usize);
+    let s = dst_agent.stats();
+    eprintln!("{test}: 40 MiB at {rate:.2} GB/s (submit to completion), nixl_slow_reads {}", s.nixl_slow_reads);
+    assert_eq!(s.nixl_slow_reads, 1, "an emulated device READ at {rate:.2} GB/s is counted");
+    assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_nixl_slow_reads_total 1"));
+    assert_eq!(src_agent.stats().nixl_slow_reads, 0, "the source fetched nothing");
+    // byte-exact: the destination pool now equals the source's
+    let (mut a, mut b) = (vec![0u8; src.len()], vec![0u8; dst.len()]);
+    src.read(0, &mut a).unwrap();
+    dst.read(0, &mut b).unwrap();
+    assert!(a == b, "the fetched blocks equal the source's");
+    eventually("every pin released", || src_cache.pinned() == 0);
+    drop((dst_agent, src_agent));
+    eprintln!("{test}: ran on CUDA device 0");
+}
+
 /// One agent holding both non-TCP transports (`Transport::Prefer([CudaIpc, Nixl])`, GPU pools):
 /// a source that serves CUDA IPC is fetched from over it; a NIXL-only source refuses the IPC
 /// hello and is fetched from over NIXL from then on (one fallback counted, the next fetch goes

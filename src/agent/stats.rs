@@ -92,6 +92,9 @@ pub struct AgentStats {
     /// Fetches made again over TCP because the agent's own transport could not reach their
     /// source (`tcp_fallback`); that source is then fetched from over TCP for a while.
     pub transport_fallbacks: u64,
+    /// NIXL: fetches of device memory into device memory that ran under 2 GB/s (at least
+    /// 32 MiB): UCX most likely emulated the READ in software (see `nixl::ucx_options`).
+    pub nixl_slow_reads: u64,
 }
 
 macro_rules! stats {
@@ -118,7 +121,7 @@ stats! {
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
     fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
-    transport_fallbacks,
+    transport_fallbacks, nixl_slow_reads,
 }
 
 impl Stats {
@@ -197,6 +200,11 @@ impl Stats {
                 "transport_fallbacks",
                 "Fetches made again over TCP because the agent's own transport could not reach the source.",
                 s.transport_fallbacks,
+            ),
+            (
+                "nixl_slow_reads",
+                "NIXL fetches of device memory into device memory under 2 GB/s (a READ UCX most likely emulated).",
+                s.nixl_slow_reads,
             ),
             ("reused", "Served transfers that came on a kept-alive connection.", s.reused),
             ("streams_reused", "Fetch streams that went over a kept-alive connection.", s.streams_reused),

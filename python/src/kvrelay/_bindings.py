@@ -15,7 +15,7 @@ from typing import Any, Optional, TypeVar
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
-KVRELAY_VERSION_PATCH = 0  # Patch version.
+KVRELAY_VERSION_PATCH = 1  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -356,6 +356,7 @@ class kvrelay_agent_stats(Structure):
         ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
         ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
         ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
+        ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory that ran under 2 GB/s (at least 32 MiB): UCX most likely emulated the READ in software (see `nixl::ucx_options`).
     ]
 
 

@@ -37,6 +37,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -61,6 +62,13 @@ pub const REQUEST_BYTES_GPU: usize = 256 << 20;
 /// requests grow until each segment's descriptor holds this much, past [`REQUEST_BYTES_GPU`]
 /// when need be.
 pub const DESCRIPTOR_BYTES: usize = 4 << 20;
+/// A fetch of device memory into device memory of at least this many bytes is checked for a
+/// software-emulated READ ([`slow_device_read`]).
+const SLOW_READ_MIN_BYTES: u64 = 32 << 20;
+/// Below this rate such a fetch counts as slow (`AgentStats::nixl_slow_reads`): UCX's emulated
+/// device READ runs at about 0.4 GB/s, its CUDA-IPC zero-copy at 100+ GB/s, GPUDirect RDMA at
+/// tens of GB/s.
+const SLOW_READ_BYTES_PER_S: f64 = 2e9;
 /// Largest NIXL agent metadata an offer may carry.
 pub use crate::agent::wire::MAX_METADATA;
 
@@ -121,6 +129,11 @@ fn dlerror() -> String {
 ///   NVLink (one GPU, or PCIe-only peers) and then emulates a READ of device memory in
 ///   software over TCP: 0.44 GB/s against 236 GB/s with it on, two processes on one H200
 ///   (`benches/RESULTS.md`). NIXL itself enables it in later releases.
+///
+/// A fetch of device memory into device memory that UCX emulates anyway runs at a few GB/s or
+/// less: each such fetch of at least 32 MiB under 2 GB/s is counted (`nixl_slow_reads`, in
+/// Prometheus `kvrelay_kv_agent_nixl_slow_reads_total`) and the first one of an agent is
+/// written to standard error once, with the cure.
 ///
 /// Software emulation stays allowed: between two agents of **one process** UCX cannot use CUDA
 /// IPC (a process cannot open its own IPC handle) and a device-to-device READ there exists
@@ -208,6 +221,8 @@ pub(in crate::agent) struct Nixl {
     loaded: Mutex<HashMap<String, Remote>>,
     /// Signalled when a load ends.
     loaded_cv: Condvar,
+    /// A slow device READ was written to standard error already ([`slow_device_read`]).
+    warned_slow: AtomicBool,
 }
 
 /// A remote NIXL agent's metadata in [`Nixl::loaded`].
@@ -275,6 +290,7 @@ impl Nixl {
             device,
             loaded: Mutex::new(HashMap::new()),
             loaded_cv: Condvar::new(),
+            warned_slow: AtomicBool::new(false),
         })
     }
 
@@ -573,6 +589,7 @@ fn read_into(
     // wait for the whole fetch.
     let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
     let mut later = per;
+    let began = Instant::now();
     // post every request first: UCX moves them while the earlier ones are verified
     let mut start = 0;
     while start < count {
@@ -642,7 +659,35 @@ fn read_into(
         // the checksum kernel waited for its own stream inside: nothing of it is in flight
         inner.movers.put(m);
     }
+    if r.is_ok() && nx.device.is_some() && offer.device.is_some() {
+        let bytes = (count * bb) as u64;
+        if let Some(rate) = slow_device_read(bytes, began.elapsed()) {
+            Stats::add(&inner.stats.nixl_slow_reads, 1);
+            if !nx.warned_slow.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "kvrelay: a NIXL fetch of device memory ({bytes} bytes) ran at {:.2} GB/s: UCX most likely \
+                     emulated the READ in software (it must between two agents of one process; between \
+                     processes, check that UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, or set \
+                     UCX_PROTO_EMULATION_ENABLE=n to make such READs fail); counted in nixl_slow_reads, \
+                     written once per agent",
+                    rate / 1e9
+                );
+            }
+        }
+    }
     r
+}
+
+/// The rate of a verified fetch of `bytes` of device memory into device memory that took
+/// `took` (from posting its first READ to verifying its last block), when it is slow enough to
+/// be a READ UCX emulated in software: at least [`SLOW_READ_MIN_BYTES`] under
+/// [`SLOW_READ_BYTES_PER_S`]. Smaller fetches are not judged (their setup dominates).
+fn slow_device_read(bytes: u64, took: Duration) -> Option<f64> {
+    if bytes < SLOW_READ_MIN_BYTES {
+        return None;
+    }
+    let rate = bytes as f64 / took.as_secs_f64().max(1e-9);
+    (rate < SLOW_READ_BYTES_PER_S).then_some(rate)
 }
 
 /// The `(local address, remote address, bytes)` pieces that move offered `blocks` (source ids)
@@ -688,6 +733,23 @@ fn merge_runs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_large_slow_device_reads_count() {
+        let ms = Duration::from_millis;
+        // the emulated READ measured on one H200: 1 GiB at 0.42 GB/s
+        let r = slow_device_read(1 << 30, ms(2557)).expect("0.42 GB/s is slow");
+        assert!((r - 0.42e9).abs() < 0.01e9, "{r}");
+        // CUDA-IPC zero-copy, GPUDirect RDMA: not slow
+        assert_eq!(slow_device_read(1 << 30, ms(5)), None);
+        assert_eq!(slow_device_read(64 << 20, ms(10)), None);
+        // the bounds: 32 MiB is judged, less is not
+        assert!(slow_device_read(SLOW_READ_MIN_BYTES, ms(100)).is_some());
+        assert_eq!(slow_device_read(SLOW_READ_MIN_BYTES - 1, ms(1000)), None);
+        assert!(slow_device_read(2_000_000_000, ms(1001)).is_some());
+        assert_eq!(slow_device_read(2_000_000_000, ms(999)), None);
+        assert_eq!(slow_device_read(1 << 30, Duration::ZERO), None);
+    }
 
     #[test]
     fn ucx_options_keep_the_plugins_own() {
