@@ -664,7 +664,10 @@ fn read_into(
         if let Some(rate) = slow_device_read(bytes, began.elapsed()) {
             Stats::add(&inner.stats.nixl_slow_reads, 1);
             if !nx.warned_slow.swap(true, Ordering::Relaxed) {
-                eprintln!(
+                // never `eprintln!`: it panics when standard error cannot be written
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
                     "kvrelay: a NIXL fetch of device memory ({bytes} bytes) ran at {:.2} GB/s: UCX most likely \
                      emulated the READ in software (it must between two agents of one process; between \
                      processes, check that UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, or set \
