@@ -139,11 +139,22 @@ fn counters_are_read_at_the_callers_size() {
     let (st, buf) = read(full);
     assert_eq!(st, KVRELAY_OK);
     assert!(buf[words..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "nothing written past the struct");
-    // an earlier header's (five fewer fields): its fields, and not one byte past them
-    let (st, buf) = read(full - 40);
-    assert_eq!(st, KVRELAY_OK);
-    assert!(buf[words - 5..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "an older caller's stack is intact");
-    assert_eq!(buf[0], 0, "accepted, written");
+    // every earlier header's size (tests/data/abi_sizes.txt): its fields, and not one byte past
+    let table = include_str!("data/abi_sizes.txt");
+    let earlier: Vec<usize> = table
+        .lines()
+        .filter_map(|l| l.split_once(" kvrelay_agent_stats "))
+        .map(|(_, n)| n.trim().parse().unwrap())
+        .filter(|&n| n < full)
+        .collect();
+    assert!(earlier.len() >= 3, "0.1.0, 0.2.0 and 0.3.0 had smaller counters: {earlier:?}");
+    for size in earlier {
+        let (st, buf) = read(size);
+        assert_eq!(st, KVRELAY_OK);
+        assert!(buf[size / 8..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "a caller of {size} bytes: stack intact");
+        assert_eq!(buf[0], 0, "accepted, written");
+        assert_eq!(buf[size / 8 - 1], read(full).1[size / 8 - 1], "its last field, as this header reads it");
+    }
     // a later header's (more fields than this library has): zeroed, not left as garbage
     let (st, buf) = read(full + 16);
     assert_eq!(st, KVRELAY_OK);

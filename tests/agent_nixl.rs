@@ -232,8 +232,8 @@ fn nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends() {
     eprintln!("{test}: {withheld} blocks withheld and returned");
 }
 
-/// NIXL with GPU pools (the H200: UCX moves VRAM with CUDA IPC): device to device and host to
-/// device, verified by the checksum kernel where the blocks landed. Skips without a CUDA driver
+/// NIXL with GPU pools, two agents of this process (UCX moves VRAM between them only emulated,
+/// at under 1 GB/s: CUDA IPC needs two processes): device to device and host to device, verified by the checksum kernel where the blocks landed. Skips without a CUDA driver
 /// or the NIXL libraries.
 #[test]
 fn nixl_gpu_pools_read_in_place_verified() {
@@ -292,7 +292,9 @@ fn nixl_gpu_pools_read_in_place_verified() {
 /// A NIXL fetch of device memory that UCX can only emulate (two agents of one process: no CUDA
 /// IPC within a process) is counted in `nixl_slow_reads` and its Prometheus counter, once per
 /// such fetch of at least 32 MiB; a small one is not judged. The blocks still land byte-exact.
-/// Skips without a CUDA driver or the NIXL libraries.
+/// (A UCX that moved such a READ fast, 2.5 GB/s or more, must not count it; between 1 and 2.5
+/// GB/s, where the test's clock and the agent's differ, the count is not checked.) Skips
+/// without a CUDA driver or the NIXL libraries.
 #[test]
 fn nixl_counts_a_device_read_it_had_to_emulate() {
     let test = "nixl_counts_a_device_read_it_had_to_emulate";
@@ -343,8 +345,18 @@ fn nixl_counts_a_device_read_it_had_to_emulate() {
     let rate = fetch(N as usize);
     let s = dst_agent.stats();
     eprintln!("{test}: 40 MiB at {rate:.2} GB/s (submit to completion), nixl_slow_reads {}", s.nixl_slow_reads);
-    assert_eq!(s.nixl_slow_reads, 1, "an emulated device READ at {rate:.2} GB/s is counted");
-    assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_nixl_slow_reads_total 1"));
+    let expect = if rate < 1.0 {
+        Some(1)
+    } else if rate >= 2.5 {
+        Some(0)
+    } else {
+        None
+    };
+    if let Some(n) = expect {
+        assert_eq!(s.nixl_slow_reads, n, "a device READ at {rate:.2} GB/s");
+        let line = format!("kvrelay_kv_agent_nixl_slow_reads_total {n}\n");
+        assert!(dst_agent.prometheus().contains(&line), "Prometheus: {line}");
+    }
     assert_eq!(src_agent.stats().nixl_slow_reads, 0, "the source fetched nothing");
     // byte-exact: the destination pool now equals the source's
     let (mut a, mut b) = (vec![0u8; src.len()], vec![0u8; dst.len()]);

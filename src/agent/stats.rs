@@ -92,8 +92,9 @@ pub struct AgentStats {
     /// Fetches made again over TCP because the agent's own transport could not reach their
     /// source (`tcp_fallback`); that source is then fetched from over TCP for a while.
     pub transport_fallbacks: u64,
-    /// NIXL: fetches of device memory into device memory that ran under 2 GB/s (at least
-    /// 32 MiB): UCX most likely emulated the READ in software (see `nixl::ucx_options`).
+    /// NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per
+    /// descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in
+    /// software (README, "The NIXL transport"). Since 0.3.1.
     pub nixl_slow_reads: u64,
 }
 

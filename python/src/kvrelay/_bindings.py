@@ -356,7 +356,7 @@ class kvrelay_agent_stats(Structure):
         ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
         ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
         ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
-        ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory that ran under 2 GB/s (at least 32 MiB): UCX most likely emulated the READ in software (see `nixl::ucx_options`).
+        ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in software (README, "The NIXL transport"). Since 0.3.1.
     ]
 
 

@@ -65,6 +65,10 @@ pub const DESCRIPTOR_BYTES: usize = 4 << 20;
 /// A fetch of device memory into device memory of at least this many bytes is checked for a
 /// software-emulated READ ([`slow_device_read`]).
 const SLOW_READ_MIN_BYTES: u64 = 32 << 20;
+/// ... and only when its descriptors carry at least this much each on average: UCX pays about
+/// 10 us per descriptor, which alone cannot bring a READ of 1 MiB pieces under 100 GB/s, so a
+/// slow one of them is not a matter of small pieces.
+const SLOW_READ_MIN_DESCRIPTOR_BYTES: u64 = 1 << 20;
 /// Below this rate such a fetch counts as slow (`AgentStats::nixl_slow_reads`): UCX's emulated
 /// device READ runs at about 0.4 GB/s, its CUDA-IPC zero-copy at 100+ GB/s, GPUDirect RDMA at
 /// tens of GB/s.
@@ -131,7 +135,8 @@ fn dlerror() -> String {
 ///   (`benches/RESULTS.md`). NIXL itself enables it in later releases.
 ///
 /// A fetch of device memory into device memory that UCX emulates anyway runs at a few GB/s or
-/// less: each such fetch of at least 32 MiB under 2 GB/s is counted (`nixl_slow_reads`, in
+/// less: each such fetch of at least 32 MiB (1 MiB per descriptor on average) whose READs took
+/// long enough for under 2 GB/s is counted (`nixl_slow_reads`, in
 /// Prometheus `kvrelay_kv_agent_nixl_slow_reads_total`) and the first one of an agent is
 /// written to standard error once, with the cure.
 ///
@@ -589,7 +594,10 @@ fn read_into(
     // wait for the whole fetch.
     let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
     let mut later = per;
+    // what the slow-READ check times: from building the first request to the last one seen
+    // finished, less taking the checksum mover; and how many descriptors the READs had
     let began = Instant::now();
+    let (mut reads_done, mut descriptors) = (began, 0u64);
     // post every request first: UCX moves them while the earlier ones are verified
     let mut start = 0;
     while start < count {
@@ -605,6 +613,7 @@ fn read_into(
             later = per.max(DESCRIPTOR_BYTES.div_ceil(smallest));
         }
         let best = if segment_major { &runs.1 } else { &runs.0 };
+        descriptors += best.len() as u64;
         for &(l, r, n) in best {
             local.add_desc(l as usize, n as usize, ld);
             far.add_desc(r as usize, n as usize, rd);
@@ -630,6 +639,7 @@ fn read_into(
         start = end;
     }
     let device_pool = nx.device.is_some();
+    let taking = Instant::now();
     let mut mover = if device_pool {
         // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover only reads
         // this fetch's destination blocks (the checksum kernel).
@@ -637,10 +647,12 @@ fn read_into(
     } else {
         None
     };
+    let mover_took = taking.elapsed();
     let mut sums = Vec::new();
     let r = (|| {
         for p in reqs.iter_mut() {
             wait(nx, p, deadline, stopped)?;
+            reads_done = Instant::now();
             let ids = &dst[p.range.clone()];
             sums.clear();
             sums.resize(ids.len(), 0);
@@ -659,20 +671,23 @@ fn read_into(
         // the checksum kernel waited for its own stream inside: nothing of it is in flight
         inner.movers.put(m);
     }
-    if r.is_ok() && nx.device.is_some() && offer.device.is_some() {
+    if r.is_ok() && device_pool && offer.device.is_some() {
         let bytes = (count * bb) as u64;
-        if let Some(rate) = slow_device_read(bytes, began.elapsed()) {
+        let took = reads_done.saturating_duration_since(began).saturating_sub(mover_took);
+        if let Some(rate) = slow_device_read(bytes, descriptors, took) {
             Stats::add(&inner.stats.nixl_slow_reads, 1);
             if !nx.warned_slow.swap(true, Ordering::Relaxed) {
                 // never `eprintln!`: it panics when standard error cannot be written
                 use std::io::Write;
                 let _ = writeln!(
                     std::io::stderr(),
-                    "kvrelay: a NIXL fetch of device memory ({bytes} bytes) ran at {:.2} GB/s: UCX most likely \
-                     emulated the READ in software (it must between two agents of one process; between \
-                     processes, check that UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, or set \
-                     UCX_PROTO_EMULATION_ENABLE=n to make such READs fail); counted in nixl_slow_reads, \
-                     written once per agent",
+                    "kvrelay: a NIXL fetch of device memory into device memory ({bytes} bytes, {descriptors} \
+                     descriptors) ran at {:.3} GB/s: UCX most likely emulated the READ in software. That is \
+                     unavoidable between two agents of one process; between processes check that \
+                     UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, that UCX_TLS (if set) includes cuda_ipc, \
+                     and that the two processes share IPC and PID namespaces (containers); \
+                     UCX_PROTO_EMULATION_ENABLE=n makes such READs fail instead. Counted in nixl_slow_reads; \
+                     written once per agent.",
                     rate / 1e9
                 );
             }
@@ -681,12 +696,14 @@ fn read_into(
     r
 }
 
-/// The rate of a verified fetch of `bytes` of device memory into device memory that took
-/// `took` (from posting its first READ to verifying its last block), when it is slow enough to
-/// be a READ UCX emulated in software: at least [`SLOW_READ_MIN_BYTES`] under
-/// [`SLOW_READ_BYTES_PER_S`]. Smaller fetches are not judged (their setup dominates).
-fn slow_device_read(bytes: u64, took: Duration) -> Option<f64> {
-    if bytes < SLOW_READ_MIN_BYTES {
+/// The rate of a verified fetch of `bytes` of device memory into device memory in
+/// `descriptors` descriptors whose READs took `took` (from building the first request to the
+/// last one seen finished), when it is slow enough to be a READ UCX emulated in software: at
+/// least [`SLOW_READ_MIN_BYTES`], [`SLOW_READ_MIN_DESCRIPTOR_BYTES`] per descriptor, under
+/// [`SLOW_READ_BYTES_PER_S`]. Smaller fetches are not judged (their setup dominates), nor
+/// fetches of small pieces (UCX's cost per descriptor does).
+fn slow_device_read(bytes: u64, descriptors: u64, took: Duration) -> Option<f64> {
+    if bytes < SLOW_READ_MIN_BYTES || bytes < descriptors.saturating_mul(SLOW_READ_MIN_DESCRIPTOR_BYTES) {
         return None;
     }
     let rate = bytes as f64 / took.as_secs_f64().max(1e-9);
@@ -741,17 +758,22 @@ mod tests {
     fn only_large_slow_device_reads_count() {
         let ms = Duration::from_millis;
         // the emulated READ measured on one H200: 1 GiB at 0.42 GB/s
-        let r = slow_device_read(1 << 30, ms(2557)).expect("0.42 GB/s is slow");
+        let r = slow_device_read(1 << 30, 4, ms(2557)).expect("0.42 GB/s is slow");
         assert!((r - 0.42e9).abs() < 0.01e9, "{r}");
         // CUDA-IPC zero-copy, GPUDirect RDMA: not slow
-        assert_eq!(slow_device_read(1 << 30, ms(5)), None);
-        assert_eq!(slow_device_read(64 << 20, ms(10)), None);
+        assert_eq!(slow_device_read(1 << 30, 4, ms(5)), None);
+        assert_eq!(slow_device_read(64 << 20, 1, ms(10)), None);
         // the bounds: 32 MiB is judged, less is not
-        assert!(slow_device_read(SLOW_READ_MIN_BYTES, ms(100)).is_some());
-        assert_eq!(slow_device_read(SLOW_READ_MIN_BYTES - 1, ms(1000)), None);
-        assert!(slow_device_read(2_000_000_000, ms(1001)).is_some());
-        assert_eq!(slow_device_read(2_000_000_000, ms(999)), None);
-        assert_eq!(slow_device_read(1 << 30, Duration::ZERO), None);
+        assert!(slow_device_read(SLOW_READ_MIN_BYTES, 1, ms(100)).is_some());
+        assert_eq!(slow_device_read(SLOW_READ_MIN_BYTES - 1, 1, ms(1000)), None);
+        assert!(slow_device_read(2_000_000_000, 1, ms(1001)).is_some());
+        assert_eq!(slow_device_read(2_000_000_000, 1, ms(999)), None);
+        assert_eq!(slow_device_read(1 << 30, 4, Duration::ZERO), None);
+        // small pieces are slow for another reason (UCX's cost per descriptor): not judged;
+        // 1 MiB per descriptor on average is
+        assert_eq!(slow_device_read(1 << 30, 131_072, ms(5000)), None);
+        assert_eq!(slow_device_read(64 << 20, 65, ms(1000)), None);
+        assert!(slow_device_read(64 << 20, 64, ms(1000)).is_some());
     }
 
     #[test]
