@@ -136,9 +136,9 @@ fn counters_are_read_at_the_callers_size() {
         (st, buf)
     };
     // this header's size: every field, nothing after it
-    let (st, buf) = read(full);
+    let (st, now) = read(full);
     assert_eq!(st, KVRELAY_OK);
-    assert!(buf[words..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "nothing written past the struct");
+    assert!(now[words..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "nothing written past the struct");
     // every earlier header's size (tests/data/abi_sizes.txt): its fields, and not one byte past
     let table = include_str!("data/abi_sizes.txt");
     let earlier: Vec<usize> = table
@@ -153,7 +153,7 @@ fn counters_are_read_at_the_callers_size() {
         assert_eq!(st, KVRELAY_OK);
         assert!(buf[size / 8..].iter().all(|&w| w == 0xAAAA_AAAA_AAAA_AAAA), "a caller of {size} bytes: stack intact");
         assert_eq!(buf[0], 0, "accepted, written");
-        assert_eq!(buf[size / 8 - 1], read(full).1[size / 8 - 1], "its last field, as this header reads it");
+        assert_eq!(buf[size / 8 - 1], now[size / 8 - 1], "its last field, as this header reads it");
     }
     // a later header's (more fields than this library has): zeroed, not left as garbage
     let (st, buf) = read(full + 16);

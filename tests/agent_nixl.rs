@@ -233,8 +233,9 @@ fn nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends() {
 }
 
 /// NIXL with GPU pools, two agents of this process (UCX moves VRAM between them only emulated,
-/// at under 1 GB/s: CUDA IPC needs two processes): device to device and host to device, verified by the checksum kernel where the blocks landed. Skips without a CUDA driver
-/// or the NIXL libraries.
+/// at under 1 GB/s: CUDA IPC needs two processes): device to device and host to device,
+/// verified by the checksum kernel where the blocks landed. Skips without a CUDA driver or the
+/// NIXL libraries.
 #[test]
 fn nixl_gpu_pools_read_in_place_verified() {
     let test = "nixl_gpu_pools_read_in_place_verified";

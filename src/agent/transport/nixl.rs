@@ -672,28 +672,36 @@ fn read_into(
         inner.movers.put(m);
     }
     if r.is_ok() && device_pool && offer.device.is_some() {
-        let bytes = (count * bb) as u64;
         let took = reads_done.saturating_duration_since(began).saturating_sub(mover_took);
-        if let Some(rate) = slow_device_read(bytes, descriptors, took) {
-            Stats::add(&inner.stats.nixl_slow_reads, 1);
-            if !nx.warned_slow.swap(true, Ordering::Relaxed) {
-                // never `eprintln!`: it panics when standard error cannot be written
-                use std::io::Write;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "kvrelay: a NIXL fetch of device memory into device memory ({bytes} bytes, {descriptors} \
-                     descriptors) ran at {:.3} GB/s: UCX most likely emulated the READ in software. That is \
-                     unavoidable between two agents of one process; between processes check that \
-                     UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, that UCX_TLS (if set) includes cuda_ipc, \
-                     and that the two processes share IPC and PID namespaces (containers); \
-                     UCX_PROTO_EMULATION_ENABLE=n makes such READs fail instead. Counted in nixl_slow_reads; \
-                     written once per agent.",
-                    rate / 1e9
-                );
-            }
-        }
+        nx.judge_device_read(inner, (count * bb) as u64, descriptors, took);
     }
     r
+}
+
+impl Nixl {
+    /// Count a verified fetch of device memory into device memory that looks emulated
+    /// ([`slow_device_read`]) in `nixl_slow_reads`, and write the agent's first one to standard
+    /// error with the cure. Cost: a division and a compare; the write once per agent.
+    fn judge_device_read(&self, inner: &Inner, bytes: u64, descriptors: u64, took: Duration) {
+        let Some(rate) = slow_device_read(bytes, descriptors, took) else { return };
+        Stats::add(&inner.stats.nixl_slow_reads, 1);
+        if self.warned_slow.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        // never `eprintln!`: it panics when standard error cannot be written
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "kvrelay: a NIXL fetch of device memory into device memory ({bytes} bytes, {descriptors} \
+             descriptors) ran at {:.3} GB/s: UCX most likely emulated the READ in software. That is \
+             unavoidable between two agents of one process; between processes check that \
+             UCX_CUDA_IPC_ENABLE_GET_ZCOPY is not set to n, that UCX_TLS (if set) includes cuda_ipc, \
+             and that the two processes share IPC and PID namespaces (containers); \
+             UCX_PROTO_EMULATION_ENABLE=n makes such READs fail instead. Counted in nixl_slow_reads; \
+             written once per agent.",
+            rate / 1e9
+        );
+    }
 }
 
 /// The rate of a verified fetch of `bytes` of device memory into device memory in
