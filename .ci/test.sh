@@ -81,7 +81,7 @@ san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-poin
 cmake -S . -B "$b/asan" -DCMAKE_BUILD_TYPE=Debug -DKVRELAY_CARGO_PROFILE=debug \
   -DCMAKE_C_FLAGS="$san" -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 cmake --build "$b/asan" -j 2
-for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx policy_matrix policy_matrix_cxx copy_engine copy_engine_cxx agent_fetch agent_cxx; do
+for exe in admit admit_cxx batch_manager readme_example abi_edge_cases abi_edge_cases_cxx policy_matrix policy_matrix_cxx copy_engine copy_engine_cxx agent_fetch agent_cxx names_events names_events_cxx; do
   # capture first: with pipefail, `ldd | grep -q` fails when grep exits early and ldd gets SIGPIPE
   libs=$(ldd "$b/asan/$exe")
   for rt in libasan libubsan; do
@@ -109,6 +109,24 @@ cmake -S tests/consumer -B "$b/consumer" -DCMAKE_PREFIX_PATH="$b/prefix" >/dev/n
 cmake --build "$b/consumer" -j 2
 "$b/consumer/consumer"
 LD_LIBRARY_PATH="$b/prefix/lib" "$b/consumer/consumer_shared"
+
+echo "== the shared library's SONAME names its ABI epoch; a program linked against it needs that epoch"
+soname=$(sed -n 's/^soname=//p' "$pc")
+test "$soname" = "libkvrelay.so.$(sed -n 's/^version = "\([0-9]*\.[0-9]*\)\..*/\1/p' Cargo.toml)" \
+  || { echo "kvrelay.pc names the SONAME $soname, not this version's epoch" >&2; exit 1; }
+dyn=$(readelf -d "$b/prefix/lib/$soname")
+grep -q "Library soname: \[$soname\]" <<<"$dyn" || { echo "the installed library's SONAME is not $soname" >&2; exit 1; }
+needed=$(readelf -d "$b/consumer/consumer_shared")
+grep -q "Shared library: \[$soname\]" <<<"$needed" || { echo "consumer_shared does not need $soname" >&2; exit 1; }
+# a library of another epoch installed instead (here: the epoch's name taken away, the
+# development name left) is refused at load, whatever the run path says
+mv "$b/prefix/lib/$soname" "$b/prefix/lib/$soname.away"
+if LD_LIBRARY_PATH="$b/prefix/lib" "$b/consumer/consumer_shared" 2>"$b/other-epoch.err"; then
+  echo "consumer_shared loaded without a library of its epoch" >&2; exit 1
+fi
+mv "$b/prefix/lib/$soname.away" "$b/prefix/lib/$soname"
+grep -q "$soname" "$b/other-epoch.err" || { cat "$b/other-epoch.err" >&2; exit 1; }
+echo "SONAME $soname: a program built against this epoch loads only a library of it"
 
 echo "== the Python package: pip install ./python (cargo builds the library it carries), then its pytest suite"
 pyk="$root/target/ci-tools/pykvrelay"

@@ -37,7 +37,7 @@
 #define KVRELAY_VERSION_MINOR 3
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 1
+#define KVRELAY_VERSION_PATCH 2
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -367,6 +367,31 @@ typedef int32_t kvrelay_agent_limit;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Which setting `kvrelay_kv_events_config_set` changes. Fixed values.
+enum kvrelay_kv_events_setting
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Where the replay socket binds (`tcp://HOST:PORT`; default: the endpoint's host, a free
+  // port).
+  KVRELAY_KV_EVENTS_REPLAY_ENDPOINT = 1,
+  // The topic frame of every batch (default empty, as vLLM sends it).
+  KVRELAY_KV_EVENTS_TOPIC = 2,
+  // Where the blocks live, `GPU` or `CPU` (default `CPU`).
+  KVRELAY_KV_EVENTS_MEDIUM = 3,
+  // Allow peers: `loopback`, an address or `ADDR/PREFIX`, comma-separated. The first call
+  // replaces the default (loopback); later calls add.
+  KVRELAY_KV_EVENTS_ALLOW_PEER = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_kv_events_setting kvrelay_kv_events_setting;
+#else
+typedef int32_t kvrelay_kv_events_setting;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // An admission edge: config plus lock-free counters. Owned: `_new` / `_free`. Thread-safe:
 // any number of threads may call `kvrelay_admit` on one edge at once.
 typedef struct kvrelay_admission kvrelay_admission;
@@ -398,6 +423,13 @@ typedef struct kvrelay_cuda_engine kvrelay_cuda_engine;
 // A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
 // completion callback). Thread-safe.
 typedef struct kvrelay_fetch kvrelay_fetch;
+
+// A running KV events publisher. Owned: `_free`. Every function on it is thread-safe and
+// never blocks on a subscriber.
+typedef struct kvrelay_kv_events kvrelay_kv_events;
+
+// Settings of a KV events publisher (an owned builder: `_new` / `_free`; not thread-safe).
+typedef struct kvrelay_kv_events_config kvrelay_kv_events_config;
 
 // A validated KV pool layout. Owned: `_free`.
 typedef struct kvrelay_kv_layout kvrelay_kv_layout;
@@ -631,7 +663,10 @@ typedef struct kvrelay_fetch_result {
 } kvrelay_fetch_result;
 
 // The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
-// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+// `sizeof(kvrelay_fetch_callbacks)` as the caller's header declares it: fields are only ever
+// appended, the library reads `size` first and never past the caller's struct, a field an
+// older caller's header lacks reads as zero (NULL), and a newer header's larger struct is
+// accepted while the fields this library does not know are zero.
 // - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
 //   threads, when the fetch completes (also when it was cancelled or the agent is being
 //   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
@@ -685,6 +720,41 @@ typedef struct kvrelay_cuda_engine_options {
   // Device scratch of the staged method, bytes.
   size_t scratch_bytes;
 } kvrelay_cuda_engine_options;
+
+// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended.
+typedef struct kvrelay_kv_events_stats {
+  // Events published.
+  uint64_t published;
+  // Events dropped because the publishing queue was full (65,536 events).
+  uint64_t dropped;
+  // Batches published.
+  uint64_t batches;
+  // Replay requests answered.
+  uint64_t replays;
+  // Connections refused: the peer is not on the allowlist.
+  uint64_t refused;
+  // Batches the PUB socket refused (still kept for replay).
+  uint64_t send_errors;
+} kvrelay_kv_events_stats;
+
+// What a chain of block names depends on besides the tokens. `size` is
+// `sizeof(kvrelay_naming)` as the caller's header declares it (fields are only ever
+// appended; the rules of `kvrelay_fetch_callbacks`).
+typedef struct kvrelay_naming {
+  // `sizeof(kvrelay_naming)`.
+  size_t size;
+  // The engine's seed: `kvrelay_name_seed` of its identity (the model file's digest, its
+  // build and every setting that changes KV bytes).
+  uint64_t seed;
+  // Tokens per block (at least 1).
+  size_t block_tokens;
+  // The LoRA adapter's id (0: none).
+  uint64_t lora_id;
+  // The request's cache salt (bytes; `(NULL, 0)` or empty: none), hashed into block 0 only.
+  const uint8_t *salt;
+  // Bytes of `salt`.
+  size_t salt_len;
+} kvrelay_naming;
 
 // A candidate: a supported `kv.fetch` action and the families supporting it.
 typedef struct kvrelay_candidate {
@@ -1189,8 +1259,10 @@ kvrelay_status kvrelay_agent_fetch(const struct kvrelay_agent *agent,
 // Submit a fetch with the completion of `callbacks` (may be NULL: poll or wait instead): as
 // `kvrelay_agent_fetch`, but the callback also receives the failure detail (no round trip to
 // `kvrelay_fetch_detail`), and `callbacks->destroy` releases `user_data` exactly once on
-// every path, including a refused submission (`KVRELAY_ERR_INVALID_ARGUMENT` also for a
-// `callbacks->size` smaller than this header's struct).
+// every path, including a refused submission where the caller's struct has it
+// (`KVRELAY_ERR_INVALID_ARGUMENT` also for a `callbacks->size` below the first version's
+// 32 bytes, when nothing of the struct is used, and for a larger struct with a field set that
+// this library does not know).
 //
 // # Safety
 // `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
@@ -1449,6 +1521,146 @@ void kvrelay_cuda_engine_free(struct kvrelay_cuda_engine *engine);
 // # Safety
 // `bytes` readable for `len` bytes; `out` NULL or writable.
 kvrelay_status kvrelay_kv_checksum(const uint8_t *bytes, size_t len, uint64_t *out);
+
+// A publisher's settings for `endpoint` (`tcp://HOST:PORT`, port 0: a free one; checked by
+// `kvrelay_kv_events_start`) and `block_size` tokens per block (at least 1): the replay socket
+// on a free port of the same host, an empty topic, medium `CPU`, loopback peers only.
+//
+// # Safety
+// `endpoint` readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_kv_events_config_new(const char *endpoint,
+                                            size_t len,
+                                            size_t block_size,
+                                            struct kvrelay_kv_events_config **out);
+
+// Free a publisher's settings (NULL does nothing).
+//
+// # Safety
+// `config` NULL or live and not used after the call.
+void kvrelay_kv_events_config_free(struct kvrelay_kv_events_config *config);
+
+// Change one text setting (UTF-8, `value` readable for `len` bytes). `KVRELAY_ERR_INVALID_CONFIG`
+// for an unknown `setting`, a medium other than `GPU` or `CPU`, or peers that do not parse
+// (nothing changes then).
+//
+// # Safety
+// `config` NULL or live; `value` readable for `len` bytes.
+kvrelay_status kvrelay_kv_events_config_set(struct kvrelay_kv_events_config *config,
+                                            int32_t setting,
+                                            const char *value,
+                                            size_t len);
+
+// Bind both sockets and start the publisher's three threads (publishing, replay, and the
+// authentication handler that admits only the allowed peers); its first batch is
+// `AllBlocksCleared`. `KVRELAY_ERR_INVALID_CONFIG` for an endpoint that is not
+// `tcp://HOST:PORT`, `KVRELAY_ERR_IO` when an address cannot be bound or a thread cannot start
+// (the detail says which; nothing is left running then).
+//
+// # Safety
+// `config` NULL or live (it is only read); `out` NULL or writable.
+kvrelay_status kvrelay_kv_events_start(const struct kvrelay_kv_events_config *config,
+                                       struct kvrelay_kv_events **out);
+
+// Stop the publisher and free it (NULL does nothing): the events queued so far are sent, the
+// threads are joined and both sockets closed. Takes as long as sending what was queued (ZMQ
+// never waits for a subscriber).
+//
+// # Safety
+// `events` NULL or live and not used by another thread during or after the call.
+void kvrelay_kv_events_free(struct kvrelay_kv_events *events);
+
+// A block was committed to the reuse cache under `name` (its `kvrelay_block_names` name);
+// `has_parent` says whether `parent` names the block before it in its prompt (false for a
+// prompt's first block); `tokens` are the block's token ids (copied). Never blocks: a full
+// queue drops the event and counts it. Publish a block only once the agent can serve it
+// (its checksum recorded), so that a hint built from this event finds it.
+//
+// # Safety
+// `events` NULL or live; `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values.
+kvrelay_status kvrelay_kv_events_stored(const struct kvrelay_kv_events *events,
+                                        uint64_t name,
+                                        bool has_parent,
+                                        uint64_t parent,
+                                        const uint32_t *tokens,
+                                        size_t n_tokens);
+
+// The block named `name` was evicted (it can no longer be served). Never blocks.
+//
+// # Safety
+// `events` NULL or live.
+kvrelay_status kvrelay_kv_events_removed(const struct kvrelay_kv_events *events, uint64_t name);
+
+// Every block published before is gone (the runtime cleared its cache). Never blocks.
+//
+// # Safety
+// `events` NULL or live.
+kvrelay_status kvrelay_kv_events_cleared(const struct kvrelay_kv_events *events);
+
+// The bound PUB endpoint (`replay` false) or replay endpoint (`replay` true),
+// `tcp://HOST:PORT` with the port resolved, NUL-free (size-query convention). What a router's
+// registration names.
+//
+// # Safety
+// `events` NULL or live; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_kv_events_endpoint(const struct kvrelay_kv_events *events,
+                                          bool replay,
+                                          char *buf,
+                                          size_t cap,
+                                          size_t *len_out);
+
+// Copy the publisher's counters into `out`, of which the caller knows `size` bytes (pass
+// `sizeof(kvrelay_kv_events_stats)`; the rules of `kvrelay_agent_read_stats`).
+//
+// # Safety
+// `events` NULL or live; `out` NULL or writable for `size` bytes.
+kvrelay_status kvrelay_kv_events_read_stats(const struct kvrelay_kv_events *events,
+                                            struct kvrelay_kv_events_stats *out,
+                                            size_t size);
+
+// The counters as Prometheus text (`{prefix}_kv_events_published_total` and the others;
+// `prefix` UTF-8, `(NULL, 0)`: `kvrelay`), NUL-free (size-query convention): what a runtime
+// appends to its own `/metrics`.
+//
+// # Safety
+// `events` NULL or live; `prefix` NULL with `prefix_len` 0 or readable for `prefix_len`
+// bytes; `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_kv_events_prometheus(const struct kvrelay_kv_events *events,
+                                            const char *prefix,
+                                            size_t prefix_len,
+                                            char *buf,
+                                            size_t cap,
+                                            size_t *len_out);
+
+// The seed of the block names of an engine whose identity is `identity` (bytes; for example
+// the model file's sha256, the build and the KV settings as text): kvrelay's base seed xor
+// XXH3-64 of `identity`. Two engines agree on names only where their identities are equal.
+//
+// # Safety
+// `identity` NULL with `len` 0, or readable for `len` bytes; `out` NULL or writable.
+kvrelay_status kvrelay_name_seed(const uint8_t *identity, size_t len, uint64_t *out);
+
+// The names of the full blocks of `tokens` (SPEC section 8): `tokens` begin at block index
+// `first_block` of their request, and the block before is named `parent` (ignored when
+// `first_block` is 0), so a runtime can name a prompt whole (`0, 0`) or block by block as it
+// grows. A partial last block is not named. Size-query convention: `*n_out` gets the number
+// of full blocks; a `cap` below it writes nothing else (`KVRELAY_ERR_BUFFER_TOO_SMALL`).
+// Allocates nothing; one XXH3 pass over each block's `16 + 4 * block_tokens` bytes.
+// `KVRELAY_ERR_INVALID_ARGUMENT` for `block_tokens` 0 or a `naming` no version of this
+// header describes.
+//
+// # Safety
+// `naming` NULL or readable for `naming->size` bytes, its salt readable for `salt_len` bytes;
+// `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values; `names` NULL with `cap`
+// 0 or writable for `cap` values, not overlapping `tokens` or the salt; `n_out` NULL or
+// writable.
+kvrelay_status kvrelay_block_names(const struct kvrelay_naming *naming,
+                                   uint64_t parent,
+                                   size_t first_block,
+                                   const uint32_t *tokens,
+                                   size_t n_tokens,
+                                   uint64_t *names,
+                                   size_t cap,
+                                   size_t *n_out);
 
 // Start a capability snapshot.
 //

@@ -743,6 +743,89 @@ class Agent {
   detail::Handle<kvrelay_agent, kvrelay_agent_free> h_;
 };
 
+/// Block names (SPEC section 8; kvrelay_block_names): how a runtime names the full blocks of a
+/// request's tokens, the same way every runtime that links kvrelay does.
+class Naming {
+ public:
+  /// Names under `seed` (name_seed() of the engine's identity), `block_tokens` per block,
+  /// `lora_id` (0: none) and the request's cache salt ("" : none; kept by reference: it must
+  /// outlive this object).
+  Naming(uint64_t seed, std::size_t block_tokens, uint64_t lora_id = 0, std::string_view salt = {}) noexcept
+      : n_{sizeof(kvrelay_naming), seed, block_tokens, lora_id, reinterpret_cast<const uint8_t *>(salt.data()),
+           salt.size()} {}
+  /// The seed of an engine whose identity is `identity` (model digest, build, KV settings).
+  static uint64_t seed_of(std::string_view identity) {
+    uint64_t seed = 0;
+    check(kvrelay_name_seed(reinterpret_cast<const uint8_t *>(identity.data()), identity.size(), &seed));
+    return seed;
+  }
+  /// The names of the full blocks of `tokens`, which begin at block `first_block` of their
+  /// request after the block named `parent` (both 0 for a whole prompt).
+  std::vector<uint64_t> names(const uint32_t *tokens, std::size_t n, uint64_t parent = 0,
+                              std::size_t first_block = 0) const {
+    std::vector<uint64_t> out(n_.block_tokens ? n / n_.block_tokens : 0);
+    std::size_t got = 0;
+    check(kvrelay_block_names(&n_, parent, first_block, tokens, n, out.data(), out.size(), &got));
+    out.resize(got);
+    return out;
+  }
+  std::vector<uint64_t> names(const std::vector<uint32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
+  const kvrelay_naming *get() const noexcept { return &n_; }
+
+ private:
+  kvrelay_naming n_;
+};
+
+/// A KV events publisher (kvrelay_kv_events): what a runtime's reuse cache holds, in the format
+/// Dynamo's KV router indexes. Every call is thread-safe and never blocks on a subscriber.
+/// Destroying it sends what was queued and joins its threads. Movable, not copyable.
+class KvEvents {
+ public:
+  /// Publish at `endpoint` (`tcp://HOST:PORT`, port 0: a free one) with `block_size` tokens per
+  /// block; `medium` "CPU" or "GPU"; `allow` peers ("" : loopback only).
+  KvEvents(std::string_view endpoint, std::size_t block_size, std::string_view medium = "CPU",
+           std::string_view allow = {}, std::string_view replay_endpoint = {}) {
+    detail::Handle<kvrelay_kv_events_config, kvrelay_kv_events_config_free> c;
+    check(kvrelay_kv_events_config_new(endpoint.data(), endpoint.size(), block_size, c.out()));
+    check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_MEDIUM, medium.data(), medium.size()));
+    if (!allow.empty())
+      check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_ALLOW_PEER, allow.data(), allow.size()));
+    if (!replay_endpoint.empty())
+      check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_REPLAY_ENDPOINT, replay_endpoint.data(),
+                                         replay_endpoint.size()));
+    check(kvrelay_kv_events_start(c.get(), h_.out()));
+  }
+  /// A block was committed under `name`; `parent` names the block before it (none: first).
+  void stored(uint64_t name, const uint64_t *parent, const uint32_t *tokens, std::size_t n) const {
+    check(kvrelay_kv_events_stored(h_.get(), name, parent != nullptr, parent ? *parent : 0, tokens, n));
+  }
+  /// The block named `name` was evicted.
+  void removed(uint64_t name) const { check(kvrelay_kv_events_removed(h_.get(), name)); }
+  /// Every block published before is gone.
+  void cleared() const { check(kvrelay_kv_events_cleared(h_.get())); }
+  /// The bound PUB endpoint, or the replay endpoint.
+  std::string endpoint(bool replay = false) const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) {
+      return kvrelay_kv_events_endpoint(h_.get(), replay, reinterpret_cast<char *>(b), c, n);
+    });
+  }
+  kvrelay_kv_events_stats stats() const {
+    kvrelay_kv_events_stats s;
+    check(kvrelay_kv_events_read_stats(h_.get(), &s, sizeof s));
+    return s;
+  }
+  /// The counters as Prometheus text, `{prefix}_kv_events_*` ("" : kvrelay).
+  std::string prometheus(std::string_view prefix = {}) const {
+    return detail::fill<std::string>([&](uint8_t *b, std::size_t c, std::size_t *n) {
+      return kvrelay_kv_events_prometheus(h_.get(), prefix.data(), prefix.size(), reinterpret_cast<char *>(b), c, n);
+    });
+  }
+  const kvrelay_kv_events *get() const noexcept { return h_.get(); }
+
+ private:
+  detail::Handle<kvrelay_kv_events, kvrelay_kv_events_free> h_;
+};
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_KVRELAY_HPP

@@ -32,9 +32,12 @@ mod labels;
 pub mod agent;
 pub mod checksum;
 pub mod copy;
+#[cfg(feature = "events")]
+pub mod events;
 pub mod ffi;
 pub mod hints;
 pub mod metrics;
+pub mod names;
 pub mod policy;
 
 pub use hints::{

@@ -229,17 +229,40 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
     let (failure, detail) = seen.failure.lock().unwrap().clone().unwrap();
     assert_eq!(failure, r.failure);
     assert!(detail.contains("connect"), "{detail}");
-    // refused submissions: destroy runs before the call returns, done never
-    for (p, size, want) in
-        [(params(0), full, KVRELAY_ERR_INVALID_ARGUMENT), (params(1), full - 8, KVRELAY_ERR_INVALID_ARGUMENT)]
-    {
+    // refused submissions: destroy runs before the call returns, done never; a struct below
+    // the first version's size is no struct at all: nothing of it is read past its `size`, so
+    // the destroy that lies past it never runs
+    for (p, size, destroyed) in [(params(0), full, 1), (params(1), full - 8, 0), (params(1), 8, 0)] {
         let seen = Seen::default();
         let mut f = ptr::null_mut();
         // SAFETY: as above; nothing is submitted.
         let st = unsafe { kvrelay_agent_submit(a, &p, &callbacks(&seen, size), &mut f) };
-        assert_eq!(st, want);
+        assert_eq!(st, KVRELAY_ERR_INVALID_ARGUMENT, "size {size}");
         assert!(f.is_null(), "no handle on an error");
-        assert_eq!((seen.done.load(Ordering::SeqCst), seen.destroyed.load(Ordering::SeqCst)), (0, 1));
+        assert_eq!((seen.done.load(Ordering::SeqCst), seen.destroyed.load(Ordering::SeqCst)), (0, destroyed));
+    }
+    // a newer header's larger struct: accepted while its unknown field is zero; refused (its
+    // destroy, which this library knows, still runs) once that field is set
+    #[repr(C)]
+    struct Newer {
+        known: kvrelay_fetch_callbacks,
+        unknown: u64,
+    }
+    for (unknown, want) in [(0u64, KVRELAY_OK), (7, KVRELAY_ERR_INVALID_ARGUMENT)] {
+        let seen = Seen::default();
+        let newer = Newer { known: callbacks(&seen, std::mem::size_of::<Newer>()), unknown };
+        let mut f = ptr::null_mut();
+        // SAFETY: as above; the struct is readable for the size it states.
+        unsafe {
+            let whole = (&newer as *const Newer).cast::<kvrelay_fetch_callbacks>();
+            assert_eq!(kvrelay_agent_submit(a, &params(1), whole, &mut f), want, "unknown field {unknown}");
+            if want == KVRELAY_OK {
+                assert_eq!(kvrelay_fetch_wait(f, 20_000, &mut r), KVRELAY_OK);
+                kvrelay_fetch_free(f);
+            }
+        }
+        let done = usize::from(want == KVRELAY_OK);
+        assert_eq!((seen.done.load(Ordering::SeqCst), seen.destroyed.load(Ordering::SeqCst)), (done, 1));
     }
     // no callbacks at all: poll or wait
     let mut f = ptr::null_mut();

@@ -226,3 +226,66 @@ fn struct_sizes_change_only_with_the_version() {
          version (bump it in Cargo.toml and add its rows; never edit the rows of a released version)"
     );
 }
+
+/// Within an ABI epoch (the SONAME's `major.minor` while the major version is 0), an executor
+/// built against any earlier header of the epoch must run against this library unchanged. So
+/// across the rows of `tests/data/abi_sizes.txt` of one epoch: a struct never disappears; a
+/// struct the caller hands over with its size (a `size_t size` first field) or lends with a
+/// size argument (the counters read by `_read_stats`) only grows; every other struct keeps its
+/// size. A new epoch (a new SONAME) may change anything.
+#[test]
+fn structs_are_frozen_within_an_epoch_or_grow_with_their_size() {
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    let table = std::fs::read_to_string(root().join("tests/data/abi_sizes.txt")).unwrap();
+    // structs whose first field is `size_t size`
+    let mut growable: Vec<String> = Vec::new();
+    let lines: Vec<&str> = h.lines().collect();
+    for (i, l) in lines.iter().enumerate() {
+        if let Some(name) = l.strip_prefix("typedef struct ").and_then(|r| r.strip_suffix(" {")) {
+            let first = lines[i + 1..].iter().map(|l| l.trim()).find(|l| !l.starts_with("//"));
+            if first == Some("size_t size;") {
+                growable.push(name.to_string());
+            }
+        }
+    }
+    // structs the library writes at the caller's size: `(struct X *out, size_t size)`
+    let flat = h.split_whitespace().collect::<Vec<_>>().join(" ");
+    for read in ["kvrelay_agent_stats", "kvrelay_kv_events_stats"] {
+        assert!(flat.contains(&format!("{read} *out, size_t size)")), "{read} is read at the caller's size");
+        growable.push(read.to_string());
+    }
+    assert!(growable.iter().any(|g| g == "kvrelay_fetch_callbacks") && growable.iter().any(|g| g == "kvrelay_naming"));
+    let epoch = |v: &str| v.rsplit_once('.').map(|(e, _)| e.to_string()).unwrap();
+    let version_key = |v: &str| v.split('.').map(|p| p.parse::<u32>().unwrap()).collect::<Vec<_>>();
+    let mut rows: Vec<(Vec<u32>, String, String, usize)> = table
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 3, "row `{l}`");
+            (version_key(f[0]), f[0].to_string(), f[1].to_string(), f[2].parse().unwrap())
+        })
+        .collect();
+    rows.sort();
+    let mut versions: Vec<(Vec<u32>, String)> = rows.iter().map(|r| (r.0.clone(), r.1.clone())).collect();
+    versions.dedup();
+    let mut bad = Vec::new();
+    for pair in versions.windows(2) {
+        let ((_, old), (_, new)) = (&pair[0], &pair[1]);
+        if epoch(old) != epoch(new) {
+            continue;
+        }
+        for (_, _, name, size) in rows.iter().filter(|r| &r.1 == old) {
+            let later = rows.iter().find(|r| &r.1 == new && &r.2 == name).map(|r| r.3);
+            match later {
+                None => bad.push(format!("{name} of {old} is gone in {new}")),
+                Some(s) if growable.contains(name) && s < *size => bad.push(format!("{name} shrank in {new}")),
+                Some(s) if !growable.contains(name) && s != *size => {
+                    bad.push(format!("{name} ({size} bytes in {old}, {s} in {new}) has no size field: frozen for the epoch"))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    assert!(bad.is_empty(), "ABI changes within an epoch: {bad:?}");
+}

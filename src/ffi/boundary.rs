@@ -193,6 +193,119 @@ pub(crate) unsafe fn fill_pieces(
     Ok(())
 }
 
+/// A C struct whose first field is `size_t size` (`sizeof` the struct as the caller's header
+/// declares it), which grows only by appending fields.
+///
+/// # Safety
+/// The implementor must be `#[repr(C)]`, its first field a `usize` holding the caller's
+/// size, and all-zero bytes must be a valid value (NULL pointers, `None` callbacks, zeros):
+/// what the caller's older struct lacks reads as zero.
+pub(crate) unsafe trait SizedStruct: Copy {
+    /// The size of the struct's first version: a caller's smaller size is refused.
+    const FIRST_SIZE: usize;
+}
+
+/// A sized struct as the library reads it: the caller's fields, zeros for what its header
+/// lacks.
+pub(crate) struct SizedCopy<T> {
+    /// The caller's fields, zero past its `size`.
+    pub value: T,
+    /// The caller's `size`.
+    pub size: usize,
+    /// A larger struct than this library's whose extra bytes are not all zero: the caller set a
+    /// field this library does not know.
+    pub unknown_fields: bool,
+}
+
+impl<T: SizedStruct> SizedCopy<T> {
+    /// Whether the library can honour the caller's struct: at least the first version's size,
+    /// and no field set that this library does not know (a newer header's field is accepted
+    /// only while it is zero). Otherwise `KVRELAY_ERR_INVALID_ARGUMENT`, saying why.
+    pub fn check(&self, what: &str) -> Result<(), kvrelay_status> {
+        if self.size < T::FIRST_SIZE {
+            return Err(with_detail(
+                KVRELAY_ERR_INVALID_ARGUMENT,
+                format!("{what}.size is {}, smaller than its first version's {}", self.size, T::FIRST_SIZE),
+            ));
+        }
+        if self.unknown_fields {
+            return Err(with_detail(
+                KVRELAY_ERR_INVALID_ARGUMENT,
+                format!(
+                    "{what}.size is {}: a newer header's fields past this library's {} bytes are set",
+                    self.size,
+                    std::mem::size_of::<T>()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Read a sized struct the way extensible structs are read across an ABI: `size` first, then
+/// only the bytes the caller has (never past its struct), zeros for fields its header lacks,
+/// and any bytes past this library's struct checked for zero. A size below the first
+/// version's reads nothing but the size (the copy is all zeros: no callback of it runs). Fails only on NULL; the caller
+/// then decides with [`SizedCopy::check`] (after taking ownership of what the copy holds, so a
+/// refused struct's `destroy` still runs when the caller's struct has one).
+///
+/// # Safety
+/// A non-NULL `p` must be aligned for `T` and readable for `size` bytes, `size` being its
+/// first field.
+pub(crate) unsafe fn read_sized<T: SizedStruct>(p: *const T) -> Result<SizedCopy<T>, kvrelay_status> {
+    if p.is_null() {
+        return Err(KVRELAY_ERR_NULL);
+    }
+    if !p.is_aligned() {
+        return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "a misaligned struct"));
+    }
+    // SAFETY: non-NULL and aligned; every sized struct starts with its `size_t size`, which the
+    // caller's struct always has.
+    let size = unsafe { p.cast::<usize>().read() };
+    let mine = std::mem::size_of::<T>();
+    // Every real version's size is a multiple of the struct's alignment (sizeof always is), so
+    // rounding down never drops a whole field of the caller's and never copies half of one
+    // (a size that is no version's cannot leave half a pointer behind). A size below the first
+    // version's is no version at all: nothing of it is read.
+    let align = std::mem::align_of::<T>();
+    let copy = if size < T::FIRST_SIZE { 0 } else { size.min(mine) / align * align };
+    let mut value = std::mem::MaybeUninit::<T>::zeroed();
+    // SAFETY: the caller's struct is readable for `size >= copy` bytes and ours writable for
+    // `mine >= copy`; they cannot overlap (ours is a local).
+    unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), value.as_mut_ptr().cast::<u8>(), copy) };
+    let unknown_fields = size > mine && {
+        // SAFETY: readable for `size` bytes per the contract, of which these are the tail.
+        let tail = unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(mine), size - mine) };
+        tail.iter().any(|&b| b != 0)
+    };
+    // SAFETY: all-zero bytes are a valid T (the trait's contract) and the copied prefix holds
+    // the caller's own valid fields.
+    let value = unsafe { value.assume_init() };
+    Ok(SizedCopy { value, size, unknown_fields })
+}
+
+/// Copy a counters struct of `u64` fields into the caller's `out`, of which the caller knows
+/// `size` bytes: the fields it knows, nothing past `size`, and zeros for fields a newer
+/// caller has that this library lacks. `size` must be a non-zero multiple of 8.
+///
+/// # Safety
+/// `T` must be `#[repr(C)]` with `u64` fields only; `out` NULL or writable for `size` bytes.
+pub(crate) unsafe fn put_counters<T>(out: *mut T, size: usize, value: &T) -> Result<(), kvrelay_status> {
+    let out = out_ptr(out)?;
+    if size == 0 || size % 8 != 0 {
+        return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("a counters size of {size} bytes")));
+    }
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: `out` is writable for `size` bytes (contract) and `n <= size`; `value` is a live
+    // `T` of `size_of::<T>() >= n` bytes; the two do not overlap (ours is the library's). Bytes
+    // past `n` (a newer caller's fields) are zeroed, within `size`.
+    unsafe {
+        std::ptr::copy_nonoverlapping((value as *const T).cast::<u8>(), out.cast::<u8>(), n);
+        std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -101,13 +101,16 @@ pub(crate) fn status_of(e: CopyError) -> kvrelay_status {
     with_detail(s, e)
 }
 
-/// A typed array `(ptr, n)`; `(NULL, 0)` is empty.
+/// A typed array `(ptr, n)`; `(NULL, 0)` is empty; a pointer not aligned for `T` is refused.
 ///
 /// # Safety
 /// A non-NULL `p` must be readable for `n` elements.
 pub(crate) unsafe fn array<'a, T>(p: *const T, n: usize) -> Result<&'a [T], kvrelay_status> {
     if p.is_null() {
         return if n == 0 { Ok(&[]) } else { Err(KVRELAY_ERR_INVALID_ARGUMENT) };
+    }
+    if !p.is_aligned() {
+        return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "a misaligned array"));
     }
     // `from_raw_parts` requires the slice to span at most isize::MAX bytes.
     if n.checked_mul(std::mem::size_of::<T>()).is_none_or(|b| b > isize::MAX as usize) {

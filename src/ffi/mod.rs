@@ -20,6 +20,9 @@ pub mod admission;
 pub mod agent;
 pub mod boundary;
 pub mod copy;
+#[cfg(feature = "events")]
+pub mod events;
+pub mod names;
 pub mod policy;
 pub mod snapshot;
 pub mod status;

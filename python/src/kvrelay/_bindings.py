@@ -15,7 +15,7 @@ from typing import Any, Optional, TypeVar
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
-KVRELAY_VERSION_PATCH = 1  # Patch version.
+KVRELAY_VERSION_PATCH = 2  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -176,6 +176,15 @@ class AgentLimit(CEnum):
     POLL_US = ("poll_us", 16)
 
 
+class KvEventsSetting(CEnum):
+    """``kvrelay_kv_events_setting``: Which setting `kvrelay_kv_events_config_set` changes. Fixed values."""
+
+    REPLAY_ENDPOINT = ("replay_endpoint", 1)
+    TOPIC = ("topic", 2)
+    MEDIUM = ("medium", 3)
+    ALLOW_PEER = ("allow_peer", 4)
+
+
 # every enumerator as an int, for the calls
 KVRELAY_OK = 0
 KVRELAY_ERR_NULL = 1
@@ -256,6 +265,10 @@ KVRELAY_LIMIT_SOCKET_BUFFER_BYTES = 13
 KVRELAY_LIMIT_WRITE_GRACE_MS = 14
 KVRELAY_LIMIT_TCP_FALLBACK = 15
 KVRELAY_LIMIT_POLL_US = 16
+KVRELAY_KV_EVENTS_REPLAY_ENDPOINT = 1
+KVRELAY_KV_EVENTS_TOPIC = 2
+KVRELAY_KV_EVENTS_MEDIUM = 3
+KVRELAY_KV_EVENTS_ALLOW_PEER = 4
 
 
 # --- structs (in header order: what one uses is defined before it)
@@ -413,7 +426,7 @@ kvrelay_fetch_callbacks_destroy_fn = CFUNCTYPE(None, c_void_p)
 
 
 class kvrelay_fetch_callbacks(Structure):
-    """The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended). - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch threads, when the fetch completes (also when it was cancelled or the agent is being freed), with the whole result and why it failed in words (`detail`: UTF-8, not NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and `detail` are valid during the call. It must not unwind and must not free the agent; it may free the fetch handle. - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`, before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission is refused, before `kvrelay_agent_submit` returns."""
+    """The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is `sizeof(kvrelay_fetch_callbacks)` as the caller's header declares it: fields are only ever appended, the library reads `size` first and never past the caller's struct, a field an older caller's header lacks reads as zero (NULL), and a newer header's larger struct is accepted while the fields this library does not know are zero. - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch threads, when the fetch completes (also when it was cancelled or the agent is being freed), with the whole result and why it failed in words (`detail`: UTF-8, not NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and `detail` are valid during the call. It must not unwind and must not free the agent; it may free the fetch handle. - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`, before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission is refused, before `kvrelay_agent_submit` returns."""
 
     _fields_ = [
         ("size", c_size_t),  # `sizeof(kvrelay_fetch_callbacks)`.
@@ -451,6 +464,32 @@ class kvrelay_cuda_engine_options(Structure):
         ("threads", c_uint32),  # Kernel threads per CTA, a multiple of 32 in 64..=512.
         ("max_blocks_per_call", c_size_t),  # Blocks per `cuMemcpyBatchAsync` call (descriptors reserved at setup).
         ("scratch_bytes", c_size_t),  # Device scratch of the staged method, bytes.
+    ]
+
+
+class kvrelay_kv_events_stats(Structure):
+    """A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended."""
+
+    _fields_ = [
+        ("published", c_uint64),  # Events published.
+        ("dropped", c_uint64),  # Events dropped because the publishing queue was full (65,536 events).
+        ("batches", c_uint64),  # Batches published.
+        ("replays", c_uint64),  # Replay requests answered.
+        ("refused", c_uint64),  # Connections refused: the peer is not on the allowlist.
+        ("send_errors", c_uint64),  # Batches the PUB socket refused (still kept for replay).
+    ]
+
+
+class kvrelay_naming(Structure):
+    """What a chain of block names depends on besides the tokens. `size` is `sizeof(kvrelay_naming)` as the caller's header declares it (fields are only ever appended; the rules of `kvrelay_fetch_callbacks`)."""
+
+    _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_naming)`.
+        ("seed", c_uint64),  # The engine's seed: `kvrelay_name_seed` of its identity (the model file's digest, its build and every setting that changes KV bytes).
+        ("block_tokens", c_size_t),  # Tokens per block (at least 1).
+        ("lora_id", c_uint64),  # The LoRA adapter's id (0: none).
+        ("salt", c_void_p),  # The request's cache salt (bytes; `(NULL, 0)` or empty: none), hashed into block 0 only.
+        ("salt_len", c_size_t),  # Bytes of `salt`.
     ]
 
 
@@ -632,6 +671,19 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_cuda_scatter": (c_int32, [("engine", c_void_p), ("staging", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t), ("stream", c_void_p), ("done_event", c_void_p)]),
     "kvrelay_cuda_engine_free": (None, [("engine", c_void_p)]),
     "kvrelay_kv_checksum": (c_int32, [("bytes", c_void_p), ("len", c_size_t), ("out", POINTER(c_uint64))]),
+    "kvrelay_kv_events_config_new": (c_int32, [("endpoint", c_void_p), ("len", c_size_t), ("block_size", c_size_t), ("out", POINTER(c_void_p))]),
+    "kvrelay_kv_events_config_free": (None, [("config", c_void_p)]),
+    "kvrelay_kv_events_config_set": (c_int32, [("config", c_void_p), ("setting", c_int32), ("value", c_void_p), ("len", c_size_t)]),
+    "kvrelay_kv_events_start": (c_int32, [("config", c_void_p), ("out", POINTER(c_void_p))]),
+    "kvrelay_kv_events_free": (None, [("events", c_void_p)]),
+    "kvrelay_kv_events_stored": (c_int32, [("events", c_void_p), ("name", c_uint64), ("has_parent", c_bool), ("parent", c_uint64), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t)]),
+    "kvrelay_kv_events_removed": (c_int32, [("events", c_void_p), ("name", c_uint64)]),
+    "kvrelay_kv_events_cleared": (c_int32, [("events", c_void_p)]),
+    "kvrelay_kv_events_endpoint": (c_int32, [("events", c_void_p), ("replay", c_bool), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
+    "kvrelay_kv_events_read_stats": (c_int32, [("events", c_void_p), ("out", POINTER(kvrelay_kv_events_stats)), ("size", c_size_t)]),
+    "kvrelay_kv_events_prometheus": (c_int32, [("events", c_void_p), ("prefix", c_void_p), ("prefix_len", c_size_t), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
+    "kvrelay_name_seed": (c_int32, [("identity", c_void_p), ("len", c_size_t), ("out", POINTER(c_uint64))]),
+    "kvrelay_block_names": (c_int32, [("naming", POINTER(kvrelay_naming)), ("parent", c_uint64), ("first_block", c_size_t), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("names", POINTER(c_uint64)), ("cap", c_size_t), ("n_out", POINTER(c_size_t))]),
     "kvrelay_capabilities_builder_new": (c_int32, [("out", POINTER(c_void_p))]),
     "kvrelay_capabilities_builder_add": (c_int32, [("builder", c_void_p), ("family", c_void_p), ("family_len", c_size_t), ("action_type", c_void_p), ("action_type_len", c_size_t), ("action_version", c_void_p), ("action_version_len", c_size_t)]),
     "kvrelay_capabilities_build": (c_int32, [("builder", c_void_p), ("out", POINTER(c_void_p))]),
@@ -668,4 +720,4 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_reason_name": (c_char_p, [("reason", c_int32)]),
 }
 
-OPAQUE = ("kvrelay_admission", "kvrelay_admission_config", "kvrelay_agent", "kvrelay_agent_config", "kvrelay_capabilities", "kvrelay_capabilities_builder", "kvrelay_cpu_engine", "kvrelay_cuda_engine", "kvrelay_fetch", "kvrelay_kv_layout", "kvrelay_orchestrator", "kvrelay_pinned", "kvrelay_policy_config", "kvrelay_snapshot", )
+OPAQUE = ("kvrelay_admission", "kvrelay_admission_config", "kvrelay_agent", "kvrelay_agent_config", "kvrelay_capabilities", "kvrelay_capabilities_builder", "kvrelay_cpu_engine", "kvrelay_cuda_engine", "kvrelay_fetch", "kvrelay_kv_events", "kvrelay_kv_events_config", "kvrelay_kv_layout", "kvrelay_orchestrator", "kvrelay_pinned", "kvrelay_policy_config", "kvrelay_snapshot", )

@@ -16,8 +16,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
-use crate::events::{Event, EventSink};
-
 #[derive(Clone, Copy, Default)]
 struct Meta {
     /// The name the block is cached under (`None`: free or private to a lease).
@@ -43,7 +41,25 @@ pub struct BlockCache {
     evicted: AtomicU64,
     /// Where commits and evictions are published (`--kv-events-endpoint`), sent under the
     /// state's mutex so that they leave in the cache's order.
-    events: Option<EventSink>,
+    events: Option<Arc<dyn EventSink>>,
+}
+
+/// Where the cache announces its commits and evictions (the KV events publisher; a test's
+/// recorder). Called under the cache's mutex: must not block.
+pub trait EventSink: Send + Sync {
+    /// A block was committed under `name` (`parent`: the block before it in its prompt).
+    fn stored(&self, name: u64, parent: Option<u64>, tokens: &[u32]);
+    /// The block named `name` was evicted.
+    fn removed(&self, name: u64);
+}
+
+impl EventSink for crate::abi::KvEvents {
+    fn stored(&self, name: u64, parent: Option<u64>, tokens: &[u32]) {
+        crate::abi::KvEvents::stored(self, name, parent, tokens)
+    }
+    fn removed(&self, name: u64) {
+        crate::abi::KvEvents::removed(self, name)
+    }
 }
 
 /// A request needs more blocks than the whole pool holds.
@@ -92,7 +108,7 @@ impl BlockCache {
 
     /// [`new`](Self::new), publishing each commit (`BlockStored`) and eviction
     /// (`BlockRemoved`) to `events`.
-    pub fn with_events(capacity: usize, events: Option<EventSink>) -> Arc<BlockCache> {
+    pub fn with_events(capacity: usize, events: Option<Arc<dyn EventSink>>) -> Arc<BlockCache> {
         Arc::new(BlockCache {
             state: Mutex::new(State {
                 meta: vec![Meta::default(); capacity],
@@ -162,7 +178,7 @@ impl BlockCache {
                     s.by_name.remove(&old);
                     self.evicted.fetch_add(1, Ordering::Relaxed);
                     if let Some(ev) = &self.events {
-                        ev.send(Event::Removed(old));
+                        ev.removed(old);
                     }
                     b
                 }
@@ -273,7 +289,7 @@ impl Lease {
         s.by_name.insert(name, b);
         s.meta[b as usize].name = Some(name);
         if let Some(ev) = &self.cache.events {
-            ev.send(Event::Stored { name, parent, tokens: tokens.to_vec() });
+            ev.stored(name, parent, tokens);
         }
         true
     }
@@ -312,8 +328,23 @@ mod tests {
 
     #[test]
     fn commits_and_evictions_are_published_once_in_order() {
-        let (sink, rx, _) = EventSink::channel(16);
-        let c = BlockCache::with_events(2, Some(sink));
+        #[derive(Debug, PartialEq)]
+        enum Event {
+            Stored { name: u64, parent: Option<u64>, tokens: Vec<u32> },
+            Removed(u64),
+        }
+        #[derive(Default)]
+        struct Recorder(Mutex<Vec<Event>>);
+        impl EventSink for Recorder {
+            fn stored(&self, name: u64, parent: Option<u64>, tokens: &[u32]) {
+                self.0.lock().unwrap().push(Event::Stored { name, parent, tokens: tokens.to_vec() });
+            }
+            fn removed(&self, name: u64) {
+                self.0.lock().unwrap().push(Event::Removed(name));
+            }
+        }
+        let rec = Arc::new(Recorder::default());
+        let c = BlockCache::with_events(2, Some(rec.clone()));
         let a = c.try_acquire(&[1, 2], 2).unwrap().unwrap();
         assert!(a.commit(0, 1, None, &[10, 11]));
         assert!(a.commit(1, 2, Some(1), &[12, 13]));
@@ -322,7 +353,7 @@ mod tests {
         let x = c.try_acquire(&[9], 1).unwrap().unwrap(); // evicts name 1 (least recent)
         assert!(!x.commit(0, 2, None, &[]), "name 2 is cached already");
         drop(x);
-        let got: Vec<Event> = rx.try_iter().collect();
+        let got = std::mem::take(&mut *rec.0.lock().unwrap());
         assert_eq!(
             got,
             [

@@ -42,8 +42,9 @@ pub mod llama;
 mod store;
 pub use store::{chunk_blocks, KvStore};
 
-/// Seed of the block-name chain (part of the layout fingerprint's naming scheme).
-pub const NAME_SEED: u64 = 0x6b76_7265_6c61_7931; // "kvrelay1"
+/// Seed of the reference model's block names (the library's base seed; part of the layout
+/// fingerprint's naming scheme).
+pub const NAME_SEED: u64 = kvrelay::names::NAME_SEED;
 /// Seed of the reference model's KV function.
 pub const MODEL_SEED: u64 = 0x6d6f_6465_6c2d_7631;
 
@@ -106,38 +107,7 @@ pub fn render_chat(messages: &[(String, String)]) -> String {
 /// The names of the full blocks of `tokens` under the reference model's seed [`NAME_SEED`].
 #[cfg(test)]
 pub fn block_names(tokens: &[u32], block_tokens: usize, lora_id: u64, salt: Option<&str>) -> Vec<u64> {
-    block_names_seeded(NAME_SEED, tokens, block_tokens, lora_id, salt)
-}
-
-/// The names of the full blocks of `tokens` under `seed` (each model names blocks over its own
-/// token ids with a seed of its own).
-pub fn block_names_seeded(
-    seed: u64,
-    tokens: &[u32],
-    block_tokens: usize,
-    lora_id: u64,
-    salt: Option<&str>,
-) -> Vec<u64> {
-    let mut names = Vec::with_capacity(tokens.len() / block_tokens);
-    let mut buf = Vec::with_capacity(24 + block_tokens * 4 + salt.map_or(0, str::len));
-    let mut prev = 0u64;
-    for (i, block) in tokens.chunks_exact(block_tokens).enumerate() {
-        buf.clear();
-        buf.extend_from_slice(&prev.to_le_bytes());
-        buf.extend_from_slice(&lora_id.to_le_bytes());
-        if i == 0 {
-            if let Some(s) = salt {
-                buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
-                buf.extend_from_slice(s.as_bytes());
-            }
-        }
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-        prev = xxh3_64_with_seed(&buf, seed);
-        names.push(prev);
-    }
-    names
+    crate::abi::names::block_names(NAME_SEED, tokens, block_tokens, lora_id, salt)
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -343,7 +313,7 @@ impl Engine {
         match &self.model {
             Model::Reference => NAME_SEED,
             #[cfg(feature = "llama")]
-            Model::Llama(l) => NAME_SEED ^ xxhash_rust::xxh3::xxh3_64(l.identity.as_bytes()),
+            Model::Llama(l) => crate::abi::names::name_seed(l.identity.as_bytes()),
         }
     }
 
@@ -359,7 +329,7 @@ impl Engine {
 
     /// The names of the full blocks of `tokens` (SPEC section 8, this model's seed).
     pub fn block_names(&self, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
-        block_names_seeded(self.name_seed(), tokens, self.config.shape.block_tokens, 0, salt)
+        crate::abi::names::block_names(self.name_seed(), tokens, self.config.shape.block_tokens, 0, salt)
     }
 
     /// Tokenize a text prompt.

@@ -7,7 +7,6 @@ mod cache;
 mod client;
 mod demo;
 mod engine;
-mod events;
 mod http;
 mod metrics;
 mod transfer;
@@ -313,16 +312,15 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     });
     let (events, sink) = match &args.kv_events_endpoint {
         Some(at) => {
-            let cfg = events::EventsConfig {
+            let cfg = abi::EventsSettings {
                 endpoint: at,
                 replay_endpoint: args.kv_events_replay_endpoint.as_deref(),
                 block_size: shape.block_tokens,
                 medium: if store.region().device.is_some() { "GPU" } else { "CPU" },
-                allow: kvrelay::agent::PeerAllow::parse(&args.kv_peer_allow)
-                    .map_err(|e| format!("--kv-peer-allow: {e}"))?,
+                allow: &args.kv_peer_allow,
             };
-            let (e, s) = events::KvEvents::start(&cfg)?;
-            (Some(e), Some(s))
+            let e = Arc::new(abi::KvEvents::start(&cfg).map_err(|e| format!("--kv-events-endpoint: {e}"))?);
+            (Some(e.clone()), Some(e as Arc<dyn cache::EventSink>))
         }
         None => (None, None),
     };

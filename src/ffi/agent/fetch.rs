@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use crate::agent::{FailReason, Fetch, FetchRequest, FetchResult};
-use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, text, with_detail};
+use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, read_sized, text, SizedStruct};
 use crate::ffi::copy::array;
 use crate::ffi::status::kvrelay_status::{self, *};
 use crate::ffi::types::kvrelay_str;
@@ -145,7 +145,10 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
 }
 
 /// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
-/// `sizeof(kvrelay_fetch_callbacks)` as the caller knows it (fields are only ever appended).
+/// `sizeof(kvrelay_fetch_callbacks)` as the caller's header declares it: fields are only ever
+/// appended, the library reads `size` first and never past the caller's struct, a field an
+/// older caller's header lacks reads as zero (NULL), and a newer header's larger struct is
+/// accepted while the fields this library does not know are zero.
 /// - `done(user_data, result, detail)` (may be NULL): runs once, on one of the agent's fetch
 ///   threads, when the fetch completes (also when it was cancelled or the agent is being
 ///   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
@@ -169,11 +172,19 @@ pub struct kvrelay_fetch_callbacks {
     pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
 }
 
+// SAFETY: repr(C), `size` first, and all-zero bytes are no user data and no callbacks.
+unsafe impl SizedStruct for kvrelay_fetch_callbacks {
+    // 0.2.0's struct: size, user_data, done, destroy
+    const FIRST_SIZE: usize = 32;
+}
+
 /// Submit a fetch with the completion of `callbacks` (may be NULL: poll or wait instead): as
 /// `kvrelay_agent_fetch`, but the callback also receives the failure detail (no round trip to
 /// `kvrelay_fetch_detail`), and `callbacks->destroy` releases `user_data` exactly once on
-/// every path, including a refused submission (`KVRELAY_ERR_INVALID_ARGUMENT` also for a
-/// `callbacks->size` smaller than this header's struct).
+/// every path, including a refused submission where the caller's struct has it
+/// (`KVRELAY_ERR_INVALID_ARGUMENT` also for a `callbacks->size` below the first version's
+/// 32 bytes, when nothing of the struct is used, and for a larger struct with a field set that
+/// this library does not know).
 ///
 /// # Safety
 /// `agent` NULL or live; `params` NULL or readable, its arrays readable for their lengths;
@@ -198,20 +209,17 @@ pub unsafe extern "C" fn kvrelay_agent_submit(
         }
     }
     guard(|| {
-        // SAFETY: forwarded contract.
-        let cbs = if callbacks.is_null() { None } else { Some(Callbacks(unsafe { *callbacks })) };
-        if let Some(c) = &cbs {
-            if c.0.size < std::mem::size_of::<kvrelay_fetch_callbacks>() {
-                return Err(with_detail(
-                    KVRELAY_ERR_INVALID_ARGUMENT,
-                    format!(
-                        "callbacks of {} bytes (this library's are {})",
-                        c.0.size,
-                        std::mem::size_of::<kvrelay_fetch_callbacks>()
-                    ),
-                ));
-            }
-        }
+        let cbs = if callbacks.is_null() {
+            None
+        } else {
+            // SAFETY: forwarded contract: readable for `callbacks->size` bytes, which is all
+            // read_sized reads.
+            let copy = unsafe { read_sized(callbacks) }?;
+            // owned from here: a refused struct's destroy still runs, when the caller's has one
+            let (cbs, ok) = (Callbacks(copy.value), copy.check("kvrelay_fetch_callbacks"));
+            ok?;
+            Some(cbs)
+        };
         let cb = cbs.map(|c| {
             Box::new(move |r: &FetchResult| {
                 let c = &c;

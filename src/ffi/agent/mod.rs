@@ -16,7 +16,7 @@ pub use holder::*;
 use std::ffi::c_char;
 
 use crate::agent::{Agent, AgentError, AgentStats};
-use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, text, with_detail};
+use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, put_counters, text, with_detail};
 use crate::ffi::copy::{array, kvrelay_kv_layout, layout_of};
 use crate::ffi::status::kvrelay_status::{self, *};
 
@@ -207,22 +207,10 @@ pub unsafe extern "C" fn kvrelay_agent_read_stats(
     size: usize,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
-        if size == 0 || size % 8 != 0 {
-            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("a stats size of {size} bytes")));
-        }
         // SAFETY: forwarded contract.
         let a = unsafe { input(agent) }?;
-        let s = a.inner.stats();
-        let n = size.min(std::mem::size_of::<AgentStats>());
-        // SAFETY: `out` is writable for `size` bytes (contract) and `n <= size`; `s` is a live
-        // local of `size_of::<AgentStats>() >= n` bytes; the two do not overlap. Bytes past `n`
-        // (a newer caller's fields) are zeroed, within `size`.
-        unsafe {
-            std::ptr::copy_nonoverlapping((&s as *const AgentStats).cast::<u8>(), out.cast::<u8>(), n);
-            std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
-        }
-        Ok(())
+        // SAFETY: AgentStats is repr(C) of u64 fields; `out` is writable for `size` bytes.
+        unsafe { put_counters(out, size, &a.inner.stats()) }
     })
 }
 

@@ -9,7 +9,7 @@ fn last_error() -> String {
         .unwrap_or_default()
 }
 
-fn check_detail(call: &'static str, st: kvrelay_status) -> Result<(), String> {
+pub(super) fn check_detail(call: &'static str, st: kvrelay_status) -> Result<(), String> {
     check(call, st).map_err(|e| {
         let d = last_error();
         if d.is_empty() {

@@ -4,16 +4,19 @@
 //!
 //! Ownership mirrors the header: owned handles are freed on `Drop`, snapshots are retained on
 //! `Clone` and released on `Drop`. Views borrow from the wrapper that produced them. One module
-//! per C ABI module: [`admission`] (with snapshots), [`policy`], [`copy`], [`agent`].
+//! per C ABI module: [`admission`] (with snapshots), [`policy`], [`copy`], [`agent`], [`events`], [`names`].
 
 mod admission;
 mod agent;
 mod copy;
+mod events;
+pub mod names;
 mod policy;
 
 pub use admission::*;
 pub use agent::*;
 pub use copy::*;
+pub use events::*;
 pub use policy::*;
 
 use std::ffi::{c_char, c_void, CStr};

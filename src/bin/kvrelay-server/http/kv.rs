@@ -117,7 +117,7 @@ pub async fn kv_info(State(st): State<Shared>) -> Json<Value> {
 /// runtime worker's engine-specific settings) that describe this instance: the model it
 /// serves, its block size, where its KV events and their replay are, and the KV endpoint a
 /// hint names as the source, per data-parallel rank (this server is rank 0).
-fn dynamo_registration(st: &AppState, ev: &crate::events::KvEvents) -> Value {
+fn dynamo_registration(st: &AppState, ev: &crate::abi::KvEvents) -> Value {
     json!({
         "model_name": st.config.model,
         "block_size": ev.block_size,

@@ -457,5 +457,5 @@ pub struct TransferState {
     /// The engine whose pool the agent serves and fills: dropped after the agent (field order).
     pub pool: Arc<Engine>,
     /// The KV events publisher (`--kv-events-endpoint`), if on.
-    pub events: Option<Arc<crate::events::KvEvents>>,
+    pub events: Option<Arc<crate::abi::KvEvents>>,
 }

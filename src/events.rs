@@ -1,0 +1,744 @@
+//! KV events for routers (feature `events`; SPEC section 10): what a runtime's reuse cache
+//! holds, published the way vLLM publishes it and Dynamo's KV router indexes it, so that a
+//! router names this instance in its `kv.fetch` hints. The test server
+//! (`--kv-events-endpoint`) and any runtime that links kvrelay (`kvrelay_kv_events_*` in the
+//! header) publish through this one [`Publisher`].
+//!
+//! **Wire.** A ZMQ PUB socket (bound; subscribers connect) sends one three-frame message per
+//! batch: `[topic, seq as u64 big-endian, msgpack([ts, [event, ...], dp_rank])]`, with `ts`
+//! the UNIX time in seconds (f64), `dp_rank` 0, and each event a tagged array:
+//! - `["BlockStored", [name], parent_name | nil, [token ids], block_size, nil, medium]`: a
+//!   block was committed to the reuse cache (by a prefill or a verified fetch). `name` is the
+//!   block's kvrelay name ([`crate::names`]), the key the KV agent serves it under, so the
+//!   `block_hashes` of a hint a router builds from these events name exactly what a fetch
+//!   asks this instance for. `nil` is the LoRA id (kvrelay names carry it inside the name);
+//!   `medium` is `"GPU"` for a device pool, `"CPU"` for host memory.
+//! - `["BlockRemoved", [name], medium]`: the block was evicted.
+//! - `["AllBlocksCleared"]`: the first batch of every publisher (a router forgets what an
+//!   earlier run of this instance published), and whenever the runtime says so.
+//!
+//! **Sequence numbers** are monotonic per publisher and start at the UNIX time in
+//! microseconds, so a restarted instance never publishes a sequence number a router has
+//! already seen (a router drops batches it takes for stale, the restart's
+//! `AllBlocksCleared` included).
+//!
+//! **Replay**: a ZMQ ROUTER socket. A DEALER sends `[b"", start_seq as u64 big-endian]`; it
+//! gets `[b"", seq, payload]` for each kept batch from `start_seq` on, then
+//! `[b"", -1 as i64 big-endian, b""]`. A router that subscribes late (PUB/SUB drops what was
+//! sent before it connected) sees a first sequence number above what it expected and asks for
+//! the rest. The last [`REPLAY_KEEP_BYTES`] of batches are kept; what is older is gone (a
+//! router then never names those blocks: no wrong fetch, only a missed one).
+//!
+//! **Never blocking the runtime.** [`Publisher::stored`] and the others put the event into a
+//! bounded queue of [`QUEUE_EVENTS`] with a non-blocking send (one allocation for a stored
+//! block's tokens); a full queue drops the event and counts it. One thread drains the queue
+//! into batches and publishes; ZMQ's PUB drops a batch for a subscriber [`SEND_HWM`] batches
+//! behind instead of waiting for it, and such a subscriber can replay. The replay socket runs
+//! on a thread of its own. An idle publisher sends an empty batch every [`IDLE_BATCH`], so
+//! that a router that subscribed late finds out what it missed without waiting for this
+//! instance's next request.
+//!
+//! **Hostile input.** Only the peers of the allowlist (the KV agent's [`PeerAllow`] rules;
+//! loopback by default) get through the handshake: both sockets ask a ZAP handler of their own
+//! (ZeroMQ's authentication protocol, on an in-process socket), which refuses any other address
+//! and counts it. The events carry the token ids of cached prompts. Neither socket reads more
+//! than [`MAX_INBOUND`] bytes per message (`ZMQ_MAXMSGSIZE`: a longer message ends that peer's
+//! connection); a replay request that is not exactly the shape above is ignored.
+//!
+//! **Lifetime.** Dropping the [`Publisher`] stops and joins its threads (the publishing
+//! thread sends what was queued first) and closes both sockets; it takes as long as the last
+//! batch's send, never a timeout.
+//!
+//! ZMQ is libzmq (4.3, built from source by the `zmq` crate): it speaks ZMTP 3.1, whose
+//! heartbeats (`PING`/`PONG`) Dynamo's subscriber sends every few seconds and drops a
+//! publisher that does not answer.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::agent::PeerAllow;
+
+/// Events the queue between the runtime and the publishing thread holds.
+pub const QUEUE_EVENTS: usize = 1 << 16;
+/// Events in one batch at most.
+pub const BATCH_EVENTS: usize = 512;
+/// Bytes of published batches kept for replay.
+pub const REPLAY_KEEP_BYTES: usize = 64 << 20;
+/// Batches queued for one subscriber before ZMQ drops for it (a subscriber that far behind can
+/// replay what it missed).
+pub const SEND_HWM: i32 = 1000;
+/// Largest message either socket reads (subscriptions, heartbeats, replay requests).
+pub const MAX_INBOUND: i64 = 256;
+/// How often an idle publisher sends an empty batch: a router that subscribed late learns
+/// from it that it missed batches and asks for a replay (Dynamo asks on the first batch it
+/// sees), even while this instance serves nothing.
+pub const IDLE_BATCH: Duration = Duration::from_secs(1);
+/// The end-of-replay marker: -1 as a big-endian i64.
+pub const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// One change of the reuse cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A block was committed under `name`.
+    Stored {
+        /// The block's name.
+        name: u64,
+        /// The name of the block before it in its prompt (`None`: the first block).
+        parent: Option<u64>,
+        /// The block's token ids.
+        tokens: Vec<u32>,
+    },
+    /// The block named `name` was evicted.
+    Removed(u64),
+    /// Everything this instance published before is gone.
+    Cleared,
+}
+
+/// A publisher's counters.
+#[derive(Default)]
+struct Counters {
+    published: AtomicU64,
+    dropped: AtomicU64,
+    batches: AtomicU64,
+    replays: AtomicU64,
+    refused: AtomicU64,
+    send_errors: AtomicU64,
+}
+
+/// A snapshot of a publisher's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventStats {
+    /// Events published.
+    pub published: u64,
+    /// Events dropped because the queue was full.
+    pub dropped: u64,
+    /// Batches published.
+    pub batches: u64,
+    /// Replay requests answered.
+    pub replays: u64,
+    /// Connections refused: the peer is not on the allowlist.
+    pub refused: u64,
+    /// Batches ZMQ refused to send (they are still kept for replay).
+    pub send_errors: u64,
+}
+
+/// Settings of [`Publisher::start`].
+#[derive(Clone, Debug)]
+pub struct EventsConfig {
+    /// Where the PUB socket binds (`tcp://HOST:PORT`; port 0 picks a free one).
+    pub endpoint: String,
+    /// Where the replay socket binds (`None`: the PUB endpoint's host, a free port).
+    pub replay_endpoint: Option<String>,
+    /// The topic frame of every batch (empty by default, as vLLM sends it).
+    pub topic: String,
+    /// Tokens per block (`block_size` of every `BlockStored`).
+    pub block_size: usize,
+    /// `"GPU"` or `"CPU"`: where the blocks live.
+    pub medium: String,
+    /// The peers either socket accepts.
+    pub allow: PeerAllow,
+}
+
+impl EventsConfig {
+    /// Publish at `endpoint`: the replay socket on a free port of its host, an empty topic,
+    /// `medium` `"CPU"`, loopback peers only.
+    pub fn new(endpoint: &str, block_size: usize) -> EventsConfig {
+        EventsConfig {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            block_size,
+            medium: "CPU".into(),
+            allow: PeerAllow::loopback(),
+        }
+    }
+}
+
+/// A running KV events publisher: its bound endpoints, its queue and its threads. Every method
+/// takes `&self` and is thread-safe; dropping it stops the threads (module docs, "Lifetime").
+pub struct Publisher {
+    tx: Option<SyncSender<Event>>,
+    counters: Arc<Counters>,
+    endpoint: String,
+    replay_endpoint: String,
+    topic: String,
+    block_size: usize,
+    medium: String,
+    /// Stop signals of the replay and ZAP threads (in-process PAIR sockets), sent on drop.
+    stops: Mutex<Vec<zmq::Socket>>,
+    /// The publishing, replay and ZAP threads, in the order they are joined.
+    threads: Vec<JoinHandle<()>>,
+    _ctx: zmq::Context,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .finish()
+    }
+}
+
+impl Publisher {
+    /// Queue `e`; a full queue drops it and counts the drop.
+    fn send(&self, e: Event) {
+        if self.tx.as_ref().is_none_or(|tx| tx.try_send(e).is_err()) {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A block was committed to the reuse cache under `name` (`parent`: the name of the block
+    /// before it in its prompt, `None` for the first). Never blocks; copies `tokens`.
+    pub fn stored(&self, name: u64, parent: Option<u64>, tokens: &[u32]) {
+        self.send(Event::Stored { name, parent, tokens: tokens.to_vec() });
+    }
+
+    /// The block named `name` was evicted. Never blocks.
+    pub fn removed(&self, name: u64) {
+        self.send(Event::Removed(name));
+    }
+
+    /// Every block published before is gone (the cache was cleared). Never blocks.
+    pub fn cleared(&self) {
+        self.send(Event::Cleared);
+    }
+
+    /// The PUB endpoint as bound (`tcp://HOST:PORT`, the port resolved).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The replay ROUTER endpoint as bound.
+    pub fn replay_endpoint(&self) -> &str {
+        &self.replay_endpoint
+    }
+
+    /// The topic frame of every batch.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// `"GPU"` or `"CPU"`.
+    pub fn medium(&self) -> &str {
+        &self.medium
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> EventStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EventStats {
+            published: l(&c.published),
+            dropped: l(&c.dropped),
+            batches: l(&c.batches),
+            replays: l(&c.replays),
+            refused: l(&c.refused),
+            send_errors: l(&c.send_errors),
+        }
+    }
+
+    /// The counters as Prometheus text (format 0.0.4): `{prefix}_kv_events_published_total`,
+    /// `_kv_events_dropped_total`, `_kv_event_batches_total`, `_kv_event_replays_total`,
+    /// `_kv_events_refused_total`, `_kv_event_send_errors_total`.
+    pub fn prometheus(&self, prefix: &str) -> String {
+        use std::fmt::Write as _;
+        let s = self.stats();
+        let mut out = String::new();
+        for (name, help, v) in [
+            ("kv_events_published_total", "KV events published.", s.published),
+            ("kv_events_dropped_total", "KV events dropped because the publishing queue was full.", s.dropped),
+            ("kv_event_batches_total", "KV event batches published.", s.batches),
+            ("kv_event_replays_total", "KV event replay requests answered.", s.replays),
+            ("kv_events_refused_total", "KV events connections refused: the peer is not on the allowlist.", s.refused),
+            ("kv_event_send_errors_total", "KV event batches the PUB socket refused (kept for replay).", s.send_errors),
+        ] {
+            let _ = writeln!(out, "# HELP {prefix}_{name} {help}\n# TYPE {prefix}_{name} counter\n{prefix}_{name} {v}");
+        }
+        out
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        // the publishing thread sees the queue disconnect once it has sent what was queued
+        self.tx = None;
+        for s in self.stops.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = s.send(&b""[..], 0);
+        }
+        // publishing and replay first, the ZAP handler last: no handshake ever meets a socket
+        // without its handler
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Replayable batches: `(seq, payload)` in order, at most [`REPLAY_KEEP_BYTES`] of payloads.
+#[derive(Default)]
+struct Kept {
+    batches: VecDeque<(u64, Arc<[u8]>)>,
+    bytes: usize,
+}
+
+impl Kept {
+    fn push(&mut self, seq: u64, payload: Arc<[u8]>, keep_bytes: usize) {
+        self.bytes += payload.len();
+        self.batches.push_back((seq, payload));
+        while self.bytes > keep_bytes && self.batches.len() > 1 {
+            let (_, old) = self.batches.pop_front().expect("more than one batch");
+            self.bytes -= old.len();
+        }
+    }
+
+    /// The kept batches from `start` on (cheap clones of the payloads).
+    fn since(&self, start: u64) -> Vec<(u64, Arc<[u8]>)> {
+        let first = self.batches.partition_point(|(s, _)| *s < start);
+        self.batches.iter().skip(first).cloned().collect()
+    }
+}
+
+/// `tcp://HOST:PORT` with port 0 written the way libzmq binds an ephemeral port (`*`).
+fn zmq_bind_address(endpoint: &str) -> Result<String, String> {
+    let rest = endpoint.strip_prefix("tcp://").ok_or_else(|| format!("`{endpoint}`: expected tcp://HOST:PORT"))?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("`{endpoint}`: expected tcp://HOST:PORT"))?;
+    if host.is_empty() {
+        return Err(format!("`{endpoint}`: expected tcp://HOST:PORT"));
+    }
+    match port {
+        "0" | "*" => Ok(format!("tcp://{host}:*")),
+        p if p.parse::<u16>().is_ok() => Ok(format!("tcp://{host}:{p}")),
+        _ => Err(format!("`{endpoint}`: the port is not a number")),
+    }
+}
+
+fn bound(s: &zmq::Socket) -> Result<String, String> {
+    match s.get_last_endpoint() {
+        Ok(Ok(e)) => Ok(e),
+        _ => Err("cannot read the bound endpoint".into()),
+    }
+}
+
+fn now() -> (f64, u64) {
+    let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    (d.as_secs_f64(), d.as_micros() as u64)
+}
+
+/// A PAIR socket pair on `ctx`: the end a thread polls and the end that stops it.
+fn stop_pair(ctx: &zmq::Context, name: &str) -> Result<(zmq::Socket, zmq::Socket), String> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let at = format!("inproc://kvrelay-kv-events-stop-{name}-{}", NEXT.fetch_add(1, Ordering::Relaxed));
+    let err = |e: zmq::Error| format!("KV events' stop signal: {e}");
+    let (rx, tx) = (ctx.socket(zmq::PAIR).map_err(err)?, ctx.socket(zmq::PAIR).map_err(err)?);
+    rx.bind(&at).map_err(err)?;
+    tx.connect(&at).map_err(err)?;
+    tx.set_linger(0).map_err(err)?;
+    Ok((rx, tx))
+}
+
+/// Wait until `s` has a message (`true`) or `stop` was signalled or polling failed (`false`).
+fn wait_readable(s: &zmq::Socket, stop: &zmq::Socket) -> bool {
+    loop {
+        let mut items = [s.as_poll_item(zmq::POLLIN), stop.as_poll_item(zmq::POLLIN)];
+        match zmq::poll(&mut items, -1) {
+            Ok(_) if items[1].is_readable() => return false,
+            Ok(_) if items[0].is_readable() => return true,
+            Ok(_) | Err(zmq::Error::EINTR) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+impl Publisher {
+    /// Bind both sockets and start the publishing, replay and ZAP threads. The first batch is
+    /// `AllBlocksCleared`. Fails (saying why) for an endpoint that is not `tcp://HOST:PORT`, an
+    /// address that cannot be bound or a thread that cannot start.
+    pub fn start(cfg: &EventsConfig) -> Result<Publisher, String> {
+        let ctx = zmq::Context::new();
+        let counters = Arc::new(Counters::default());
+        let mut threads = Vec::new();
+        let mut stops = Vec::new();
+        // the ZAP handler is bound before either socket: no handshake is ever made without it
+        let (zap_stop, zap_stop_tx) = stop_pair(&ctx, "zap")?;
+        let zap = start_zap(&ctx, cfg.allow.clone(), counters.clone(), zap_stop)?;
+        let setup = |kind: zmq::SocketType, at: &str, what: &str| -> Result<zmq::Socket, String> {
+            let s = ctx.socket(kind).map_err(|e| format!("{what}: {e}"))?;
+            s.set_zap_domain(ZAP_DOMAIN).map_err(|e| format!("{what}: {e}"))?;
+            s.set_linger(0).map_err(|e| format!("{what}: {e}"))?;
+            s.set_sndhwm(SEND_HWM).map_err(|e| format!("{what}: {e}"))?;
+            s.set_maxmsgsize(MAX_INBOUND).map_err(|e| format!("{what}: {e}"))?;
+            s.bind(&zmq_bind_address(at).map_err(|e| format!("{what} {e}"))?)
+                .map_err(|e| format!("{what} {at}: {e}"))?;
+            Ok(s)
+        };
+        // from here on a failure must stop the ZAP thread: `abort` does
+        let abort = |e: String, zap: JoinHandle<()>, tx: &zmq::Socket| {
+            let _ = tx.send(&b""[..], 0);
+            let _ = zap.join();
+            e
+        };
+        let sockets = (|| {
+            let publisher = setup(zmq::PUB, &cfg.endpoint, "the KV events endpoint")?;
+            let endpoint = bound(&publisher)?;
+            let replay_at = match &cfg.replay_endpoint {
+                Some(r) => r.clone(),
+                None => {
+                    let host = endpoint.trim_start_matches("tcp://").rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+                    format!("tcp://{host}:0")
+                }
+            };
+            let replay = setup(zmq::ROUTER, &replay_at, "the KV events replay endpoint")?;
+            let replay_endpoint = bound(&replay)?;
+            let (replay_stop, replay_stop_tx) = stop_pair(&ctx, "replay")?;
+            Ok::<_, String>((publisher, endpoint, replay, replay_endpoint, replay_stop, replay_stop_tx))
+        })();
+        let (publisher, endpoint, replay, replay_endpoint, replay_stop, replay_stop_tx) = match sockets {
+            Ok(s) => s,
+            Err(e) => return Err(abort(e, zap, &zap_stop_tx)),
+        };
+
+        let (tx, rx) = sync_channel(QUEUE_EVENTS);
+        let kept = Arc::new(Mutex::new(Kept::default()));
+        let _ = tx.try_send(Event::Cleared);
+        let shared = PublishSide {
+            topic: cfg.topic.clone(),
+            block_size: cfg.block_size,
+            medium: cfg.medium.clone(),
+            counters: counters.clone(),
+        };
+        let spawned = (|| {
+            let kept2 = kept.clone();
+            let p = std::thread::Builder::new()
+                .name("kv-events".into())
+                .spawn(move || publish_loop(&shared, publisher, rx, &kept2))
+                .map_err(|e| format!("starting the KV events thread: {e}"))?;
+            let c = counters.clone();
+            let r = std::thread::Builder::new()
+                .name("kv-events-replay".into())
+                .spawn(move || replay_loop(replay, replay_stop, &kept, &c));
+            Ok::<_, String>((p, r))
+        })();
+        match spawned {
+            Ok((p, Ok(r))) => threads.extend([p, r]),
+            Ok((p, Err(e))) => {
+                drop(tx);
+                let _ = p.join();
+                return Err(abort(format!("starting the KV events replay thread: {e}"), zap, &zap_stop_tx));
+            }
+            Err(e) => return Err(abort(e, zap, &zap_stop_tx)),
+        }
+        threads.push(zap);
+        stops.extend([replay_stop_tx, zap_stop_tx]);
+        Ok(Publisher {
+            tx: Some(tx),
+            counters,
+            endpoint,
+            replay_endpoint,
+            topic: cfg.topic.clone(),
+            block_size: cfg.block_size,
+            medium: cfg.medium.clone(),
+            stops: Mutex::new(stops),
+            threads,
+            _ctx: ctx,
+        })
+    }
+}
+
+/// What the publishing thread needs of its publisher.
+struct PublishSide {
+    topic: String,
+    block_size: usize,
+    medium: String,
+    counters: Arc<Counters>,
+}
+
+/// The ZAP domain both sockets name (a NULL-mechanism socket asks ZAP only when it has one).
+const ZAP_DOMAIN: &str = "kvrelay-kv-events";
+
+/// Answer ZeroMQ's authentication requests (ZAP 1.0, `inproc://zeromq.zap.01` of `ctx`) from a
+/// thread of its own until `stop` is signalled: a peer whose address `allow` admits gets
+/// `200`, any other `400`.
+fn start_zap(
+    ctx: &zmq::Context,
+    allow: PeerAllow,
+    counters: Arc<Counters>,
+    stop: zmq::Socket,
+) -> Result<JoinHandle<()>, String> {
+    let s = ctx.socket(zmq::REP).map_err(|e| format!("KV events' ZAP handler: {e}"))?;
+    s.bind("inproc://zeromq.zap.01").map_err(|e| format!("KV events' ZAP handler: {e}"))?;
+    std::thread::Builder::new()
+        .name("kv-events-zap".into())
+        .spawn(move || {
+            while wait_readable(&s, &stop) {
+                let req = match s.recv_multipart(zmq::DONTWAIT) {
+                    Ok(r) => r,
+                    Err(zmq::Error::EINTR | zmq::Error::EAGAIN) => continue,
+                    Err(_) => return,
+                };
+                let ok = zap_allows(&req, &allow);
+                if !ok {
+                    counters.refused.fetch_add(1, Ordering::Relaxed);
+                }
+                let id = req.get(1).map_or(&[][..], |v| &v[..]);
+                let (code, text): (&[u8], &[u8]) = if ok { (b"200", b"OK") } else { (b"400", b"peer not allowed") };
+                if s.send_multipart([&b"1.0"[..], id, code, text, b"", b""], 0).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| format!("starting the KV events' ZAP thread: {e}"))
+}
+
+/// Whether a ZAP request `[version, request id, domain, address, identity, mechanism, ...]`
+/// comes from an address `allow` admits.
+pub fn zap_allows(req: &[Vec<u8>], allow: &PeerAllow) -> bool {
+    match req {
+        [version, _id, _domain, address, _identity, _mechanism, ..] if version == b"1.0" => {
+            std::str::from_utf8(address).ok().and_then(|a| a.parse().ok()).is_some_and(|ip| allow.allows(ip))
+        }
+        _ => false,
+    }
+}
+
+/// Drain the queue into batches and publish them until the publisher is dropped (then what
+/// was queued is sent first); an idle publisher sends an empty batch every [`IDLE_BATCH`].
+fn publish_loop(ev: &PublishSide, s: zmq::Socket, rx: Receiver<Event>, kept: &Mutex<Kept>) {
+    let (_, mut seq) = now();
+    let mut batch = Vec::with_capacity(BATCH_EVENTS);
+    loop {
+        batch.clear();
+        match rx.recv_timeout(IDLE_BATCH) {
+            Ok(first) => batch.push(first),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        while !batch.is_empty() && batch.len() < BATCH_EVENTS {
+            match rx.try_recv() {
+                Ok(e) => batch.push(e),
+                Err(_) => break,
+            }
+        }
+        let (ts, _) = now();
+        let payload: Arc<[u8]> = encode_batch(ts, &batch, ev.block_size, Some(&ev.medium), 0).into();
+        if s.send_multipart([ev.topic.as_bytes(), &seq.to_be_bytes()[..], &payload[..]], 0).is_err() {
+            ev.counters.send_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        // counted before it can be replayed: a batch a replay returns is always counted
+        ev.counters.published.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        ev.counters.batches.fetch_add(1, Ordering::Relaxed);
+        kept.lock().unwrap_or_else(|e| e.into_inner()).push(seq, payload, REPLAY_KEEP_BYTES);
+        seq += 1;
+    }
+}
+
+/// Answer replay requests until `stop` is signalled or the socket fails.
+fn replay_loop(s: zmq::Socket, stop: zmq::Socket, kept: &Mutex<Kept>, counters: &Counters) {
+    while wait_readable(&s, &stop) {
+        let msg = match s.recv_multipart(zmq::DONTWAIT) {
+            Ok(m) => m,
+            Err(zmq::Error::EINTR | zmq::Error::EAGAIN) => continue,
+            Err(_) => return,
+        };
+        let Some(start) = replay_start(&msg) else { continue };
+        let id = &msg[0];
+        let batches = kept.lock().unwrap_or_else(|e| e.into_inner()).since(start);
+        for (seq, payload) in &batches {
+            if s.send_multipart([&id[..], b"", &seq.to_be_bytes()[..], &payload[..]], zmq::DONTWAIT).is_err() {
+                break;
+            }
+        }
+        let _ = s.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT);
+        counters.replays.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The start sequence number of a replay request `[id, b"", seq BE]` (anything else: `None`).
+pub fn replay_start(msg: &[Vec<u8>]) -> Option<u64> {
+    match msg {
+        [_id, empty, seq] if empty.is_empty() && seq.len() == 8 => {
+            Some(u64::from_be_bytes(seq[..].try_into().expect("8 bytes")))
+        }
+        _ => None,
+    }
+}
+
+/// The msgpack payload of one batch: `[ts, [event, ...], dp_rank]`.
+pub fn encode_batch(ts: f64, events: &[Event], block_size: usize, medium: Option<&str>, dp_rank: u32) -> Vec<u8> {
+    use rmp::encode::{write_array_len, write_f64, write_nil, write_str, write_uint};
+    let mut b = Vec::with_capacity(16 + events.len() * 64);
+    // writes into a Vec cannot fail
+    let _ = write_array_len(&mut b, 3);
+    let _ = write_f64(&mut b, ts);
+    let _ = write_array_len(&mut b, events.len() as u32);
+    let medium_of = |b: &mut Vec<u8>| match medium {
+        Some(m) => drop(write_str(b, m)),
+        None => drop(write_nil(b)),
+    };
+    for e in events {
+        match e {
+            Event::Stored { name, parent, tokens } => {
+                let _ = write_array_len(&mut b, 7);
+                let _ = write_str(&mut b, "BlockStored");
+                let _ = write_array_len(&mut b, 1);
+                let _ = write_uint(&mut b, *name);
+                match parent {
+                    Some(p) => drop(write_uint(&mut b, *p)),
+                    None => drop(write_nil(&mut b)),
+                }
+                let _ = write_array_len(&mut b, tokens.len() as u32);
+                for &t in tokens {
+                    let _ = write_uint(&mut b, t.into());
+                }
+                let _ = write_uint(&mut b, block_size as u64);
+                let _ = write_nil(&mut b);
+                medium_of(&mut b);
+            }
+            Event::Removed(name) => {
+                let _ = write_array_len(&mut b, 3);
+                let _ = write_str(&mut b, "BlockRemoved");
+                let _ = write_array_len(&mut b, 1);
+                let _ = write_uint(&mut b, *name);
+                medium_of(&mut b);
+            }
+            Event::Cleared => {
+                let _ = write_array_len(&mut b, 1);
+                let _ = write_str(&mut b, "AllBlocksCleared");
+            }
+        }
+    }
+    let _ = write_uint(&mut b, dp_rank.into());
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    #[test]
+    fn a_batch_encodes_as_vllm_and_dynamo_read_it() {
+        // msgpack of [1.5, [["BlockStored", [1, 2**64-1], None, [1, 2, 3, 4], 4, None, None],
+        // ["BlockRemoved", [7], None], ["AllBlocksCleared"]], 0] as Python's msgpack writes it,
+        // except that kvrelay sends one name per BlockStored: the golden is rebuilt from two.
+        let evs = [
+            Event::Stored { name: 1, parent: None, tokens: vec![1, 2] },
+            Event::Stored { name: u64::MAX, parent: Some(1), tokens: vec![3, 4] },
+            Event::Removed(7),
+            Event::Cleared,
+        ];
+        let got = hex(&encode_batch(1.5, &evs, 2, None, 0));
+        let want = [
+            "93cb3ff8000000000000", // [1.5,
+            "94",                   // 4 events
+            "97ab426c6f636b53746f726564",
+            "9101",
+            "c0",
+            "920102",
+            "02",
+            "c0",
+            "c0",
+            "97ab426c6f636b53746f726564",
+            "91cfffffffffffffffff",
+            "01",
+            "920304",
+            "02",
+            "c0",
+            "c0",
+            "93ac426c6f636b52656d6f766564",
+            "9107",
+            "c0",
+            "91b0416c6c426c6f636b73436c6561726564",
+            "00",
+        ]
+        .concat();
+        assert_eq!(got, want);
+        // the medium is a string when known
+        let m = hex(&encode_batch(0.0, &[Event::Removed(7)], 2, Some("GPU"), 0));
+        assert!(m.ends_with("9107a347505500"), "{m}");
+    }
+
+    #[test]
+    fn replay_keeps_the_newest_bytes_and_answers_from_a_sequence_number() {
+        let mut k = Kept::default();
+        for seq in 10..20u64 {
+            k.push(seq, vec![0u8; 100].into(), 350);
+        }
+        let seqs: Vec<u64> = k.since(0).iter().map(|(s, _)| *s).collect();
+        assert_eq!(seqs, [17, 18, 19], "the oldest batches went first");
+        assert_eq!(k.bytes, 300);
+        let seqs: Vec<u64> = k.since(19).iter().map(|(s, _)| *s).collect();
+        assert_eq!(seqs, [19]);
+        assert!(k.since(20).is_empty());
+        // one batch larger than the budget is still kept (the newest)
+        k.push(20, vec![0u8; 1000].into(), 350);
+        assert_eq!(k.since(0).len(), 1);
+    }
+
+    #[test]
+    fn replay_requests_of_another_shape_are_ignored() {
+        let ok = vec![b"id".to_vec(), vec![], 5u64.to_be_bytes().to_vec()];
+        assert_eq!(replay_start(&ok), Some(5));
+        assert_eq!(replay_start(&[b"id".to_vec(), vec![], vec![0; 7]]), None);
+        assert_eq!(replay_start(&[b"id".to_vec(), vec![1], vec![0; 8]]), None);
+        assert_eq!(replay_start(&[b"id".to_vec(), vec![0; 8]]), None);
+        assert_eq!(replay_start(&[]), None);
+    }
+
+    #[test]
+    fn zap_admits_only_listed_addresses_of_well_formed_requests() {
+        let allow = PeerAllow::loopback();
+        let req = |v: &[u8], addr: &str| {
+            vec![v.to_vec(), b"1".to_vec(), b"d".to_vec(), addr.as_bytes().to_vec(), vec![], b"NULL".to_vec()]
+        };
+        assert!(zap_allows(&req(b"1.0", "127.0.0.1"), &allow));
+        assert!(zap_allows(&req(b"1.0", "::1"), &allow));
+        assert!(!zap_allows(&req(b"1.0", "10.0.0.1"), &allow));
+        assert!(!zap_allows(&req(b"1.0", "not an address"), &allow));
+        assert!(!zap_allows(&req(b"2.0", "127.0.0.1"), &allow), "another ZAP version");
+        assert!(!zap_allows(&req(b"1.0", "127.0.0.1")[..5], &allow), "too few frames");
+    }
+
+    #[test]
+    fn bind_addresses_take_port_zero_as_any_port() {
+        assert_eq!(zmq_bind_address("tcp://127.0.0.1:0").unwrap(), "tcp://127.0.0.1:*");
+        assert_eq!(zmq_bind_address("tcp://*:5557").unwrap(), "tcp://*:5557");
+        assert!(zmq_bind_address("ipc:///x").is_err());
+        assert!(zmq_bind_address("tcp://:1").is_err());
+        assert!(zmq_bind_address("tcp://h:99999").is_err());
+    }
+
+    #[test]
+    fn a_publisher_binds_counts_and_stops_when_dropped() {
+        let p = Publisher::start(&EventsConfig::new("tcp://127.0.0.1:0", 4)).unwrap();
+        assert!(p.endpoint().starts_with("tcp://127.0.0.1:") && !p.endpoint().ends_with(":0"), "{}", p.endpoint());
+        assert!(p.replay_endpoint().starts_with("tcp://127.0.0.1:"), "{}", p.replay_endpoint());
+        assert_ne!(p.endpoint(), p.replay_endpoint());
+        p.stored(1, None, &[1, 2, 3, 4]);
+        p.removed(1);
+        p.cleared();
+        // dropping sends what was queued, then joins every thread (a hang here fails the test
+        // by the harness's timeout)
+        let counters = p.counters.clone();
+        drop(p);
+        // the first AllBlocksCleared and the three events above, all sent before the drop ended
+        assert_eq!(counters.published.load(Ordering::Relaxed), 4);
+        let text = {
+            let p = Publisher::start(&EventsConfig::new("tcp://127.0.0.1:0", 4)).unwrap();
+            p.prometheus("kvrelay")
+        };
+        assert!(text.contains("\nkvrelay_kv_events_published_total "), "{text}");
+        assert!(Publisher::start(&EventsConfig::new("udp://127.0.0.1:0", 4)).is_err());
+    }
+}

@@ -1,0 +1,112 @@
+//! Block names from C (SPEC sections 8 and 10): the naming function of [`crate::names`], so
+//! that every runtime that links kvrelay names the same tokens the same way.
+
+use super::boundary::{bytes, guard, out_ptr, put, read_sized, with_detail, SizedStruct};
+use super::copy::array;
+use super::status::kvrelay_status::{self, *};
+use crate::names::{name_seed, Naming};
+
+/// What a chain of block names depends on besides the tokens. `size` is
+/// `sizeof(kvrelay_naming)` as the caller's header declares it (fields are only ever
+/// appended; the rules of `kvrelay_fetch_callbacks`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvrelay_naming {
+    /// `sizeof(kvrelay_naming)`.
+    pub size: usize,
+    /// The engine's seed: `kvrelay_name_seed` of its identity (the model file's digest, its
+    /// build and every setting that changes KV bytes).
+    pub seed: u64,
+    /// Tokens per block (at least 1).
+    pub block_tokens: usize,
+    /// The LoRA adapter's id (0: none).
+    pub lora_id: u64,
+    /// The request's cache salt (bytes; `(NULL, 0)` or empty: none), hashed into block 0 only.
+    pub salt: *const u8,
+    /// Bytes of `salt`.
+    pub salt_len: usize,
+}
+
+// SAFETY: repr(C), `size` first, and all-zero bytes are a valid value (NULL salt, zeros).
+unsafe impl SizedStruct for kvrelay_naming {
+    // 0.4.0's struct, the first: size, seed, block_tokens, lora_id, salt, salt_len
+    const FIRST_SIZE: usize = 48;
+}
+
+/// The seed of the block names of an engine whose identity is `identity` (bytes; for example
+/// the model file's sha256, the build and the KV settings as text): kvrelay's base seed xor
+/// XXH3-64 of `identity`. Two engines agree on names only where their identities are equal.
+///
+/// # Safety
+/// `identity` NULL with `len` 0, or readable for `len` bytes; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_name_seed(identity: *const u8, len: usize, out: *mut u64) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let id = unsafe { bytes(identity, len) }?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, name_seed(id)) };
+        Ok(())
+    })
+}
+
+/// The names of the full blocks of `tokens` (SPEC section 8): `tokens` begin at block index
+/// `first_block` of their request, and the block before is named `parent` (ignored when
+/// `first_block` is 0), so a runtime can name a prompt whole (`0, 0`) or block by block as it
+/// grows. A partial last block is not named. Size-query convention: `*n_out` gets the number
+/// of full blocks; a `cap` below it writes nothing else (`KVRELAY_ERR_BUFFER_TOO_SMALL`).
+/// Allocates nothing; one XXH3 pass over each block's `16 + 4 * block_tokens` bytes.
+/// `KVRELAY_ERR_INVALID_ARGUMENT` for `block_tokens` 0 or a `naming` no version of this
+/// header describes.
+///
+/// # Safety
+/// `naming` NULL or readable for `naming->size` bytes, its salt readable for `salt_len` bytes;
+/// `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values; `names` NULL with `cap`
+/// 0 or writable for `cap` values, not overlapping `tokens` or the salt; `n_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_block_names(
+    naming: *const kvrelay_naming,
+    parent: u64,
+    first_block: usize,
+    tokens: *const u32,
+    n_tokens: usize,
+    names: *mut u64,
+    cap: usize,
+    n_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        let n_out = out_ptr(n_out)?;
+        // SAFETY: forwarded contract.
+        let c = unsafe { read_sized(naming) }?;
+        c.check("kvrelay_naming")?;
+        let c = c.value;
+        if c.block_tokens == 0 {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "block_tokens is 0"));
+        }
+        // SAFETY: forwarded contract.
+        let (salt, tokens) = unsafe { (bytes(c.salt, c.salt_len)?, array(tokens, n_tokens)?) };
+        if names.is_null() && cap != 0 {
+            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+        }
+        let need = tokens.len() / c.block_tokens;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(n_out, need) };
+        if cap < need {
+            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+        }
+        if need == 0 {
+            return Ok(());
+        }
+        if !names.is_aligned() {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "a misaligned names buffer"));
+        }
+        // SAFETY: non-NULL (cap >= need > 0), aligned, writable for `cap >= need` values per
+        // the contract, and not overlapping the inputs the caller lent (distinct buffers).
+        let out = unsafe { std::slice::from_raw_parts_mut(names, need) };
+        let naming = Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt };
+        naming.names_into(parent, first_block, tokens, out);
+        Ok(())
+    })
+}

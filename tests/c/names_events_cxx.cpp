@@ -1,0 +1,61 @@
+// Block naming and KV events through the C++ wrappers (kvrelay.hpp): the same names as the C
+// function, continued block by block; a publisher's endpoints and counters.
+#include <chrono>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "kvrelay.hpp"
+
+static int failures = 0;
+#define CHECK(c)                                                                 \
+  do {                                                                           \
+    if (!(c)) {                                                                  \
+      ++failures;                                                                \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c); \
+    }                                                                            \
+  } while (0)
+
+int main() {
+  std::vector<uint32_t> toks(100);
+  for (std::size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<uint32_t>(i * 31);
+  const uint64_t seed = kvrelay::Naming::seed_of("a model identity");
+  kvrelay::Naming naming(seed, 16, 0, "salt");
+  const std::vector<uint64_t> whole = naming.names(toks);
+  CHECK(whole.size() == 6);
+  uint64_t parent = 0;
+  for (std::size_t b = 0; b < whole.size(); ++b) {
+    const auto one = naming.names(toks.data() + b * 16, 16, parent, b);
+    CHECK(one.size() == 1 && one[0] == whole[b]);
+    parent = one.empty() ? 0 : one[0];
+  }
+  CHECK(kvrelay::Naming(seed, 16).names(toks) != whole);  // no salt: other names
+  try {
+    kvrelay::Naming(seed, 0).names(toks);
+    CHECK(false);
+  } catch (const kvrelay::Error &e) {
+    CHECK(e.status() == KVRELAY_ERR_INVALID_ARGUMENT);
+  }
+
+  kvrelay::KvEvents ev("tcp://127.0.0.1:0", 16, "CPU");
+  CHECK(ev.endpoint().rfind("tcp://127.0.0.1:", 0) == 0);
+  CHECK(ev.endpoint(true) != ev.endpoint());
+  ev.stored(whole[0], nullptr, toks.data(), 16);
+  ev.stored(whole[1], &whole[0], toks.data() + 16, 16);
+  ev.cleared();
+  kvrelay_kv_events_stats s{};
+  for (int i = 0; i < 20000 && s.published < 4; ++i) {
+    s = ev.stats();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(s.published == 4);
+  CHECK(ev.prometheus("llamacpp").find("llamacpp_kv_events_published_total 4") != std::string::npos);
+  try {
+    kvrelay::KvEvents bad("udp://127.0.0.1:0", 16);
+    CHECK(false);
+  } catch (const kvrelay::Error &e) {
+    CHECK(e.status() == KVRELAY_ERR_INVALID_CONFIG);
+  }
+  std::printf("names_events_cxx: %s\n", failures ? "FAILED" : "ok");
+  return failures ? 1 : 0;
+}
