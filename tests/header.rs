@@ -280,9 +280,9 @@ fn structs_are_frozen_within_an_epoch_or_grow_with_their_size() {
             match later {
                 None => bad.push(format!("{name} of {old} is gone in {new}")),
                 Some(s) if growable.contains(name) && s < *size => bad.push(format!("{name} shrank in {new}")),
-                Some(s) if !growable.contains(name) && s != *size => {
-                    bad.push(format!("{name} ({size} bytes in {old}, {s} in {new}) has no size field: frozen for the epoch"))
-                }
+                Some(s) if !growable.contains(name) && s != *size => bad.push(format!(
+                    "{name} ({size} bytes in {old}, {s} in {new}) has no size field: frozen for the epoch"
+                )),
                 Some(_) => {}
             }
         }
