@@ -3,6 +3,9 @@
 //! Blocks are numbered `0..capacity`. A block is *free*, *held* (referenced by at least one
 //! lease: a running request, or a transfer that sends it) or *cached* (named, unreferenced, in
 //! LRU order). Eviction takes the least recently released cached block and never a held one.
+//! A run of blocks is released tail first, so that its tail is evicted before its head: a
+//! block is useless without its whole prefix, and a half-evicted prompt keeps its longest
+//! usable head (evicting the head first would leave a tail nothing can ever reuse or fetch).
 //! A request takes every block it needs in one step (its cached prefix and fresh blocks for
 //! the rest) or none, so requests never hold some blocks while waiting for others: a request
 //! that cannot be served now waits for a release; one that could never fit is refused.
@@ -252,9 +255,11 @@ impl BlockCache {
         CacheStats { held: self.capacity - free - cached, cached, free, evicted: self.evicted.load(Ordering::Relaxed) }
     }
 
+    /// Drop one reference of each of `ids`, given in prompt order: released tail first (the
+    /// module docs).
     fn release(&self, ids: &[u32]) {
         let mut s = self.lock();
-        for &b in ids {
+        for &b in ids.iter().rev() {
             let m = &mut s.meta[b as usize];
             m.refs -= 1;
             if m.refs > 0 {
@@ -313,7 +318,7 @@ mod tests {
         assert!(a.commit(0, 1, None, &[]) && a.commit(1, 2, None, &[]));
         let held = c.try_acquire(&[9, 8], 2).unwrap().unwrap(); // the other two blocks
         assert!(c.try_acquire(&[7], 1).unwrap().is_none(), "nothing free or evictable");
-        drop(a); // blocks 1, 2 become cached (LRU: 1 then 2)
+        drop(a); // blocks 1, 2 become cached (LRU: 2 then 1: a run is released tail first)
         assert_eq!(c.stats().cached, 2);
         let b = c.try_acquire(&[1, 2, 3], 3).unwrap();
         assert!(b.is_none(), "two hits, one fresh needed, nothing evictable but the hits");
@@ -350,8 +355,8 @@ mod tests {
         assert!(a.commit(1, 2, Some(1), &[12, 13]));
         drop(a);
         // a duplicate publication is private: no event
-        let x = c.try_acquire(&[9], 1).unwrap().unwrap(); // evicts name 1 (least recent)
-        assert!(!x.commit(0, 2, None, &[]), "name 2 is cached already");
+        let x = c.try_acquire(&[9], 1).unwrap().unwrap(); // evicts name 2 (the tail goes first)
+        assert!(!x.commit(0, 1, None, &[]), "name 1 is cached already");
         drop(x);
         let got = std::mem::take(&mut *rec.0.lock().unwrap());
         assert_eq!(
@@ -359,9 +364,32 @@ mod tests {
             [
                 Event::Stored { name: 1, parent: None, tokens: vec![10, 11] },
                 Event::Stored { name: 2, parent: Some(1), tokens: vec![12, 13] },
-                Event::Removed(1),
+                Event::Removed(2),
             ]
         );
+    }
+
+    #[test]
+    fn a_half_evicted_prompt_keeps_its_longest_head() {
+        let c = BlockCache::new(20);
+        let names: Vec<u64> = (1..=18).collect();
+        let a = c.try_acquire(&names, 18).unwrap().unwrap();
+        for (i, &n) in names.iter().enumerate() {
+            assert!(a.commit(i, n, i.checked_sub(1).map(|p| names[p]), &[]));
+        }
+        drop(a);
+        // a filler of 10 fresh blocks: 2 free ones, then 8 evicted from the prompt
+        let filler = c.try_acquire(&[], 10).unwrap().unwrap();
+        assert_eq!(c.stats().evicted, 8);
+        assert_eq!(c.held_prefix(&names), 10, "the tail went first: the head of 10 is still usable");
+        drop(filler);
+        // the agent's pins release the same way: a pinned run, unpinned, is evicted tail first
+        let mut ids = [0u32; 10];
+        assert_eq!(c.pin(&names, &mut ids), 10);
+        c.unpin(&ids);
+        let more = c.try_acquire(&[], 14).unwrap().unwrap(); // 10 free, then 4 evicted
+        assert_eq!(c.held_prefix(&names), 6);
+        drop(more);
     }
 
     #[test]
