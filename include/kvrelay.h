@@ -582,7 +582,8 @@ typedef struct kvrelay_agent_stats {
   // Fetched: streams that went over a kept-alive connection.
   uint64_t streams_reused;
   // Connections closed, before their first valid message, to make room for a newer one
-  // (the handshake slots or their address's `max_per_peer` were all taken).
+  // (the handshake slots or their address's `max_per_peer` were all taken); each is
+  // answered `busy` before it closes.
   uint64_t handshake_evicted;
   // Fetches that failed: internal (a panic inside the agent).
   uint64_t fetch_failed_internal;

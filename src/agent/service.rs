@@ -156,11 +156,12 @@ impl Handed {
     }
 }
 
-/// Make room for a new connection: shut down the oldest connection still in its handshake (of
-/// `ip` when given) and hand its handshake slot, and with `ip` its place among that address's
-/// connections, to the new one. The evicted connection's thread ends within a step and gives
-/// back only what it still holds, so no count ever goes past its limit. False when no
-/// connection is in its handshake (of `ip`).
+/// Make room for a new connection: end the oldest connection still in its handshake (of `ip`
+/// when given) and hand its handshake slot, and with `ip` its place among that address's
+/// connections, to the new one. Its reading side is shut down, so its thread wakes within a
+/// step, answers `busy` (a peer that was only slow learns why, instead of reading a connection
+/// cut as from a crashed source) and gives back only what it still holds, so no count ever goes
+/// past its limit. False when no connection is in its handshake (of `ip`).
 fn make_room(inner: &Inner, ip: Option<IpAddr>) -> bool {
     let mut g = inner.greeting.lock().unwrap_or_else(|e| e.into_inner());
     let Some(victim) = g.iter_mut().find(|x| x.handed.is_none() && ip.is_none_or(|ip| x.ip == ip)) else {
@@ -168,7 +169,7 @@ fn make_room(inner: &Inner, ip: Option<IpAddr>) -> bool {
     };
     victim.handed = Some(Handed { slot: true, place: ip.is_some() });
     if let Some(s) = inner.conns.lock().unwrap_or_else(|e| e.into_inner()).1.get(&victim.id) {
-        let _ = s.shutdown(std::net::Shutdown::Both);
+        let _ = s.shutdown(std::net::Shutdown::Read);
     }
     drop(g);
     Stats::add(&inner.stats.handshake_evicted, 1);
@@ -308,6 +309,13 @@ fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: 
     Ok(())
 }
 
+/// Tell a connection evicted in its handshake why it ends (`busy`; counted as
+/// `handshake_evicted` already), within a short deadline: the peer may not be reading.
+fn evicted(inner: &Inner, c: &mut dyn Conn) {
+    let quick = (Instant::now() + Duration::from_millis(100)).min(inner.io_deadline());
+    wire::refuse(c, Refusal::Busy, "evicted in its handshake to make room for a newer connection", quick);
+}
+
 /// Take one of `max` slots counted by `gauge`, if one is free. Connection threads race here; a
 /// compare-and-swap keeps the bound exact.
 fn take_slot(gauge: &std::sync::atomic::AtomicU64, max: u32) -> bool {
@@ -333,9 +341,9 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
             if let Some(id) = held.greeting.take() {
                 let handed = greeted(inner, id);
                 if handed.slot {
-                    // evicted as it completed its handshake: its slot is another's now, and
-                    // its socket is shut down
+                    // evicted as it completed its handshake: its slot is another's now
                     handed.take_back(held);
+                    evicted(inner, c);
                     return;
                 }
             }
@@ -351,6 +359,7 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
                 let handed = greeted(inner, id);
                 handed.take_back(held);
                 if handed.slot {
+                    evicted(inner, c);
                     return;
                 }
             }

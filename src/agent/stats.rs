@@ -81,7 +81,8 @@ pub struct AgentStats {
     /// Fetched: streams that went over a kept-alive connection.
     pub streams_reused: u64,
     /// Connections closed, before their first valid message, to make room for a newer one
-    /// (the handshake slots or their address's `max_per_peer` were all taken).
+    /// (the handshake slots or their address's `max_per_peer` were all taken); each is
+    /// answered `busy` before it closes.
     pub handshake_evicted: u64,
     /// Fetches that failed: internal (a panic inside the agent).
     pub fetch_failed_internal: u64,

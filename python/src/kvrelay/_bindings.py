@@ -364,7 +364,7 @@ class kvrelay_agent_stats(Structure):
         ("blocks_returned", c_uint64),  # Withheld blocks handed back to the runtime (`BlockHolder::returned`).
         ("reused", c_uint64),  # Served: transfers that came on a kept-alive connection (no new connect or handshake).
         ("streams_reused", c_uint64),  # Fetched: streams that went over a kept-alive connection.
-        ("handshake_evicted", c_uint64),  # Connections closed, before their first valid message, to make room for a newer one (the handshake slots or their address's `max_per_peer` were all taken).
+        ("handshake_evicted", c_uint64),  # Connections closed, before their first valid message, to make room for a newer one (the handshake slots or their address's `max_per_peer` were all taken); each is answered `busy` before it closes.
         ("fetch_failed_internal", c_uint64),  # Fetches that failed: internal (a panic inside the agent).
         ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
         ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
