@@ -172,6 +172,11 @@ fn agent_enums_agree_with_their_tables() {
     }
     assert_eq!(c_str(kvrelay_agent_limit_name(0)), "unknown");
     assert_eq!(c_str(kvrelay_fetch_failure_name(99)), "unknown");
+    // the README's list of fetch failures is the table's, in its order
+    let readme =
+        std::fs::read_to_string(root().join("README.md")).unwrap().split_whitespace().collect::<Vec<_>>().join(" ");
+    let list = FailReason::ALL.iter().map(|r| format!("`{}`", r.as_str())).collect::<Vec<_>>().join(", ");
+    assert!(readme.contains(&format!("the test server's: {list})")), "README's fetch failures differ from {list}");
 }
 
 /// Every struct of the header, compiled by the C compiler, has the size `tests/data/abi_sizes.txt`

@@ -288,10 +288,10 @@ async fn call_source(
         client::request_limited(addr, method, path, b.as_deref().map(str::as_bytes), MAX_SOURCE_BODY)
     })
     .await
-    .map_err(|e| FetchError::new(FailReason::Connect, e.to_string()))?
-    .map_err(|e| FetchError::new(FailReason::Connect, format!("{path}: {e}")))?;
+    .map_err(|e| FetchError::new(FailReason::CONNECT, e.to_string()))?
+    .map_err(|e| FetchError::new(FailReason::CONNECT, format!("{path}: {e}")))?;
     if r.status != 200 {
-        return Err(FetchError::new(FailReason::Refused, format!("{path} answered {}", r.status)));
+        return Err(FetchError::new(FailReason::REFUSED, format!("{path} answered {}", r.status)));
     }
     Ok(r.json())
 }
@@ -305,13 +305,13 @@ async fn run_transfer(
     prompt_json: Value,
 ) -> Result<(usize, usize), FetchError> {
     let addr =
-        source_addr(source).await.ok_or_else(|| FetchError::new(FailReason::Connect, "the source does not resolve"))?;
+        source_addr(source).await.ok_or_else(|| FetchError::new(FailReason::CONNECT, "the source does not resolve"))?;
     let info = call_source(addr, "GET", "/v1/kv/info", None).await?;
     if !info["fingerprint"].is_object() {
-        return Err(FetchError::new(FailReason::Corrupt, "the source's /v1/kv/info has no fingerprint"));
+        return Err(FetchError::new(FailReason::CORRUPT, "the source's /v1/kv/info has no fingerprint"));
     }
     if info["fingerprint"] != fingerprint_json(&st.transfer.fingerprint, &st.transfer.naming) {
-        return Err(FetchError::new(FailReason::FingerprintMismatch, "the source's layout differs"));
+        return Err(FetchError::new(FailReason::FINGERPRINT_MISMATCH, "the source's layout differs"));
     }
     let endpoint = info["kv_endpoint"].as_str().unwrap_or_default().to_string();
     if !endpoint_allowed(&endpoint, source, &st.transfer_config.trusted_endpoints) {

@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvrelay::ffi::agent::kvrelay_agent_fingerprint;
+use kvrelay::ffi::agent::{kvrelay_agent_fingerprint, kvrelay_fetch_failure as FetchFailure};
 use serde::Deserialize;
 
 use crate::abi::{FetchCall, FetchCanceller, FetchProvider, Holder, KvAgent};
@@ -50,71 +50,49 @@ pub fn fingerprint_json(fp: &kvrelay_agent_fingerprint, naming: &str) -> serde_j
     })
 }
 
-/// Why a fetch failed (a metric label each).
+/// Why a fetch failed (a metric label each): one of the agent's reasons
+/// (`kvrelay_fetch_failure`, labelled as the agent labels it: one table, the library's), or the
+/// one reason of the server's HTTP side of transfer, where no fetch was submitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FailReason {
-    /// The connection could not be opened.
-    Connect,
-    /// A read, write or the whole transfer ran past its deadline.
-    Timeout,
-    /// The source refused (peer not allowed, too many blocks, busy).
-    Refused,
-    /// The layouts differ.
-    FingerprintMismatch,
-    /// A block's length, name or checksum is wrong, or a frame is malformed.
-    Corrupt,
-    /// The stream ended early.
-    Truncated,
-    /// The source holds none of the blocks asked for.
-    SourceMiss,
+    /// A reason of the agent's: a `kvrelay_fetch_failure` value the library names (never
+    /// `KVRELAY_FETCH_OK`).
+    Agent(i32),
     /// A source advertised a KV endpoint off the trusted registry and off its own host.
     EndpointNotAllowed,
-    /// The two instances' keys differ, or one side has none.
-    AuthFailed,
-    /// The fetch was cancelled, or the agent shut down.
-    Cancelled,
-    /// The fetch panicked inside the agent.
-    Internal,
 }
 
 impl FailReason {
-    /// Every reason.
-    pub const ALL: [FailReason; 11] = [
-        FailReason::Connect,
-        FailReason::Timeout,
-        FailReason::Refused,
-        FailReason::FingerprintMismatch,
-        FailReason::Corrupt,
-        FailReason::Truncated,
-        FailReason::SourceMiss,
-        FailReason::EndpointNotAllowed,
-        FailReason::AuthFailed,
-        FailReason::Cancelled,
-        FailReason::Internal,
-    ];
+    /// The connection could not be opened.
+    pub const CONNECT: FailReason = FailReason::Agent(FetchFailure::KVRELAY_FETCH_CONNECT as i32);
+    /// A read, write or the whole transfer ran past its deadline.
+    pub const TIMEOUT: FailReason = FailReason::Agent(FetchFailure::KVRELAY_FETCH_TIMEOUT as i32);
+    /// The source refused.
+    pub const REFUSED: FailReason = FailReason::Agent(FetchFailure::KVRELAY_FETCH_REFUSED as i32);
+    /// The layouts differ.
+    pub const FINGERPRINT_MISMATCH: FailReason =
+        FailReason::Agent(FetchFailure::KVRELAY_FETCH_FINGERPRINT_MISMATCH as i32);
+    /// Something the source sent is malformed.
+    pub const CORRUPT: FailReason = FailReason::Agent(FetchFailure::KVRELAY_FETCH_CORRUPT as i32);
+    /// Something failed inside this server.
+    pub const INTERNAL: FailReason = FailReason::Agent(FetchFailure::KVRELAY_FETCH_INTERNAL as i32);
 
-    /// The metric label.
+    /// The metric label: the agent's (`kvrelay_fetch_failure_name`), or `endpoint_not_allowed`.
     pub fn as_str(self) -> &'static str {
         match self {
-            FailReason::Connect => "connect",
-            FailReason::Timeout => "timeout",
-            FailReason::Refused => "refused",
-            FailReason::FingerprintMismatch => "fingerprint_mismatch",
-            FailReason::Corrupt => "corrupt",
-            FailReason::Truncated => "truncated",
-            FailReason::SourceMiss => "source_miss",
+            FailReason::Agent(f) => crate::abi::fetch_failure_name(f),
             FailReason::EndpointNotAllowed => "endpoint_not_allowed",
-            FailReason::AuthFailed => "auth_failed",
-            FailReason::Cancelled => "cancelled",
-            FailReason::Internal => "internal",
         }
     }
 
-    /// The reason of an agent's `kvrelay_fetch_failure` value (by its label).
+    /// The reason of an agent's `kvrelay_fetch_failure` value; a value this server does not
+    /// know (a newer library's) is `internal`.
     pub fn of_agent(code: i32) -> FailReason {
-        match crate::abi::fetch_failure_name(code) {
-            "shutdown" => FailReason::Cancelled,
-            name => FailReason::ALL.into_iter().find(|r| r.as_str() == name).unwrap_or(FailReason::Refused),
+        let known = code != FetchFailure::KVRELAY_FETCH_OK as i32 && crate::abi::fetch_failure_name(code) != "unknown";
+        if known {
+            FailReason::Agent(code)
+        } else {
+            FailReason::INTERNAL
         }
     }
 }
@@ -358,13 +336,13 @@ pub async fn fetch_into_cache(
         Ok(Ok(l)) => l,
         Ok(Err(n)) => {
             out.error = Some(FetchError::new(
-                FailReason::Refused,
+                FailReason::REFUSED,
                 format!("the run needs {} blocks, the pool holds {}", n.needed, n.capacity),
             ));
             return out;
         }
         Err(_) => {
-            out.error = Some(FetchError::new(FailReason::Timeout, "no free KV blocks to receive into"));
+            out.error = Some(FetchError::new(FailReason::TIMEOUT, "no free KV blocks to receive into"));
             return out;
         }
     };
@@ -372,7 +350,7 @@ pub async fn fetch_into_cache(
     let pending = match agent.fetch(endpoint, names, held, &lease.ids, deadline_ms) {
         Ok(p) => p,
         Err(e) => {
-            out.error = Some(FetchError::new(FailReason::Refused, e));
+            out.error = Some(FetchError::new(FailReason::REFUSED, e));
             return out;
         }
     };
@@ -410,7 +388,7 @@ pub async fn fetch_into_cache(
     let done = completion.await;
     cancel.disarm();
     let Ok((r, detail, committed, hold)) = done else {
-        out.error = Some(FetchError::new(FailReason::Internal, "the fetch's completion task ended early"));
+        out.error = Some(FetchError::new(FailReason::INTERNAL, "the fetch's completion task ended early"));
         return out;
     };
     out.blocks = committed;
