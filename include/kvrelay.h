@@ -736,6 +736,10 @@ typedef struct kvrelay_kv_events_stats {
   uint64_t refused;
   // Batches the PUB socket refused (still kept for replay).
   uint64_t send_errors;
+  // Batches queued for replay peers.
+  uint64_t replay_batches;
+  // Replays cut short because the peer's queue was full (a peer that was not reading).
+  uint64_t replays_cut;
 } kvrelay_kv_events_stats;
 
 // What a chain of block names depends on besides the tokens. `size` is

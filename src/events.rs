@@ -27,7 +27,11 @@
 //! `[b"", -1 as i64 big-endian, b""]`. A router that subscribes late (PUB/SUB drops what was
 //! sent before it connected) sees a first sequence number above what it expected and asks for
 //! the rest. The last [`REPLAY_KEEP_BYTES`] of batches are kept; what is older is gone (a
-//! router then never names those blocks: no wrong fetch, only a missed one).
+//! router then never names those blocks: no wrong fetch, only a missed one). A replay sends
+//! what the peer's queue takes ([`REPLAY_PEER_HWM`] batches of at most about [`BATCH_BYTES`])
+//! and is cut where it is full (counted): a peer that asks again and again without reading
+//! never makes this process hold more for it, and one that reads asks again from the last
+//! sequence number it got.
 //!
 //! **Never blocking the runtime.** [`Publisher::stored`] and the others put the event into a
 //! bounded queue of [`QUEUE_EVENTS`] with a non-blocking send (one allocation for a stored
@@ -66,11 +70,19 @@ use crate::agent::PeerAllow;
 pub const QUEUE_EVENTS: usize = 1 << 16;
 /// Events in one batch at most.
 pub const BATCH_EVENTS: usize = 512;
+/// A batch is closed once its events' estimated encoding passes this many bytes, so that a
+/// batch (and what a subscriber or a replay peer can have queued) is bounded in bytes however
+/// many tokens a block holds.
+pub const BATCH_BYTES: usize = 256 << 10;
+/// Batches the replay socket queues for one peer before it stops sending to it: a peer that
+/// asks and never reads holds at most this many batches (8 MiB) in this process, however many
+/// requests it sends.
+pub const REPLAY_PEER_HWM: i32 = 32;
 /// Bytes of published batches kept for replay.
 pub const REPLAY_KEEP_BYTES: usize = 64 << 20;
-/// Batches queued for one subscriber before ZMQ drops for it (a subscriber that far behind can
-/// replay what it missed).
-pub const SEND_HWM: i32 = 1000;
+/// Batches queued for one subscriber before ZMQ drops for it (16 MiB at most: a subscriber
+/// that far behind can replay what it missed).
+pub const SEND_HWM: i32 = 64;
 /// Largest message either socket reads (subscriptions, heartbeats, replay requests).
 pub const MAX_INBOUND: i64 = 256;
 /// How often an idle publisher sends an empty batch: a router that subscribed late learns
@@ -107,6 +119,8 @@ struct Counters {
     replays: AtomicU64,
     refused: AtomicU64,
     send_errors: AtomicU64,
+    replay_batches: AtomicU64,
+    replays_cut: AtomicU64,
 }
 
 /// A snapshot of a publisher's counters.
@@ -124,6 +138,10 @@ pub struct EventStats {
     pub refused: u64,
     /// Batches ZMQ refused to send (they are still kept for replay).
     pub send_errors: u64,
+    /// Batches queued for replay peers.
+    pub replay_batches: u64,
+    /// Replays cut short because the peer's queue was full (a peer not reading).
+    pub replays_cut: u64,
 }
 
 /// Settings of [`Publisher::start`].
@@ -244,6 +262,8 @@ impl Publisher {
             replays: l(&c.replays),
             refused: l(&c.refused),
             send_errors: l(&c.send_errors),
+            replay_batches: l(&c.replay_batches),
+            replays_cut: l(&c.replays_cut),
         }
     }
 
@@ -261,6 +281,8 @@ impl Publisher {
             ("kv_event_replays_total", "KV event replay requests answered.", s.replays),
             ("kv_events_refused_total", "KV events connections refused: the peer is not on the allowlist.", s.refused),
             ("kv_event_send_errors_total", "KV event batches the PUB socket refused (kept for replay).", s.send_errors),
+            ("kv_event_replay_batches_total", "KV event batches queued for replay peers.", s.replay_batches),
+            ("kv_event_replays_cut_total", "KV event replays cut short: the peer's queue was full.", s.replays_cut),
         ] {
             let _ = writeln!(out, "# HELP {prefix}_{name} {help}\n# TYPE {prefix}_{name} counter\n{prefix}_{name} {v}");
         }
@@ -397,6 +419,10 @@ impl Publisher {
                 }
             };
             let replay = setup(zmq::ROUTER, &replay_at, "the KV events replay endpoint")?;
+            // a full peer queue fails the send (EAGAIN) instead of dropping silently: the
+            // replay is cut there and counted
+            replay.set_sndhwm(REPLAY_PEER_HWM).map_err(|e| format!("the KV events replay endpoint: {e}"))?;
+            replay.set_router_mandatory(true).map_err(|e| format!("the KV events replay endpoint: {e}"))?;
             let replay_endpoint = bound(&replay)?;
             let (replay_stop, replay_stop_tx) = stop_pair(&ctx, "replay")?;
             Ok::<_, String>((publisher, endpoint, replay, replay_endpoint, replay_stop, replay_stop_tx))
@@ -521,9 +547,13 @@ fn publish_loop(ev: &PublishSide, s: zmq::Socket, rx: Receiver<Event>, kept: &Mu
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
-        while !batch.is_empty() && batch.len() < BATCH_EVENTS {
+        let mut bytes = batch.first().map_or(0, encoded_estimate);
+        while !batch.is_empty() && batch.len() < BATCH_EVENTS && bytes < BATCH_BYTES {
             match rx.try_recv() {
-                Ok(e) => batch.push(e),
+                Ok(e) => {
+                    bytes += encoded_estimate(&e);
+                    batch.push(e);
+                }
                 Err(_) => break,
             }
         }
@@ -540,7 +570,17 @@ fn publish_loop(ev: &PublishSide, s: zmq::Socket, rx: Receiver<Event>, kept: &Mu
     }
 }
 
-/// Answer replay requests until `stop` is signalled or the socket fails.
+/// A generous estimate of an event's msgpack encoding (a token id is at most 5 bytes).
+fn encoded_estimate(e: &Event) -> usize {
+    match e {
+        Event::Stored { tokens, .. } => 48 + 5 * tokens.len(),
+        Event::Removed(_) | Event::Cleared => 32,
+    }
+}
+
+/// Answer replay requests until `stop` is signalled or the socket fails. A replay sends the kept
+/// batches from its start while the peer's queue takes them, then the end marker; where the
+/// queue is full it is cut (the peer gets no end marker then: it was not reading).
 fn replay_loop(s: zmq::Socket, stop: zmq::Socket, kept: &Mutex<Kept>, counters: &Counters) {
     while wait_readable(&s, &stop) {
         let msg = match s.recv_multipart(zmq::DONTWAIT) {
@@ -551,12 +591,17 @@ fn replay_loop(s: zmq::Socket, stop: zmq::Socket, kept: &Mutex<Kept>, counters: 
         let Some(start) = replay_start(&msg) else { continue };
         let id = &msg[0];
         let batches = kept.lock().unwrap_or_else(|e| e.into_inner()).since(start);
+        let mut cut = false;
         for (seq, payload) in &batches {
             if s.send_multipart([&id[..], b"", &seq.to_be_bytes()[..], &payload[..]], zmq::DONTWAIT).is_err() {
+                cut = true;
                 break;
             }
+            counters.replay_batches.fetch_add(1, Ordering::Relaxed);
         }
-        let _ = s.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT);
+        if cut || s.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT).is_err() {
+            counters.replays_cut.fetch_add(1, Ordering::Relaxed);
+        }
         counters.replays.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -740,5 +785,45 @@ mod tests {
         };
         assert!(text.contains("\nkvrelay_kv_events_published_total "), "{text}");
         assert!(Publisher::start(&EventsConfig::new("udp://127.0.0.1:0", 4)).is_err());
+    }
+
+    /// Wait (bounded) until `f` holds of the publisher's counters.
+    fn until(p: &Publisher, what: &str, f: impl Fn(&EventStats) -> bool) -> EventStats {
+        for _ in 0..60_000 {
+            let s = p.stats();
+            if f(&s) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("{what}: {:?}", p.stats());
+    }
+
+    #[test]
+    fn a_replay_peer_that_never_reads_holds_a_bounded_queue_however_often_it_asks() {
+        let p = Publisher::start(&EventsConfig::new("tcp://127.0.0.1:0", 16_000)).unwrap();
+        // 400 blocks of 16,000 tokens above 2^16 (5 bytes each): about 80 KB an event, so
+        // batches of 4 events (BATCH_BYTES) and about 100 of them kept
+        let tokens: Vec<u32> = (0..16_000).map(|i| 70_000 + i).collect();
+        for name in 0..400 {
+            p.stored(name, None, &tokens);
+        }
+        let s = until(&p, "published", |s| s.published == 401);
+        assert!((90..=140).contains(&s.batches), "batches are bounded in bytes: {s:?}");
+        let ctx = zmq::Context::new();
+        let peer = ctx.socket(zmq::DEALER).unwrap();
+        peer.set_rcvhwm(1).unwrap();
+        peer.set_rcvbuf(4096).unwrap();
+        peer.connect(p.replay_endpoint()).unwrap();
+        // five requests for everything, and never a read
+        for _ in 0..5 {
+            peer.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], 0).unwrap();
+        }
+        let s = until(&p, "five replays answered", |s| s.replays == 5);
+        // what this process took for the peer: its queue (REPLAY_PEER_HWM) and what the
+        // kernel's socket buffers and the peer's one-message queue hold, never five full replays
+        assert!(s.replay_batches < 2 * s.batches, "{s:?}");
+        assert!(s.replays_cut >= 4, "{s:?}");
+        drop(peer);
     }
 }

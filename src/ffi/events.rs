@@ -38,6 +38,10 @@ pub struct kvrelay_kv_events_stats {
     pub refused: u64,
     /// Batches the PUB socket refused (still kept for replay).
     pub send_errors: u64,
+    /// Batches queued for replay peers.
+    pub replay_batches: u64,
+    /// Replays cut short because the peer's queue was full (a peer that was not reading).
+    pub replays_cut: u64,
 }
 
 /// A publisher's settings for `endpoint` (`tcp://HOST:PORT`, port 0: a free one; checked by
@@ -263,6 +267,8 @@ pub unsafe extern "C" fn kvrelay_kv_events_read_stats(
             replays: s.replays,
             refused: s.refused,
             send_errors: s.send_errors,
+            replay_batches: s.replay_batches,
+            replays_cut: s.replays_cut,
         };
         // SAFETY: repr(C) of u64 fields; `out` is writable for `size` bytes per the contract.
         unsafe { put_counters(out, size, &v) }

@@ -477,6 +477,8 @@ class kvrelay_kv_events_stats(Structure):
         ("replays", c_uint64),  # Replay requests answered.
         ("refused", c_uint64),  # Connections refused: the peer is not on the allowlist.
         ("send_errors", c_uint64),  # Batches the PUB socket refused (still kept for replay).
+        ("replay_batches", c_uint64),  # Batches queued for replay peers.
+        ("replays_cut", c_uint64),  # Replays cut short because the peer's queue was full (a peer that was not reading).
     ]
 
 
