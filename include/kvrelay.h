@@ -1306,7 +1306,9 @@ kvrelay_status kvrelay_fetch_detail(const struct kvrelay_fetch *fetch,
                                     size_t *len_out);
 
 // Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
-// (blocks verified before it stay reported). Never blocks; a completed fetch is unaffected.
+// (blocks verified before it stay reported); one still waiting in the agent's queue is taken
+// out and completes at once (its callback on an agent thread), not when a worker frees up.
+// Never blocks; a completed fetch is unaffected.
 //
 // # Safety
 // `fetch` NULL or live.

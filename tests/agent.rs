@@ -97,6 +97,38 @@ fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
 }
 
 #[test]
+fn a_cancelled_fetch_still_in_the_queue_completes_at_once() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    // one worker, one stream: the first fetch holds it for its whole (long) deadline
+    let b = instance_with(|c| {
+        c.limits.fetch_threads = 1;
+        c.limits.streams = 1;
+    });
+    let req = || FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0],
+        deadline: Duration::from_secs(120),
+    };
+    let running = b.agent.submit(req(), None).unwrap();
+    let (_held, _) = stall.accept().unwrap(); // the worker is in it
+    let (tx, rx) = std::sync::mpsc::channel();
+    let queued = b.agent.submit(req(), Some(Box::new(move |r: &FetchResult| tx.send(r.clone()).unwrap()))).unwrap();
+    queued.cancel();
+    // completed while the worker is still blocked in the first fetch (its deadline is 120 s)
+    let r = rx.recv_timeout(Duration::from_secs(30)).expect("the queued fetch completed on its cancel");
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Cancelled), 0), "{}", r.detail);
+    assert_eq!(queued.wait(Duration::from_secs(5)), Some(r));
+    assert!(running.poll().is_none(), "the first fetch still runs");
+    assert_eq!(b.agent.stats().fetch_failed_cancelled, 1);
+    running.cancel();
+    let r = running.wait(Duration::from_secs(30)).expect("the running fetch stopped on its cancel");
+    assert_eq!(r.failure, Some(FailReason::Cancelled));
+}
+
+#[test]
 fn submissions_are_checked() {
     let b = instance();
     let sub = |names: &[u64], held, dst: Vec<u32>, ms| {

@@ -4,7 +4,7 @@
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::FailReason;
@@ -62,11 +62,14 @@ pub(super) struct FetchState {
     pub(super) sock: Mutex<Vec<(usize, u64, TcpStream)>>,
     /// Parts after this one are of no use (an earlier part ended short): they stop.
     pub(super) stop_after: AtomicUsize,
+    /// The agent whose queue holds the fetch until a worker takes it (a cancel takes it out).
+    pub(super) agent: Weak<super::Inner>,
 }
 
 impl FetchState {
-    pub(super) fn new(on_done: Option<OnDone>) -> FetchState {
+    pub(super) fn new(on_done: Option<OnDone>, agent: Weak<super::Inner>) -> FetchState {
         FetchState {
+            agent,
             result: Mutex::new(None),
             done: Condvar::new(),
             cancel: AtomicBool::new(false),
@@ -139,11 +142,16 @@ impl Fetch {
     }
 
     /// Ask the fetch to stop: it completes with [`FailReason::Cancelled`] after the block in
-    /// progress (blocks verified before stay reported), or normally if it was about to.
+    /// progress (blocks verified before stay reported), or normally if it was about to. A
+    /// fetch still waiting in the queue is taken out and completes at once, on an agent
+    /// thread, not when a worker reaches it behind fetches that run to their deadlines.
     pub fn cancel(&self) {
         self.0.cancel.store(true, Ordering::Release);
         for (_, _, s) in self.0.sock.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(inner) = self.0.agent.upgrade() {
+            super::Inner::cancel_queued(&inner, &self.0);
         }
     }
 }

@@ -5,13 +5,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use super::handle::Job;
+use super::handle::{FetchState, Job};
 use super::stats::Stats;
 use super::sums::SumTable;
 use super::{estimate, pool, service, transport, BlockHolder, Fingerprint, Limits, PeerAllow, Psk};
+use super::{FailReason, FetchResult};
 use crate::copy::KvLayout;
 
 pub(super) struct Inner {
@@ -39,6 +40,9 @@ pub(super) struct Inner {
     pub(super) conns_idle: Condvar,
     pub(super) jobs: Mutex<VecDeque<Job>>,
     pub(super) jobs_ready: Condvar,
+    /// Queued fetches a cancel took out, waiting for their completion on an agent thread, and
+    /// whether that thread runs (it ends when the list is empty).
+    pub(super) cancelled: Mutex<(Vec<Job>, bool)>,
     /// Kept-alive fetch connections per source address, with when each went idle.
     pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
     /// How a fetch's bytes move (TCP frames, NIXL READs in place, CUDA IPC copies): the
@@ -160,6 +164,58 @@ impl Inner {
     }
 
     /// Whether any backend has something to look at again ([`transport::Backend::wants_reap`]).
+    /// A cancel of `state`: if its fetch still waits in the queue, take it out and complete it
+    /// (`cancelled`) on an agent thread at once, instead of when a worker reaches it. Where that
+    /// thread cannot start, the job goes back to the head of the queue (a worker completes it
+    /// as before: it sees the cancel before any I/O).
+    pub(super) fn cancel_queued(inner: &Arc<Inner>, state: &Arc<FetchState>) {
+        let job = {
+            let mut q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(at) = q.iter().position(|j| Arc::ptr_eq(&j.state, state)) else { return };
+            q.remove(at).expect("found above")
+        };
+        let mut c = inner.cancelled.lock().unwrap_or_else(|e| e.into_inner());
+        c.0.push(job);
+        if c.1 {
+            return; // the running completer takes it
+        }
+        let me = inner.clone();
+        let spawned =
+            std::thread::Builder::new().name("kvrelay-cancelled".into()).stack_size(256 << 10).spawn(move || loop {
+                let job = {
+                    let mut c = me.cancelled.lock().unwrap_or_else(|e| e.into_inner());
+                    match c.0.pop() {
+                        Some(j) => j,
+                        None => {
+                            c.1 = false;
+                            return;
+                        }
+                    }
+                };
+                let r = FetchResult {
+                    failure: Some(FailReason::Cancelled),
+                    seconds: job.state.submitted.elapsed().as_secs_f64(),
+                    detail: "cancelled by the runtime while it waited in the queue".into(),
+                    ..FetchResult::default()
+                };
+                me.stats.failed(FailReason::Cancelled);
+                job.state.complete(r);
+            });
+        match spawned {
+            Ok(_) => c.1 = true,
+            Err(_) => {
+                let jobs = std::mem::take(&mut c.0);
+                drop(c);
+                let mut q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+                for j in jobs {
+                    q.push_front(j);
+                }
+                drop(q);
+                inner.jobs_ready.notify_one();
+            }
+        }
+    }
+
     pub(super) fn wants_reap(&self) -> bool {
         self.backends.iter().any(|b| b.wants_reap())
     }

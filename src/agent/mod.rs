@@ -259,6 +259,7 @@ impl Agent {
             conns_idle: Condvar::new(),
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
+            cancelled: Mutex::new((Vec::new(), false)),
             idle: Mutex::new(HashMap::new()),
             backends,
             tcp_sources: Mutex::new(HashMap::new()),
@@ -339,7 +340,7 @@ impl Agent {
         if req.deadline.is_zero() {
             return Err(AgentError::Argument("a fetch needs a deadline above zero".into()));
         }
-        let state = Arc::new(FetchState::new(on_done));
+        let state = Arc::new(FetchState::new(on_done, Arc::downgrade(&self.inner)));
         {
             let mut q = self.inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
             if q.len() >= self.inner.limits.max_queued_fetches as usize {
