@@ -282,18 +282,21 @@ impl DevPool {
     }
 }
 
-/// CUDA device 0, or `None` (said why) on a machine without a driver or device.
+/// CUDA device 0, or `None` (said why) on a machine without a driver or device. With
+/// `KVRELAY_REQUIRE_GPU=1` (the GPU machine's runs) a skip is a failure instead, so a GPU run
+/// cannot pass with its GPU tests skipped.
 pub fn cuda_device(test: &str) -> Option<Arc<kvrelay::copy::CudaDevice>> {
+    let skip = |why: String| {
+        assert!(std::env::var("KVRELAY_REQUIRE_GPU").as_deref() != Ok("1"), "{test}: KVRELAY_REQUIRE_GPU=1 but {why}");
+        eprintln!("{test}: skipped: {why}");
+        None
+    };
     if !kvrelay::copy::driver_present() {
-        eprintln!("{test}: skipped: no CUDA driver on this machine");
-        return None;
+        return skip("no CUDA driver on this machine".into());
     }
     match kvrelay::copy::CudaDevice::open(0) {
         Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("{test}: skipped: {e}");
-            None
-        }
+        Err(e) => skip(e.to_string()),
     }
 }
 
