@@ -129,6 +129,51 @@ fn a_cancelled_fetch_still_in_the_queue_completes_at_once() {
 }
 
 #[test]
+fn an_owned_fetch_dropped_in_a_completion_callback_does_not_wait_for_itself() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    let b = instance_with(|c| {
+        c.limits.fetch_threads = 1;
+        c.limits.streams = 1;
+    });
+    let req = || FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0],
+        deadline: Duration::from_secs(120),
+    };
+    type Slot = Arc<Mutex<Option<kvrelay::agent::OwnedFetch>>>;
+    // the callback drops the owner it finds in `slot`, and says so
+    let dropping = |slot: &Slot, tx: std::sync::mpsc::Sender<&'static str>, what: &'static str| {
+        let slot = slot.clone();
+        Box::new(move |_: &FetchResult| {
+            drop(slot.lock().unwrap().take());
+            tx.send(what).unwrap();
+        }) as kvrelay::agent::OnDone
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    // 1. its own owner: the drop sees the fetch complete (the result being delivered)
+    let own: Slot = Arc::default();
+    let f = b.agent.submit(req(), Some(dropping(&own, tx.clone(), "own"))).unwrap();
+    let (_held, _) = stall.accept().unwrap();
+    *own.lock().unwrap() = Some(f.clone().owned());
+    f.cancel();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)), Ok("own"), "the callback returned");
+    assert_eq!(f.wait(Duration::from_secs(5)).map(|r| r.failure), Some(Some(FailReason::Cancelled)));
+    // 2. the owner of a fetch queued behind it, on the one worker: that fetch is cancelled out
+    // of the queue and completes without the worker the callback occupies
+    let queued_owner: Slot = Arc::default();
+    let running = b.agent.submit(req(), Some(dropping(&queued_owner, tx.clone(), "other"))).unwrap();
+    let (_held2, _) = stall.accept().unwrap();
+    let queued = b.agent.submit(req(), None).unwrap();
+    *queued_owner.lock().unwrap() = Some(queued.clone().owned());
+    running.cancel();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)), Ok("other"), "the callback returned");
+    assert_eq!(queued.wait(Duration::from_secs(5)).map(|r| r.failure), Some(Some(FailReason::Cancelled)));
+}
+
+#[test]
 fn submissions_are_checked() {
     let b = instance();
     let sub = |names: &[u64], held, dst: Vec<u32>, ms| {

@@ -50,6 +50,11 @@ pub type OnDone = Box<dyn FnOnce(&FetchResult) + Send>;
 
 pub(super) struct FetchState {
     pub(super) result: Mutex<Option<FetchResult>>,
+    /// While the completion callback runs: its thread and the result it delivers. On that
+    /// thread the fetch is complete already (poll and wait return this result), so a callback
+    /// that polls, waits for or drops an owner of its own fetch returns instead of waiting for
+    /// itself.
+    completing: Mutex<Option<(std::thread::ThreadId, FetchResult)>>,
     pub(super) done: Condvar,
     pub(super) cancel: AtomicBool,
     pub(super) on_done: Mutex<Option<OnDone>>,
@@ -71,6 +76,7 @@ impl FetchState {
         FetchState {
             agent,
             result: Mutex::new(None),
+            completing: Mutex::new(None),
             done: Condvar::new(),
             cancel: AtomicBool::new(false),
             on_done: Mutex::new(on_done),
@@ -86,10 +92,18 @@ impl FetchState {
     pub(super) fn complete(&self, r: FetchResult) {
         let cb = self.on_done.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(cb) = cb {
+            *self.completing.lock().unwrap_or_else(|e| e.into_inner()) = Some((std::thread::current().id(), r.clone()));
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(&r)));
+            *self.completing.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         self.done.notify_all();
+    }
+
+    /// The result being delivered, when called from this fetch's own completion callback.
+    fn completing_here(&self) -> Option<FetchResult> {
+        let g = self.completing.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().filter(|(t, _)| *t == std::thread::current().id()).map(|(_, r)| r.clone())
     }
 
     /// Publish part `part`'s connection `s` (registration `id`) for cancels and sibling stops.
@@ -122,13 +136,19 @@ impl FetchState {
 pub struct Fetch(pub(super) Arc<FetchState>);
 
 impl Fetch {
-    /// The result, once the fetch completed.
+    /// The result, once the fetch completed (from the fetch's own completion callback: the
+    /// result it delivers).
     pub fn poll(&self) -> Option<FetchResult> {
-        self.0.result.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let r = self.0.result.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        r.or_else(|| self.0.completing_here())
     }
 
-    /// Wait up to `timeout` for the result.
+    /// Wait up to `timeout` for the result (from the fetch's own completion callback: the
+    /// result it delivers, at once).
     pub fn wait(&self, timeout: Duration) -> Option<FetchResult> {
+        if let Some(r) = self.0.completing_here() {
+            return Some(r);
+        }
         let end = Instant::now() + timeout;
         let mut g = self.0.result.lock().unwrap_or_else(|e| e.into_inner());
         while g.is_none() {

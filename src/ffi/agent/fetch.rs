@@ -154,7 +154,9 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
 ///   freed), with the whole result and why it failed in words (`detail`: UTF-8, not
 ///   NUL-terminated, empty when it did not fail; never hint bytes or a key). `result` and
 ///   `detail` are valid during the call. It must not unwind and must not free the agent; it
-///   may free the fetch handle.
+///   may free the fetch handle, poll or wait for its own fetch (which returns the result being
+///   delivered, at once) and cancel or wait for other fetches (a cancelled one still queued
+///   completes without a worker), so destroying a `kvrelay::Fetch` there never deadlocks.
 /// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
 ///   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
 ///   is refused, before `kvrelay_agent_submit` returns.
@@ -286,7 +288,8 @@ pub unsafe extern "C" fn kvrelay_fetch_poll(
 
 /// Wait up to `timeout_ms` for the fetch to complete: `KVRELAY_OK` and `*out` written, or
 /// `KVRELAY_ERR_PENDING`. Blocks the calling thread: not for a scheduler's thread (poll, or
-/// use the callback).
+/// use the callback). From the fetch's own completion callback it returns the result being
+/// delivered at once (as `kvrelay_fetch_poll` does there).
 ///
 /// # Safety
 /// `fetch` NULL or live; `out` NULL or writable.
