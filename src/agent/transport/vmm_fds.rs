@@ -6,20 +6,30 @@
 //!   a Unix socket in the abstract namespace (`kvrelay-cuda-ipc-<pid>-<random>`: nothing in the
 //!   file system, gone with the process). Its offers, sent only on authenticated, allowlisted
 //!   connections, name the socket and carry a random 32-byte token drawn at start.
-//! - **A destination** that has not mapped those allocations yet connects, writes the token,
-//!   and reads every descriptor, in batches of at most [`BATCH`] per message.
-//! - **Bounds.** Any local process of the network namespace can connect. One that does not
-//!   send the right token within [`DEADLINE`] is closed having received nothing; at most
-//!   [`MAX_HANDLERS`] connections are served at once (more are closed at once), each for at
-//!   most [`DEADLINE`] per read and per write. A peer that fails here fetches over TCP (the
-//!   transport's fallback).
+//! - **A destination** that has not mapped those allocations yet connects, reads a fresh
+//!   nonce the source draws for that connection, answers with a keyed proof of the token
+//!   (HMAC-SHA-256 of the nonce under the token), and reads every descriptor, in batches of at
+//!   most [`BATCH`] per message. The token itself never crosses the socket, and an answer is
+//!   good for its own connection only: a recorded exchange is no key.
+//! - **Who.** Any local process of the network namespace can connect; one of another user
+//!   (`SO_PEERCRED`) is closed at once, having received nothing.
+//! - **Bounds.** One that does not prove the token within [`DEADLINE`] is closed having
+//!   received nothing; at most [`MAX_HANDLERS`] connections are served at once, each for at
+//!   most [`DEADLINE`] per read and per write. When all are taken, the oldest connection that
+//!   has not proven the token yet is closed to make room (silent connections cannot keep a
+//!   destination out); a new connection is closed at once only when every handler is sending
+//!   descriptors. A peer that fails here fetches over TCP (the transport's fallback).
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use std::time::{Duration, Instant};
 
 /// Bytes of the token a destination proves it received an offer with.
@@ -42,9 +52,56 @@ pub(crate) fn is_socket_of(name: &[u8], pid: u32) -> bool {
         .is_some_and(|hex| hex.len() == 16 && hex.iter().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b)))
 }
 
-/// Equal in time independent of where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+fn mac(token: &[u8; TOKEN], nonce: &[u8; TOKEN]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(token).expect("HMAC takes any key length");
+    m.update(b"kvrelay-cuda-ipc-fds/v1");
+    m.update(nonce);
+    m
+}
+
+/// The destination's answer to the source's `nonce`: a keyed proof that it holds `token`.
+fn proof(token: &[u8; TOKEN], nonce: &[u8; TOKEN]) -> [u8; TOKEN] {
+    mac(token, nonce).finalize().into_bytes().into()
+}
+
+/// The user id of the process at the other end of `s` (`SO_PEERCRED`).
+fn peer_uid(s: &UnixStream) -> io::Result<libc::uid_t> {
+    // SAFETY: a zeroed ucred is valid; getsockopt writes at most `len` bytes into it.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a live socket; `cred` and `len` live across the call with the size given.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Connections that have not proven the token yet, oldest first: the handlers' slots they hold
+/// are what a newer connection may take (see the module docs).
+#[derive(Default)]
+struct Unproven {
+    next: u64,
+    conns: VecDeque<(u64, UnixStream, Arc<AtomicBool>)>,
+}
+
+impl Unproven {
+    /// Close the oldest unproven connection and hand its slot over (its handler then does not
+    /// give the slot back). False when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        let Some((_, s, handed)) = self.conns.pop_front() else { return false };
+        handed.store(true, Ordering::Release);
+        let _ = s.shutdown(std::net::Shutdown::Both);
+        true
+    }
 }
 
 /// The source's listener: hands `fds` to whoever sends the token. Stops when dropped.
@@ -104,6 +161,9 @@ impl Drop for FdServer {
 
 fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TOKEN], stop: &AtomicBool) {
     let active = Arc::new(AtomicUsize::new(0));
+    let unproven = Arc::new(Mutex::new(Unproven::default()));
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
     for conn in listener.incoming() {
         if stop.load(Ordering::Acquire) {
             return;
@@ -113,18 +173,42 @@ fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TO
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        if active.fetch_add(1, Ordering::AcqRel) >= MAX_HANDLERS {
-            active.fetch_sub(1, Ordering::AcqRel);
-            continue; // closed at once
+        if peer_uid(&s).ok() != Some(me) {
+            continue; // another user's process: closed at once
         }
-        let (fds, token, active2) = (fds.clone(), *token, active.clone());
+        let Ok(watch) = s.try_clone() else { continue };
+        let handed = Arc::new(AtomicBool::new(false));
+        let id = {
+            let mut u = unproven.lock().unwrap_or_else(|e| e.into_inner());
+            // a free handler, or the slot of the oldest connection that has not proven the token
+            if active.fetch_add(1, Ordering::AcqRel) >= MAX_HANDLERS {
+                active.fetch_sub(1, Ordering::AcqRel);
+                if !u.evict_oldest() {
+                    continue; // every handler is sending descriptors: closed at once
+                }
+                active.fetch_add(1, Ordering::AcqRel); // the evicted one's slot, handed over
+            }
+            u.next += 1;
+            let id = u.next;
+            u.conns.push_back((id, watch, handed.clone()));
+            id
+        };
+        let (fds, token, active2, unproven2, handed2) =
+            (fds.clone(), *token, active.clone(), unproven.clone(), handed.clone());
         let spawned =
             std::thread::Builder::new().name("kvrelay-ipc-fd".into()).stack_size(128 << 10).spawn(move || {
-                let _ = serve_one(s, &fds, &token);
-                active2.fetch_sub(1, Ordering::AcqRel);
+                let proven = || unproven2.lock().unwrap_or_else(|e| e.into_inner()).conns.retain(|(i, ..)| *i != id);
+                let _ = serve_one(s, &fds, &token, proven);
+                unproven2.lock().unwrap_or_else(|e| e.into_inner()).conns.retain(|(i, ..)| *i != id);
+                if !handed2.load(Ordering::Acquire) {
+                    active2.fetch_sub(1, Ordering::AcqRel);
+                }
             });
         if spawned.is_err() {
-            active.fetch_sub(1, Ordering::AcqRel);
+            unproven.lock().unwrap_or_else(|e| e.into_inner()).conns.retain(|(i, ..)| *i != id);
+            if !handed.load(Ordering::Acquire) {
+                active.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -138,10 +222,14 @@ fn left(end: Instant) -> io::Result<Duration> {
     Ok(l.max(Duration::from_millis(1)))
 }
 
-/// One connection: the token within [`DEADLINE`] of the accept (however it trickles in), then
-/// the descriptors, each batch's write within [`DEADLINE`].
-fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN]) -> io::Result<()> {
+/// One connection: a fresh nonce out, the proof of the token back within [`DEADLINE`] of the
+/// accept (however it trickles in), then (`proven` called first) the descriptors, each batch's
+/// write within [`DEADLINE`].
+fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN], proven: impl FnOnce()) -> io::Result<()> {
     let end = Instant::now() + DEADLINE;
+    let nonce = crate::agent::auth::nonce()?;
+    s.set_write_timeout(Some(left(end)?))?;
+    s.write_all(&nonce)?;
     let mut got = [0u8; TOKEN];
     let mut n = 0;
     while n < TOKEN {
@@ -153,9 +241,10 @@ fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN]) -> io::Res
             Err(e) => return Err(e),
         }
     }
-    if !same(&got, token) {
+    if mac(token, &nonce).verify_slice(&got).is_err() {
         return Err(io::ErrorKind::PermissionDenied.into());
     }
+    proven();
     for batch in fds.chunks(BATCH) {
         s.set_write_timeout(Some(DEADLINE))?;
         send_batch(&s, batch)?;
@@ -237,7 +326,8 @@ fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
     Ok(s)
 }
 
-/// Destination side: connect to the source's socket `name`, prove `token`, and pass each of
+/// Destination side: connect to the source's socket `name`, prove `token` (a keyed answer to
+/// the source's nonce), and pass each of
 /// the `want` descriptors it sends to `each` as it arrives (so that at most one batch is open
 /// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does.
 pub(crate) fn receive(
@@ -250,8 +340,11 @@ pub(crate) fn receive(
     let mut s = connect_by(name, deadline)
         .map_err(|e| format!("connecting to the source's descriptor socket (another network namespace?): {e}"))?;
     let remaining = || left(deadline).map_err(|_| "the source's descriptors ran past the deadline".to_string());
+    let mut nonce = [0u8; TOKEN];
+    s.set_read_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
+    s.read_exact(&mut nonce).map_err(|e| format!("reading the source's nonce: {e}"))?;
     s.set_write_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
-    s.write_all(token).map_err(|e| format!("sending the token: {e}"))?;
+    s.write_all(&proof(token, &nonce)).map_err(|e| format!("proving the token: {e}"))?;
     let mut got = 0usize;
     let bytes = BATCH * std::mem::size_of::<libc::c_int>();
     // SAFETY: a pure size computation.
@@ -374,5 +467,65 @@ mod tests {
         // a socket nobody listens on
         drop(server);
         assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, |_| Ok(())).is_err());
+    }
+
+    fn connect(name: &[u8]) -> UnixStream {
+        connect_by(name, Instant::now() + Duration::from_secs(30)).unwrap()
+    }
+
+    /// Silent local connections, as many as there are handlers, do not keep a destination out:
+    /// the oldest of them makes room.
+    #[test]
+    fn silent_connections_make_room_for_a_destination() {
+        let server = FdServer::start(pipes(3)).unwrap();
+        let silent: Vec<UnixStream> = (0..3 * MAX_HANDLERS).map(|_| connect(server.name())).collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut n = 0;
+        receive(server.name(), server.token(), 3, deadline, |_| {
+            n += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(n, 3);
+        drop(silent);
+    }
+
+    /// The token never crosses the socket, and an answer is good for its own connection only.
+    #[test]
+    fn a_recorded_answer_is_no_key() {
+        let server = FdServer::start(pipes(2)).unwrap();
+        let mut a = connect(server.name());
+        a.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut nonce = [0u8; TOKEN];
+        a.read_exact(&mut nonce).unwrap();
+        let answer = proof(server.token(), &nonce);
+        assert_ne!(&answer, server.token());
+        a.write_all(&answer).unwrap();
+        let mut one = [0u8; 1];
+        assert_eq!(a.read(&mut one).unwrap(), 1, "the first batch came");
+        // the same answer on a new connection (another nonce): closed, nothing sent
+        let mut b = connect(server.name());
+        b.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut other = [0u8; TOKEN];
+        b.read_exact(&mut other).unwrap();
+        assert_ne!(nonce, other, "a fresh nonce per connection");
+        b.write_all(&answer).unwrap();
+        let mut rest = Vec::new();
+        let _ = b.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "nothing for a replayed answer");
+        // the token itself is no answer either
+        let mut c = connect(server.name());
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        c.read_exact(&mut other).unwrap();
+        c.write_all(server.token()).unwrap();
+        let _ = c.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "nothing for the bare token");
+    }
+
+    #[test]
+    fn the_peer_is_known_by_its_user() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        // SAFETY: geteuid cannot fail.
+        assert_eq!(peer_uid(&a).unwrap(), unsafe { libc::geteuid() });
     }
 }

@@ -408,7 +408,7 @@ impl VmmBuffer {
         }
         let sizes = vec![chunk as u64; chunks];
         // SAFETY: every handle is an allocation of `chunk` bytes, created just above.
-        let ptr = unsafe { dev.vmm_map(&handles, &sizes) }?;
+        let ptr = unsafe { dev.vmm_map(&handles, &sizes, true) }?;
         Ok(VmmBuffer { dev: dev.clone(), ptr, len: chunk * chunks, chunk })
     }
     /// The device address of the range.
@@ -737,14 +737,16 @@ impl CudaDevice {
         Ok(VmmHandle { h })
     }
 
-    /// Map imported allocations side by side into a new address range of this device's
-    /// context, `sizes[i]` bytes of `handles[i]` at the sum of the sizes before it; the range's
-    /// base. Readable and writable here until [`CudaDevice::vmm_unmap`] (the mappings hold the
-    /// memory; the handles may be dropped). On an error nothing stays mapped or reserved.
+    /// Map allocations side by side into a new address range of this device's context,
+    /// `sizes[i]` bytes of `handles[i]` at the sum of the sizes before it; the range's base.
+    /// Readable here, and writable only with `writable` (another process's memory is mapped
+    /// read-only: a destination only reads it), until [`CudaDevice::vmm_unmap`] (the mappings
+    /// hold the memory; the handles may be dropped). On an error nothing stays mapped or
+    /// reserved.
     ///
     /// # Safety
     /// `sizes[i]` is the size of `handles[i]`'s allocation (as its exporter reported it).
-    pub unsafe fn vmm_map(&self, handles: &[VmmHandle], sizes: &[u64]) -> Result<u64, CopyError> {
+    pub unsafe fn vmm_map(&self, handles: &[VmmHandle], sizes: &[u64], writable: bool) -> Result<u64, CopyError> {
         assert_eq!(handles.len(), sizes.len(), "CudaDevice::vmm_map: one size per handle");
         let total: u64 = sizes.iter().try_fold(0u64, |a, &s| a.checked_add(s)).ok_or(CopyError::InvalidOptions)?;
         if total == 0 {
@@ -764,7 +766,11 @@ impl CudaDevice {
             }
             let desc = sys::CUmemAccessDesc {
                 location: device_location(self.ordinal),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                flags: if writable {
+                    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                } else {
+                    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+                },
             };
             // SAFETY: the whole range is mapped (above); one descriptor.
             check(unsafe { sys::cuMemSetAccess(va, total as usize, &desc, 1) }, "cuMemSetAccess")

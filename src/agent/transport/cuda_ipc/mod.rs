@@ -344,8 +344,8 @@ impl CudaIpc {
                     room(&mut m)?;
                     // SAFETY: handles imported just above, each mapped at the size its source
                     // offers (the driver refuses a size past the allocation's); kept until that
-                    // process goes or the agent stops.
-                    let ptr = unsafe { self.dev.vmm_map(hs, sizes) }.map_err(|err| {
+                    // process goes or the agent stops. Read-only: the destination only reads.
+                    let ptr = unsafe { self.dev.vmm_map(hs, sizes, false) }.map_err(|err| {
                         (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
                     })?;
                     let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, size: *total, vmm: true, watched });
