@@ -188,6 +188,28 @@ fn a_fetched_prefix_over_the_agent_answers_as_a_cold_run() {
     body["kv_hints"] = fetch_hint(&ep, &hashes);
     let fetched = ask(&b, "/v1/chat/completions", body);
     assert_eq!((&fetched.text, &fetched.logits), (&first.text, &first.logits), "a fetched prefix answers as cold");
+    // and the first tokens' log-probabilities, as OpenAI's API returns them, are a cold run's
+    let with_logprobs = |s: &Server, salt: Option<&str>, hint: bool| {
+        let mut body = chat_body(salt);
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(5);
+        if hint {
+            body["kv_hints"] = fetch_hint(&ep, &hashes);
+        }
+        ask(s, "/v1/chat/completions", body).body["choices"][0]["logprobs"]["content"].clone()
+    };
+    let cold_lp = with_logprobs(&b, Some("cold-b-logprobs"), false);
+    let fetched_lp = with_logprobs(&b, None, true);
+    let entries = cold_lp.as_array().expect("logprobs content");
+    assert!(!entries.is_empty());
+    for e in entries {
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{e}");
+        // greedy decoding: the emitted token is the most likely one
+        assert_eq!(e["top_logprobs"][0]["logprob"].as_f64(), Some(lp), "{e}");
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 5);
+    }
+    assert_eq!(fetched_lp, cold_lp, "a fetched prefix gives a cold run's log-probabilities");
     let prompt_tokens = fetched.body["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(fetched.cached, (prompt_tokens - 1) / bt * bt);
     assert_eq!(sent_since(&a, 0.0, hashes.len() as f64), hashes.len() as f64, "every block on the wire once");

@@ -77,6 +77,16 @@ def main():
         assert text == chat.choices[0].message.content, (text, chat.choices[0].message.content)
         assert usage.prompt_tokens_details.cached_tokens > 0, usage
 
+        # log-probabilities as the client's types read them (no hint: the hint count stays 7)
+        lp = client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
+        content = lp.choices[0].logprobs.content
+        said = lp.choices[0].message.content
+        # (a character split across tokens is whole in the text, not in one token's entry)
+        assert content and (not said.isascii() or "".join(t.token for t in content) == said), content
+        assert all(t.logprob <= 0.0 and t.top_logprobs and t.top_logprobs[0].logprob == t.logprob for t in content), content
+        legacy = client.completions.create(model=model, prompt=prompt, max_tokens=4, logprobs=2)
+        assert len(legacy.choices[0].logprobs.token_logprobs) == len(legacy.choices[0].logprobs.tokens) > 0, legacy
+
         resp = client.responses.create(model=model, input=prompt, max_output_tokens=8, extra_body=extra)
         assert resp.output_text, resp
         deltas, done = "", None

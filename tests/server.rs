@@ -215,6 +215,55 @@ fn streaming_matches_the_whole_answer() {
 }
 
 #[test]
+fn logprobs_come_back_as_openai_shapes_them() {
+    let s = start(true, &[]);
+    let p = prompt("logprobs", 20);
+    // the legacy completions API: tokens, token_logprobs, top_logprobs, text_offset
+    let v = s.complete(json!({"prompt": p, "max_tokens": 5, "logprobs": 2}));
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(tokens.concat(), text(&v), "the tokens spell the text");
+    let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[1], tokens[0].len() as u64);
+    // the reference model is certain of what it emits
+    assert!(lp["token_logprobs"].as_array().unwrap().iter().all(|l| l.as_f64() == Some(0.0)), "{lp}");
+    assert_eq!(lp["top_logprobs"][0][tokens[0]], 0.0, "{lp}");
+    // chat: content entries with bytes and top_logprobs
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": p}], "max_tokens": 3, "logprobs": true, "top_logprobs": 1}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert_eq!(content.len(), 3);
+    let said: String = content.iter().map(|c| c["token"].as_str().unwrap()).collect();
+    assert_eq!(said, v["choices"][0]["message"]["content"].as_str().unwrap());
+    let bytes: Vec<u8> = content[0]["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+    assert_eq!(bytes, content[0]["token"].as_str().unwrap().as_bytes());
+    assert_eq!(content[0]["top_logprobs"][0]["token"], content[0]["token"]);
+    // not asked for: null, as before; asked for wrongly: 400
+    let v = s.complete(json!({"prompt": p, "max_tokens": 2}));
+    assert!(v["choices"][0]["logprobs"].is_null());
+    let bad = |body: Value| s.post("/v1/chat/completions", &body).status;
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    assert_eq!(bad(json!({"messages": msgs, "top_logprobs": 2})), 400, "top_logprobs needs logprobs");
+    assert_eq!(bad(json!({"messages": msgs, "logprobs": true, "top_logprobs": 21})), 400);
+    // streamed: each chunk carries its token's logprobs
+    let r = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 3, "stream": true, "logprobs": 1}));
+    let ev = client::sse_data(&r.text());
+    let with: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter(|v| !v["choices"][0]["logprobs"].is_null())
+        .collect();
+    assert_eq!(with.len(), 3, "one chunk per token carries logprobs");
+    assert_eq!(with[1]["choices"][0]["logprobs"]["text_offset"][0], offsets[1]);
+}
+
+#[test]
 fn eviction_under_pressure_never_touches_blocks_in_use() {
     // 12 blocks of 4 tokens (16 bytes of text); prefill at 40 tokens/s keeps requests running
     let s = start(true, &["--block-tokens", "4", "--kv-blocks", "12", "--prefill-tokens-per-s", "40"]);

@@ -131,7 +131,7 @@ pub struct EngineConfig {
 }
 
 /// One generation's result.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Generation {
     /// Output tokens (indices into the word list).
     pub tokens: Vec<u32>,
@@ -150,6 +150,9 @@ pub struct Generation {
     /// Time to first token: from the request's start (its fetch included, once the HTTP layer
     /// added it) to the first output token's logits (the `x-kvrelay-ttft-ms` header).
     pub ttft: Duration,
+    /// Per output token: its log-probability and the alternatives (the reference model is
+    /// certain of each token it emits: 0, the token alone).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Generation {
@@ -219,8 +222,46 @@ fn detokenize_one(t: u32, first: bool) -> String {
     format!("{}{}", if first { "" } else { " " }, WORDS[t as usize % WORDS.len()])
 }
 
-/// Where a generation sends its output tokens one by one ([`Engine::generate_streaming`]).
-pub type TokenSink = tokio::sync::mpsc::UnboundedSender<u32>;
+/// Where a generation sends its output tokens one by one, each with its log-probability
+/// ([`Engine::generate_streaming`]).
+pub type TokenSink = tokio::sync::mpsc::UnboundedSender<(u32, TokenLogprob)>;
+
+/// Alternatives kept per output token (OpenAI's `top_logprobs` allows at most 20).
+pub const TOP_LOGPROBS: usize = 20;
+
+/// An output token's log-probability (natural log) and the most likely tokens at its step, most
+/// likely first (at most [`TOP_LOGPROBS`]; the chosen token is among them: decoding is greedy).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TokenLogprob {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// `(token, log-probability)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities of a step's `logits` (a log-softmax in f64): `chosen`'s and the `k`
+/// most likely tokens' (ties: the lower id first). One pass for the maximum, one for the sum,
+/// one for the top `k`; no allocation beyond the `k` entries.
+#[cfg_attr(not(feature = "llama"), allow(dead_code))]
+pub fn logprobs_of(logits: &[f32], chosen: u32, k: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &x) in logits.iter().enumerate() {
+        if top.len() == k && top.last().is_none_or(|&(_, low)| x <= low) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, y)| y >= x);
+        top.insert(at, (i as u32, x));
+        top.truncate(k);
+    }
+    let lp = |x: f32| (f64::from(x) - lse) as f32;
+    TokenLogprob {
+        logprob: logits.get(chosen as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        top: top.into_iter().map(|(t, x)| (t, lp(x))).collect(),
+    }
+}
 
 /// Turns output tokens into text one token at a time, as [`Engine::detokenize`] does for a
 /// whole generation: the pieces it returns, then [`finish`](Self::finish), concatenate to the
@@ -355,6 +396,21 @@ impl Engine {
         Detokenizer { engine: self, pending: Vec::new(), count: 0 }
     }
 
+    /// The bytes of output token `t` alone (what a logprobs entry names; a character split
+    /// across tokens is not whole here). `first`: the generation's first token (the reference
+    /// model writes no space before it).
+    pub fn token_bytes(&self, t: u32, first: bool) -> Vec<u8> {
+        match &self.model {
+            Model::Reference => detokenize_one(t, first).into_bytes(),
+            #[cfg(feature = "llama")]
+            Model::Llama(l) => {
+                let mut out = Vec::new();
+                l.piece(t, &mut out);
+                out
+            }
+        }
+    }
+
     /// Output tokens as text pieces (one per token).
     pub fn detokenize(&self, tokens: &[u32]) -> Vec<String> {
         match &self.model {
@@ -471,6 +527,7 @@ impl Engine {
         let ttft = started.elapsed();
         drop(lease);
         let mut out = Vec::with_capacity(max_tokens);
+        let mut logprobs = Vec::with_capacity(max_tokens);
         let mut prev = 0u32;
         for j in 0..max_tokens {
             let mut b = [0u8; 12];
@@ -478,9 +535,11 @@ impl Engine {
             b[8..].copy_from_slice(&prev.to_le_bytes());
             prev = (xxh3_64_with_seed(&b, digest) % WORDS.len() as u64) as u32;
             out.push(prev);
+            let lp = TokenLogprob { logprob: 0.0, top: vec![(prev, 0.0)] };
             if let Some(s) = &on_token {
-                let _ = s.send(prev);
+                let _ = s.send((prev, lp.clone()));
             }
+            logprobs.push(lp);
         }
         Ok(Generation {
             tokens: out,
@@ -490,6 +549,7 @@ impl Engine {
             stopped: false,
             logits_digest: None,
             ttft,
+            logprobs,
         })
     }
 
@@ -556,6 +616,7 @@ impl Engine {
             cached_tokens,
             prefilled_tokens: tokens.len() - cached_tokens,
             stopped: out.stopped,
+            logprobs: out.logprobs,
             logits_digest: Some(out.logits_digest),
             ttft: out.first_token.saturating_duration_since(started),
         })
@@ -643,6 +704,23 @@ mod tests {
         let bad = run(&e, p, None);
         assert!(bad.cached_tokens > 0);
         assert_ne!(bad.tokens, cold.tokens, "corrupted KV must change the answer");
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -50.0];
+        let lp = logprobs_of(&logits, 1, 3);
+        let lse = (1f64.exp() + 2.0 * 3f64.exp() + 2f64.exp() + (-50f64).exp()).ln();
+        assert!((f64::from(lp.logprob) - (3.0 - lse)).abs() < 1e-6, "{lp:?}");
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2], "most likely first, ties by the lower id");
+        assert_eq!(lp.top[0].1, lp.logprob);
+        // every token's probability adds up to one
+        let all = logprobs_of(&logits, 0, logits.len());
+        let total: f64 = all.top.iter().map(|t| f64::from(t.1).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert!(all.top.iter().all(|t| t.1 <= 0.0));
+        assert!(logprobs_of(&logits, 0, 0).top.is_empty());
     }
 
     #[test]

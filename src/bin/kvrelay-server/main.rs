@@ -66,8 +66,9 @@ pub struct ServeArgs {
     /// Tokens per llama.cpp context (prompt plus output).
     #[arg(long, env = "KVRELAY_LLAMA_CTX", default_value_t = 8192)]
     pub llama_ctx: usize,
-    /// CPU threads per llama.cpp context (0: every core). Part of the KV fingerprint: two
-    /// instances exchange KV only when they run the same count.
+    /// CPU threads per llama.cpp context (0: the cores divided among the contexts, at least
+    /// one, so that concurrent requests do not oversubscribe the CPU). Part of the KV
+    /// fingerprint: two instances exchange KV only when they run the same count.
     #[arg(long, env = "KVRELAY_LLAMA_THREADS", default_value_t = 0)]
     pub llama_threads: usize,
     /// Tokens per KV block (the unit of reuse and naming).

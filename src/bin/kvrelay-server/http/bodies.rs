@@ -102,6 +102,10 @@ pub(super) struct CompletionBody<'a> {
     /// Each choice (each streamed chunk) also carries its output `token_ids` (vLLM's field).
     #[serde(default)]
     pub(super) return_token_ids: Option<bool>,
+    /// The legacy API's `logprobs`: log-probabilities of the output tokens and this many most
+    /// likely alternatives each (0 to 20; `null`: none).
+    #[serde(default)]
+    pub(super) logprobs: Option<u64>,
     #[serde(default)]
     pub(super) stream: Option<bool>,
     #[serde(default)]
@@ -134,6 +138,12 @@ pub(super) struct ChatBody<'a> {
     pub(super) max_tokens: Option<u64>,
     #[serde(default)]
     pub(super) max_completion_tokens: Option<u64>,
+    /// Log-probabilities of the output tokens.
+    #[serde(default)]
+    pub(super) logprobs: Option<bool>,
+    /// With `logprobs`: this many most likely alternatives per token (0 to 20).
+    #[serde(default)]
+    pub(super) top_logprobs: Option<u64>,
     #[serde(default)]
     pub(super) stream: Option<bool>,
     #[serde(default)]
@@ -333,6 +343,18 @@ pub fn prompt_tokens(
         return Err(ApiError::bad_request("this endpoint takes one prompt"));
     }
     p[0].tokens(&st.engine)
+}
+
+/// The alternatives per token a request asks for (`None`: no logprobs): at most
+/// [`TOP_LOGPROBS`](crate::engine::TOP_LOGPROBS), as OpenAI's API allows.
+pub(super) fn logprobs_wanted(enabled: bool, top: Option<u64>) -> Result<Option<usize>, ApiError> {
+    let max = crate::engine::TOP_LOGPROBS as u64;
+    match (enabled, top) {
+        (_, Some(k)) if k > max => Err(ApiError::bad_request(format!("top_logprobs must be 0..={max}"))),
+        (false, Some(_)) => Err(ApiError::bad_request("top_logprobs needs logprobs: true")),
+        (false, None) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0) as usize)),
+    }
 }
 
 pub(super) fn max_tokens(st: &AppState, n: Option<u64>) -> Result<usize, ApiError> {

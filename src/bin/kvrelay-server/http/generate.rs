@@ -3,6 +3,7 @@
 //! the OpenAI-shaped answers, whole or streamed as server-sent events.
 
 use super::*;
+use crate::engine::TokenLogprob;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Api {
@@ -39,6 +40,8 @@ pub(super) struct Job {
     pub(super) include_usage: bool,
     /// `return_token_ids`: completion choices carry their output token ids.
     pub(super) token_ids: bool,
+    /// `logprobs` asked for: this many alternatives per token.
+    pub(super) logprobs: Option<usize>,
     /// The admitted snapshots travel with the request until it ends.
     pub(super) _hints: Vec<HintOutcome>,
     /// Per prompt: the named fetch the provider took, if any.
@@ -174,6 +177,64 @@ pub(super) async fn run_prompt(
     Ok(g)
 }
 
+/// The `logprobs` of a choice or a chunk as OpenAI's API shapes them, for the output tokens
+/// `toks` (with their log-probabilities `lps`) whose text starts at byte `offset` of the
+/// choice's text; `first`: `toks[0]` is the generation's first token. `k` alternatives each.
+/// Chat: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+/// refusal: null}`; completions: `{tokens, token_logprobs, top_logprobs, text_offset}`.
+pub(super) fn logprobs_json(
+    e: &Engine,
+    api: Api,
+    toks: &[u32],
+    lps: &[TokenLogprob],
+    k: usize,
+    first: bool,
+    mut offset: usize,
+) -> Value {
+    let text = |t: u32, i: usize| {
+        let b = e.token_bytes(t, first && i == 0);
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    };
+    match api {
+        Api::Chat => json!({
+            "content": toks.iter().zip(lps).enumerate().map(|(i, (&t, lp))| {
+                let (s, b) = text(t, i);
+                let top: Vec<Value> = lp.top.iter().take(k).map(|&(a, l)| {
+                    let (s, b) = text(a, i);
+                    json!({"token": s, "logprob": l, "bytes": b})
+                }).collect();
+                json!({"token": s, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+            }).collect::<Vec<_>>(),
+            "refusal": null,
+        }),
+        _ => {
+            let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
+            for (i, &t) in toks.iter().enumerate() {
+                let (s, b) = text(t, i);
+                offsets.push(offset);
+                offset += b.len();
+                tokens.push(s);
+            }
+            let top: Vec<Value> = toks
+                .iter()
+                .zip(lps)
+                .enumerate()
+                .map(|(i, (_, lp))| {
+                    let m: serde_json::Map<String, Value> =
+                        lp.top.iter().take(k).map(|&(a, l)| (text(a, i).0, json!(l))).collect();
+                    Value::Object(m)
+                })
+                .collect();
+            json!({
+                "tokens": tokens,
+                "token_logprobs": lps.iter().map(|lp| lp.logprob).collect::<Vec<_>>(),
+                "top_logprobs": if k == 0 { Value::Null } else { json!(top) },
+                "text_offset": offsets,
+            })
+        }
+    }
+}
+
 pub(super) fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -267,8 +328,9 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
         Api::Completions => json!({
             "id": job.id, "object": "text_completion", "created": now_secs(), "model": st.config.model,
             "choices": gens.iter().enumerate().map(|(i, g)| {
+                let lp = job.logprobs.map_or(Value::Null, |k| logprobs_json(&st.engine, job.api, &g.tokens, &g.logprobs, k, true, 0));
                 let mut c = json!({
-                    "index": i, "text": st.engine.detokenize(&g.tokens).concat(), "logprobs": null, "finish_reason": g.finish_reason()
+                    "index": i, "text": st.engine.detokenize(&g.tokens).concat(), "logprobs": lp, "finish_reason": g.finish_reason()
                 });
                 if job.token_ids {
                     c["token_ids"] = json!(g.tokens);
@@ -282,7 +344,9 @@ pub(super) async fn run_job(st: Shared, job: Job, stream: bool) -> Response {
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": st.engine.detokenize(&gens[0].tokens).concat()},
-                "logprobs": null,
+                "logprobs": job.logprobs.map_or(Value::Null, |k| {
+                    logprobs_json(&st.engine, job.api, &gens[0].tokens, &gens[0].logprobs, k, true, 0)
+                }),
                 "finish_reason": gens[0].finish_reason(),
             }],
             "usage": u,
@@ -368,9 +432,14 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
         for (i, (p, plan)) in job.prompts.iter().zip(&job.plans).enumerate() {
             // Each token goes out as the engine chooses it (the real model decodes one at a
             // time); the finish reason follows in a chunk of its own once the run has ended.
-            let chunk = |j: usize, w: &str, toks: &[u32], fin: Value, seq: u64| match job.api {
+            // a token's logprobs go out with it (`off`: the byte offset of its text)
+            let lps = |j: usize, toks: &[u32], lps: &[TokenLogprob], off: usize| match job.logprobs {
+                Some(k) if !toks.is_empty() => logprobs_json(&st.engine, job.api, toks, lps, k, j == 0, off),
+                _ => Value::Null,
+            };
+            let chunk = |j: usize, w: &str, toks: &[u32], lp: Value, fin: Value, seq: u64| match job.api {
                 Api::Completions => {
-                    let mut c = json!({"index": i, "text": w, "logprobs": null, "finish_reason": fin});
+                    let mut c = json!({"index": i, "text": w, "logprobs": lp, "finish_reason": fin});
                     if job.token_ids {
                         c["token_ids"] = json!(toks);
                     }
@@ -387,7 +456,7 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     };
                     json!({
                         "id": job.id, "object": "chat.completion.chunk", "created": created, "model": st.config.model,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": fin}],
+                        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fin}],
                     })
                 }
                 Api::Responses => json!({
@@ -395,15 +464,16 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     "item_id": format!("msg_{}", &job.id[5..]), "output_index": 0, "content_index": 0, "delta": w,
                 }),
             };
-            let (tok_tx, mut tok_rx) = mpsc::unbounded_channel::<u32>();
+            let (tok_tx, mut tok_rx) = mpsc::unbounded_channel::<(u32, TokenLogprob)>();
             let mut detok = st.engine.detokenizer();
             let mut j = 0usize;
+            let mut off = 0usize;
             let run =
                 run_prompt(&st, p, job.salt.as_deref(), job.max_tokens, plan.as_ref(), &mut fetch_log, Some(tok_tx));
             tokio::pin!(run);
             let mut finished = None;
             while finished.is_none() || !tok_rx.is_empty() {
-                let t = tokio::select! {
+                let (t, lp) = tokio::select! {
                     biased;
                     Some(t) = tok_rx.recv() => t,
                     g = &mut run, if finished.is_none() => { finished = Some(g); continue; }
@@ -416,7 +486,11 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     observe(&st.metrics.ttft, job.api, started.elapsed().as_secs_f64());
                 }
                 let w = detok.push(t);
-                let ev = chunk(j, &w, &[t], json!(null), seq);
+                let lp = lps(j, &[t], std::slice::from_ref(&lp), off);
+                if job.logprobs.is_some() {
+                    off += st.engine.token_bytes(t, j == 0).len();
+                }
+                let ev = chunk(j, &w, &[t], lp, json!(null), seq);
                 j += 1;
                 seq += 1;
                 if tx.send(sse(ev)).await.is_err() {
@@ -440,6 +514,7 @@ pub(super) fn stream_job(st: Shared, job: Job, slot: Slot) -> Response {
                     j,
                     &rest,
                     &[],
+                    Value::Null,
                     if job.api == Api::Responses { json!(null) } else { json!(g.finish_reason()) },
                     seq,
                 );

@@ -288,6 +288,8 @@ struct Parsed<'a> {
     max_tokens: Option<u64>,
     include_usage: bool,
     token_ids: bool,
+    /// Alternatives per token when logprobs are asked for.
+    logprobs: Option<usize>,
     stream: bool,
     hint: HintFields<'a>,
 }
@@ -301,6 +303,8 @@ fn parse_completion<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiEr
         max_tokens: b.max_tokens,
         include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
         token_ids: b.return_token_ids.unwrap_or(false),
+        // the legacy API's `logprobs` is the number of alternatives itself
+        logprobs: logprobs_wanted(b.logprobs.is_some(), b.logprobs)?,
         stream: b.stream.unwrap_or(false),
         hint: hint_fields!(b),
         model: b.model,
@@ -317,6 +321,7 @@ fn parse_chat<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
         max_tokens: b.max_completion_tokens.or(b.max_tokens),
         include_usage: b.stream_options.as_ref().is_some_and(|o| o.include_usage),
         token_ids: false,
+        logprobs: logprobs_wanted(b.logprobs.unwrap_or(false), b.top_logprobs)?,
         stream: b.stream.unwrap_or(false),
         hint: hint_fields!(b),
         model: b.model,
@@ -333,6 +338,7 @@ fn parse_responses<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiErr
         max_tokens: b.max_output_tokens,
         include_usage: true,
         token_ids: false,
+        logprobs: None,
         stream: b.stream.unwrap_or(false),
         hint: hint_fields!(b),
         model: b.model,
@@ -367,6 +373,7 @@ async fn generation(
             max_tokens,
             include_usage: p.include_usage,
             token_ids: p.token_ids,
+            logprobs: p.logprobs,
             _hints: hints,
             plans,
             hint_label,
