@@ -4,7 +4,8 @@
 # Rust (unit, integration, conformance, property, header freshness, the test server over HTTP),
 # the portable scanner's run, a fuzz smoke, the official openai client against the test server, the C/C++ programs built with -Wall -Wextra -Werror as C and as
 # C++, the same programs under AddressSanitizer + UBSan (leak checker on) against a debug build
-# of the library, and a consumer project that finds the installed package. The server is built
+# of the library, a consumer project that finds the installed package, and llama.cpp's
+# llama-server with kvrelay embedded (integrations/llama.cpp) built against that package. The server is built
 # with its NIXL transport (feature `nixl`; .ci/ensure-nixl.sh installs the NIXL libraries and
 # libclang), and the cross-instance transfer tests run a second time over NIXL/UCX. The server's
 # real-model engine (feature `llama`: llama.cpp, built once per profile by cargo) runs
@@ -127,6 +128,12 @@ fi
 mv "$b/prefix/lib/$soname.away" "$b/prefix/lib/$soname"
 grep -q "$soname" "$b/other-epoch.err" || { cat "$b/other-epoch.err" >&2; exit 1; }
 echo "SONAME $soname: a program built against this epoch loads only a library of it"
+
+echo "== llama.cpp's llama-server with kvrelay embedded (integrations/llama.cpp): the patch applies to the pinned tree without fuzz; both servers build from one tree against the installed package; the smoke test"
+bash integrations/llama.cpp/build.sh --check-patch
+LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" JOBS=2 bash integrations/llama.cpp/build.sh
+timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1
 
 echo "== the Python package: pip install ./python (cargo builds the library it carries), then its pytest suite"
 pyk="$root/target/ci-tools/pykvrelay"

@@ -744,15 +744,14 @@ class Agent {
 };
 
 /// Block names (SPEC section 8; kvrelay_block_names): how a runtime names the full blocks of a
-/// request's tokens, the same way every runtime that links kvrelay does.
+/// request's tokens, the same way every runtime that links kvrelay does. Holds its own copy of
+/// the salt; copyable.
 class Naming {
  public:
-  /// Names under `seed` (name_seed() of the engine's identity), `block_tokens` per block,
-  /// `lora_id` (0: none) and the request's cache salt ("" : none; kept by reference: it must
-  /// outlive this object).
-  Naming(uint64_t seed, std::size_t block_tokens, uint64_t lora_id = 0, std::string_view salt = {}) noexcept
-      : n_{sizeof(kvrelay_naming), seed, block_tokens, lora_id, reinterpret_cast<const uint8_t *>(salt.data()),
-           salt.size()} {}
+  /// Names under `seed` (seed_of() the engine's identity), `block_tokens` per block, `lora_id`
+  /// (0: none) and the request's cache salt ("" : none; copied).
+  Naming(uint64_t seed, std::size_t block_tokens, uint64_t lora_id = 0, std::string_view salt = {})
+      : seed_(seed), block_tokens_(block_tokens), lora_id_(lora_id), salt_(salt) {}
   /// The seed of an engine whose identity is `identity` (model digest, build, KV settings).
   static uint64_t seed_of(std::string_view identity) {
     uint64_t seed = 0;
@@ -763,17 +762,33 @@ class Naming {
   /// request after the block named `parent` (both 0 for a whole prompt).
   std::vector<uint64_t> names(const uint32_t *tokens, std::size_t n, uint64_t parent = 0,
                               std::size_t first_block = 0) const {
-    std::vector<uint64_t> out(n_.block_tokens ? n / n_.block_tokens : 0);
+    std::vector<uint64_t> out(block_tokens_ ? n / block_tokens_ : 0);
     std::size_t got = 0;
-    check(kvrelay_block_names(&n_, parent, first_block, tokens, n, out.data(), out.size(), &got));
+    const kvrelay_naming c = c_naming();
+    check(kvrelay_block_names(&c, parent, first_block, tokens, n, out.data(), out.size(), &got));
     out.resize(got);
     return out;
   }
+  /// The same for signed token ids (llama.cpp's `llama_token`), read as their unsigned values
+  /// without a copy (ids are never negative; the two types share their representation).
+  std::vector<uint64_t> names(const int32_t *tokens, std::size_t n, uint64_t parent = 0,
+                              std::size_t first_block = 0) const {
+    return names(reinterpret_cast<const uint32_t *>(tokens), n, parent, first_block);
+  }
   std::vector<uint64_t> names(const std::vector<uint32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
-  const kvrelay_naming *get() const noexcept { return &n_; }
+  std::vector<uint64_t> names(const std::vector<int32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
+  /// The C struct for this naming (valid while this object lives and is not modified).
+  kvrelay_naming c_naming() const noexcept {
+    return kvrelay_naming{sizeof(kvrelay_naming), seed_,
+                          block_tokens_,          lora_id_,
+                          reinterpret_cast<const uint8_t *>(salt_.data()), salt_.size()};
+  }
 
  private:
-  kvrelay_naming n_;
+  uint64_t seed_;
+  std::size_t block_tokens_;
+  uint64_t lora_id_;
+  std::string salt_;
 };
 
 /// A KV events publisher (kvrelay_kv_events): what a runtime's reuse cache holds, in the format

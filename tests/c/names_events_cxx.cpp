@@ -2,6 +2,7 @@
 // function, continued block by block; a publisher's endpoints and counters.
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -30,6 +31,13 @@ int main() {
     parent = one.empty() ? 0 : one[0];
   }
   CHECK(kvrelay::Naming(seed, 16).names(toks) != whole);  // no salt: other names
+  // the salt is the object's own: a temporary string does not dangle, copies name alike
+  kvrelay::Naming from_temporary(seed, 16, 0, std::string("sa") + "lt");
+  const kvrelay::Naming copy = from_temporary;
+  CHECK(copy.names(toks) == whole);
+  // llama.cpp's signed token ids name the same blocks
+  const std::vector<int32_t> signed_toks(toks.begin(), toks.end());
+  CHECK(naming.names(signed_toks) == whole);
   try {
     kvrelay::Naming(seed, 0).names(toks);
     CHECK(false);
