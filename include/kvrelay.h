@@ -724,7 +724,8 @@ typedef struct kvrelay_cuda_engine_options {
   size_t scratch_bytes;
 } kvrelay_cuda_engine_options;
 
-// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended.
+// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended,
+// every one a `u64`.
 typedef struct kvrelay_kv_events_stats {
   // Events published.
   uint64_t published;
@@ -736,11 +737,11 @@ typedef struct kvrelay_kv_events_stats {
   uint64_t replays;
   // Connections refused: the peer is not on the allowlist.
   uint64_t refused;
-  // Batches the PUB socket refused (still kept for replay).
+  // Batches ZMQ refused to send (they are still kept for replay).
   uint64_t send_errors;
   // Batches queued for replay peers.
   uint64_t replay_batches;
-  // Replays cut short because the peer's queue was full (a peer that was not reading).
+  // Replays cut short because the peer's queue was full (a peer not reading).
   uint64_t replays_cut;
 } kvrelay_kv_events_stats;
 
@@ -1619,7 +1620,8 @@ kvrelay_status kvrelay_kv_events_endpoint(const struct kvrelay_kv_events *events
                                           size_t *len_out);
 
 // Copy the publisher's counters into `out`, of which the caller knows `size` bytes (pass
-// `sizeof(kvrelay_kv_events_stats)`; the rules of `kvrelay_agent_read_stats`).
+// `sizeof(kvrelay_kv_events_stats)`; the rules of `kvrelay_agent_read_stats`). Fields are only
+// ever appended.
 //
 // # Safety
 // `events` NULL or live; `out` NULL or writable for `size` bytes.

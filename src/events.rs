@@ -123,12 +123,14 @@ struct Counters {
     replays_cut: AtomicU64,
 }
 
-/// A snapshot of a publisher's counters.
+/// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended,
+/// every one a `u64`.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EventStats {
     /// Events published.
     pub published: u64,
-    /// Events dropped because the queue was full.
+    /// Events dropped because the publishing queue was full (65,536 events).
     pub dropped: u64,
     /// Batches published.
     pub batches: u64,

@@ -96,22 +96,28 @@ fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
     assert_eq!(r.failure, Some(FailReason::Connect));
 }
 
-#[test]
-fn a_cancelled_fetch_still_in_the_queue_completes_at_once() {
+/// An agent with one fetch worker and one stream, a source that accepts and never answers, and
+/// a request to it with a long deadline: the first fetch holds the worker for its whole run.
+fn one_worker_and_a_stalled_source() -> (Instance, std::net::TcpListener, FetchRequest) {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let ep = format!("tcp://{}", stall.local_addr().unwrap());
-    // one worker, one stream: the first fetch holds it for its whole (long) deadline
-    let b = instance_with(|c| {
-        c.limits.fetch_threads = 1;
-        c.limits.streams = 1;
-    });
-    let req = || FetchRequest {
-        endpoint: ep.clone(),
+    let req = FetchRequest {
+        endpoint: format!("tcp://{}", stall.local_addr().unwrap()),
         names: NAMES.to_vec(),
         held: 0,
         dst: vec![0],
         deadline: Duration::from_secs(120),
     };
+    let b = instance_with(|c| {
+        c.limits.fetch_threads = 1;
+        c.limits.streams = 1;
+    });
+    (b, stall, req)
+}
+
+#[test]
+fn a_cancelled_fetch_still_in_the_queue_completes_at_once() {
+    let (b, stall, req) = one_worker_and_a_stalled_source();
+    let req = || req.clone();
     let running = b.agent.submit(req(), None).unwrap();
     let (_held, _) = stall.accept().unwrap(); // the worker is in it
     let (tx, rx) = std::sync::mpsc::channel();
@@ -130,19 +136,8 @@ fn a_cancelled_fetch_still_in_the_queue_completes_at_once() {
 
 #[test]
 fn an_owned_fetch_dropped_in_a_completion_callback_does_not_wait_for_itself() {
-    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let ep = format!("tcp://{}", stall.local_addr().unwrap());
-    let b = instance_with(|c| {
-        c.limits.fetch_threads = 1;
-        c.limits.streams = 1;
-    });
-    let req = || FetchRequest {
-        endpoint: ep.clone(),
-        names: NAMES.to_vec(),
-        held: 0,
-        dst: vec![0],
-        deadline: Duration::from_secs(120),
-    };
+    let (b, stall, req) = one_worker_and_a_stalled_source();
+    let req = || req.clone();
     type Slot = Arc<Mutex<Option<kvrelay::agent::OwnedFetch>>>;
     // the callback drops the owner it finds in `slot`, and says so
     let dropping = |slot: &Slot, tx: std::sync::mpsc::Sender<&'static str>, what: &'static str| {

@@ -8,7 +8,7 @@ use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, put
 use super::copy::array;
 use super::status::kvrelay_status::{self, *};
 use crate::agent::PeerAllow;
-use crate::events::{EventsConfig, Publisher};
+use crate::events::{EventStats, EventsConfig, Publisher};
 
 /// Settings of a KV events publisher (an owned builder: `_new` / `_free`; not thread-safe).
 pub struct kvrelay_kv_events_config {
@@ -20,28 +20,6 @@ pub struct kvrelay_kv_events_config {
 /// never blocks on a subscriber.
 pub struct kvrelay_kv_events {
     inner: Publisher,
-}
-
-/// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct kvrelay_kv_events_stats {
-    /// Events published.
-    pub published: u64,
-    /// Events dropped because the publishing queue was full (65,536 events).
-    pub dropped: u64,
-    /// Batches published.
-    pub batches: u64,
-    /// Replay requests answered.
-    pub replays: u64,
-    /// Connections refused: the peer is not on the allowlist.
-    pub refused: u64,
-    /// Batches the PUB socket refused (still kept for replay).
-    pub send_errors: u64,
-    /// Batches queued for replay peers.
-    pub replay_batches: u64,
-    /// Replays cut short because the peer's queue was full (a peer that was not reading).
-    pub replays_cut: u64,
 }
 
 /// A publisher's settings for `endpoint` (`tcp://HOST:PORT`, port 0: a free one; checked by
@@ -246,32 +224,22 @@ pub unsafe extern "C" fn kvrelay_kv_events_endpoint(
 }
 
 /// Copy the publisher's counters into `out`, of which the caller knows `size` bytes (pass
-/// `sizeof(kvrelay_kv_events_stats)`; the rules of `kvrelay_agent_read_stats`).
+/// `sizeof(kvrelay_kv_events_stats)`; the rules of `kvrelay_agent_read_stats`). Fields are only
+/// ever appended.
 ///
 /// # Safety
 /// `events` NULL or live; `out` NULL or writable for `size` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn kvrelay_kv_events_read_stats(
     events: *const kvrelay_kv_events,
-    out: *mut kvrelay_kv_events_stats,
+    out: *mut EventStats,
     size: usize,
 ) -> kvrelay_status {
     guard(|| {
         // SAFETY: forwarded contract.
         let e = unsafe { input(events) }?;
-        let s = e.inner.stats();
-        let v = kvrelay_kv_events_stats {
-            published: s.published,
-            dropped: s.dropped,
-            batches: s.batches,
-            replays: s.replays,
-            refused: s.refused,
-            send_errors: s.send_errors,
-            replay_batches: s.replay_batches,
-            replays_cut: s.replays_cut,
-        };
-        // SAFETY: repr(C) of u64 fields; `out` is writable for `size` bytes per the contract.
-        unsafe { put_counters(out, size, &v) }
+        // SAFETY: EventStats is repr(C) of u64 fields; `out` is writable for `size` bytes.
+        unsafe { put_counters(out, size, &e.inner.stats()) }
     })
 }
 

@@ -468,7 +468,7 @@ class kvrelay_cuda_engine_options(Structure):
 
 
 class kvrelay_kv_events_stats(Structure):
-    """A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended."""
+    """A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended, every one a `u64`."""
 
     _fields_ = [
         ("published", c_uint64),  # Events published.
@@ -476,9 +476,9 @@ class kvrelay_kv_events_stats(Structure):
         ("batches", c_uint64),  # Batches published.
         ("replays", c_uint64),  # Replay requests answered.
         ("refused", c_uint64),  # Connections refused: the peer is not on the allowlist.
-        ("send_errors", c_uint64),  # Batches the PUB socket refused (still kept for replay).
+        ("send_errors", c_uint64),  # Batches ZMQ refused to send (they are still kept for replay).
         ("replay_batches", c_uint64),  # Batches queued for replay peers.
-        ("replays_cut", c_uint64),  # Replays cut short because the peer's queue was full (a peer that was not reading).
+        ("replays_cut", c_uint64),  # Replays cut short because the peer's queue was full (a peer not reading).
     ]
 
 

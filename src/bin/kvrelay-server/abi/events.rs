@@ -122,8 +122,8 @@ impl KvEvents {
     }
 
     /// The counters.
-    pub fn stats(&self) -> kvrelay_kv_events_stats {
-        let mut s = kvrelay_kv_events_stats::default();
+    pub fn stats(&self) -> kvrelay::events::EventStats {
+        let mut s = kvrelay::events::EventStats::default();
         // SAFETY: the live publisher and a local of the stated size.
         let st = unsafe { kvrelay_kv_events_read_stats(self.ptr.as_ptr(), &mut s, std::mem::size_of_val(&s)) };
         debug_assert_eq!(st, kvrelay_status::KVRELAY_OK);
