@@ -17,6 +17,12 @@
 //! longer attention). Token-id prompts of exact lengths (ids spread over the vocabulary).
 //! `KVRELAY_BENCH_MAX_TOKENS` caps the lengths (default 4096). Bounded: fixed sizes and
 //! repetitions; every request has the client's 60 s deadline.
+//!
+//! Then **concurrent requests** (`KVRELAY_BENCH_CONCURRENT=0` skips it): one instance with two
+//! llama.cpp contexts answers a 512-token prompt alone (the anchor), then two different ones at
+//! once, with the default threads per context (the cores divided among the contexts) and with
+//! every context on every core (`--llama-threads` = the cores, the former default); each
+//! request's whole time, the median over the repetitions.
 
 #[path = "../src/bin/kvrelay-server/client.rs"]
 mod client;
@@ -40,10 +46,13 @@ impl Drop for Server {
     }
 }
 
+/// A release server over `model` (one context unless `extra` names `--llama-contexts`).
 fn start(model: &str, extra: &[&str]) -> Server {
+    let contexts: &[&str] = if extra.contains(&"--llama-contexts") { &[] } else { &["--llama-contexts", "1"] };
     let mut child = Command::new(server_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--engine", "llama", "--model-file", model])
-        .args(["--llama-contexts", "1", "--llama-ctx", "8192", "--kv-blocks", "2048"])
+        .args(contexts)
+        .args(["--llama-ctx", "8192", "--kv-blocks", "2048"])
         .args(extra)
         .env("KVRELAY_TRUST_KV_HINTS", "1")
         .env("KVRELAY_LOG", "warn")
@@ -138,5 +147,40 @@ fn main() {
             (y1 - y0) / (x1 - x0),
             block_bytes as f64 / ((y1 - y0) / (x1 - x0) / 1e3) / 1e9
         );
+    }
+    drop((a, b));
+    if std::env::var("KVRELAY_BENCH_CONCURRENT").as_deref() != Ok("0") {
+        concurrent(&model, reps, vocab);
+    }
+}
+
+/// Two requests at once against one alone, on one instance of two contexts (module docs).
+fn concurrent(model: &str, reps: usize, vocab: u64) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("concurrent requests: 512-token prompts, 8 output tokens, two contexts, {cores} cores");
+    println!("{:>22} {:>12} {:>16} {:>8}", "threads per context", "alone ms", "two at once ms", "ratio");
+    let every = cores.to_string();
+    for (label, extra) in [("default (cores / 2)", vec![]), ("every core (former)", vec!["--llama-threads", &every])] {
+        let mut args = vec!["--llama-contexts", "2"];
+        args.extend(extra.iter().copied());
+        let s = start(model, &args);
+        let timed = |tag: u64| {
+            let body = json!({"prompt": prompt(tag, 512, vocab), "max_tokens": 8, "cache_salt": format!("c{tag}")});
+            let t = std::time::Instant::now();
+            ask(&s, &body);
+            t.elapsed().as_secs_f64() * 1e3
+        };
+        let (mut alone, mut both) = (Vec::new(), Vec::new());
+        for r in 0..reps as u64 {
+            alone.push(timed(9000 + r));
+            let (x, y) = std::thread::scope(|sc| {
+                let h = sc.spawn(|| timed(9100 + r));
+                let y = timed(9200 + r);
+                (h.join().expect("the other request"), y)
+            });
+            both.push((x + y) / 2.0);
+        }
+        let (a, b) = (median(alone), median(both));
+        println!("{label:>22} {a:>12.1} {b:>16.1} {:>8.2}", b / a);
     }
 }
