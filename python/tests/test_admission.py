@@ -104,3 +104,25 @@ def test_bad_arguments_are_python_errors():
     assert e.value.status != 0 and str(e.value)
     assert kvrelay.version() == "0.3.2"
     assert isinstance(kvrelay.kv_checksum(b"x" * 64), int)
+
+
+def test_an_index_out_of_range_is_an_index_error():
+    # a negative index or one past the end is an IndexError, as a sequence answers (it was a
+    # ValueError for a negative one, and for one past 2**64); not an int stays a TypeError
+    edge = kvrelay.Admission(trusted=True)
+    snap = edge.admit(envelope()).snapshot
+    assert len(snap) == 1
+    for accessor in (snap.action, snap.action_envelope):
+        for bad in (-1, -(2**70), 1, 2**64, 2**70):
+            with pytest.raises(IndexError):
+                accessor(bad)
+        for bad in (True, 0.0, "0", None):
+            with pytest.raises(TypeError):
+                accessor(bad)
+    assert snap.action(0).id == "a1" and json.loads(snap.action_envelope(0))["actions"][0]["action_id"] == "a1"
+    empty = edge.admit(b'{"protocol_version":"0.1","message_id":"m","actions":[]}').snapshot
+    assert len(empty) == 0 and empty.actions == []
+    with pytest.raises(IndexError):
+        empty.action(0)
+    with pytest.raises(IndexError):
+        empty.action_envelope(-1)

@@ -120,3 +120,25 @@ def test_fetch_submissions_and_refusals_are_the_ctypes_paths(monkeypatch):
             got = both(monkeypatch, lambda: pytest.raises(kvrelay.KvrelayError, a.fetch, ep, [1, 2], dst).value.args)
             assert got[0] == got[1], dst
         assert a.stats["fetches_submitted"] == 2 * len(good)
+
+
+def test_the_helpers_snapshot_reference_cannot_be_made_from_python():
+    # a SnapshotRef made from an address would release a reference nobody gave it: only the
+    # helper's admit makes one (before, SnapshotRef(address) was accepted)
+    ref = kvrelay.Admission(trusted=True).admit(envelope()).snapshot._ref
+    t = type(ref)
+    assert t is L.fast.SnapshotRef
+    with pytest.raises(TypeError):
+        t()
+    extra = L.lib.kvrelay_snapshot_retain(ref.ptr)  # a reference of its own, for the attempt
+    assert extra == ref.ptr
+    adopted = None
+    try:
+        with pytest.raises(TypeError):
+            adopted = t(extra)
+        with pytest.raises(TypeError):
+            adopted = t.__new__(t)
+    finally:
+        if adopted is None:
+            L.lib.kvrelay_snapshot_release(extra)
+        # else the adopted object releases it when it dies

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -21,6 +22,7 @@ import kvrelay
 BLOCK = 4096
 FP = kvrelay.Fingerprint(block_tokens=32, layers=1, kv_heads=1, head_dim=64, dtype_bytes=2, naming=7)
 CLOSED = "tcp://127.0.0.1:1"  # nothing listens there: a fetch fails at connect, quickly
+LONG_S, LONG_MS = 30, 30_000  # the bound of a wait, reached only when something is broken
 
 
 def wait_for(cond, timeout=20.0, what="condition"):
@@ -140,6 +142,90 @@ def test_a_dropped_agent_is_freed_by_reference_counting():
         assert refused(ep), "the listening port is closed"
     finally:
         gc.enable()
+
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def native_threads():
+    return status("Threads")  # every thread of the process, the library's included
+
+
+def rss_mib():
+    return status("VmRSS") / 1024
+
+
+# An agent's fetch movers hold 4 streams x 2 staging slots x 4 MiB = 32 MiB, resident while it
+# lives (measured: +32 MiB per agent), and it runs 5 threads. A loop of drops stays flat when
+# each agent is gone by the time the next is made: RSS may move by the interpreter's and the
+# allocator's own small change (under 1 MiB over 50 agents here), far less than one agent.
+RSS_BOUND_MIB = 16
+UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")  # its quarantine keeps freed memory resident
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_dropping_agents_in_a_loop_stays_flat():
+    # 50 agents, each listening on 127.0.0.1:0, dropped in turn: its last reference deleted,
+    # close(), the end of a with block, or its last reference in the thread behind
+    # Fetch.future. Right after each drop its threads are joined and its port closed: the
+    # process is back to its thread count (within one) and RSS (within RSS_BOUND_MIB). The
+    # future's thread held the Fetch, and through it the Agent, until after it had resolved the
+    # future, then freed the agent there, later: a loop of such drops overlapped its agents
+    srv = socket.create_server(("127.0.0.1", 0))  # accepts and never answers: a fetch waits
+    plug = f"tcp://127.0.0.1:{srv.getsockname()[1]}"
+    buf, lay = layout()
+
+    def make():
+        a = kvrelay.Agent(FP, lay, Holder(), listen="127.0.0.1:0")
+        assert native_threads() > base and a.endpoint.startswith("tcp://127.0.0.1:")
+        return a
+
+    kvrelay.Agent(FP, lay, Holder(), listen="127.0.0.1:0").close()  # the library's one-time set-up
+    gc.collect()
+    base, base_rss = native_threads(), rss_mib()
+    peak_rss = 0.0
+    for i in range(50):
+        a = make()
+        ep = a.endpoint
+        way = i % 4
+        if way == 0:
+            del a
+        elif way == 1:
+            a.close()
+            del a
+        elif way == 2:
+            with a:
+                pass
+            del a
+        else:
+            fut = a.fetch(plug, [1], [0], deadline_ms=LONG_MS).future
+            conn, _ = srv.accept()  # the fetch is connected and waits for an answer
+            ref = weakref.ref(a)
+            del a  # the Fetch, held by the future's thread only, holds the Agent
+            at_resolution = []
+            resolved = threading.Event()
+            fut.add_done_callback(lambda _: (at_resolution.append((ref() is None, native_threads())), resolved.set()))
+            conn.close()  # the fetch fails now
+            assert resolved.wait(LONG_S) and not fut.result(timeout=LONG_S).ok
+            # when the future resolved, the agent was already freed: only the future's own
+            # thread was left over
+            assert at_resolution and at_resolution[0][0], "the Agent outlived its Fetch's future"
+            assert at_resolution[0][1] <= base + 1, (at_resolution, base)
+            for t in threading.enumerate():
+                if t.name == "kvrelay-fetch-future":
+                    t.join(LONG_S)
+        now = native_threads()
+        peak_rss = max(peak_rss, rss_mib())
+        assert now <= base + 1, f"drop {i} (way {way}): {now} threads, {base} before"
+        assert refused(ep), f"drop {i} (way {way}): the agent still listens"
+    srv.close()
+    if not UNDER_ASAN:
+        assert peak_rss - base_rss <= RSS_BOUND_MIB, (base_rss, peak_rss)
 
 
 def test_a_dropped_orchestrator_frees_its_provider():

@@ -456,6 +456,10 @@ impl Drop for Agent {
             }
         }
         inner.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        // a worker checks `stop` under the queue's lock and then waits: taking that lock between
+        // the store and the wake-up means no worker can have checked before the store and wait
+        // after the notify (a lost wake-up left kvrelay_agent_free joining it for ever)
+        drop(inner.jobs.lock().unwrap_or_else(|e| e.into_inner()));
         inner.jobs_ready.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();

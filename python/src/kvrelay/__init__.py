@@ -10,9 +10,11 @@ compiler needed at install time).
 (True, 'm')
 
 Handles (``Admission``, ``Snapshot``, ``Orchestrator``, ``KvLayout``, ``CpuEngine``, ``Agent``,
-``Fetch``) free their C object on ``close()``, at the end of a ``with`` block, or when collected.
-Failures raise ``KvrelayError`` carrying the library's last-error text; bad Python arguments
-raise ``TypeError`` or ``ValueError`` before any C call.
+``Fetch``) free their C object on ``close()``, at the end of a ``with`` block, or when collected;
+``close()`` waits for the calls in flight on the handle (other threads'), and a call on a closed
+handle raises ``ValueError``. Failures raise ``KvrelayError`` carrying the library's last-error
+text; bad Python arguments raise ``TypeError`` or ``ValueError`` (``IndexError`` for an index out
+of range) before any C call.
 """
 
 from __future__ import annotations

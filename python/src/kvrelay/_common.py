@@ -62,13 +62,18 @@ def _check(call: str, status: int) -> None:
 
 
 def _sized(call: str, f: Callable[..., int], *args: Any) -> bytes:
-    """The size-query convention: ask for the size, then fill a buffer of that size."""
+    """The size-query convention: ask for the size, then fill a buffer of that size (again,
+    larger, when the text grew in between: counters another thread moved)."""
     n = ctypes.c_size_t(0)
     st = f(*args, None, 0, ctypes.byref(n))
     if st not in (L.OK, L.ERR_BUFFER_TOO_SMALL):
         _check(call, st)
-    buf = ctypes.create_string_buffer(max(n.value, 1))
-    _check(call, f(*args, buf, len(buf), ctypes.byref(n)))
+    for _ in range(8):
+        buf = ctypes.create_string_buffer(max(n.value, 1))
+        st = f(*args, buf, len(buf), ctypes.byref(n))
+        if st != L.ERR_BUFFER_TOO_SMALL:
+            break
+    _check(call, st)
     return buf.raw[: n.value]
 
 
@@ -110,6 +115,21 @@ def _int(name: str, v: Any, lo: int = 0, hi: int = U64) -> int:
         raise TypeError(f"{name} must be an int, not {type(v).__name__}") from None
     if not lo <= i <= hi:
         raise ValueError(f"{name} must be in {lo}..={hi}, not {i}")
+    return i
+
+
+def _index(name: str, index: Any, n: int, what: str) -> int:
+    """``index`` as a position in ``0..n``: ``IndexError`` when negative or past the end (as a
+    sequence answers; no counting from the end), ``TypeError`` when not an int
+    (``operator.index``, never a bool)."""
+    if isinstance(index, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        i = operator.index(index)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(index).__name__}") from None
+    if not 0 <= i < n:
+        raise IndexError(f"{name} {i} out of range ({n} {what})")
     return i
 
 
@@ -342,20 +362,128 @@ def cuda_available(device: int = 0) -> bool:
 
 _H = TypeVar("_H", bound="_Handle")
 
+# --- handles: one address per call, close() after the calls in flight ------------------------
+#
+# Every call on a handle registers itself in the handle's ``_calls`` (the calling thread's
+# ident: one entry per call in flight), reads the C object's address once, and passes that
+# address to every C function it makes. ``close()`` first empties the handle (a call that starts
+# after that finds it closed: ValueError), then waits here until no call is in flight on it, then
+# frees it, on its own thread. Closed inside one of the handle's own calls on the same thread (a
+# provider that closes its Orchestrator), it cannot wait: the last call out frees it.
+
+_ident = threading.get_ident
+# One for all handles: closing is rare and a call only takes it when it leaves a closed handle.
+# Reentrant: a handle's __del__ (its close()) may run in the middle of another's close().
+_lock = threading.RLock()
+_closing = threading.Condition(_lock)
+
+
+def _closed(h: Any) -> ValueError:
+    return ValueError(f"this {type(h).__name__} is closed")
+
+
+def _shut(h: Any) -> Optional[int]:
+    """Close ``h`` to new calls and wait for the calls in flight on it: the address to free now,
+    or None (closed before; or left to the last call out, see above)."""
+    with _lock:
+        p: Optional[int] = h._take()
+        calls = h._calls if p else None
+        if not calls:
+            return p  # (the common case: no call in flight)
+        me = _ident()
+        try:
+            while calls and me not in calls:
+                # a call leaving wakes this; the timeout only re-checks (a call interrupted in
+                # its exit, by a second Ctrl-C, may not have said so)
+                _closing.wait(0.1)
+        except BaseException:  # interrupted (Ctrl-C) while waiting
+            if calls:
+                h._orphan = p  # the last call out frees it
+            else:
+                h._release(p)
+            raise
+        if calls:  # closed inside one of its own calls, on this thread
+            h._orphan = p
+            return None
+        return p
+
+
+def _leave(h: Any) -> None:
+    """A call left ``h`` after ``close()`` emptied it: wake that close(), or free ``h`` when
+    close() left that to the last call out."""
+    p = None
+    with _lock:
+        _closing.notify_all()
+        if h._orphan and not h._calls:
+            p, h._orphan = h._orphan, None
+    if p:
+        h._release(p)
+
+
+def _out(h: Any, me: int) -> None:
+    """The end of a call on ``h`` (``me``: its entry in ``h._calls``)."""
+    try:
+        h._calls.remove(me)
+    except ValueError:  # interrupted before it registered
+        pass
+    if not h._ptr:
+        _leave(h)
+
+
+class _Use:
+    """``with h._use() as p``: ``p`` is the address of ``h``'s C object, valid through the block
+    (``close()`` waits for it); ``ValueError`` when ``h`` is closed."""
+
+    __slots__ = ("_h", "_me")
+
+    def __init__(self, h: Any):
+        self._h, self._me = h, _ident()
+
+    def __enter__(self) -> int:
+        h = self._h
+        try:
+            h._calls.append(self._me)
+            p: Optional[int] = h._ptr
+        except BaseException:
+            _out(h, self._me)
+            raise
+        if p:
+            return p
+        _out(h, self._me)
+        raise _closed(h)
+
+    def __exit__(self, *exc: Any) -> None:
+        _out(self._h, self._me)
+
 
 class _Handle:
-    """Owns one C object; ``close()`` frees it once."""
+    """Owns one C object; ``close()`` frees it once, after the calls in flight on it."""
 
     _free: Callable[[Any], None]
     _ptr: Optional[int]  # the C object's address; None (or 0) when closed or not made yet
+    _calls: list[int]  # the threads of the calls in flight (one entry per call)
+    _orphan: Optional[int] = None  # closed inside its own call: freed by the last call out
 
     def __init__(self, ptr: Optional[int]):
+        self._calls = []
         self._ptr = ptr
 
-    def close(self) -> None:
+    def _take(self) -> Optional[int]:
         p, self._ptr = getattr(self, "_ptr", None), None
+        return p
+
+    def _release(self, p: int) -> None:
+        type(self)._free(p)
+
+    def _use(self) -> _Use:
+        return _Use(self)
+
+    def close(self) -> None:
+        """Free the C object, once the calls in flight on it (on other threads) have returned;
+        a call made afterwards raises ``ValueError``."""
+        p = _shut(self)
         if p:
-            type(self)._free(p)
+            self._release(p)
 
     def __enter__(self: _H) -> _H:
         return self
@@ -368,9 +496,3 @@ class _Handle:
             self.close()
         except Exception:
             pass
-
-    @property
-    def _p(self) -> int:
-        if not self._ptr:
-            raise ValueError(f"this {type(self).__name__} is closed")
-        return self._ptr

@@ -16,21 +16,21 @@
 
 #include "kvrelay.h"
 
-typedef kvrelay_status (*admit_fn)(const struct kvrelay_admission *, const uint8_t *, size_t,
-                                   struct kvrelay_outcome *, struct kvrelay_snapshot **);
-typedef kvrelay_status (*submit_fn)(const struct kvrelay_agent *, const struct kvrelay_fetch_params *,
-                                    const struct kvrelay_fetch_callbacks *, struct kvrelay_fetch **);
-
-typedef void (*release_fn)(struct kvrelay_snapshot *);
+/* The types of the functions called through the addresses `bind` receives, taken from their
+ * declarations in kvrelay.h (never written out here): a change of one in the header is a
+ * compile error below, not a call with the old parameters. */
+typedef __typeof__(kvrelay_admit) *admit_fn;
+typedef __typeof__(kvrelay_agent_submit) *submit_fn;
+typedef __typeof__(kvrelay_snapshot_release) *release_fn;
 
 static admit_fn admit_p = NULL;
 static submit_fn submit_p = NULL;
 static release_fn release_p = NULL;
 
-static void *address(PyObject *o);
-
-/* SnapshotRef(address): one reference to a C snapshot, released when the object dies (the
- * package's `_SnapshotRef` in C: no Python finalizer and no ctypes call per admitted hint). */
+/* SnapshotRef: one reference to a C snapshot, released when the object dies (the package's
+ * `_SnapshotRef` in C: no Python finalizer and no ctypes call per admitted hint). Only `admit`
+ * makes one: the type cannot be instantiated from Python (an object made from an address would
+ * release a reference nobody gave it). */
 typedef struct {
   PyObject_HEAD void *ptr;
   PyObject *weakrefs;
@@ -57,33 +57,23 @@ static PyGetSetDef snapref_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyObject *snapref_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
-  PyObject *a;
-  if (kw != NULL && PyDict_GET_SIZE(kw) != 0) {
-    PyErr_SetString(PyExc_TypeError, "SnapshotRef(address) takes no keywords");
-    return NULL;
-  }
-  if (!PyArg_ParseTuple(args, "O", &a)) return NULL;
-  void *p = address(a);
-  if (p == NULL) {
-    PyErr_SetString(PyExc_ValueError, "SnapshotRef: the address is not a non-zero int");
-    return NULL;
-  }
-  SnapRef *s = (SnapRef *)t->tp_alloc(t, 0);
-  if (s == NULL) return NULL;
-  s->ptr = p;
-  return (PyObject *)s;
-}
+/* Not instantiable from Python: no tp_new (a static type whose base is object does not inherit
+ * one), and the flag that says so where the Python version has it (3.10+). */
+#ifdef Py_TPFLAGS_DISALLOW_INSTANTIATION
+#define SNAPREF_FLAGS (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION)
+#else
+#define SNAPREF_FLAGS Py_TPFLAGS_DEFAULT
+#endif
 
 static PyTypeObject SnapRefType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvrelay._fast.SnapshotRef",
     .tp_basicsize = sizeof(SnapRef),
     .tp_dealloc = snapref_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "One reference to a C snapshot, released when this object dies.",
+    .tp_flags = SNAPREF_FLAGS,
+    .tp_doc = "One reference to a C snapshot, released when this object dies (made by admit only).",
     .tp_weaklistoffset = offsetof(SnapRef, weakrefs),
     .tp_getset = snapref_getset,
-    .tp_new = snapref_new,
+    .tp_new = NULL,
 };
 
 /* Ids converted on the stack up to this many; a larger request allocates. */
@@ -254,7 +244,7 @@ static PyObject *fast_submit(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 static PyMethodDef methods[] = {
-    {"bind", (PyCFunction)(void (*)(void))fast_bind, METH_FASTCALL, "bind(admit, submit): the library's functions"},
+    {"bind", (PyCFunction)(void (*)(void))fast_bind, METH_FASTCALL, "bind(admit, submit, release): the library's functions"},
     {"admit", (PyCFunction)(void (*)(void))fast_admit, METH_FASTCALL, "kvrelay_admit, or NotImplemented"},
     {"submit", (PyCFunction)(void (*)(void))fast_submit, METH_FASTCALL, "kvrelay_agent_submit, or NotImplemented"},
     {NULL, NULL, 0, NULL},

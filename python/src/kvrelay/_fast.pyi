@@ -3,7 +3,7 @@
 from types import NotImplementedType
 
 class SnapshotRef:
-    def __init__(self, address: int) -> None: ...
+    # made by admit() only: the type cannot be instantiated from Python
     @property
     def ptr(self) -> int | None: ...
 

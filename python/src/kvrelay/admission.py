@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Protocol
 from . import _bindings as B
 from . import _lib as L
 from ._lib import lib
-from ._common import OutcomeKind, Reason, SIZE_MAX, _Handle, _bool, _buffer, _check, _int, _label, _sized, _text, _utf8, _view, version  # noqa: F401
+from ._common import OutcomeKind, Reason, SIZE_MAX, _Handle, _bool, _buffer, _check, _closed, _ident, _index, _int, _label, _out, _sized, _text, _utf8, _view, version  # noqa: F401
 
 # --- snapshots ---------------------------------------------------------------------------
 
@@ -49,13 +49,11 @@ class _SnapshotRef:
 
 class _Ref(Protocol):
     """One reference to a C snapshot: ``_SnapshotRef``, or the compiled helper's
-    ``SnapshotRef`` (the same in C: no Python finalizer, no ctypes call)."""
+    ``SnapshotRef`` (the same in C: no Python finalizer, no ctypes call; only the helper's
+    admit makes one)."""
 
     @property
     def ptr(self) -> Optional[int]: ...
-
-
-_new_ref: Callable[[int], _Ref] = L.fast.SnapshotRef if L.fast is not None else _SnapshotRef
 
 
 class Snapshot(_Handle):
@@ -67,7 +65,7 @@ class Snapshot(_Handle):
     _ref: Optional[_Ref]  # None once closed (set through object.__setattr__: immutable)
 
     def __init__(self, ptr: int):
-        object.__setattr__(self, "_ref", _new_ref(ptr))
+        object.__setattr__(self, "_ref", _SnapshotRef(ptr))
 
     @classmethod
     def _of(cls, ref: _Ref) -> "Snapshot":
@@ -77,6 +75,8 @@ class Snapshot(_Handle):
         return s
 
     def close(self) -> None:
+        """Give up this handle's reference. A call in flight on another thread keeps its own
+        (each call takes the reference once), so it never waits and nothing it returns dangles."""
         object.__setattr__(self, "_ref", None)
 
     def __del__(self) -> None:
@@ -91,77 +91,102 @@ class Snapshot(_Handle):
     def _ptr(self, value: Optional[int]) -> None:
         raise AttributeError("a Snapshot is immutable")
 
+    def _r(self) -> tuple[_Ref, int]:
+        """This handle's reference and its address, taken once per call: the call's own
+        reference, so a ``close()`` meanwhile (another thread) frees nothing under it."""
+        r = self._ref
+        p = r.ptr if r is not None else None
+        if r is None or not p:
+            raise _closed(self)
+        return r, p
+
     def retain(self) -> "Snapshot":
         """Another handle to the same snapshot (one atomic increment)."""
-        return Snapshot(lib.kvrelay_snapshot_retain(self._p))
+        r, p = self._r()
+        return Snapshot(lib.kvrelay_snapshot_retain(p))
 
     @property
     def canonical(self) -> memoryview:
         """The canonical compact JSON bytes (a read-only view, no copy)."""
+        r, p = self._r()
         b = L.Bytes()
-        _check("kvrelay_snapshot_canonical", lib.kvrelay_snapshot_canonical(self._p, ctypes.byref(b)))
-        return _view(self._ref, b.ptr, b.len)
+        _check("kvrelay_snapshot_canonical", lib.kvrelay_snapshot_canonical(p, ctypes.byref(b)))
+        return _view(r, b.ptr, b.len)
 
     @property
     def protocol_version(self) -> str:
+        r, p = self._r()
         s = L.Str()
-        _check("kvrelay_snapshot_protocol_version", lib.kvrelay_snapshot_protocol_version(self._p, ctypes.byref(s)))
-        return L.text(s)
+        _check("kvrelay_snapshot_protocol_version", lib.kvrelay_snapshot_protocol_version(p, ctypes.byref(s)))
+        return L.text(s)  # a copy, made while r holds the bytes
 
     @property
     def message_id(self) -> str:
+        r, p = self._r()
         s = L.Str()
-        _check("kvrelay_snapshot_message_id", lib.kvrelay_snapshot_message_id(self._p, ctypes.byref(s)))
+        _check("kvrelay_snapshot_message_id", lib.kvrelay_snapshot_message_id(p, ctypes.byref(s)))
         return L.text(s)
 
-    def __len__(self) -> int:
+    @staticmethod
+    def _count(p: int) -> int:
         n = ctypes.c_size_t()
-        _check("kvrelay_snapshot_action_count", lib.kvrelay_snapshot_action_count(self._p, ctypes.byref(n)))
+        _check("kvrelay_snapshot_action_count", lib.kvrelay_snapshot_action_count(p, ctypes.byref(n)))
         return n.value
 
+    def __len__(self) -> int:
+        r, p = self._r()
+        return self._count(p)
+
     def action(self, index: int) -> Action:
-        """The action at ``index`` (producer order); ``IndexError`` past the end."""
-        _int("index", index, 0, SIZE_MAX)
-        if not 0 <= index < len(self):
-            raise IndexError(f"action {index} of {len(self)}")
+        """The action at ``index`` (producer order); ``IndexError`` when ``index`` is negative
+        or past the end, ``TypeError`` when it is not an int."""
+        r, p = self._r()
+        i = _index("index", index, self._count(p), "actions")
         a = L.Action()
-        _check("kvrelay_snapshot_action", lib.kvrelay_snapshot_action(self._p, index, ctypes.byref(a)))
+        _check("kvrelay_snapshot_action", lib.kvrelay_snapshot_action(p, i, ctypes.byref(a)))
         return Action(
             a.index,
             L.text(a.id),
             L.text(a.action_type),
             L.text(a.version),
-            _view(self._ref, a.payload.ptr, a.payload.len),
-            _view(self._ref, a.canonical.ptr, a.canonical.len),
+            _view(r, a.payload.ptr, a.payload.len),
+            _view(r, a.canonical.ptr, a.canonical.len),
         )
 
     @property
     def actions(self) -> list[Action]:
-        return [self.action(i) for i in range(len(self))]
+        r, p = self._r()
+        return [self.action(i) for i in range(self._count(p))]
 
     def to_json(self) -> bytes:
         """An independent copy of the canonical document."""
-        return _sized("kvrelay_snapshot_decode", lib.kvrelay_snapshot_decode, self._p)
+        r, p = self._r()
+        return _sized("kvrelay_snapshot_decode", lib.kvrelay_snapshot_decode, p)
 
     def to_msgpack(self) -> bytes:
         """The envelope as MessagePack, for transport (``Admission.decode_msgpack`` reads it)."""
-        return _sized("kvrelay_snapshot_msgpack", lib.kvrelay_snapshot_msgpack, self._p)
+        r, p = self._r()
+        return _sized("kvrelay_snapshot_msgpack", lib.kvrelay_snapshot_msgpack, p)
 
     def action_envelope(self, index: int) -> bytes:
-        """The canonical one-action envelope of action ``index``."""
-        _int("index", index, 0, SIZE_MAX)
-        if not 0 <= index < len(self):
-            raise IndexError(f"action {index} of {len(self)}")
-        return _sized("kvrelay_snapshot_action_envelope", lib.kvrelay_snapshot_action_envelope, self._p, index)
+        """The canonical one-action envelope of action ``index`` (``IndexError`` as
+        ``action``)."""
+        r, p = self._r()
+        i = _index("index", index, self._count(p), "actions")
+        return _sized("kvrelay_snapshot_action_envelope", lib.kvrelay_snapshot_action_envelope, p, i)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a Snapshot is immutable")
 
     def __repr__(self) -> str:
         # never hint contents: no message id, no action
-        if self._ref is None:
+        r = self._ref
+        if r is None or not r.ptr:
             return "Snapshot(closed)"
-        return f"Snapshot(actions={len(self)}, canonical=<{len(self.canonical)} bytes>)"
+        p = r.ptr
+        b = L.Bytes()
+        _check("kvrelay_snapshot_canonical", lib.kvrelay_snapshot_canonical(p, ctypes.byref(b)))
+        return f"Snapshot(actions={self._count(p)}, canonical=<{b.len} bytes>)"
 
 
 class Outcome:
@@ -248,52 +273,60 @@ class Admission(_Handle):
     def admit(self, raw: Optional[Any]) -> Outcome:
         """Admit one raw hint (bytes as received; ``None`` or empty: absent). Never raises for
         a bad hint: it is ``ignored`` with its reason and inference goes on."""
-        fast = L.fast
-        if fast is not None:
+        # the edge's address is taken once, and this call is registered, so that a close() on
+        # another thread waits for it (_common: handles)
+        calls, me = self._calls, _ident()
+        try:
+            calls.append(me)
             p = self._ptr
-            if p:
+            fast = L.fast
+            if fast is not None and p:
                 r = fast.admit(p, raw)
                 if isinstance(r, tuple):
                     kind, reason, detail, ref = r
                     return Outcome(_label(OutcomeKind, kind), _label(Reason, reason), detail, Snapshot._of(ref) if ref is not None else None)
                 if isinstance(r, int):
                     _check("kvrelay_admit", r)
-            # NotImplemented (a closed edge, or raw not plain bytes or None): the checking path
-        o, snap = L.Outcome(), ctypes.c_void_p()
-        if raw is None:
-            buf, n = None, 0
-        elif type(raw) is bytes:
-            buf, n = raw, len(raw)  # passed as a pointer to its bytes, no copy
-        else:
-            if isinstance(raw, str):
-                raise TypeError("raw must be bytes as received (encode text first)")
-            buf, n = _buffer("raw", raw)
-        p = self._ptr
-        if not p:
-            raise ValueError("this Admission is closed")
-        # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
-        st = _admit(p, buf, n, o, snap)
-        if st:
-            _check("kvrelay_admit", st)
-        return _outcome(o, snap)
+                # NotImplemented (raw not plain bytes or None): the checking path
+            o, snap = L.Outcome(), ctypes.c_void_p()
+            if raw is None:
+                buf, n = None, 0
+            elif type(raw) is bytes:
+                buf, n = raw, len(raw)  # passed as a pointer to its bytes, no copy
+            else:
+                if isinstance(raw, str):
+                    raise TypeError("raw must be bytes as received (encode text first)")
+                buf, n = _buffer("raw", raw)
+            if not p:
+                raise _closed(self)
+            # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
+            st = _admit(p, buf, n, o, snap)
+            if st:
+                _check("kvrelay_admit", st)
+            return _outcome(o, snap)
+        finally:
+            _out(self, me)
 
     def decode_msgpack(self, data: Any) -> Outcome:
         """Re-admit a snapshot that travelled as MessagePack: re-validated with this edge's
         limits; trust does not apply and nothing is counted (it was counted where it entered)."""
         buf, n = _buffer("data", data)
         o, snap = L.Outcome(), ctypes.c_void_p()
-        _check(
-            "kvrelay_admission_decode_msgpack",
-            lib.kvrelay_admission_decode_msgpack(self._p, buf, n, ctypes.byref(o), ctypes.byref(snap)),
-        )
+        with self._use() as p:
+            _check(
+                "kvrelay_admission_decode_msgpack",
+                lib.kvrelay_admission_decode_msgpack(p, buf, n, ctypes.byref(o), ctypes.byref(snap)),
+            )
         return _outcome(o, snap)
 
     @property
     def counters(self) -> dict[str, int]:
         c = L.Counters()
-        _check("kvrelay_admission_counters", lib.kvrelay_admission_counters(self._p, ctypes.byref(c)))
+        with self._use() as p:
+            _check("kvrelay_admission_counters", lib.kvrelay_admission_counters(p, ctypes.byref(c)))
         return {f[0]: getattr(c, f[0]) for f in L.Counters._fields_}
 
     def prometheus(self) -> str:
         """The counters as Prometheus text."""
-        return _text("kvrelay_admission_prometheus", lib.kvrelay_admission_prometheus, self._p)
+        with self._use() as p:
+            return _text("kvrelay_admission_prometheus", lib.kvrelay_admission_prometheus, p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import traceback
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from . import _lib as L
 from ._lib import lib
-from ._common import AgentLimit, FetchFailure, SIZE_MAX, U32, U64, _Errors, _FETCH_DESTROY, _HOLDER_DESTROY, _Handle, _HolderSlot, _PIN, _RETURNED, _UNPIN, _check, _enter_agent_thread, _int, _label, _strs, _table, _text, _tls, _u32s, _u64s, _utf8  # noqa: F401
+from ._common import AgentLimit, FetchFailure, SIZE_MAX, U32, U64, _Errors, _FETCH_DESTROY, _HOLDER_DESTROY, _Handle, _HolderSlot, _PIN, _RETURNED, _UNPIN, _Use, _check, _closed, _enter_agent_thread, _ident, _int, _label, _out, _shut, _strs, _table, _text, _tls, _u32s, _u64s, _utf8  # noqa: F401
 from .copy import KvLayout
 
 # --- the KV agent ---------------------------------------------------------------------------
@@ -144,16 +145,32 @@ class Fetch:
     ``close()`` (or the end of a ``with`` block) frees the handle; a running fetch goes on.
     ``future`` is a ``concurrent.futures.Future``: with a ``callback`` given to
     ``Agent.fetch`` it is resolved on the agent's fetch thread, right before the callback runs
-    there (keep both short); otherwise the first access starts a thread that waits for it.
-    Without a callback nothing of Python runs on the agent's threads (the cheapest
-    submission). A Fetch keeps its Agent alive."""
+    there (keep both short); otherwise the first access starts a thread that waits for it and
+    lets go of the Fetch before resolving it. Without a callback nothing of Python runs on the
+    agent's threads (the cheapest submission). A Fetch keeps its Agent alive. ``close()`` on
+    another thread waits for a call in flight (a ``result()`` for at most one 50 ms slice; it
+    then raises ``ValueError``, as every call on a closed Fetch does)."""
 
-    __slots__ = ("_agent", "_future", "_handle", "__weakref__")
+    __slots__ = ("_agent", "_future", "_handle", "_calls", "_orphan", "__weakref__")
 
     def __init__(self, agent: "Agent", future: Optional[Future[FetchResult]]):
         self._agent = agent
         self._future = future
-        self._handle = ctypes.c_void_p()
+        self._handle = ctypes.c_void_p()  # written by the submission
+        self._calls: list[int] = []  # the calls in flight (_common: handles)
+        self._orphan: Optional[int] = None
+
+    @property
+    def _ptr(self) -> Optional[int]:
+        return self._handle.value
+
+    def _take(self) -> Optional[int]:
+        h = self._handle  # (every call reads its value once: emptied in place)
+        p, h.value = h.value, None
+        return p
+
+    def _release(self, p: int) -> None:
+        lib.kvrelay_fetch_free(p)
 
     @property
     def future(self) -> Future[FetchResult]:
@@ -161,66 +178,73 @@ class Fetch:
             fut: Future[FetchResult] = Future()
             self._future = fut
             fut.set_running_or_notify_cancel()
-
-            def wait() -> None:
-                try:
-                    fut.set_result(self.result())
-                except BaseException as e:
-                    fut.set_exception(e)
-
-            threading.Thread(target=wait, daemon=True, name="kvrelay-fetch-future").start()
+            # the thread gets the Fetch in a list it empties: no other reference to it stays
+            threading.Thread(target=_resolve, args=([self], fut), daemon=True, name="kvrelay-fetch-future").start()
         return self._future
 
-    def _poll(self) -> Optional[L.FetchResult]:
-        r = L.FetchResult()
-        return r if lib.kvrelay_fetch_poll(self._h, ctypes.byref(r)) == L.OK else None
-
-    @property
-    def _h(self) -> ctypes.c_void_p:
-        if not self._handle.value:
-            raise ValueError("this Fetch is closed")
-        return self._handle
-
     def done(self) -> bool:
-        return self._poll() is not None
+        r = L.FetchResult()
+        calls, me = self._calls, _ident()
+        try:  # (a scheduler may poll often: _Use inlined)
+            calls.append(me)
+            h = self._handle.value
+            if not h:
+                raise _closed(self)
+            return bool(lib.kvrelay_fetch_poll(h, ctypes.byref(r)) == L.OK)
+        finally:
+            _out(self, me)
 
     def cancel(self) -> None:
         """Ask the fetch to stop (it completes as ``cancelled`` after the block in progress)."""
-        _check("kvrelay_fetch_cancel", lib.kvrelay_fetch_cancel(self._h))
+        with _Use(self) as h:
+            _check("kvrelay_fetch_cancel", lib.kvrelay_fetch_cancel(h))
 
     def detail(self) -> str:
         """Why the completed fetch failed, in words (empty when it did not)."""
-        return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, self._h)
+        with _Use(self) as h:
+            return _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, h)
 
     def result(self, timeout: Optional[float] = None) -> FetchResult:
         """Wait for the result (``TimeoutError`` after ``timeout`` seconds). Waits in short
-        slices, so that signal handlers (Ctrl-C) run meanwhile."""
+        slices, so that signal handlers (Ctrl-C) run meanwhile, and so that a ``close()`` on
+        another thread waits for one slice at most (this then raises ``ValueError``)."""
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
             if not timeout >= 0:
                 raise ValueError(f"timeout must be >= 0, not {timeout}")
-        h = self._h
         end = None if timeout is None else time.monotonic() + timeout
         r = L.FetchResult()
+        calls, me = self._calls, _ident()
         while True:
             ms = _WAIT_SLICE_MS
             if end is not None:
                 ms = max(0, min(ms, int((end - time.monotonic()) * 1000)))
-            st = lib.kvrelay_fetch_wait(h, ms, ctypes.byref(r))
-            if st != L.ERR_PENDING:
-                break
+            # each slice takes the handle once and is registered as a call in flight: the
+            # result and its detail are read with the same handle, which close() frees only
+            # after the slice
+            try:
+                calls.append(me)
+                h = self._handle.value
+                if not h:
+                    raise _closed(self)
+                st = lib.kvrelay_fetch_wait(h, ms, ctypes.byref(r))
+                if st != L.ERR_PENDING:
+                    _check("kvrelay_fetch_wait", st)
+                    return _result_of(r, _text("kvrelay_fetch_detail", lib.kvrelay_fetch_detail, h) if r.failure else "")
+            finally:
+                _out(self, me)
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError("the fetch is still running")
-        _check("kvrelay_fetch_wait", st)
-        return _result_of(r, self.detail() if r.failure else "")
 
     def close(self) -> None:
-        """Free the handle (the fetch itself goes on; ``cancel()`` first to stop it)."""
-        h = getattr(self, "_handle", None)
-        if h is not None and h.value:
-            lib.kvrelay_fetch_free(h)
-            self._handle = ctypes.c_void_p()
+        """Free the handle (the fetch itself goes on; ``cancel()`` first to stop it), once the
+        calls in flight on it have returned."""
+        if getattr(self, "_handle", None) is None:
+            return  # __init__ did not run
+        p = _shut(self)
+        if p:
+            lib.kvrelay_fetch_free(p)
 
     def __enter__(self) -> "Fetch":
         return self
@@ -235,18 +259,55 @@ class Fetch:
             pass
 
 
+def _resolve(box: list[Fetch], fut: Future[FetchResult]) -> None:
+    """The thread behind ``Fetch.future`` (a fetch without a callback): waits for the result,
+    lets go of the Fetch, then resolves ``fut``. In that order: when the Fetch (and its Agent)
+    were dropped meanwhile, they are freed here before ``fut`` resolves, so whoever waits on
+    ``fut`` finds the agent freed, not still being freed on this thread."""
+    f = box.pop()
+    res: Optional[FetchResult] = None
+    err: Optional[BaseException] = None
+    try:
+        res = f.result()
+    except BaseException as e:
+        err = e
+        # the traceback's frames (Fetch.result's) would hold the Fetch, and the Agent, as long
+        # as the future holds the exception
+        traceback.clear_frames(e.__traceback__)
+    del f
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        assert res is not None
+        fut.set_result(res)
+
+
 _LIMITS = {m.value: m.c for m in AgentLimit}  # limits by name (kvrelay_agent_limit)
 
 
 def _free_agent(ptr: Optional[int], keep: Any) -> None:
-    """Free an agent (its finalizer: ``close()``, its last reference dropped, or interpreter
-    exit). ``kvrelay_agent_free`` waits for the agent's threads, so it never runs on one of
-    them: there (an agent dropped inside a callback) it runs on a new thread instead. ``keep``
-    (the pool's layout and buffer) lives until the agent is freed."""
+    """Free an agent, here and now: ``close()``, the end of a ``with`` block, its last
+    reference dropped, interpreter exit. The one exception: on a thread running one of the
+    package's callbacks (a holder's ``pin``/``unpin``/``returned``, a fetch callback, a destroy
+    callback; an agent dropped or closed there) it runs on a new thread instead, because
+    ``kvrelay_agent_free`` waits for the agent's threads and callbacks (the agent's own: it would
+    wait for itself; another agent's: two agents freeing each other from their callbacks would
+    wait for each other). ``keep`` (the pool's layout and buffer) lives until the agent is freed."""
     if getattr(_tls, "in_callback", False):
         threading.Thread(target=_free_agent, args=(ptr, keep), name="kvrelay-agent-free").start()
         return
     lib.kvrelay_agent_free(ptr)
+
+
+def _agent_gone(agent: "weakref.ref[Agent]", ptr: Optional[int], keep: Any) -> None:
+    """An agent's finalizer: it died (no call can be in flight: a call holds the Agent), or the
+    interpreter exits with it still referenced (atexit: closed as ``close()`` closes it, after
+    the calls in flight on other threads)."""
+    a = agent()
+    if a is not None:
+        a.close()
+    else:
+        _free_agent(ptr, keep)
 
 
 class Agent(_Handle):
@@ -301,7 +362,7 @@ class Agent(_Handle):
             _int("device", device, -1, 2**31 - 1)
         self._layout = layout
         self._errors = _Errors()
-        self._finalizer: Optional[weakref.finalize[[Optional[int], Any], Agent]] = None
+        self._finalizer: Optional[weakref.finalize[[weakref.ref[Agent], Optional[int], Any], Agent]] = None
         fp = L.AgentFingerprint(*(getattr(fingerprint, f) for f in _FINGERPRINT_FIELDS))
         cfg = ctypes.c_void_p()
         _check("kvrelay_agent_config_new", lib.kvrelay_agent_config_new(ctypes.byref(fp), ctypes.byref(cfg)))
@@ -324,23 +385,33 @@ class Agent(_Handle):
             slot = _table.add(_HolderSlot(holder, self._errors))
             h = L.BlockHolder(slot, _PIN, _UNPIN, _HOLDER_DESTROY, _RETURNED)
             out = ctypes.c_void_p()
-            _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, layout._p, ctypes.byref(h), ctypes.byref(out)))
+            with layout._use() as lp:
+                _check("kvrelay_agent_new", lib.kvrelay_agent_new(cfg, lp, ctypes.byref(h), ctypes.byref(out)))
             self._ptr = out.value
             # freed by close(), when the last reference goes, or at interpreter exit (atexit:
             # before the interpreter stops running Python, so no agent thread calls into it
             # after that)
-            self._finalizer = weakref.finalize(self, _free_agent, out.value, layout)
+            self._finalizer = weakref.finalize(self, _agent_gone, weakref.ref(self), out.value, layout)
         finally:
             lib.kvrelay_agent_config_free(cfg)
 
     def close(self) -> None:
         """Stop serving, end running fetches (their callbacks run, as ``shutdown`` or
-        ``cancelled``) and free the agent. Called from one of the agent's own callbacks, the
-        free happens on a new thread once the callback has returned."""
-        self._ptr = None
+        ``cancelled``) and free the agent, on this thread, before returning: its threads are
+        joined and its port closed (dropping the last reference, or the end of a ``with``
+        block, does the same). Calls in flight on other threads return first; later ones raise
+        ``ValueError``. Called from one of the package's callbacks (a holder's or a fetch's,
+        this agent's or another's), the free happens on a new thread instead, once the
+        callback has returned (see ``_free_agent``)."""
+        p = _shut(self)
+        if p:
+            self._release(p)
+
+    def _release(self, p: int) -> None:
         f, self._finalizer = getattr(self, "_finalizer", None), None
         if f is not None:
-            f()
+            f.detach()
+        _free_agent(p, self._layout)
 
     def __del__(self) -> None:
         pass  # the finalizer frees it (it does not hold the Agent)
@@ -353,12 +424,14 @@ class Agent(_Handle):
     @property
     def endpoint(self) -> str:
         """This agent's ``source_control_endpoint`` (``tcp://ADDR:PORT``; empty: fetch-only)."""
-        return _text("kvrelay_agent_endpoint", lib.kvrelay_agent_endpoint, self._p)
+        with self._use() as p:
+            return _text("kvrelay_agent_endpoint", lib.kvrelay_agent_endpoint, p)
 
     def record_checksums(self, ids: Sequence[int]) -> None:
         """Blocks ``ids`` just became reusable: sum them where they lie (O(bytes))."""
         i = _u32s("ids", ids)
-        _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(self._p, i, len(i)))
+        with self._use() as p:
+            _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(p, i, len(i)))
 
     def fetch(
         self,
@@ -374,65 +447,76 @@ class Agent(_Handle):
         ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
-        fast = L.fast
-        plain: Optional[Fetch] = None
-        if fast is not None and callback is None and type(endpoint) is str:
-            # the compiled helper: plain lists or tuples of ints and ints in range, taken as
-            # they are; anything else answers NotImplemented (nothing submitted, the handle
-            # still empty) and takes the checking path below with the same Fetch
-            e = _endpoint_bytes.get(endpoint)
-            if e is None:
-                e = _endpoint_utf8(endpoint)
+        # the agent's address is taken once, and this call is registered, so that a close() on
+        # another thread waits for it (_common: handles)
+        calls, me = self._calls, _ident()
+        try:
+            calls.append(me)
             agent = self._ptr
-            if agent:
+            fast = L.fast
+            plain: Optional[Fetch] = None
+            if fast is not None and callback is None and type(endpoint) is str and agent:
+                # the compiled helper: plain lists or tuples of ints and ints in range, taken as
+                # they are; anything else answers NotImplemented (nothing submitted, the handle
+                # still empty) and takes the checking path below with the same Fetch
+                e = _endpoint_bytes.get(endpoint)
+                if e is None:
+                    e = _endpoint_utf8(endpoint)
                 plain = Fetch(self, None)
                 st = fast.submit(agent, e, names, held, dst_blocks, deadline_ms, 0, ctypes.addressof(plain._handle))
                 if st == 0:
                     return plain
                 if isinstance(st, int):
                     _check("kvrelay_agent_submit", st)
-        ebuf, es = _endpoint(endpoint)  # ebuf holds the bytes es points at until the call returns
-        n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
-        if type(held) is not int or not 0 <= held <= SIZE_MAX:
-            held = _int("held", held, 0, SIZE_MAX)
-        if type(deadline_ms) is not int or not 1 <= deadline_ms <= U32:
-            deadline_ms = _int("deadline_ms", deadline_ms, 1, U32)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
-        if not len(d):
-            raise ValueError("a fetch needs at least one destination block (dst_blocks)")
-        if held + len(d) > len(n):
-            raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
-        p = L.FetchParams(es, n, len(n), held, d, len(d), deadline_ms)
-        # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
-        if callback is None:
-            f = plain if plain is not None else Fetch(self, None)
-            _check("kvrelay_agent_submit", _submit(self._p, p, None, f._handle))
+            ebuf, es = _endpoint(endpoint)  # ebuf holds the bytes es points at until the call returns
+            n, d = _u64s("names", names), _u32s("dst_blocks", dst_blocks)
+            if type(held) is not int or not 0 <= held <= SIZE_MAX:
+                held = _int("held", held, 0, SIZE_MAX)
+            if type(deadline_ms) is not int or not 1 <= deadline_ms <= U32:
+                deadline_ms = _int("deadline_ms", deadline_ms, 1, U32)
+            if callback is not None and not callable(callback):
+                raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+            if not len(d):
+                raise ValueError("a fetch needs at least one destination block (dst_blocks)")
+            if held + len(d) > len(n):
+                raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
+            if not agent:
+                raise _closed(self)
+            p = L.FetchParams(es, n, len(n), held, d, len(d), deadline_ms)
+            # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
+            if callback is None:
+                f = plain if plain is not None else Fetch(self, None)
+                _check("kvrelay_agent_submit", _submit(agent, p, None, f._handle))
+                return f
+            fut: Future[FetchResult] = Future()
+            f = Fetch(self, fut)
+            # the callback lives in the handle table until the fetch's destroy callback, which
+            # runs exactly once on every path (a refused submission included)
+            cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
+            _check("kvrelay_agent_submit", _submit(agent, p, cbs, f._handle))
             return f
-        fut: Future[FetchResult] = Future()
-        f = Fetch(self, fut)
-        # the callback lives in the handle table until the fetch's destroy callback, which
-        # runs exactly once on every path (a refused submission included)
-        cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
-        _check("kvrelay_agent_submit", _submit(self._p, p, cbs, f._handle))
-        return f
+        finally:
+            _out(self, me)
 
     def estimate(self, endpoint: str, blocks: int) -> float:
         """Seconds a fetch of ``blocks`` blocks from ``endpoint`` is expected to take."""
         e = _utf8("endpoint", endpoint)
         _int("blocks", blocks, 0, SIZE_MAX)
         out = ctypes.c_double()
-        _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(self._p, e, len(e), blocks, ctypes.byref(out)))
+        with self._use() as p:
+            _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(p, e, len(e), blocks, ctypes.byref(out)))
         return out.value
 
     @property
     def stats(self) -> dict[str, int]:
         s = L.AgentStats()
-        _check("kvrelay_agent_read_stats", lib.kvrelay_agent_read_stats(self._p, ctypes.byref(s), ctypes.sizeof(s)))
+        with self._use() as p:
+            _check("kvrelay_agent_read_stats", lib.kvrelay_agent_read_stats(p, ctypes.byref(s), ctypes.sizeof(s)))
         return {n: getattr(s, n) for n in L.AGENT_STATS}
 
     def prometheus(self) -> str:
-        return _text("kvrelay_agent_prometheus", lib.kvrelay_agent_prometheus, self._p)
+        with self._use() as p:
+            return _text("kvrelay_agent_prometheus", lib.kvrelay_agent_prometheus, p)
 
 
 def fetch_run_length(names: Sequence[int], held: int, hashes: Sequence[int]) -> int:

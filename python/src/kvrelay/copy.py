@@ -116,7 +116,8 @@ class CpuEngine(_Handle):
         if not isinstance(layout, KvLayout):
             raise TypeError("layout must be a KvLayout")
         out = ctypes.c_void_p()
-        _check("kvrelay_cpu_engine_new", lib.kvrelay_cpu_engine_new(layout._p, ctypes.byref(out)))
+        with layout._use() as lp:
+            _check("kvrelay_cpu_engine_new", lib.kvrelay_cpu_engine_new(lp, ctypes.byref(out)))
         self._ptr = out.value
         self._layout = layout
         self._lock = threading.Lock()
@@ -127,12 +128,12 @@ class CpuEngine(_Handle):
         if memoryview(out).readonly:
             raise ValueError("out must be writable")
         i = _u32s("ids", ids)
-        with self._lock:
-            _check("kvrelay_cpu_gather", lib.kvrelay_cpu_gather(self._p, i, len(i), arr, n))
+        with self._lock, self._use() as p:
+            _check("kvrelay_cpu_gather", lib.kvrelay_cpu_gather(p, i, len(i), arr, n))
 
     def scatter(self, data: Any, ids: Sequence[int]) -> None:
         """Copy ``data`` (``len(ids) * block_bytes``) into blocks ``ids``."""
         arr, n = _buffer("data", data)
         i = _u32s("ids", ids)
-        with self._lock:
-            _check("kvrelay_cpu_scatter", lib.kvrelay_cpu_scatter(self._p, arr, n, i, len(i)))
+        with self._lock, self._use() as p:
+            _check("kvrelay_cpu_scatter", lib.kvrelay_cpu_scatter(p, arr, n, i, len(i)))

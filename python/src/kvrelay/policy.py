@@ -62,11 +62,13 @@ class Capabilities(_Handle):
         if not isinstance(snapshot, Snapshot):
             raise TypeError("snapshot must be a Snapshot")
         n = ctypes.c_size_t()
-        st = lib.kvrelay_collect_candidates(snapshot._p, self._p, None, 0, ctypes.byref(n), None)
-        if st not in (L.OK, L.ERR_BUFFER_TOO_SMALL):
-            _check("kvrelay_collect_candidates", st)
-        arr = (L.Candidate * max(n.value, 1))()
-        _check("kvrelay_collect_candidates", lib.kvrelay_collect_candidates(snapshot._p, self._p, arr, len(arr), ctypes.byref(n), None))
+        ref, sp = snapshot._r()  # the snapshot's reference, held through both calls
+        with self._use() as p:
+            st = lib.kvrelay_collect_candidates(sp, p, None, 0, ctypes.byref(n), None)
+            if st not in (L.OK, L.ERR_BUFFER_TOO_SMALL):
+                _check("kvrelay_collect_candidates", st)
+            arr = (L.Candidate * max(n.value, 1))()
+            _check("kvrelay_collect_candidates", lib.kvrelay_collect_candidates(sp, p, arr, len(arr), ctypes.byref(n), None))
         return [
             Candidate(c.action_index, tuple(f for i, f in enumerate(self.families) if c.families >> i & 1))
             for c in arr[: n.value]
@@ -245,7 +247,8 @@ class Orchestrator(_Handle):
             # (kvrelay_orchestrator_free, or right away if kvrelay_orchestrator_new fails)
             prov = L.Provider(_table.add(_ProviderSlot(provider, self._errors)), _VALIDATE, _FETCH, _PROVIDER_DESTROY)
             out = ctypes.c_void_p()
-            _check("kvrelay_orchestrator_new", lib.kvrelay_orchestrator_new(capabilities._p, cfg, ctypes.byref(prov), ctypes.byref(out)))
+            with capabilities._use() as cp:
+                _check("kvrelay_orchestrator_new", lib.kvrelay_orchestrator_new(cp, cfg, ctypes.byref(prov), ctypes.byref(out)))
             self._ptr = out.value
         finally:
             lib.kvrelay_policy_config_free(cfg)
@@ -269,37 +272,41 @@ class Orchestrator(_Handle):
         context: Any = None,
     ) -> Decision:
         """Decide for one request; when every check passes the provider's ``validate`` then
-        ``fetch`` run here, on this thread, with ``context`` as ``FetchRequest.context``."""
+        ``fetch`` run here, on this thread, with ``context`` as ``FetchRequest.context``. A
+        provider may close this Orchestrator: it is freed when the decision returns."""
         if snapshot is not None and not isinstance(snapshot, Snapshot):
             raise TypeError("snapshot must be a Snapshot or None")
         _bool("generation_only", generation_only)
         _bool("lora_adapter", lora_adapter)
-        snap = snapshot._p if snapshot is not None else None
+        # the snapshot's reference is held through the call (a close() meanwhile frees nothing)
+        ref, snap = snapshot._r() if snapshot is not None else (None, None)
         key = _contexts.add(context)
         try:
             info = L.RequestInfo(generation_only, lora_adapter)
             d = L.Decision()
-            _check(
-                "kvrelay_orchestrate_with_context",
-                lib.kvrelay_orchestrate_with_context(
-                    self._p, ctypes.byref(info), snap, key, ctypes.byref(d)
-                ),
-            )
+            with self._use() as p:
+                _check(
+                    "kvrelay_orchestrate_with_context",
+                    lib.kvrelay_orchestrate_with_context(p, ctypes.byref(info), snap, key, ctypes.byref(d)),
+                )
+                # d.binding_id borrows the orchestrator's bytes: copied before the call ends
+                # (a close() waiting for it, or the provider's, frees them after)
+                named = d.kind == B.KVRELAY_DECISION_NAMED_FETCH
+                return Decision(
+                    _label(DecisionKind, d.kind),
+                    _label(Discard, d.discard),
+                    L.text(d.binding_id) if named else None,
+                    d.action_index if named else None,
+                    d.provider_code,
+                )
         finally:
             _contexts.pop(key)
-        named = d.kind == B.KVRELAY_DECISION_NAMED_FETCH
-        return Decision(
-            _label(DecisionKind, d.kind),
-            _label(Discard, d.discard),
-            L.text(d.binding_id) if named else None,
-            d.action_index if named else None,
-            d.provider_code,
-        )
 
     @property
     def counters(self) -> dict[str, Any]:
         c = L.PolicyCounters()
-        _check("kvrelay_orchestrator_counters", lib.kvrelay_orchestrator_counters(self._p, ctypes.byref(c)))
+        with self._use() as p:
+            _check("kvrelay_orchestrator_counters", lib.kvrelay_orchestrator_counters(p, ctypes.byref(c)))
         discarded = {m.value: c.discarded[m.c] for m in Discard if m.c and m.c < L.DISCARD_SLOTS}
         return {
             "named_fetch": c.named_fetch,
@@ -309,4 +316,5 @@ class Orchestrator(_Handle):
         }
 
     def prometheus(self) -> str:
-        return _text("kvrelay_orchestrator_prometheus", lib.kvrelay_orchestrator_prometheus, self._p)
+        with self._use() as p:
+            return _text("kvrelay_orchestrator_prometheus", lib.kvrelay_orchestrator_prometheus, p)
