@@ -259,7 +259,11 @@ fn instances_of_another_engine_or_other_settings_refuse_each_others_kv() {
     assert_eq!(cached(&v), 0);
     assert_eq!(failed(&r, "fingerprint_mismatch"), 1.0, "{}", r.metrics());
     // a llama instance with another thread count: the same names would not mean the same KV
-    let threads = if std::thread::available_parallelism().map_or(1, |n| n.get()) == 1 { "2" } else { "1" };
+    // (the default is the cores divided among the server's 2 contexts, at least one: one more
+    // than that is always another count)
+    let default = (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1);
+    let threads = (default + 1).to_string();
+    let threads = threads.as_str();
     let other = llama(&["--trusted-endpoint", &ep, "--llama-threads", threads]);
     let (other_hashes, _) = lookup(&other, &json!({"prompt": p}));
     assert_ne!(other_hashes, hashes, "the identity seeds the names");
