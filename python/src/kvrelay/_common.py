@@ -104,15 +104,21 @@ U64 = 2**64 - 1
 SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
 
 
-def _int(name: str, v: Any, lo: int = 0, hi: int = U64) -> int:
-    """``v`` as an int in ``lo..=hi`` (a C integer's range: never wrapped), else TypeError /
-    ValueError naming the argument. Accepts what ``operator.index`` accepts, never a bool."""
+def _as_int(name: str, v: Any) -> int:
+    """``v`` as an int (what ``operator.index`` accepts, never a bool), else TypeError naming
+    the argument."""
     if isinstance(v, bool):
         raise TypeError(f"{name} must be an int, not bool")
     try:
-        i = operator.index(v)
+        return operator.index(v)
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(v).__name__}") from None
+
+
+def _int(name: str, v: Any, lo: int = 0, hi: int = U64) -> int:
+    """``v`` as an int in ``lo..=hi`` (a C integer's range: never wrapped), else TypeError /
+    ValueError naming the argument. Accepts what ``operator.index`` accepts, never a bool."""
+    i = _as_int(name, v)
     if not lo <= i <= hi:
         raise ValueError(f"{name} must be in {lo}..={hi}, not {i}")
     return i
@@ -122,12 +128,7 @@ def _index(name: str, index: Any, n: int, what: str) -> int:
     """``index`` as a position in ``0..n``: ``IndexError`` when negative or past the end (as a
     sequence answers; no counting from the end), ``TypeError`` when not an int
     (``operator.index``, never a bool)."""
-    if isinstance(index, bool):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        i = operator.index(index)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {type(index).__name__}") from None
+    i = _as_int(name, index)
     if not 0 <= i < n:
         raise IndexError(f"{name} {i} out of range ({n} {what})")
     return i
