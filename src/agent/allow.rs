@@ -39,6 +39,14 @@ impl PeerAllow {
         Ok(())
     }
 
+    /// `spec` added to this list, or with `replace` (the first spec a configuration is given,
+    /// over its default) in its place; `self` is unchanged when `spec` does not parse.
+    pub fn with(&self, replace: bool, spec: &str) -> Result<PeerAllow, String> {
+        let mut next = if replace { PeerAllow::default() } else { self.clone() };
+        next.add(spec)?;
+        Ok(next)
+    }
+
     /// Parse a list of specs (see [`PeerAllow::add`]).
     pub fn parse(list: &[String]) -> Result<PeerAllow, String> {
         let mut a = PeerAllow::default();

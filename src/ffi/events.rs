@@ -7,7 +7,6 @@ use std::ffi::c_char;
 use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, put_counters, text, with_detail};
 use super::copy::array;
 use super::status::kvrelay_status::{self, *};
-use crate::agent::PeerAllow;
 use crate::events::{EventStats, EventsConfig, Publisher};
 
 /// Settings of a KV events publisher (an owned builder: `_new` / `_free`; not thread-safe).
@@ -97,9 +96,8 @@ pub unsafe extern "C" fn kvrelay_kv_events_config_set(
             3 if v == "GPU" || v == "CPU" => c.inner.medium = v.to_string(),
             3 => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, "the medium is GPU or CPU")),
             4 => {
-                let mut next = if c.allow_touched { c.inner.allow.clone() } else { PeerAllow::default() };
-                next.add(v).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
-                c.inner.allow = next;
+                c.inner.allow =
+                    c.inner.allow.with(!c.allow_touched, v).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
                 c.allow_touched = true;
             }
             s => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, format!("no setting {s}"))),

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use crate::agent::{AgentConfig, Fingerprint, LimitKey, PeerAllow, Psk, Transport};
+use crate::agent::{AgentConfig, Fingerprint, LimitKey, Psk, Transport};
 use crate::ffi::boundary::{free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
 use crate::ffi::status::kvrelay_status::{self, *};
 
@@ -221,9 +221,8 @@ pub unsafe extern "C" fn kvrelay_agent_config_allow_peer(
     guard(|| {
         // SAFETY: forwarded contract.
         let (c, s) = unsafe { (input_mut(config)?, text(spec.cast(), len)?) };
-        let mut next = if c.allow_touched { c.inner.allow.clone() } else { PeerAllow::default() };
-        next.add(s).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
-        c.inner.allow = next;
+        c.inner.allow =
+            c.inner.allow.with(!c.allow_touched, s).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
         c.allow_touched = true;
         Ok(())
     })
