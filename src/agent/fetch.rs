@@ -1,5 +1,12 @@
 //! One fetch on a worker thread: connect, authenticate, ask, receive, verify, write into the
 //! destination blocks in order, and report how many leading blocks arrived verified.
+//!
+//! The fetch owns every transfer's life ([`drive`], the same for every transport): it posts the
+//! backend's [`Transfer`], checks it until done, stops it on the fetch's deadline, cancel or
+//! shutdown, gives its writes the write grace and releases it. A transfer's guard ([`Held`])
+//! moves writes it cannot prove over into the fetch's `unquiet` list when it goes, also while a
+//! panic unwinds, and the worker withholds their blocks before the fetch completes
+//! (`Inner::withhold`): a backend cannot hand back a block a write may still reach.
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering;
@@ -7,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pool::Mover;
-use super::transport::{io_fail, read_reply, Failure, Landing, Pull, Scratch};
+use super::transport::{io_fail, read_reply, Backend, Cx, Failure, Landing, Progress, Pull, Scratch, Transfer, Unquiet};
 use super::wire::{self, Conn};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 
@@ -121,7 +128,9 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 FetchResult {
                     failure: Some(FailReason::Internal),
                     seconds: state.submitted.elapsed().as_secs_f64(),
-                    detail: "the fetch panicked inside the agent; nothing of it is reported written".into(),
+                    detail: "the fetch panicked inside the agent; nothing of it is reported written (blocks a \
+                             transfer may still write are withheld)"
+                        .into(),
                     ..FetchResult::default()
                 }
             });
@@ -130,6 +139,11 @@ pub(super) fn worker(inner: &Arc<Inner>) {
         if let Some(m) = w.mover.take() {
             inner.movers.put(m);
         }
+        // writes not proven over (a transfer that ended early, or one a panic unwound past):
+        // their blocks are withheld before the runtime hears of the fetch
+        let mut r = r;
+        let unquiet = std::mem::take(&mut *state.unquiet.lock().unwrap_or_else(|e| e.into_inner()));
+        r.withheld = inner.withhold(&req.dst, r.blocks, unquiet);
         match r.failure {
             None => Stats::add(&inner.stats.fetches_ok, 1),
             Some(f) => inner.stats.failed(f),
@@ -147,9 +161,8 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
     let start = state.submitted;
     let deadline = start.checked_add(req.deadline).unwrap_or(start + std::time::Duration::from_secs(86_400 * 365));
     let mut blocks = 0usize;
-    let mut withheld = 0usize;
     let mut first: Option<Instant> = None;
-    let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first, &mut withheld);
+    let mut r = pull(inner, req, state, deadline, w, &mut blocks, &mut first);
     state.sock.lock().unwrap_or_else(|e| e.into_inner()).clear();
     if r.is_err() && state.cancel.load(Ordering::Acquire) {
         // a cancel shuts the socket down: whatever the read then said, the fetch was cancelled
@@ -170,7 +183,8 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
         Ok(()) => (None, String::new()),
         Err((f, d)) => (Some(f), d),
     };
-    FetchResult { failure, blocks, bytes, withheld, seconds: start.elapsed().as_secs_f64(), detail }
+    // `withheld` is the worker's to set (`Inner::withhold`)
+    FetchResult { failure, blocks, bytes, withheld: 0, seconds: start.elapsed().as_secs_f64(), detail }
 }
 
 /// Shuts the connection's registration down with the fetch.
@@ -195,7 +209,6 @@ impl Drop for Published<'_> {
 struct Part {
     blocks: usize,
     first: Option<Instant>,
-    withheld: usize,
     result: Result<(), Failure>,
 }
 
@@ -208,7 +221,6 @@ fn pull(
     w: &mut Worker,
     blocks: &mut usize,
     first: &mut Option<Instant>,
-    withheld: &mut usize,
 ) -> Result<(), Failure> {
     let stopped = || -> Result<(), Failure> {
         if inner.stop.load(Ordering::Acquire) {
@@ -246,6 +258,7 @@ fn pull(
             inner,
             state,
             part: k,
+            from: lo,
             addr,
             endpoint: &req.endpoint,
             asked: &asked[lo..hi],
@@ -253,18 +266,18 @@ fn pull(
             deadline,
             stopped: &stopped_k,
         };
-        let mut land = Landing::new(inner, &dst[lo..hi]);
+        let mut land = Landing::new(&inner.sums, &dst[lo..hi]);
         let result = job.run(mover, scratch, &mut land);
-        let p = Part { blocks: land.blocks, first: land.first, withheld: land.withheld, result };
+        let p = Part { blocks: land.blocks, first: land.first, result };
         if p.result.is_err() || p.blocks < hi - lo {
             state.stop_parts_after(k);
         }
         p
     };
-    let n = inner.backend_for(addr).streams(inner, asked.len());
+    let n = inner.backend_for(addr).streams(&inner.cx(), asked.len());
     if n == 1 {
         let p = part(0, 0, asked.len(), &mut w.mover, &mut w.scratch);
-        (*blocks, *first, *withheld) = (p.blocks, p.first, p.withheld);
+        (*blocks, *first) = (p.blocks, p.first);
         return p.result;
     }
     // N streams (the source pins each part's leading run): the first on this worker, the
@@ -294,7 +307,6 @@ fn pull(
             results.push(h.join().unwrap_or_else(|_| Part {
                 blocks: 0,
                 first: None,
-                withheld: 0,
                 result: Err((FailReason::Internal, "a stream's thread panicked".into())),
             }));
         }
@@ -302,7 +314,6 @@ fn pull(
     // the leading verified blocks in prefix order: whole parts, then the first part that
     // stopped short (a later part's blocks after a gap are written but not reported)
     for (k, (p, &(lo, hi))) in results.iter().zip(&parts).enumerate() {
-        *withheld += p.withheld;
         if let Some(f) = p.first {
             *first = Some(first.map_or(f, |g| g.min(f)));
         }
@@ -372,6 +383,8 @@ struct Stream<'a> {
     state: &'a FetchState,
     /// Which part of the fetch (0 for the first).
     part: usize,
+    /// Where its blocks start in the fetch's destination blocks.
+    from: usize,
     addr: std::net::SocketAddr,
     /// The endpoint as the request named it (the estimator's key).
     endpoint: &'a str,
@@ -410,7 +423,8 @@ impl Stream<'_> {
                 // this backend cannot reach the source and nothing moved: once more with the
                 // next preference (TCP after the last, `Limits::tcp_fallback`), on a new
                 // connection
-                Exchange::Close(Err(e)) if land.unusable && land.blocks == 0 && land.withheld == 0 => {
+                // (a backend says so only before it prepared a transfer: nothing was written)
+                Exchange::Close(Err(e)) if land.unusable && land.blocks == 0 => {
                     let Some(next) = inner.fall_back(addr, self.endpoint, level) else { return Err(e) };
                     level = next;
                     land.unusable = false;
@@ -442,12 +456,12 @@ impl Stream<'_> {
         &self,
         s: &mut TcpStream,
         reused: bool,
-        backend: &dyn super::transport::Backend,
+        backend: &dyn Backend,
         mover: &mut Option<Mover>,
         scratch: &mut Scratch,
         land: &mut Landing<'_>,
     ) -> Exchange {
-        let Stream { inner, asked, dst, deadline, stopped, .. } = *self;
+        let Stream { inner, asked, dst, deadline, stopped, from, .. } = *self;
         let c: &mut dyn Conn = s;
         let by = inner.io_deadline().min(deadline);
         if let Err(e) = wire::write_frame(c, backend.hello(), &wire::encode_hello(&inner.fingerprint, asked), by) {
@@ -456,7 +470,7 @@ impl Stream<'_> {
         // the source's answer comes after its connection woke, pinned and offered
         c.poll_readable(inner.limits.poll);
         let mut job = Pull { asked, dst, deadline, stopped, mover, scratch };
-        match backend.pull(inner, c, &mut job, land) {
+        match drive(&inner.cx(), backend, c, &mut job, land, from, &self.state.unquiet) {
             Ok(true) => Exchange::Reusable,
             Ok(false) => Exchange::Close(Ok(())),
             // no answer at all on a kept-alive connection: the source had closed it
@@ -464,6 +478,78 @@ impl Stream<'_> {
             Err(e) => Exchange::Close(Err(e)),
         }
     }
+}
+
+/// A transfer and what it did, on the stack of the stream that drives it: dropped with writes
+/// not proven quiet (an early end past the write grace, or a panic unwinding through the
+/// stream), it moves them into the fetch's `unquiet` list, with how far into the fetch's
+/// destination blocks they may reach.
+struct Held<'t, 'f> {
+    t: Option<Box<dyn Transfer + 't>>,
+    /// Where the stream's blocks start in the fetch's destination blocks.
+    from: usize,
+    sink: &'f Unquiet,
+    /// Every write of it is over ([`Transfer::quiet`] said so).
+    quiet: bool,
+}
+
+impl Drop for Held<'_, '_> {
+    fn drop(&mut self) {
+        let Some(t) = self.t.take() else { return };
+        if self.quiet {
+            return;
+        }
+        let end = self.from + t.count();
+        if let Some(w) = t.into_writes() {
+            self.sink.lock().unwrap_or_else(|e| e.into_inner()).push((w, end));
+        }
+    }
+}
+
+/// Checks of a pending transfer spin this many times before they sleep between checks.
+const SPINS: u32 = 64;
+/// The sleep between checks of a pending transfer after the spins.
+const CHECK_SLEEP: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// One transfer of a stream, after its hello went out on `c`, the same for every backend:
+/// prepare (the source's answer), post, check until every offered block was looked at or
+/// the fetch stops (`job.stopped`: deadline, cancel, shutdown, an earlier part ended short),
+/// give the writes `Limits::write_grace` to be quiet, release. `Ok(true)`: the connection
+/// can carry the stream's next request. Writes not proven quiet go to `sink` (see [`Held`]);
+/// `from` is where the stream's blocks start in the fetch's destination blocks.
+fn drive(
+    cx: &Cx<'_>,
+    backend: &dyn Backend,
+    c: &mut dyn Conn,
+    job: &mut Pull<'_>,
+    land: &mut Landing<'_>,
+    from: usize,
+    sink: &Unquiet,
+) -> Result<bool, Failure> {
+    let t = backend.prepare(cx, c, job, land)?;
+    // posted from here on (a post that fails half way has posted the first half)
+    let mut held = Held { t: Some(t), from, sink, quiet: false };
+    let t = held.t.as_deref_mut().expect("set above");
+    let r = (|| -> Result<bool, Failure> {
+        t.post(cx, c, job)?;
+        let (mut spins, mut seen) = (0u32, land.blocks);
+        loop {
+            (job.stopped)()?;
+            match t.check(cx, c, job, land)? {
+                Progress::Done { reusable } => return Ok(reusable),
+                Progress::Pending if land.blocks != seen => (spins, seen) = (0, land.blocks),
+                Progress::Pending if spins < SPINS => {
+                    spins += 1;
+                    std::hint::spin_loop();
+                }
+                Progress::Pending => std::thread::sleep(CHECK_SLEEP),
+            }
+        }
+    })();
+    let quiet = t.quiet(Instant::now() + cx.limits.write_grace);
+    t.release(cx, c, land.blocks, r.as_ref().err().map(|e| e.0), quiet);
+    held.quiet = quiet;
+    r
 }
 
 /// One exchange of a fetch over `c` on the calling thread, through the agent's backend: the
@@ -475,16 +561,18 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
     let stopped = || Ok(());
     let (mut mover, mut scratch) = (None, Scratch::default());
     let asked = &names[..dst.len()];
-    let mut land = Landing::new(inner, dst);
+    let mut land = Landing::new(&inner.sums, dst);
+    let unquiet = Unquiet::default();
     let r = (|| {
         let hello = wire::encode_hello(&inner.fingerprint, asked);
         wire::write_frame(c, inner.backend().hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
         let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, scratch: &mut scratch };
-        inner.backend().pull(inner, c, &mut job, &mut land).map(|_| ())
+        drive(&inner.cx(), inner.backend(), c, &mut job, &mut land, 0, &unquiet).map(|_| ())
     })();
     if let Some(m) = mover {
         inner.movers.put(m);
     }
+    let withheld = inner.withhold(dst, land.blocks, unquiet.into_inner().unwrap_or_else(|e| e.into_inner()));
     let (failure, detail) = match r {
         Ok(()) => (None, String::new()),
         Err((f, d)) => (Some(f), d),
@@ -493,8 +581,221 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
         failure,
         blocks: land.blocks,
         bytes: (land.blocks * inner.block_bytes) as u64,
-        withheld: land.withheld,
+        withheld,
         seconds: start.elapsed().as_secs_f64(),
         detail,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fetch's ownership of a transfer's writes, with a backend whose writes are over only
+    //! when the test says so: whatever way a transfer ends (a panic inside it, a failure, the
+    //! end of a fetch), every block a write may still reach is withheld, reported, and handed
+    //! back once the writes are over, never before.
+
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+    use std::time::Duration;
+
+    use super::super::transport::{Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes, TEST_BACKEND};
+    use super::super::wire::Conn;
+    use super::super::{Agent, AgentConfig, BlockHolder, FailReason, FetchRequest, Fingerprint, Limits};
+    use crate::agent::estimate::{SourceSpeed, TCP_DEFAULT};
+    use crate::copy::{KvLayout, Segment};
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum End {
+        /// Lands block 0, then panics inside its check.
+        Panic,
+        /// Lands block 0, then fails.
+        Fail,
+    }
+
+    /// Its transfers "write" every offered block; the writes are over when `over` is set.
+    struct Slow {
+        end: End,
+        over: Arc<AtomicBool>,
+    }
+
+    struct SlowTransfer {
+        count: usize,
+        end: End,
+        over: Arc<AtomicBool>,
+        /// Checks answered `Pending` so far (the first few are, as a READ in flight would).
+        checks: u32,
+    }
+
+    struct SlowWrites(Arc<AtomicBool>);
+
+    impl Writes for SlowWrites {
+        fn over(&mut self) -> bool {
+            self.0.load(Ordering::Acquire)
+        }
+    }
+
+    impl Backend for Slow {
+        fn hello(&self) -> u8 {
+            super::wire::HELLO
+        }
+        fn streams(&self, _cx: &Cx<'_>, _blocks: usize) -> usize {
+            1
+        }
+        fn movers_at_start(&self, _limits: &Limits) -> usize {
+            1
+        }
+        fn default_speed(&self, _device_pool: bool) -> SourceSpeed {
+            TCP_DEFAULT
+        }
+        fn prepare(
+            &self,
+            _cx: &Cx<'_>,
+            _c: &mut dyn Conn,
+            job: &mut Pull<'_>,
+            land: &mut Landing<'_>,
+        ) -> Result<Box<dyn Transfer + '_>, Failure> {
+            land.offered = true;
+            Ok(Box::new(SlowTransfer { count: job.dst.len(), end: self.end, over: self.over.clone(), checks: 0 }))
+        }
+        fn serve(&self, _cx: &Cx<'_>, _c: &mut dyn Conn, _ids: &[u32], _names: &[u64]) -> bool {
+            false
+        }
+    }
+
+    impl Transfer for SlowTransfer {
+        fn count(&self) -> usize {
+            self.count
+        }
+        fn post(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _job: &mut Pull<'_>) -> Result<(), Failure> {
+            Ok(())
+        }
+        fn check(
+            &mut self,
+            _cx: &Cx<'_>,
+            _c: &mut dyn Conn,
+            _job: &mut Pull<'_>,
+            land: &mut Landing<'_>,
+        ) -> Result<Progress, Failure> {
+            if self.checks < 100 {
+                // the fetch's loop checks again (spinning, then sleeping between checks)
+                self.checks += 1;
+                return Ok(Progress::Pending);
+            }
+            land.landed(0, 7);
+            match self.end {
+                End::Panic => panic!("a bug inside a transfer, with its writes posted"),
+                End::Fail => Err((FailReason::Truncated, "the source went away".into())),
+            }
+        }
+        fn quiet(&mut self, _until: std::time::Instant) -> bool {
+            self.over.load(Ordering::Acquire)
+        }
+        fn release(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _landed: usize, _f: Option<FailReason>, _q: bool) {}
+        fn into_writes(self: Box<Self>) -> Option<Box<dyn Writes>> {
+            Some(Box::new(SlowWrites(self.over)))
+        }
+    }
+
+    /// Records what comes back.
+    struct Holder(Mutex<mpsc::Sender<Vec<u32>>>);
+
+    impl BlockHolder for Holder {
+        fn pin(&self, _names: &[u64], _ids: &mut [u32]) -> usize {
+            0
+        }
+        fn unpin(&self, _ids: &[u32]) {}
+        fn returned(&self, ids: &[u32]) {
+            let _ = self.0.lock().unwrap().send(ids.to_vec());
+        }
+    }
+
+    const BLOCKS: u32 = 8;
+
+    fn agent(end: End, over: &Arc<AtomicBool>, mem: &mut [u8]) -> (Agent, mpsc::Receiver<Vec<u32>>) {
+        let fp = Fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 8, dtype_bytes: 2, naming: 1 };
+        let layout = KvLayout::new(
+            BLOCKS,
+            vec![Segment { base: mem.as_mut_ptr() as u64, block_stride: 256, bytes_per_block: 256 }],
+            &[],
+        )
+        .unwrap();
+        let mut cfg = AgentConfig::new(fp);
+        cfg.listen = None;
+        cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, ..Limits::default() };
+        let (tx, rx) = mpsc::channel();
+        TEST_BACKEND.with(|t| *t.borrow_mut() = Some(Box::new(Slow { end, over: over.clone() })));
+        // SAFETY: `mem` is host memory of BLOCKS blocks that outlives the agent (dropped first
+        // by every test).
+        let a = unsafe { Agent::new(cfg, layout, Box::new(Holder(Mutex::new(tx)))) }.unwrap();
+        (a, rx)
+    }
+
+    fn fetch(a: &Agent, source: std::net::SocketAddr) -> super::FetchResult {
+        let req = FetchRequest {
+            endpoint: format!("tcp://{source}"),
+            names: vec![11, 12, 13, 14, 15],
+            held: 1,
+            dst: vec![3, 4, 5, 6],
+            deadline: Duration::from_secs(60),
+        };
+        a.submit(req, None).unwrap().wait(Duration::from_secs(120)).expect("the fetch completes")
+    }
+
+    #[test]
+    fn writes_not_proven_over_are_withheld_whatever_ends_the_transfer() {
+        // a source that takes connections (the kernel's backlog) and never answers: the test
+        // backend's transfers need nothing from it
+        let source = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = source.local_addr().unwrap();
+        for end in [End::Panic, End::Fail] {
+            let mut mem = vec![0u8; BLOCKS as usize * 256];
+            let over = Arc::new(AtomicBool::new(false));
+            let (a, returned) = agent(end, &over, &mut mem);
+            let r = fetch(&a, addr);
+            let (failure, blocks) = match end {
+                // a panic reports nothing written: every destination block is withheld
+                End::Panic => (FailReason::Internal, 0),
+                // block 0 verified; the three after it withheld
+                End::Fail => (FailReason::Truncated, 1),
+            };
+            assert_eq!((r.failure, r.blocks, r.withheld), (Some(failure), blocks, 4 - blocks), "{end:?}: {r:?}");
+            assert_eq!(a.stats().blocks_withheld, (4 - blocks) as u64);
+            // nothing comes back while the writes may run (what the workers do every 50 ms)
+            a.inner.reap();
+            assert!(returned.try_recv().is_err(), "handed back under a write");
+            over.store(true, Ordering::Release);
+            let ids = returned.recv_timeout(Duration::from_secs(120)).expect("handed back once over");
+            assert_eq!(ids, [3, 4, 5, 6][blocks..].to_vec());
+            assert_eq!(a.stats().blocks_returned, (4 - blocks) as u64);
+            drop(a);
+            drop(mem);
+        }
+    }
+
+    #[test]
+    fn writes_proven_over_withhold_nothing() {
+        let source = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut mem = vec![0u8; BLOCKS as usize * 256];
+        let over = Arc::new(AtomicBool::new(true));
+        let (a, returned) = agent(End::Fail, &over, &mut mem);
+        let r = fetch(&a, source.local_addr().unwrap());
+        assert_eq!((r.failure, r.blocks, r.withheld), (Some(FailReason::Truncated), 1, 0), "{r:?}");
+        assert_eq!(a.stats().blocks_withheld, 0);
+        drop(a);
+        assert!(returned.try_recv().is_err(), "nothing was withheld, nothing comes back");
+    }
+
+    #[test]
+    fn withheld_blocks_go_back_when_the_agent_stops() {
+        let source = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut mem = vec![0u8; BLOCKS as usize * 256];
+        let over = Arc::new(AtomicBool::new(false));
+        let (a, returned) = agent(End::Fail, &over, &mut mem);
+        let r = fetch(&a, source.local_addr().unwrap());
+        assert_eq!(r.withheld, 3);
+        // the writes never end by themselves: dropping the agent drops them (a backend's
+        // requests end with it) and hands their blocks back before the holder goes
+        drop(a);
+        assert_eq!(returned.try_recv().expect("handed back at stop"), vec![4, 5, 6]);
     }
 }

@@ -69,6 +69,9 @@ pub(super) struct FetchState {
     pub(super) stop_after: AtomicUsize,
     /// The agent whose queue holds the fetch until a worker takes it (a cancel takes it out).
     pub(super) agent: Weak<super::Inner>,
+    /// Writes of its streams' transfers not proven over (a transfer's guard puts them here,
+    /// even while a panic unwinds); the worker withholds their blocks before completing.
+    pub(super) unquiet: super::transport::Unquiet,
 }
 
 impl FetchState {
@@ -83,6 +86,7 @@ impl FetchState {
             submitted: Instant::now(),
             sock: Mutex::new(Vec::new()),
             stop_after: AtomicUsize::new(usize::MAX),
+            unquiet: Mutex::new(Vec::new()),
         }
     }
 

@@ -43,6 +43,9 @@ pub(super) struct Inner {
     /// Queued fetches a cancel took out, waiting for their completion on an agent thread, and
     /// whether that thread runs (it ends when the list is empty).
     pub(super) cancelled: Mutex<(Vec<Job>, bool)>,
+    /// Writes that were not proven over when their fetch ended, with the destination blocks
+    /// they may write (withheld from the runtime until every one of them is over).
+    pub(super) withheld: Mutex<Vec<Withheld>>,
     /// Kept-alive fetch connections per source address, with when each went idle.
     pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
     /// How a fetch's bytes move (TCP frames, NIXL READs in place, CUDA IPC copies): the
@@ -52,6 +55,9 @@ pub(super) struct Inner {
     /// fetched from since when (past the last of `backends`: TCP, `Limits::tcp_fallback`).
     pub(super) tcp_sources: Mutex<HashMap<SocketAddr, (usize, Instant)>>,
 }
+
+/// Writes not proven over when their fetch ended, and the destination blocks they may write.
+pub(super) type Withheld = (Vec<Box<dyn transport::Writes>>, Vec<u32>);
 
 /// The TCP backend a fetch falls back to.
 static TCP: transport::tcp::Tcp = transport::tcp::Tcp;
@@ -217,14 +223,72 @@ impl Inner {
     }
 
     pub(super) fn wants_reap(&self) -> bool {
-        self.backends.iter().any(|b| b.wants_reap())
+        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty() || self.backends.iter().any(|b| b.wants_reap())
     }
 
-    /// Every backend looks at what it withholds or holds mapped ([`transport::Backend::reap`]).
+    /// Hand back the withheld blocks whose writes are all over; every backend looks at what it
+    /// holds mapped ([`transport::Backend::reap`]).
     pub(super) fn reap(&self) {
-        for b in &self.backends {
-            b.reap(self);
+        let over: Vec<Withheld> = {
+            let mut w = self.withheld.lock().unwrap_or_else(|e| e.into_inner());
+            let mut over = Vec::new();
+            let mut i = 0;
+            while i < w.len() {
+                if w[i].0.iter_mut().all(|x| x.over()) {
+                    over.push(w.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            over
+        };
+        for (writes, ids) in over {
+            drop(writes);
+            self.give_back(&ids);
         }
+        let cx = self.cx();
+        for b in &self.backends {
+            b.reap(&cx);
+        }
+    }
+
+    /// What a backend sees of the agent.
+    pub(super) fn cx(&self) -> transport::Cx<'_> {
+        transport::Cx {
+            layout: &self.layout,
+            block_bytes: self.block_bytes,
+            movers: &self.movers,
+            limits: &self.limits,
+            stats: &self.stats,
+            sums: &self.sums,
+        }
+    }
+
+    /// A fetch into `dst` ended with `blocks` leading blocks reported written, and `unquiet`
+    /// writes of its streams not proven over, each with the index one past the last of `dst` it
+    /// may write: the blocks after the reported ones up to the furthest such index are
+    /// withheld (kept with the writes until they are all over, then handed back through
+    /// `BlockHolder::returned`). Returns how many; counted in `blocks_withheld`.
+    pub(super) fn withhold(&self, dst: &[u32], blocks: usize, unquiet: Vec<(Box<dyn transport::Writes>, usize)>) -> usize {
+        if unquiet.is_empty() {
+            return 0;
+        }
+        let end = unquiet.iter().map(|u| u.1).max().unwrap_or(0).min(dst.len());
+        let ids = dst.get(blocks..end).unwrap_or(&[]).to_vec();
+        if ids.is_empty() {
+            // the writes may only touch blocks reported written (and verified): nothing to
+            // withhold; they are dropped, which stops them
+            return 0;
+        }
+        let n = ids.len();
+        Stats::add(&self.stats.blocks_withheld, n as u64);
+        let writes = unquiet.into_iter().map(|u| u.0).collect();
+        self.withheld.lock().unwrap_or_else(|e| e.into_inner()).push((writes, ids));
+        // an idle worker looks at them every 50 ms from now on (the queue's lock taken first:
+        // a worker that found nothing to reap under it is waiting by now, and hears this)
+        drop(self.jobs.lock().unwrap_or_else(|e| e.into_inner()));
+        self.jobs_ready.notify_one();
+        n
     }
 
     /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
@@ -263,8 +327,9 @@ impl Inner {
         if ids.is_empty() {
             return;
         }
-        self.holder.returned(ids);
+        // counted first: a runtime that reads the counters once it heard sees them
         Stats::add(&self.stats.blocks_returned, ids.len() as u64);
+        self.holder.returned(ids);
     }
 
     pub(super) fn register(&self, s: &TcpStream) -> Option<u64> {

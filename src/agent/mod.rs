@@ -260,6 +260,7 @@ impl Agent {
             jobs: Mutex::new(VecDeque::new()),
             jobs_ready: Condvar::new(),
             cancelled: Mutex::new((Vec::new(), false)),
+            withheld: Mutex::new(Vec::new()),
             idle: Mutex::new(HashMap::new()),
             backends,
             tcp_sources: Mutex::new(HashMap::new()),
@@ -319,7 +320,7 @@ impl Agent {
             return Ok(());
         }
         let mut sums = vec![0u64; ids.len()];
-        sum_host(inner, ids, &mut sums);
+        sum_host(&inner.layout, inner.block_bytes, ids, &mut sums);
         for (&id, &s) in ids.iter().zip(&sums) {
             inner.sums.set(id, s);
         }
@@ -477,11 +478,17 @@ impl Drop for Agent {
         while Arc::strong_count(&self.inner) > 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
-        // with every thread gone, the backend goes (a NIXL agent with its UCX backend), and
-        // then nothing can write into withheld blocks any more: they go back before the
-        // holder does
+        // with every thread gone, the writes still withheld are dropped (NIXL releases their
+        // requests), then the backends go (a NIXL agent with its UCX backend): nothing can write
+        // into withheld blocks any more, and they go back before the holder does
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            let ids: Vec<u32> = std::mem::take(&mut inner.backends).into_iter().flat_map(|b| b.teardown()).collect();
+            let withheld = std::mem::take(inner.withheld.get_mut().unwrap_or_else(|e| e.into_inner()));
+            let mut ids = Vec::new();
+            for (writes, i) in withheld {
+                drop(writes);
+                ids.extend(i);
+            }
+            drop(std::mem::take(&mut inner.backends));
             inner.give_back(&ids);
         }
     }

@@ -458,10 +458,10 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) -> bool {
     let ids = &scratch.ids[..offered];
     let _pinned = Pinned { inner, ids };
     if scratch.kind == wire::HELLO {
-        super::transport::tcp::serve(inner, c, ids, &scratch.names)
+        super::transport::tcp::serve(&inner.cx(), c, ids, &scratch.names)
     } else {
         match inner.serving(scratch.kind) {
-            Some(b) => b.serve(inner, c, ids, &scratch.names),
+            Some(b) => b.serve(&inner.cx(), c, ids, &scratch.names),
             None => false, // checked at the hello
         }
     }

@@ -72,7 +72,8 @@ pub struct AgentStats {
     pub bytes_fetched: u64,
     /// Refused: the destination asked for a transport this service lacks (NIXL).
     pub refused_unsupported: u64,
-    /// Destination blocks a NIXL fetch withheld (a READ not proven stopped when it ended).
+    /// Destination blocks a fetch withheld: writes into them (NIXL READs) were not proven over
+    /// when the transfer ended, early or unwound by a panic.
     pub blocks_withheld: u64,
     /// Withheld blocks handed back to the runtime (`BlockHolder::returned`).
     pub blocks_returned: u64,

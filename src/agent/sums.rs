@@ -4,7 +4,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::Inner;
 use crate::copy::KvLayout;
 
 /// The recorded checksum of every block of the pool (and whether one was recorded).
@@ -32,13 +31,13 @@ impl SumTable {
 
 /// The checksums of host-pool blocks `ids` (each below `num_blocks`) into `out`, summed where
 /// they lie; batches over 8 MiB on up to 8 threads.
-pub(super) fn sum_host(inner: &Inner, ids: &[u32], out: &mut [u64]) {
+pub(super) fn sum_host(layout: &KvLayout, block_bytes: usize, ids: &[u32], out: &mut [u64]) {
     let sum_all = |ids: &[u32], out: &mut [u64]| {
         for (&id, o) in ids.iter().zip(out) {
-            *o = block_checksum(&inner.layout, id);
+            *o = block_checksum(layout, id);
         }
     };
-    let total = ids.len() * inner.block_bytes;
+    let total = ids.len() * block_bytes;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     if total < (8 << 20) || threads == 1 {
         sum_all(ids, out);

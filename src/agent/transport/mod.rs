@@ -1,11 +1,22 @@
 //! The transport seam: how a fetch's bytes move, once the agent's connection carried the
 //! handshake and the hello. NIXL's backend interface (`nixlBackendEngine`: prepare, post,
-//! check, release, estimate) is the model: a [`Backend`] moves the offered blocks into the
-//! destination blocks it was given and reports where they landed; it neither commits nor
-//! decides. Above every backend sit one verifier and one committer ([`Landing`]): a block
-//! counts only when the checksum summed where its bytes lie equals the one the source recorded
-//! when it became reusable, in prefix order, and its checksum is then recorded here so that it
-//! travels on with the block.
+//! check, release) is the model. A [`Backend`] reads the source's answer and *prepares* a
+//! [`Transfer`], the handle of one stream's writes into its destination blocks; the fetch
+//! (`fetch::drive`, the same loop for every transport) *posts* it, *checks* it until every
+//! offered block landed or the fetch stops (deadline, cancel, shutdown: the fetch's, never the
+//! backend's), gives its writes the `write_grace` limit to be *quiet* and *releases* it. A
+//! handle whose writes are not proven quiet when it goes (an early end, or a panic anywhere in
+//! between: the fetch's guard sees it in its `Drop`) becomes [`Writes`] that the agent keeps:
+//! every destination block after the verified ones that they may write is withheld from the
+//! runtime until they are over. A backend cannot forget to withhold; it can only say whether its
+//! writes are over.
+//!
+//! A backend neither commits nor decides. Above every backend sit one verifier and one
+//! committer ([`Landing`]): a block counts only when the checksum summed where its bytes lie
+//! equals the one the source recorded when it became reusable, in prefix order, and its
+//! checksum is then recorded here so that it travels on with the block. Backends see a narrow
+//! context ([`Cx`]: the layout, the movers, the limits, the counters, the checksum table), not
+//! the agent.
 //!
 //! - [`tcp`] (always built): the source gathers each block into a pinned slot and sends it in a
 //!   frame on the agent's connection; the destination verifies it in its slot and scatters it.
@@ -26,9 +37,10 @@ pub(super) mod vmm_fds;
 use std::time::Instant;
 
 use super::estimate::SourceSpeed;
-use super::pool::Mover;
+use super::pool::{Mover, Movers};
+use super::sums::SumTable;
 use super::wire::{self, Conn, FrameError, Refusal};
-use super::{AgentError, FailReason, Inner, Limits, Stats, Transport};
+use super::{AgentError, FailReason, Limits, Stats, Transport};
 use crate::copy::KvLayout;
 
 /// Why a fetch (or one of its streams) stopped, with the detail for logs.
@@ -80,15 +92,36 @@ pub(super) fn read_reply(
     Ok(kind)
 }
 
-/// One stream's request, as a backend's [`Backend::pull`] gets it.
+/// What a backend sees of the agent: the pool's layout, the movers, the limits, the counters
+/// and the checksum table (not the queue, the connections or the runtime's holder).
+pub(super) struct Cx<'a> {
+    pub(super) layout: &'a KvLayout,
+    /// Bytes of one block (every segment).
+    pub(super) block_bytes: usize,
+    pub(super) movers: &'a Movers,
+    pub(super) limits: &'a Limits,
+    pub(super) stats: &'a Stats,
+    pub(super) sums: &'a SumTable,
+}
+
+impl Cx<'_> {
+    /// The deadline of one read or write that starts now.
+    pub(super) fn io_deadline(&self) -> Instant {
+        Instant::now() + self.limits.io_timeout
+    }
+}
+
+/// One stream's request, as a backend's [`Backend::prepare`] and its [`Transfer`] get it.
 pub(super) struct Pull<'a> {
     /// The names asked for (their hello went out).
     pub(super) asked: &'a [u64],
     /// Where block `i` goes: `dst[i]`.
     pub(super) dst: &'a [u32],
-    /// The whole fetch's deadline.
+    /// The whole fetch's deadline (for the backend's own reads and waits; the fetch checks it
+    /// between [`Transfer::check`]s).
     pub(super) deadline: Instant,
-    /// The fetch's stop check (cancel, shutdown, deadline, an earlier part ended short).
+    /// The fetch's stop check (cancel, shutdown, deadline, an earlier part ended short), for a
+    /// backend that blocks inside one step.
     pub(super) stopped: &'a (dyn Fn() -> Result<(), Failure> + Sync),
     /// The stream's mover (taken from the agent's when `None`, kept for the stream's next
     /// request; a backend that cannot show its copies finished drops it).
@@ -96,6 +129,75 @@ pub(super) struct Pull<'a> {
     /// Buffers the stream reuses from one request to the next.
     pub(super) scratch: &'a mut Scratch,
 }
+
+/// How a [`Transfer::check`] left the transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Progress {
+    /// Writes are still under way: check again (the fetch checks its stop first). Only an
+    /// asynchronous backend (NIXL) answers it.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    Pending,
+    /// Every offered block was looked at (verified ones counted in the landing). `reusable`:
+    /// the connection is at a frame boundary and can carry the stream's next request.
+    Done {
+        /// The connection can carry the next request.
+        reusable: bool,
+    },
+}
+
+/// One stream's transfer: the handle of the writes a backend makes into the stream's
+/// destination blocks `dst[..count()]`, in NIXL's shape. `fetch::drive` calls, in order,
+/// [`post`](Transfer::post) once, [`check`](Transfer::check) until done or the fetch stops,
+/// [`quiet`](Transfer::quiet) with the write grace, and [`release`](Transfer::release) once;
+/// a handle dropped or released while not proven quiet goes on as [`Writes`]
+/// ([`Transfer::into_writes`]).
+pub(super) trait Transfer: Send {
+    /// Destination blocks the transfer may write once posted: `dst[..count]` of its stream.
+    fn count(&self) -> usize;
+
+    /// Start the writes (NIXL: post every READ; a synchronous backend may do all its work in
+    /// the first check instead).
+    fn post(&mut self, cx: &Cx<'_>, c: &mut dyn Conn, job: &mut Pull<'_>) -> Result<(), Failure>;
+
+    /// Move on: verify and count (through `land`) what has landed, in order. Never waits past
+    /// the fetch's deadline; may return [`Progress::Pending`] at once.
+    fn check(
+        &mut self,
+        cx: &Cx<'_>,
+        c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<Progress, Failure>;
+
+    /// Whether every write into the destination blocks is over (finished or failed), waiting
+    /// until `until` at most. `true` is a promise: nothing of this transfer writes any more.
+    fn quiet(&mut self, until: Instant) -> bool;
+
+    /// The transfer ended with `landed` leading blocks verified (`failed`: with a failure, and
+    /// which): tell the source (an in-place source unpins on `DONE`) and let go of what a
+    /// failure may have made stale. `quiet`: whether [`Transfer::quiet`] proved the writes over.
+    fn release(&mut self, cx: &Cx<'_>, c: &mut dyn Conn, landed: usize, failed: Option<FailReason>, quiet: bool);
+
+    /// The writes that may still run, kept by the agent (with the blocks they may write) until
+    /// [`Writes::over`]; `None` when nothing of the transfer can write once the stream's mover
+    /// is gone (a synchronous backend: the fetch drops or finishes the mover before it
+    /// completes). Called without any other call on the handle while a panic unwinds: it must
+    /// only move what it owns.
+    fn into_writes(self: Box<Self>) -> Option<Box<dyn Writes>>;
+}
+
+/// Writes into destination blocks that were not proven over when their transfer ended. The
+/// agent keeps them (and the blocks they may write, withheld) and asks every 50 ms; dropping
+/// them (at the agent's shutdown, before its backends go) stops whatever still runs.
+pub(super) trait Writes: Send {
+    /// Whether every write is over (finished or failed). Never blocks.
+    fn over(&mut self) -> bool;
+}
+
+/// Writes of a fetch's streams not proven over when their transfers went, each with the index
+/// one past the last block of the fetch's destination blocks it may write (see
+/// `Inner::withhold`).
+pub(super) type Unquiet = std::sync::Mutex<Vec<(Box<dyn Writes>, usize)>>;
 
 /// What a stream keeps between requests so that a fetch allocates no buffers of its own once
 /// the stream has served one of its size: the control buffer, and the copy plan and sums of
@@ -116,15 +218,12 @@ pub(super) struct Scratch {
 
 /// Where one stream's blocks landed: the one verifier and committer above every backend.
 pub(super) struct Landing<'a> {
-    inner: &'a Inner,
+    sums: &'a SumTable,
     dst: &'a [u32],
     /// Leading blocks written and verified.
     pub(super) blocks: usize,
     /// When the first of them was.
     pub(super) first: Option<Instant>,
-    /// Destination blocks after the verified ones the backend could not prove unwritten
-    /// (handed back later through `BlockHolder::returned`).
-    pub(super) withheld: usize,
     /// The source answered the hello (an offer came): a kept-alive connection was not stale.
     pub(super) offered: bool,
     /// The source cannot be reached with this backend (it does not serve it, it runs on
@@ -134,8 +233,8 @@ pub(super) struct Landing<'a> {
 }
 
 impl<'a> Landing<'a> {
-    pub(super) fn new(inner: &'a Inner, dst: &'a [u32]) -> Landing<'a> {
-        Landing { inner, dst, blocks: 0, first: None, withheld: 0, offered: false, unusable: false }
+    pub(super) fn new(sums: &'a SumTable, dst: &'a [u32]) -> Landing<'a> {
+        Landing { sums, dst, blocks: 0, first: None, offered: false, unusable: false }
     }
 
     /// The one verification rule: block `i`, summed where its bytes lie to `got`, against the
@@ -152,7 +251,7 @@ impl<'a> Landing<'a> {
     /// checksum (it travels on with the block) and count it.
     pub(super) fn landed(&mut self, i: usize, sum: u64) {
         debug_assert_eq!(i, self.blocks, "blocks land in order");
-        self.inner.sums.set(self.dst[i], sum);
+        self.sums.set(self.dst[i], sum);
         self.blocks = i + 1;
         self.first.get_or_insert_with(Instant::now);
     }
@@ -163,7 +262,7 @@ impl<'a> Landing<'a> {
 /// pool), then wait for the reader's `DONE` (or the transfer deadline), which ends the pins.
 /// Counts what the reader took; whether the transfer ended cleanly.
 pub(super) fn serve_in_place(
-    inner: &Inner,
+    cx: &Cx<'_>,
     c: &mut dyn Conn,
     ids: &[u32],
     kind: u8,
@@ -171,27 +270,27 @@ pub(super) fn serve_in_place(
     metadata: &[u8],
     device: Option<i32>,
 ) -> bool {
-    let layout = &inner.layout;
+    let layout = &cx.layout;
     let offer = wire::InPlaceOffer {
         agent: agent.into(),
         metadata: metadata.to_vec(),
-        block_bytes: inner.block_bytes as u64,
+        block_bytes: cx.block_bytes as u64,
         device,
         num_blocks: layout.num_blocks(),
         segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
         blocks: ids
             .iter()
-            .map(|&id| (id, inner.sums.get(id).expect("offered blocks have recorded checksums")))
+            .map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums")))
             .collect(),
     };
-    let end = Instant::now() + tcp::transfer_deadline((ids.len() * inner.block_bytes) as u64);
-    if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), inner.io_deadline()).is_err() {
-        Stats::add(&inner.stats.serve_aborted, 1);
+    let end = Instant::now() + tcp::transfer_deadline((ids.len() * cx.block_bytes) as u64);
+    if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), cx.io_deadline()).is_err() {
+        Stats::add(&cx.stats.serve_aborted, 1);
         return false;
     }
     // the reader moves the blocks at its own pace; its DONE (or the deadline) ends the pin
     // (a small copy is over within the poll)
-    c.poll_readable(inner.limits.poll);
+    c.poll_readable(cx.limits.poll);
     let mut done = [0u8; 8];
     let got = wire::read_header(c, wire::MAX_CONTROL, end)
         .ok()
@@ -200,12 +299,12 @@ pub(super) fn serve_in_place(
     match got {
         Some(()) => {
             let n = u64::from_le_bytes(done).min(ids.len() as u64);
-            Stats::add(&inner.stats.blocks_sent, n);
-            Stats::add(&inner.stats.bytes_sent, n * inner.block_bytes as u64);
+            Stats::add(&cx.stats.blocks_sent, n);
+            Stats::add(&cx.stats.bytes_sent, n * cx.block_bytes as u64);
             true
         }
         None => {
-            Stats::add(&inner.stats.serve_aborted, 1);
+            Stats::add(&cx.stats.serve_aborted, 1);
             false
         }
     }
@@ -218,7 +317,7 @@ pub(super) fn serve_in_place(
 /// blocks, then ends the source's pins with [`send_done`].
 #[allow(clippy::too_many_arguments)] // the connection, the expected offer, the job's bounds
 pub(super) fn read_in_place_offer(
-    inner: &Inner,
+    cx: &Cx<'_>,
     c: &mut dyn Conn,
     kind: u8,
     agent: Option<&str>,
@@ -227,8 +326,8 @@ pub(super) fn read_in_place_offer(
     buf: &mut Vec<u8>,
     land: &mut Landing<'_>,
 ) -> Result<wire::InPlaceOffer, Failure> {
-    let by = || inner.io_deadline().min(deadline);
-    let max = wire::max_in_place_offer(asked, inner.layout.segments().len());
+    let by = || cx.io_deadline().min(deadline);
+    let max = wire::max_in_place_offer(asked, cx.layout.segments().len());
     let (got, len) = wire::read_header(c, max, by()).map_err(|e| frame_fail(e, "the offer"))?;
     buf.resize(len, 0);
     c.read_by(buf, by()).map_err(|e| io_fail(&e, "the offer"))?;
@@ -241,7 +340,7 @@ pub(super) fn read_in_place_offer(
         (true, Some(o)) if agent.is_none_or(|a| o.agent == a) => o,
         _ => return Err((FailReason::Corrupt, "expected an in-place offer of this transport".into())),
     };
-    offer.check(&inner.layout, asked).map_err(|(mismatch, text)| {
+    offer.check(cx.layout, asked).map_err(|(mismatch, text)| {
         (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
     })?;
     Ok(offer)
@@ -249,8 +348,8 @@ pub(super) fn read_in_place_offer(
 
 /// Tell the source of an in-place offer that `n` leading blocks arrived and its pins can end
 /// (best effort: a source that does not hear it ends them at its deadline).
-pub(super) fn send_done(inner: &Inner, c: &mut dyn Conn, n: usize) {
-    let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), inner.io_deadline());
+pub(super) fn send_done(cx: &Cx<'_>, c: &mut dyn Conn, n: usize) {
+    let _ = wire::write_frame(c, wire::DONE, &(n as u64).to_le_bytes(), cx.io_deadline());
 }
 
 /// One way of moving a fetch's bytes. Implementations are thread-safe: every fetch worker and
@@ -261,7 +360,7 @@ pub(super) trait Backend: Send + Sync {
     fn hello(&self) -> u8;
 
     /// Connections a fetch of `blocks` blocks spreads over.
-    fn streams(&self, inner: &Inner, blocks: usize) -> usize;
+    fn streams(&self, cx: &Cx<'_>, blocks: usize) -> usize;
 
     /// Movers to make when the agent starts (one per stream a fetch may run at once).
     fn movers_at_start(&self, limits: &Limits) -> usize;
@@ -269,40 +368,33 @@ pub(super) trait Backend: Send + Sync {
     /// The speed assumed of a source before its first transfer.
     fn default_speed(&self, device_pool: bool) -> SourceSpeed;
 
-    /// Fetch side, after the hello went out on `c`: read the source's answer, move the offered
-    /// blocks of `job.asked` into `job.dst`, and let `land` verify and count each in order.
-    /// `Ok(true)`: every offered block arrived and `c` can carry the stream's next request.
-    /// When this returns, nothing of the backend writes into a destination block any more,
-    /// except the `land.withheld` blocks after the verified ones.
-    fn pull(
+    /// Fetch side, after the hello went out on `c`: read the source's answer and prepare the
+    /// transfer of the offered blocks of `job.asked` into `job.dst` (nothing is written yet).
+    /// An error before any handle exists: nothing was posted; the backend told the source
+    /// what it needs to hear (an in-place source's `DONE`).
+    fn prepare(
         &self,
-        inner: &Inner,
+        cx: &Cx<'_>,
         c: &mut dyn Conn,
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
-    ) -> Result<bool, Failure>;
+    ) -> Result<Box<dyn Transfer + '_>, Failure>;
 
     /// Serving side: serve the pinned blocks `ids` (names `names`) to a hello of kind
     /// [`Backend::hello`]. Whether the transfer ended cleanly (the connection can carry the
     /// peer's next request).
-    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool;
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool;
 
-    /// Whether the backend has something to look at again (destination blocks withheld, the
-    /// mappings of peers that may have gone): an idle fetch worker then calls
+    /// Whether the backend has something to look at again (the mappings of peers that may
+    /// have gone): an idle fetch worker then calls
     /// [`Backend::reap`] every 50 ms.
     fn wants_reap(&self) -> bool {
         false
     }
 
-    /// Hand back withheld blocks whose writes are over; let go of what gone peers left.
-    fn reap(&self, inner: &Inner) {
-        let _ = inner;
-    }
-
-    /// The agent stops (every thread joined): release the backend and return the blocks still
-    /// withheld (nothing can write them once the backend is gone).
-    fn teardown(self: Box<Self>) -> Vec<u32> {
-        Vec::new()
+    /// Let go of what gone peers left.
+    fn reap(&self, cx: &Cx<'_>) {
+        let _ = cx;
     }
 }
 
@@ -317,6 +409,10 @@ pub(super) unsafe fn open(
     layout: &KvLayout,
     device: Option<i32>,
 ) -> Result<Vec<Box<dyn Backend>>, AgentError> {
+    #[cfg(test)]
+    if let Some(b) = TEST_BACKEND.with(|t| t.borrow_mut().take()) {
+        return Ok(vec![b]);
+    }
     let chain = transport.chain().map_err(AgentError::Config)?;
     let mut out = Vec::with_capacity(chain.len());
     for t in chain {
@@ -324,6 +420,13 @@ pub(super) unsafe fn open(
         out.push(unsafe { open_one(t, layout, device) }?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A backend the next agent started on this thread uses instead of its transport's (unit
+    /// tests of the fetch's handling of transfers).
+    pub(super) static TEST_BACKEND: std::cell::RefCell<Option<Box<dyn Backend>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// One backend (not a preference list).

@@ -6,15 +6,68 @@
 use std::sync::mpsc;
 use std::time::Instant;
 
-use super::{frame_fail, io_fail, read_reply, refusal, Backend, Failure, Landing, Pull};
+use super::{frame_fail, io_fail, read_reply, refusal, Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes};
 use crate::agent::estimate::{SourceSpeed, TCP_DEFAULT};
 use crate::agent::pool::{Mover, SlotPtr};
 use crate::agent::wire::{self, Conn};
-use crate::agent::{FailReason, Inner, Limits, Stats};
+use crate::agent::{FailReason, Limits, Stats};
 use crate::checksum::kv_checksum;
 
 /// The TCP backend (it has no state of its own: the movers are the agent's).
 pub(in crate::agent) struct Tcp;
+
+/// A TCP transfer: the offered blocks arrive in frames, read, verified and scattered by one
+/// [`Transfer::check`] (pipelined inside it); every scatter has finished (or its mover was
+/// dropped, which waits) when the check returns, so its writes are always quiet.
+struct Frames {
+    count: usize,
+}
+
+impl Transfer for Frames {
+    fn count(&self) -> usize {
+        self.count
+    }
+
+    fn post(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _job: &mut Pull<'_>) -> Result<(), Failure> {
+        Ok(())
+    }
+
+    fn check(
+        &mut self,
+        cx: &Cx<'_>,
+        c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<Progress, Failure> {
+        let Some(mover) = job.mover.as_mut() else {
+            return Err((FailReason::Internal, "a TCP transfer without its mover".into()));
+        };
+        let deadline = job.deadline;
+        let by = || cx.io_deadline().min(deadline);
+        let r = receive(cx, c, job.dst, job.asked, self.count, mover, job.stopped, &by, land);
+        // every scatter into the destination blocks has finished before the completion is
+        // delivered; a mover whose stream cannot be waited for is dropped, never reused
+        if let Err(e) = mover.finish() {
+            *job.mover = None;
+            // nothing can be shown to have landed: commit none of it
+            land.blocks = 0;
+            return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
+        }
+        // every offered block was read: the stream is at a frame boundary again
+        r.map(|()| Progress::Done { reusable: land.blocks == self.count })
+    }
+
+    fn quiet(&mut self, _until: Instant) -> bool {
+        true
+    }
+
+    fn release(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _landed: usize, _failed: Option<FailReason>, _quiet: bool) {}
+
+    /// Its writes are the mover's copies, finished or waited for by the mover's drop.
+    fn into_writes(self: Box<Self>) -> Option<Box<dyn Writes>> {
+        None
+    }
+}
 
 impl Backend for Tcp {
     fn hello(&self) -> u8 {
@@ -23,10 +76,10 @@ impl Backend for Tcp {
 
     /// `Limits::streams`, but each stream moves at least `Limits::min_stream_bytes` (small
     /// fetches use one).
-    fn streams(&self, inner: &Inner, blocks: usize) -> usize {
-        let bytes = (blocks as u64).saturating_mul(inner.block_bytes as u64);
-        let by_size = usize::try_from(bytes / inner.limits.min_stream_bytes).unwrap_or(usize::MAX).max(1);
-        (inner.limits.streams as usize).min(by_size).min(blocks).max(1)
+    fn streams(&self, cx: &Cx<'_>, blocks: usize) -> usize {
+        let bytes = (blocks as u64).saturating_mul(cx.block_bytes as u64);
+        let by_size = usize::try_from(bytes / cx.limits.min_stream_bytes).unwrap_or(usize::MAX).max(1);
+        (cx.limits.streams as usize).min(by_size).min(blocks).max(1)
     }
 
     fn movers_at_start(&self, limits: &Limits) -> usize {
@@ -37,17 +90,17 @@ impl Backend for Tcp {
         TCP_DEFAULT
     }
 
-    fn pull(
+    fn prepare(
         &self,
-        inner: &Inner,
+        cx: &Cx<'_>,
         c: &mut dyn Conn,
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
-    ) -> Result<bool, Failure> {
-        let by = || inner.io_deadline().min(job.deadline);
-        let kind = read_reply(c, &mut job.scratch.buf, wire::MAX_CONTROL, "the offer", by())?;
+    ) -> Result<Box<dyn Transfer + '_>, Failure> {
+        let by = cx.io_deadline().min(job.deadline);
+        let kind = read_reply(c, &mut job.scratch.buf, wire::MAX_CONTROL, "the offer", by)?;
         land.offered = true;
-        let bb = inner.block_bytes;
+        let bb = cx.block_bytes;
         let (count, offered_bb) = match (kind, wire::decode_offer(&job.scratch.buf)) {
             (wire::OFFER, Some(o)) => o,
             _ => return Err((FailReason::Corrupt, "expected an offer".into())),
@@ -63,24 +116,13 @@ impl Backend for Tcp {
             // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
             // contract); the mover writes only this fetch's destination blocks, which the
             // runtime leaves alone until the fetch completes.
-            *job.mover = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
+            *job.mover = Some(unsafe { cx.movers.take(cx.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
         }
-        let mover = job.mover.as_mut().expect("set above");
-        let r = receive(inner, c, job.dst, job.asked, count, mover, job.stopped, &by, land);
-        // every scatter into the destination blocks has finished before the completion is
-        // delivered; a mover whose stream cannot be waited for is dropped, never reused
-        if let Err(e) = mover.finish() {
-            *job.mover = None;
-            // nothing can be shown to have landed: commit none of it
-            land.blocks = 0;
-            return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
-        }
-        // every offered block was read: the stream is at a frame boundary again
-        r.map(|()| land.blocks == count)
+        Ok(Box::new(Frames { count }))
     }
 
-    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
-        serve(inner, c, ids, names)
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
+        serve(cx, c, ids, names)
     }
 }
 
@@ -90,7 +132,7 @@ impl Backend for Tcp {
 /// verified count grows in order; the earliest failure in block order is the answer.
 #[allow(clippy::too_many_arguments)]
 fn receive(
-    inner: &Inner,
+    cx: &Cx<'_>,
     c: &mut dyn Conn,
     dst: &[u32],
     asked: &[u64],
@@ -100,7 +142,7 @@ fn receive(
     by: &dyn Fn() -> Instant,
     land: &mut Landing<'_>,
 ) -> Result<(), Failure> {
-    let bb = inner.block_bytes;
+    let bb = cx.block_bytes;
     let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
     let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
     let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
@@ -166,23 +208,23 @@ pub(in crate::agent) fn transfer_deadline(bytes: u64) -> std::time::Duration {
 /// Serve the pinned blocks `ids` (names `names`) in frames: the offer, then each block with its
 /// name and recorded checksum, gathered by a helper thread into one slot while this thread
 /// sends the other. Whether it ended cleanly.
-pub(in crate::agent) fn serve(inner: &Inner, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
-    let bb = inner.block_bytes;
+pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
+    let bb = cx.block_bytes;
     let offered = ids.len();
-    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), inner.io_deadline()).is_err() {
-        Stats::add(&inner.stats.serve_aborted, 1);
+    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), cx.io_deadline()).is_err() {
+        Stats::add(&cx.stats.serve_aborted, 1);
         return false;
     }
     if offered == 0 {
         return true;
     }
     let end = Instant::now() + transfer_deadline((offered * bb) as u64);
-    let by = |inner: &Inner| inner.io_deadline().min(end);
+    let by = |cx: &Cx<'_>| cx.io_deadline().min(end);
     // SAFETY: the layout's blocks are memory valid for the agent's life (`Agent::new`'s
     // contract); the mover only reads the pinned blocks `ids`, which the runtime does not write
     // while they are pinned.
-    let Ok(mut mover) = (unsafe { inner.movers.take(&inner.layout) }) else {
-        Stats::add(&inner.stats.serve_aborted, 1);
+    let Ok(mut mover) = (unsafe { cx.movers.take(cx.layout) }) else {
+        Stats::add(&cx.stats.serve_aborted, 1);
         return false;
     };
     let chunk = mover.slot_blocks;
@@ -215,19 +257,19 @@ pub(in crate::agent) fn serve(inner: &Inner, c: &mut dyn Conn, ids: &[u32], name
             let staged = unsafe { std::slice::from_raw_parts(slots[k].0, part.len() * bb) };
             for (j, &id) in part.iter().enumerate() {
                 let i = ci * chunk + j;
-                let sum = inner.sums.get(id).expect("offered blocks have recorded checksums");
+                let sum = cx.sums.get(id).expect("offered blocks have recorded checksums");
                 let mut head = [0u8; 28];
                 head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
                 head[12..20].copy_from_slice(&names[i].to_le_bytes());
                 head[20..28].copy_from_slice(&sum.to_le_bytes());
-                if c.write_by(&head, by(inner)).is_err()
-                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(inner)).is_err()
+                if c.write_by(&head, by(cx)).is_err()
+                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(cx)).is_err()
                 {
                     ok = false;
                     break 'send;
                 }
-                Stats::add(&inner.stats.blocks_sent, 1);
-                Stats::add(&inner.stats.bytes_sent, bb as u64);
+                Stats::add(&cx.stats.blocks_sent, 1);
+                Stats::add(&cx.stats.bytes_sent, bb as u64);
             }
             let _ = free_tx.send(k);
         }
@@ -238,13 +280,13 @@ pub(in crate::agent) fn serve(inner: &Inner, c: &mut dyn Conn, ids: &[u32], name
     let ok = sent_ok && gathered_ok;
     if !gathered_ok {
         // a mover whose copy failed is not reused
-        Stats::add(&inner.stats.serve_aborted, 1);
+        Stats::add(&cx.stats.serve_aborted, 1);
         return false;
     }
     // gathers are waited for inside `gather`: nothing of this mover is in flight
-    inner.movers.put(mover);
+    cx.movers.put(mover);
     if !ok {
-        Stats::add(&inner.stats.serve_aborted, 1);
+        Stats::add(&cx.stats.serve_aborted, 1);
     }
     ok
 }

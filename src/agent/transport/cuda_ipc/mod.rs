@@ -56,10 +56,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{read_in_place_offer, send_done, vmm_fds, Backend, Failure, Landing, Pull};
+use super::{read_in_place_offer, send_done, vmm_fds, Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
 use crate::agent::wire::{self, Conn};
-use crate::agent::{FailReason, Inner, Limits, Stats};
+use crate::agent::{FailReason, Limits, Stats};
 use crate::copy::{CudaDevice, IpcExport, KvLayout, VmmChunk, VmmHandle};
 use offer::{decode_exports, encode_exports, host_id, Exports, VmmOffer, MAX_VMM_CHUNKS, MAX_VMM_RANGES};
 pub use plan::check_offer_plans;
@@ -228,7 +228,7 @@ impl CudaIpc {
     /// themselves), and the mappings to hold until the copies through them synchronized. A
     /// source's virtual-memory ranges not mapped yet take its descriptors first, over its
     /// socket, by `deadline`.
-    fn map(&self, inner: &Inner, e: &Exports, deadline: Instant) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
+    fn map(&self, cx: &Cx<'_>, e: &Exports, deadline: Instant) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
         if e.pid == self.pid && e.host == self.host {
             return Ok((e.ranges().iter().map(|r| r.0).collect(), Vec::new()));
         }
@@ -254,7 +254,7 @@ impl CudaIpc {
                     return Err((FailReason::Corrupt, "CUDA IPC: the offer names another process's socket".into()));
                 }
                 handles.reserve(v.chunks());
-                let by = inner.io_deadline().min(deadline);
+                let by = cx.io_deadline().min(deadline);
                 vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, |fd| {
                     // SAFETY: a descriptor the source process of this host sent as one of its
                     // exported allocations (the driver refuses any other file).
@@ -274,7 +274,7 @@ impl CudaIpc {
         let mut added = false;
         let room = |m: &mut HashMap<MappedKey, Arc<Mapping>>| {
             if m.len() >= MAX_MAPPED {
-                self.sweep_locked(inner, m);
+                self.sweep_locked(cx, m);
             }
             if m.len() >= MAX_MAPPED {
                 return Err((FailReason::Refused, format!("CUDA IPC: {MAX_MAPPED} source allocations mapped already")));
@@ -358,14 +358,14 @@ impl CudaIpc {
             Ok(())
         })();
         if added {
-            self.count(inner, &m);
+            self.count(cx, &m);
         }
         r.map(|()| (out, held))
     }
 
     /// Drop the mappings of source processes that no longer run (each unmapped once no fetch
     /// holds it).
-    fn sweep_locked(&self, inner: &Inner, m: &mut HashMap<MappedKey, Arc<Mapping>>) {
+    fn sweep_locked(&self, cx: &Cx<'_>, m: &mut HashMap<MappedKey, Arc<Mapping>>) {
         let before = m.len();
         let mut gone: Vec<u32> = Vec::new();
         m.retain(|&(_, pid, _), mapping| {
@@ -382,15 +382,15 @@ impl CudaIpc {
             runs
         });
         if m.len() < before {
-            Stats::add(&inner.stats.ipc_unmapped, (before - m.len()) as u64);
-            self.count(inner, m);
+            Stats::add(&cx.stats.ipc_unmapped, (before - m.len()) as u64);
+            self.count(cx, m);
         }
     }
 
     /// After the table changed: the gauge of mappings, and how many of them a sweep can let go.
-    fn count(&self, inner: &Inner, m: &HashMap<MappedKey, Arc<Mapping>>) {
+    fn count(&self, cx: &Cx<'_>, m: &HashMap<MappedKey, Arc<Mapping>>) {
         self.watched_now.store(m.values().filter(|p| p.watched).count(), Ordering::Relaxed);
-        inner.stats.ipc_mapped_now.store(m.len() as u64, Ordering::Relaxed);
+        cx.stats.ipc_mapped_now.store(m.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -402,13 +402,106 @@ impl Drop for CudaIpc {
     }
 }
 
+/// A CUDA IPC transfer: the offered blocks are copied device to device (and summed) when it is
+/// posted, synchronously on the stream's mover, and verified by its check. The mappings it
+/// reads through are held until it goes.
+struct Copies {
+    offer: wire::InPlaceOffer,
+    /// The source's exported ranges (as it offered them) and their bases as mapped here.
+    ranges: Vec<(u64, u64)>,
+    mapped: Vec<u64>,
+    _held: Vec<Arc<Mapping>>,
+}
+
+impl Transfer for Copies {
+    fn count(&self) -> usize {
+        self.offer.blocks.len()
+    }
+
+    fn post(&mut self, cx: &Cx<'_>, _c: &mut dyn Conn, job: &mut Pull<'_>) -> Result<(), Failure> {
+        let (offer, scratch) = (&self.offer, &mut *job.scratch);
+        let count = offer.blocks.len();
+        // one kernel that copies and sums where every segment's blocks lie in one exported
+        // allocation (the usual pool); else one copy per contiguous run, then the sums
+        let fused = plan_segments(&offer.segments, &self.ranges, &self.mapped, &offer.blocks, &mut scratch.segs);
+        if !fused {
+            plan_copies(
+                cx.layout,
+                &offer.segments,
+                &self.ranges,
+                &self.mapped,
+                &offer.blocks,
+                &job.dst[..count],
+                &mut scratch.runs,
+            )
+            .map_err(|e| (FailReason::Corrupt, e))?;
+        }
+        (job.stopped)()?;
+        if job.mover.is_none() {
+            // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover writes
+            // only this fetch's destination blocks.
+            *job.mover = Some(unsafe { cx.movers.take(cx.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
+        }
+        let mover = job.mover.as_mut().expect("set above");
+        let ids = &job.dst[..count];
+        scratch.sums.clear();
+        scratch.sums.resize(count, 0);
+        let copied = if fused {
+            scratch.ids.clear();
+            scratch.ids.extend(offer.blocks.iter().map(|b| b.0));
+            // SAFETY: the destinations are this fetch's blocks; every offered block's segment
+            // lies inside an allocation the source exported (`plan_segments`), mapped and held
+            // here (`_held`), and pinned at the source until our DONE.
+            unsafe { mover.copy_sum_from(&scratch.segs, &scratch.ids, ids, &mut scratch.sums) }
+        } else {
+            // SAFETY: every run's destination is one of this fetch's blocks; every source range
+            // lies inside an allocation the source exported (`plan_copies`), mapped and held
+            // here, pinned until our DONE.
+            unsafe { mover.copy_in_and_sum(&scratch.runs, ids, &mut scratch.sums) }
+        };
+        if let Err(e) = copied {
+            *job.mover = None; // a mover whose stream failed is not reused (its drop waits)
+            return Err((FailReason::Truncated, format!("CUDA IPC copy: {e}")));
+        }
+        Ok(())
+    }
+
+    fn check(
+        &mut self,
+        _cx: &Cx<'_>,
+        _c: &mut dyn Conn,
+        job: &mut Pull<'_>,
+        land: &mut Landing<'_>,
+    ) -> Result<Progress, Failure> {
+        for (i, &sum) in job.scratch.sums.iter().enumerate().take(self.offer.blocks.len()) {
+            Landing::check(i, sum, self.offer.blocks[i].1)?;
+            land.landed(i, sum);
+        }
+        Ok(Progress::Done { reusable: true })
+    }
+
+    /// The copies synchronized inside `post` (or their mover was dropped, which waits).
+    fn quiet(&mut self, _until: Instant) -> bool {
+        true
+    }
+
+    fn release(&mut self, cx: &Cx<'_>, c: &mut dyn Conn, landed: usize, _failed: Option<FailReason>, _quiet: bool) {
+        send_done(cx, c, landed);
+    }
+
+    /// Its writes are the mover's copies, finished or waited for by the mover's drop.
+    fn into_writes(self: Box<Self>) -> Option<Box<dyn Writes>> {
+        None
+    }
+}
+
 impl Backend for CudaIpc {
     fn hello(&self) -> u8 {
         wire::IPC_HELLO
     }
 
     /// One: a copy engine moves a whole run.
-    fn streams(&self, _inner: &Inner, _blocks: usize) -> usize {
+    fn streams(&self, _cx: &Cx<'_>, _blocks: usize) -> usize {
         1
     }
 
@@ -420,22 +513,21 @@ impl Backend for CudaIpc {
         CUDA_IPC_DEFAULT
     }
 
-    fn pull(
+    fn prepare(
         &self,
-        inner: &Inner,
+        cx: &Cx<'_>,
         c: &mut dyn Conn,
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
-    ) -> Result<bool, Failure> {
-        let scratch = &mut *job.scratch;
+    ) -> Result<Box<dyn Transfer + '_>, Failure> {
         let offer = read_in_place_offer(
-            inner,
+            cx,
             c,
             wire::IPC_OFFER,
             Some(AGENT),
             job.asked.len(),
             job.deadline,
-            &mut scratch.buf,
+            &mut job.scratch.buf,
             land,
         )?;
         let r = (|| {
@@ -454,66 +546,23 @@ impl Backend for CudaIpc {
             if offer.blocks.is_empty() {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
-            let (mapped, _held) = self.map(inner, &exports, job.deadline).inspect_err(|e| {
+            let (mapped, held) = self.map(cx, &exports, job.deadline).inspect_err(|e| {
                 // memory this process cannot map (another IPC namespace, say): TCP may do
                 land.unusable = e.0 == FailReason::Connect;
             })?;
-            let count = offer.blocks.len();
-            // one kernel that copies and sums where every segment's blocks lie in one exported
-            // allocation (the usual pool); else one copy per contiguous run, then the sums
-            let ranges = exports.ranges();
-            let fused = plan_segments(&offer.segments, &ranges, &mapped, &offer.blocks, &mut scratch.segs);
-            if !fused {
-                plan_copies(
-                    &inner.layout,
-                    &offer.segments,
-                    &ranges,
-                    &mapped,
-                    &offer.blocks,
-                    &job.dst[..count],
-                    &mut scratch.runs,
-                )
-                .map_err(|e| (FailReason::Corrupt, e))?;
-            }
-            (job.stopped)()?;
-            if job.mover.is_none() {
-                // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover writes
-                // only this fetch's destination blocks.
-                *job.mover = Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
-            }
-            let mover = job.mover.as_mut().expect("set above");
-            let ids = &job.dst[..count];
-            scratch.sums.clear();
-            scratch.sums.resize(count, 0);
-            let copied = if fused {
-                scratch.ids.clear();
-                scratch.ids.extend(offer.blocks.iter().map(|b| b.0));
-                // SAFETY: the destinations are this fetch's blocks; every offered block's
-                // segment lies inside an allocation the source exported (`plan_segments`),
-                // mapped and held here (`_held`), and pinned at the source until our DONE.
-                unsafe { mover.copy_sum_from(&scratch.segs, &scratch.ids, ids, &mut scratch.sums) }
-            } else {
-                // SAFETY: every run's destination is one of this fetch's blocks; every source
-                // range lies inside an allocation the source exported (`plan_copies`), mapped
-                // and held here, pinned until our DONE.
-                unsafe { mover.copy_in_and_sum(&scratch.runs, ids, &mut scratch.sums) }
-            };
-            if let Err(e) = copied {
-                *job.mover = None; // a mover whose stream failed is not reused
-                return Err((FailReason::Truncated, format!("CUDA IPC copy: {e}")));
-            }
-            for (i, &sum) in scratch.sums.iter().enumerate() {
-                Landing::check(i, sum, offer.blocks[i].1)?;
-                land.landed(i, sum);
-            }
-            Ok(())
+            Ok((exports, mapped, held))
         })();
-        send_done(inner, c, land.blocks);
-        r.map(|()| true)
+        match r {
+            Ok((exports, mapped, held)) => Ok(Box::new(Copies { offer, ranges: exports.ranges(), mapped, _held: held })),
+            Err(e) => {
+                send_done(cx, c, 0);
+                Err(e)
+            }
+        }
     }
 
-    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
-        super::serve_in_place(inner, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
+        super::serve_in_place(cx, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
     }
 
     /// While memory of other processes that can be looked at is mapped here: the fetch
@@ -523,8 +572,8 @@ impl Backend for CudaIpc {
         self.watched_now.load(Ordering::Relaxed) > 0
     }
 
-    fn reap(&self, inner: &Inner) {
+    fn reap(&self, cx: &Cx<'_>) {
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        self.sweep_locked(inner, &mut m);
+        self.sweep_locked(cx, &mut m);
     }
 }

@@ -25,33 +25,37 @@
 //!   the checksum kernel) and counts it verified when the sum matches. The first mismatch
 //!   stops the fetch (`corrupt`). `DONE` tells the source how many blocks were taken; it then
 //!   unpins them (or after its transfer deadline, when no `DONE` comes).
-//! - **When a fetch ends early** (failure, cancel, deadline) with READs still posted, each gets
-//!   the `write_grace` limit (1 s by default) to finish or fail. One that still runs cannot be proven stopped, so the
-//!   destination blocks after the verified ones are **withheld**: the completion reports them
-//!   (`FetchResult::withheld`), the runtime must not reuse them, and the agent hands them back
-//!   through [`crate::agent::BlockHolder::returned`] once their READs are over (checked by the fetch
-//!   workers every 50 ms, and at shutdown after the NIXL agent is gone), counted in
-//!   `blocks_withheld` and `blocks_returned`. Nothing is lost and nothing is reused under a write.
+//! - **When a fetch ends early** (failure, cancel, deadline, or a panic anywhere in it) with
+//!   READs still posted: the fetch, not this module, owns that (`transfer.rs` is the handle, in
+//!   NIXL's own prepare/post/check/release shape). Each READ gets the `write_grace` limit (1 s
+//!   by default) to finish or fail; one that still runs cannot be proven stopped, so the
+//!   destination blocks after the verified ones (all of them after a panic) are **withheld**:
+//!   the completion reports them (`FetchResult::withheld`), the runtime must not reuse them,
+//!   and the agent hands them back through [`crate::agent::BlockHolder::returned`] once NIXL
+//!   reports their READs over (checked by the fetch workers every 50 ms; at shutdown the READs
+//!   are released before the NIXL agent goes), counted in `blocks_withheld` and
+//!   `blocks_returned`. The source agent stays loaded while they run. Nothing is lost and
+//!   nothing is reused under a write.
 //! - **Staged transfers** (a GPU pool read through pinned host slots) are not part of the agent:
 //!   UCX moves VRAM itself (CUDA IPC on one host, GPUDirect RDMA across hosts).
 
 mod plan;
 mod remotes;
+mod transfer;
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync, XferDescList, XferOp};
-use nixl_sys::{XferRequest, XferStatus};
+use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync};
 
-use super::{read_in_place_offer, send_done, Backend, Failure, Landing, Pull};
+use super::{read_in_place_offer, send_done, Backend, Cx, Failure, Landing, Pull, Transfer};
 use crate::agent::estimate::{SourceSpeed, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT};
 use crate::agent::wire::{self, Conn};
-use crate::agent::{FailReason, Inner, Limits, Stats};
+use crate::agent::{FailReason, Limits, Stats};
 use crate::copy::KvLayout;
-use plan::{merge_runs, slow_device_read};
+use plan::slow_device_read;
 use remotes::{LoadMark, Remotes, Step};
 
 /// Bytes per NIXL request into host memory: the READs of a run are cut into requests of about
@@ -197,43 +201,41 @@ fn extents(layout: &KvLayout) -> Vec<(u64, u64)> {
     out.into_iter().map(|(a, b)| (a, b - a)).collect()
 }
 
-/// Destination blocks whose READs could not be proven stopped, with those READs.
-struct Withheld {
-    reqs: Vec<XferRequest>,
-    ids: Vec<u32>,
-    /// The source NIXL agent the READs read from: its metadata stays loaded until they are over.
-    agent: String,
+/// The remote agents' table and the condition its loads signal, shared with the transfers
+/// (and the withheld READs) that use an agent of it.
+struct Table {
+    remotes: Mutex<Remotes>,
+    /// Signalled when a load ends.
+    cv: Condvar,
 }
 
 /// This instance's NIXL agent with its pool registered.
 pub(in crate::agent) struct Nixl {
-    // Field order is drop order: the withheld requests and the registrations go before the
-    // agent (each also keeps the agent's inner state alive until it is gone).
-    withheld: Mutex<Vec<Withheld>>,
+    // Field order is drop order: the registrations go before the agent (each also keeps the
+    // agent's inner state alive until it is gone). READs withheld by the agent hold a clone of
+    // the agent; the agent drops them before its backends.
     _registrations: Vec<RegistrationHandle>,
     agent: nixl_sys::Agent,
     name: String,
     metadata: Vec<u8>,
     device: Option<i32>,
     /// Remote agents whose metadata is loaded (with that metadata) or being loaded: bounded
-    /// ([`remotes`]).
-    loaded: Mutex<Remotes>,
-    /// Signalled when a load ends.
-    loaded_cv: Condvar,
+    /// ([`remotes`]); an agent a transfer or a withheld READ uses is never dropped.
+    table: Arc<Table>,
     /// A slow device READ was written to standard error already ([`slow_device_read`]).
     warned_slow: AtomicBool,
 }
 
-/// A fetch's use of a loaded remote agent: released when dropped (the table never drops an
-/// agent a fetch uses).
-struct RemoteUse<'a> {
-    nx: &'a Nixl,
-    name: &'a str,
+/// A use of a loaded remote agent, by a transfer or by its withheld READs: released when
+/// dropped (the table never drops an agent in use).
+struct RemoteUse {
+    table: Arc<Table>,
+    name: String,
 }
 
-impl Drop for RemoteUse<'_> {
+impl Drop for RemoteUse {
     fn drop(&mut self) {
-        self.nx.loaded.lock().unwrap_or_else(|e| e.into_inner()).release(self.name);
+        self.table.remotes.lock().unwrap_or_else(|e| e.into_inner()).release(&self.name);
     }
 }
 
@@ -286,14 +288,12 @@ impl Nixl {
             return Err(format!("NIXL: local metadata of {} bytes (at most {MAX_METADATA})", metadata.len()));
         }
         Ok(Nixl {
-            withheld: Mutex::new(Vec::new()),
             _registrations: registrations,
             agent,
             name,
             metadata,
             device,
-            loaded: Mutex::new(Remotes::default()),
-            loaded_cv: Condvar::new(),
+            table: Arc::new(Table { remotes: Mutex::new(Remotes::default()), cv: Condvar::new() }),
             warned_slow: AtomicBool::new(false),
         })
     }
@@ -301,23 +301,26 @@ impl Nixl {
     /// Load the metadata of source agent `name` unless the same is loaded already; the use
     /// holds it in the table until dropped.
     ///
-    /// `loaded` is held only to look up and record, never across NIXL's `load_remote_md` (which
-    /// sets up UCX endpoints): a fetch from one source never waits behind another source's
-    /// load. A fetch that finds the same source being loaded by another waits for that load
-    /// (until `deadline`, checking `stopped`), so NIXL never loads one agent twice at once.
-    /// Agents the table drops to stay within its bounds are invalidated here, after the load.
-    fn ensure_remote<'a>(
-        &'a self,
-        name: &'a str,
+    /// The table's lock is held only to look up and record, never across NIXL's
+    /// `load_remote_md` (which sets up UCX endpoints): a fetch from one source never waits
+    /// behind another source's load. A fetch that finds the same source being loaded by another
+    /// waits for that load (until `deadline`, checking `stopped`), so NIXL never loads one agent
+    /// twice at once. Agents the table drops to stay within its bounds are invalidated here,
+    /// after the load.
+    fn ensure_remote(
+        &self,
+        name: &str,
         md: &[u8],
         deadline: Instant,
         stopped: &dyn Fn() -> Result<(), Failure>,
-    ) -> Result<RemoteUse<'a>, Failure> {
+    ) -> Result<RemoteUse, Failure> {
+        let table = &self.table;
+        let used = || RemoteUse { table: table.clone(), name: name.to_string() };
         let stale = {
-            let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+            let mut loaded = table.remotes.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 match loaded.begin(name, md) {
-                    Step::Ready => return Ok(RemoteUse { nx: self, name }),
+                    Step::Ready => return Ok(used()),
                     Step::Load { stale } => break stale,
                     Step::Wait => {
                         stopped()?;
@@ -329,13 +332,13 @@ impl Nixl {
                             ));
                         }
                         let slice = (deadline - now).min(Duration::from_millis(20));
-                        loaded = self.loaded_cv.wait_timeout(loaded, slice).unwrap_or_else(|e| e.into_inner()).0;
+                        loaded = table.cv.wait_timeout(loaded, slice).unwrap_or_else(|e| e.into_inner()).0;
                     }
                 }
             }
         };
         // the "loading" mark is this fetch's now: cleared by the mark's drop if the load panics
-        let mark = LoadMark::new(&self.loaded, &self.loaded_cv, name);
+        let mark = LoadMark::new(&table.remotes, &table.cv, name);
         let r = (|| {
             if stale {
                 let _ = self.agent.invalidate_remote_md(name);
@@ -350,66 +353,21 @@ impl Nixl {
             }
             Ok(())
         })();
-        let withheld: Vec<String> =
-            self.withheld.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|w| w.agent.clone()).collect();
-        let dropped = mark.finish(r.as_ref().ok().map(|()| md), &|n| withheld.iter().any(|w| w == n));
+        let dropped = mark.finish(r.as_ref().ok().map(|()| md));
         for n in dropped {
             let _ = self.agent.invalidate_remote_md(&n);
         }
-        r.map(|()| RemoteUse { nx: self, name })
+        r.map(|()| used())
     }
 
-    /// Forget a source agent after a failure (the next fetch loads it afresh), unless READs
-    /// from it are withheld: NIXL would then fail their status before they stopped.
+    /// Forget a source agent after a failure (the next fetch loads it afresh), unless a
+    /// transfer or withheld READs still use it: NIXL would then fail their status before they
+    /// stopped.
     fn forget_remote(&self, name: &str) {
-        if self.withheld.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|w| w.agent == name) {
-            return;
-        }
-        let forgotten = self.loaded.lock().unwrap_or_else(|e| e.into_inner()).forget(name);
+        let forgotten = self.table.remotes.lock().unwrap_or_else(|e| e.into_inner()).forget(name);
         if forgotten {
             let _ = self.agent.invalidate_remote_md(name);
         }
-    }
-
-    /// Hand back every withheld run whose READs are all over (done or failed). Cheap when none.
-    fn reap_withheld(&self, inner: &Inner) {
-        let done: Vec<Withheld> = {
-            let mut w = self.withheld.lock().unwrap_or_else(|e| e.into_inner());
-            if w.is_empty() {
-                return;
-            }
-            let mut done = Vec::new();
-            let mut i = 0;
-            while i < w.len() {
-                let over =
-                    w[i].reqs.iter().all(|r| !matches!(self.agent.get_xfer_status(r), Ok(XferStatus::InProgress)));
-                if over {
-                    done.push(w.swap_remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-            done
-        };
-        for d in done {
-            drop(d.reqs);
-            inner.give_back(&d.ids);
-        }
-    }
-
-    /// Tear the NIXL agent down (at the agent's shutdown, after every thread stopped) and return
-    /// the ids of blocks still withheld: with the UCX backend gone nothing writes into them.
-    fn tear_down(self) -> Vec<u32> {
-        let withheld = std::mem::take(&mut *self.withheld.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut ids = Vec::new();
-        let mut reqs = Vec::new();
-        for w in withheld {
-            ids.extend_from_slice(&w.ids);
-            reqs.extend(w.reqs);
-        }
-        drop(reqs);
-        drop(self);
-        ids
     }
 }
 
@@ -419,7 +377,7 @@ impl Backend for Nixl {
     }
 
     /// One: UCX spreads a READ itself.
-    fn streams(&self, _inner: &Inner, _blocks: usize) -> usize {
+    fn streams(&self, _cx: &Cx<'_>, _blocks: usize) -> usize {
         1
     }
 
@@ -435,253 +393,45 @@ impl Backend for Nixl {
         }
     }
 
-    fn pull(
+    /// Reads the offer, checks it against this agent's layout and loads the source agent's
+    /// metadata (once per source agent); the READs are built and posted by
+    /// [`Transfer::post`].
+    fn prepare(
         &self,
-        inner: &Inner,
+        cx: &Cx<'_>,
         c: &mut dyn Conn,
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
-    ) -> Result<bool, Failure> {
-        pull(inner, self, c, job.asked, job.dst, job.deadline, job.stopped, &mut job.scratch.buf, land).map(|()| true)
-    }
-
-    fn serve(&self, inner: &Inner, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
-        super::serve_in_place(inner, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device)
-    }
-
-    fn wants_reap(&self) -> bool {
-        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
-    }
-
-    fn reap(&self, inner: &Inner) {
-        self.reap_withheld(inner);
-    }
-
-    fn teardown(self: Box<Self>) -> Vec<u32> {
-        (*self).tear_down()
-    }
-}
-
-/// A posted READ of blocks `range` of the offer.
-struct Pending {
-    range: std::ops::Range<usize>,
-    req: XferRequest,
-    /// Posted and not seen finished (successfully or not).
-    in_flight: bool,
-}
-
-fn nixl_err(what: &str, e: nixl_sys::NixlError) -> Failure {
-    (FailReason::Truncated, format!("NIXL {what}: {e:?}"))
-}
-
-/// Wait for `p` until `deadline` (spin briefly, then poll every 20 us); `stopped` is checked
-/// between polls.
-fn wait(
-    nx: &Nixl,
-    p: &mut Pending,
-    deadline: Instant,
-    stopped: &dyn Fn() -> Result<(), Failure>,
-) -> Result<(), Failure> {
-    let mut spins = 0u32;
-    while p.in_flight {
-        match nx.agent.get_xfer_status(&p.req) {
-            Ok(XferStatus::Success) => p.in_flight = false,
-            Ok(XferStatus::InProgress) => {
-                if Instant::now() >= deadline {
-                    return Err((FailReason::Timeout, "a NIXL READ ran past the deadline".into()));
-                }
-                stopped()?;
-                spins += 1;
-                if spins < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(Duration::from_micros(20));
-                }
-            }
+    ) -> Result<Box<dyn Transfer + '_>, Failure> {
+        let offer =
+            read_in_place_offer(cx, c, wire::NIXL_OFFER, None, job.asked.len(), job.deadline, &mut job.scratch.buf, land)?;
+        if offer.blocks.is_empty() {
+            send_done(cx, c, 0);
+            return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+        }
+        match self.ensure_remote(&offer.agent, &offer.metadata, job.deadline, job.stopped) {
+            Ok(used) => Ok(Box::new(transfer::Reads::new(self, offer, used))),
             Err(e) => {
-                p.in_flight = false; // finished, with an error
-                return Err(nixl_err("READ", e));
+                send_done(cx, c, 0);
+                // UCX cannot reach that source's memory from here: TCP may (when the agent falls back)
+                land.unusable = e.0 == FailReason::Connect;
+                Err(e)
             }
         }
     }
-    Ok(())
-}
 
-/// Fetch over NIXL after the handshake: `asked` names went out in a `NIXL_HELLO` on `c`. Reads
-/// the offer (into `buf`), READs the blocks into `dst`, and lets `land` verify and count them
-/// in order.
-#[allow(clippy::too_many_arguments)]
-fn pull(
-    inner: &Inner,
-    nx: &Nixl,
-    c: &mut dyn Conn,
-    asked: &[u64],
-    dst: &[u32],
-    deadline: Instant,
-    stopped: &dyn Fn() -> Result<(), Failure>,
-    buf: &mut Vec<u8>,
-    land: &mut Landing<'_>,
-) -> Result<(), Failure> {
-    let offer = read_in_place_offer(inner, c, wire::NIXL_OFFER, None, asked.len(), deadline, buf, land)?;
-    let count = offer.blocks.len();
-    let done = |c: &mut dyn Conn, n: usize| send_done(inner, c, n);
-    if count == 0 {
-        done(c, 0);
-        return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
+        super::serve_in_place(cx, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device)
     }
-    let used = match nx.ensure_remote(&offer.agent, &offer.metadata, deadline, stopped) {
-        Ok(u) => u,
-        Err(e) => {
-            done(c, 0);
-            // UCX cannot reach that source's memory from here: TCP may (when the agent falls back)
-            land.unusable = e.0 == FailReason::Connect;
-            return Err(e);
-        }
-    };
-    let mut reqs = Vec::new();
-    let r = read_into(inner, nx, &offer, dst, deadline, stopped, land, &mut reqs);
-    // every READ must be over before the blocks after the verified ones go back (and before
-    // the source's metadata may be dropped: NIXL then fails the status of a READ it has not
-    // stopped, which must not read as "over")
-    let grace = Instant::now() + inner.limits.write_grace;
-    let mut running = false;
-    for p in reqs.iter_mut().filter(|p| p.in_flight) {
-        let _ = wait(nx, p, grace, &|| Ok(()));
-        running |= p.in_flight;
-    }
-    if running {
-        let ids = dst[land.blocks..count].to_vec();
-        land.withheld = ids.len();
-        Stats::add(&inner.stats.blocks_withheld, ids.len() as u64);
-        let reqs = reqs.into_iter().map(|p| p.req).collect();
-        let agent = offer.agent.clone();
-        nx.withheld.lock().unwrap_or_else(|e| e.into_inner()).push(Withheld { reqs, ids, agent });
-    } else if matches!(&r, Err((reason, _)) if *reason != FailReason::Cancelled) {
-        // a failure may come from stale metadata: the next fetch loads it afresh
-        drop(reqs);
-        drop(used);
-        nx.forget_remote(&offer.agent);
-    }
-    done(c, land.blocks);
-    r
-}
-
-#[allow(clippy::too_many_arguments)]
-fn read_into(
-    inner: &Inner,
-    nx: &Nixl,
-    offer: &wire::InPlaceOffer,
-    dst: &[u32],
-    deadline: Instant,
-    stopped: &dyn Fn() -> Result<(), Failure>,
-    land: &mut Landing<'_>,
-    reqs: &mut Vec<Pending>,
-) -> Result<(), Failure> {
-    let bb = inner.block_bytes;
-    let count = offer.blocks.len();
-    let per = (if nx.device.is_some() { REQUEST_BYTES_GPU } else { REQUEST_BYTES } / bb).max(1);
-    let (lk, ld) = kind_of(nx.device);
-    let (rk, rd) = kind_of(offer.device);
-    let segs = inner.layout.segments();
-    // the pieces of one request, merged block by block and segment by segment (reused)
-    let mut runs = (Vec::new(), Vec::new());
-    // blocks per request after the first: where pieces merge segment by segment (decided on
-    // the first request), enough that each segment's descriptor carries DESCRIPTOR_BYTES. The
-    // first keeps `per` blocks, so that the first check (and the estimate's setup) does not
-    // wait for the whole fetch.
-    let smallest = segs.iter().map(|g| g.bytes_per_block as usize).min().unwrap_or(bb).max(1);
-    let mut later = per;
-    // what the slow-READ check times: from building the first request to the last one seen
-    // finished, less taking the checksum mover; and how many descriptors the READs had
-    let began = Instant::now();
-    let (mut reads_done, mut descriptors) = (began, 0u64);
-    // post every request first: UCX moves them while the earlier ones are verified
-    let mut start = 0;
-    while start < count {
-        let end = (start + if start == 0 { per } else { later }).min(count);
-        let mut local = XferDescList::new(lk).map_err(|e| nixl_err("descriptor list", e))?;
-        let mut far = XferDescList::new(rk).map_err(|e| nixl_err("descriptor list", e))?;
-        // one descriptor per piece contiguous at both ends, in whichever order merges more
-        let (blocks, ids) = (&offer.blocks[start..end], &dst[start..end]);
-        merge_runs(segs, &offer.segments, blocks, ids, false, &mut runs.0);
-        merge_runs(segs, &offer.segments, blocks, ids, true, &mut runs.1);
-        let segment_major = runs.1.len() < runs.0.len();
-        if start == 0 && segment_major {
-            later = per.max(DESCRIPTOR_BYTES.div_ceil(smallest));
-        }
-        let best = if segment_major { &runs.1 } else { &runs.0 };
-        descriptors += best.len() as u64;
-        for &(l, r, n) in best {
-            local.add_desc(l as usize, n as usize, ld);
-            far.add_desc(r as usize, n as usize, rd);
-        }
-        let req = nx
-            .agent
-            .create_xfer_req(XferOp::Read, &local, &far, &offer.agent, None)
-            .map_err(|e| nixl_err("transfer request", e))?;
-        let mut p = Pending { range: start..end, req, in_flight: true };
-        let posted = nx.agent.post_xfer_req(&p.req, None);
-        match posted {
-            Ok(in_flight) => {
-                p.in_flight = in_flight;
-                reqs.push(p);
-            }
-            Err(e) => {
-                // a request that failed to post moves nothing
-                p.in_flight = false;
-                reqs.push(p);
-                return Err(nixl_err("posting a READ", e));
-            }
-        }
-        start = end;
-    }
-    let device_pool = nx.device.is_some();
-    let taking = Instant::now();
-    let mut mover = if device_pool {
-        // SAFETY: `Agent::new`'s contract covers the layout's memory; the mover only reads
-        // this fetch's destination blocks (the checksum kernel).
-        Some(unsafe { inner.movers.take(&inner.layout) }.map_err(|e| (FailReason::Corrupt, e))?)
-    } else {
-        None
-    };
-    let mover_took = taking.elapsed();
-    let mut sums = Vec::new();
-    let r = (|| {
-        for p in reqs.iter_mut() {
-            wait(nx, p, deadline, stopped)?;
-            reads_done = Instant::now();
-            let ids = &dst[p.range.clone()];
-            sums.clear();
-            sums.resize(ids.len(), 0);
-            match mover.as_mut() {
-                Some(m) => m.device_checksums(ids, &mut sums).map_err(|e| (FailReason::Corrupt, e))?,
-                None => crate::agent::sums::sum_host(inner, ids, &mut sums),
-            }
-            for (j, i) in p.range.clone().enumerate() {
-                Landing::check(i, sums[j], offer.blocks[i].1)?;
-                land.landed(i, sums[j]);
-            }
-        }
-        Ok(())
-    })();
-    if let Some(m) = mover {
-        // the checksum kernel waited for its own stream inside: nothing of it is in flight
-        inner.movers.put(m);
-    }
-    if r.is_ok() && device_pool && offer.device.is_some() {
-        let took = reads_done.saturating_duration_since(began).saturating_sub(mover_took);
-        nx.judge_device_read(inner, (count * bb) as u64, descriptors, took);
-    }
-    r
 }
 
 impl Nixl {
     /// Count a verified fetch of device memory into device memory that looks emulated
     /// ([`slow_device_read`]) in `nixl_slow_reads`, and write the agent's first one to standard
     /// error with the cure. Cost: a division and a compare; the write once per agent.
-    fn judge_device_read(&self, inner: &Inner, bytes: u64, descriptors: u64, took: Duration) {
+    fn judge_device_read(&self, cx: &Cx<'_>, bytes: u64, descriptors: u64, took: Duration) {
         let Some(rate) = slow_device_read(bytes, descriptors, took) else { return };
-        Stats::add(&inner.stats.nixl_slow_reads, 1);
+        Stats::add(&cx.stats.nixl_slow_reads, 1);
         if self.warned_slow.swap(true, Ordering::Relaxed) {
             return;
         }

@@ -3,8 +3,8 @@
 //! A source's NIXL agent is named after its process and start time, so every restart of a
 //! source is a new name with up to [`MAX_METADATA`](crate::agent::wire::MAX_METADATA) bytes of
 //! metadata. The table keeps at most [`MAX_REMOTES`] loaded agents and [`MAX_REMOTE_BYTES`] of
-//! their metadata; beyond either, the least recently used loaded agent that no fetch uses and no
-//! withheld READ targets is dropped (NIXL's copy invalidated), so sources that restart (or a
+//! their metadata; beyond either, the least recently used loaded agent that no fetch uses (a
+//! withheld READ holds a use of its source until it is over) is dropped (NIXL's copy invalidated), so sources that restart (or a
 //! peer that poses as ever new sources) never grow it. A load that never finishes (a panic
 //! inside it) does not leave its name "loading" for ever: its [`LoadMark`] clears the mark when
 //! dropped.
@@ -68,8 +68,8 @@ impl Remotes {
 
     /// The load of `name` succeeded with `md` (its loader is its first user). Returns the names
     /// dropped to stay within the bounds, least recently used first, to invalidate in NIXL:
-    /// never one in use, loading, or for which `withheld` says READs are withheld.
-    pub(super) fn loaded(&mut self, name: &str, md: &[u8], withheld: &dyn Fn(&str) -> bool) -> Vec<String> {
+    /// never one in use (by a transfer, or by its withheld READs) or loading.
+    pub(super) fn loaded(&mut self, name: &str, md: &[u8]) -> Vec<String> {
         self.tick += 1;
         self.bytes += md.len();
         self.map.insert(name.to_string(), Entry::Loaded { md: md.to_vec(), used: self.tick, users: 1 });
@@ -78,7 +78,7 @@ impl Remotes {
             let victim = self
                 .map
                 .iter()
-                .filter(|(n, _)| n.as_str() != name && !withheld(n))
+                .filter(|(n, _)| n.as_str() != name)
                 .filter_map(|(n, e)| match e {
                     Entry::Loaded { used, users: 0, .. } => Some((*used, n.clone())),
                     _ => None,
@@ -143,11 +143,11 @@ impl<'a> LoadMark<'a> {
 
     /// The load ended: loaded with `md`, or failed (`None`). Returns the names dropped to stay
     /// within the bounds (invalidate them in NIXL, outside the table's lock).
-    pub(super) fn finish(mut self, md: Option<&[u8]>, withheld: &dyn Fn(&str) -> bool) -> Vec<String> {
+    pub(super) fn finish(mut self, md: Option<&[u8]>) -> Vec<String> {
         self.done = true;
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
         let dropped = match md {
-            Some(md) => t.loaded(self.name, md, withheld),
+            Some(md) => t.loaded(self.name, md),
             None => {
                 t.failed(self.name);
                 Vec::new()
@@ -174,7 +174,7 @@ mod tests {
 
     fn load(t: &mut Remotes, name: &str, md: &[u8]) -> Vec<String> {
         assert!(matches!(t.begin(name, md), Step::Load { .. }));
-        let d = t.loaded(name, md, &|_| false);
+        let d = t.loaded(name, md);
         t.release(name);
         d
     }
@@ -205,12 +205,14 @@ mod tests {
     fn agents_in_use_or_with_withheld_reads_are_never_dropped() {
         let mut t = Remotes::default();
         assert!(matches!(t.begin("busy", b"m"), Step::Load { stale: false }));
-        t.loaded("busy", b"m", &|_| false); // its loader uses it
+        t.loaded("busy", b"m"); // its loader uses it
+        // withheld READs hold a use of their source
         load(&mut t, "withheld", b"m");
+        assert_eq!(t.begin("withheld", b"m"), Step::Ready);
         for i in 0..2 * MAX_REMOTES {
             let d = {
                 assert!(matches!(t.begin(&format!("s{i}"), b"m"), Step::Load { .. }));
-                let d = t.loaded(&format!("s{i}"), b"m", &|n| n == "withheld");
+                let d = t.loaded(&format!("s{i}"), b"m");
                 t.release(&format!("s{i}"));
                 d
             };
@@ -240,7 +242,7 @@ mod tests {
         assert!(matches!(table.lock().unwrap().begin("a", b"m"), Step::Load { stale: false }), "loaded afresh");
         // a finished mark records the load
         let mark = LoadMark::new(&table, &cv, "a");
-        assert!(mark.finish(Some(b"m"), &|_| false).is_empty());
+        assert!(mark.finish(Some(b"m")).is_empty());
         assert_eq!(table.lock().unwrap().begin("a", b"m"), Step::Ready);
     }
 }
