@@ -23,7 +23,9 @@
 //!   range, its descriptors taken over the source's Unix socket with the offer's token and
 //!   mapped side by side into one reserved range, so that the range reads as the source's
 //!   does; kept until the agent stops, or until the source process no longer runs; within one
-//!   process the addresses are used as they are), checks that every offered block lies inside an exported allocation,
+//!   process the addresses are used as they are, but only where they lie inside ranges an
+//!   agent of this process exported and still lives: a pid and a boot id are what any
+//!   neighbour can claim), checks that every offered block lies inside an exported allocation,
 //!   then one kernel on a mover's stream copies the blocks and sums each word as it writes it
 //!   (`CudaEngine::copy_and_sum_from`: the checksum of what landed, for the memory traffic of a
 //!   copy alone); where a segment's blocks span several allocations it enqueues one
@@ -124,6 +126,40 @@ fn process_runs(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// The ranges `(base, bytes)` this process's CUDA IPC agents export, each with its agent's
+/// number, registered while the agent lives: the only memory an offer that claims to come from
+/// this process may name. The pid and host in an offer are what any process of the host can
+/// read and claim; the source's ranges are then used as this process's own addresses, so they
+/// must be ranges this process exported (a claim of any other address would make the copy
+/// kernel read wherever a neighbour says: a wild address, or the runtime's own tensors).
+static EXPORTED: Mutex<Vec<(u64, u64, u64)>> = Mutex::new(Vec::new());
+/// Numbers the agents' registrations in [`EXPORTED`].
+static EXPORTS_NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Whether every range of `claimed` lies inside one range of `exported` (`(base, bytes, _)`).
+fn inside_exports(claimed: &[(u64, u64)], exported: &[(u64, u64, u64)]) -> bool {
+    claimed.iter().all(|&(b, n)| {
+        b.checked_add(n).is_some_and(|end| exported.iter().any(|&(eb, en, _)| eb <= b && end <= eb.saturating_add(en)))
+    })
+}
+
+/// An agent's ranges in [`EXPORTED`], taken out when dropped.
+struct Exported(u64);
+
+impl Exported {
+    fn register(ranges: &[(u64, u64)]) -> Exported {
+        let id = EXPORTS_NEXT.fetch_add(1, Ordering::Relaxed);
+        EXPORTED.lock().unwrap_or_else(|p| p.into_inner()).extend(ranges.iter().map(|&(b, n)| (b, n, id)));
+        Exported(id)
+    }
+}
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        EXPORTED.lock().unwrap_or_else(|p| p.into_inner()).retain(|e| e.2 != self.0);
+    }
+}
+
 /// This instance's exported pool, and the source allocations it mapped.
 pub(in crate::agent) struct CudaIpc {
     dev: Arc<CudaDevice>,
@@ -140,6 +176,8 @@ pub(in crate::agent) struct CudaIpc {
     /// Where destinations get the descriptors of this pool's virtual-memory allocations (when
     /// it has any); stops with the agent.
     _fds: Option<vmm_fds::FdServer>,
+    /// This pool's ranges, registered as this process's exports while the agent lives.
+    _exported: Exported,
 }
 
 impl CudaIpc {
@@ -210,7 +248,9 @@ impl CudaIpc {
             let offer = VmmOffer { socket: server.name().to_vec(), token: *server.token(), ranges };
             (Some(offer), Some(server))
         };
-        let metadata = encode_exports(&Exports { host, pid, allocs, vmm });
+        let exports = Exports { host, pid, allocs, vmm };
+        let exported = Exported::register(&exports.ranges());
+        let metadata = encode_exports(&exports);
         Ok(CudaIpc {
             dev,
             device,
@@ -220,6 +260,7 @@ impl CudaIpc {
             mapped: Mutex::new(HashMap::new()),
             watched_now: AtomicUsize::new(0),
             _fds: server,
+            _exported: exported,
         })
     }
 
@@ -230,7 +271,15 @@ impl CudaIpc {
     /// socket, by `deadline`.
     fn map(&self, cx: &Cx<'_>, e: &Exports, deadline: Instant) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
         if e.pid == self.pid && e.host == self.host {
-            return Ok((e.ranges().iter().map(|r| r.0).collect(), Vec::new()));
+            // "this process" is only a claim: its ranges must be what this process exported
+            let ranges = e.ranges();
+            if !inside_exports(&ranges, &EXPORTED.lock().unwrap_or_else(|p| p.into_inner())) {
+                return Err((
+                    FailReason::Corrupt,
+                    "CUDA IPC: an offer in this process's name names memory that none of its agents exported".into(),
+                ));
+            }
+            return Ok((ranges.iter().map(|r| r.0).collect(), Vec::new()));
         }
         // the source's virtual-memory ranges: when any is not mapped yet, its descriptors are
         // taken and imported first, without the table's lock (the source's socket may be slow)
@@ -575,5 +624,27 @@ impl Backend for CudaIpc {
     fn reap(&self, cx: &Cx<'_>) {
         let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
         self.sweep_locked(cx, &mut m);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_in_this_process_s_name_may_only_name_its_exports() {
+        let exported = [(0x1000, 0x1000, 1), (0x10_0000, 0x4000, 2)];
+        assert!(inside_exports(&[(0x1000, 0x1000), (0x10_1000, 0x3000)], &exported));
+        assert!(inside_exports(&[], &exported));
+        // past an export's end, before its start, between two, wrapping around
+        assert!(!inside_exports(&[(0x1000, 0x1001)], &exported));
+        assert!(!inside_exports(&[(0x800, 0x100)], &exported));
+        assert!(!inside_exports(&[(0x1000, 0x1000), (0x2000, 0x10)], &exported));
+        assert!(!inside_exports(&[(u64::MAX - 4, 16)], &exported));
+        // the registry: an agent's ranges are there while it lives
+        let own = Exported::register(&[(0xdead_0000, 0x100)]);
+        assert!(inside_exports(&[(0xdead_0000, 0x100)], &EXPORTED.lock().unwrap()));
+        drop(own);
+        assert!(!inside_exports(&[(0xdead_0000, 0x100)], &EXPORTED.lock().unwrap()));
     }
 }
