@@ -326,23 +326,70 @@ fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
     Ok(s)
 }
 
+/// How long one blocking read of [`receive`] waits before it looks at its stop check again.
+const STOP_SLICE: Duration = Duration::from_millis(20);
+
+/// Why [`receive`] failed.
+#[derive(Debug)]
+pub(crate) enum ReceiveError {
+    /// Its stop check asked it to stop (a cancel, the agent's shutdown).
+    Stopped,
+    /// Anything else, for the log.
+    Failed(String),
+}
+
+impl std::fmt::Display for ReceiveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReceiveError::Stopped => f.write_str("stopped"),
+            ReceiveError::Failed(e) => f.write_str(e),
+        }
+    }
+}
+
+impl From<String> for ReceiveError {
+    fn from(e: String) -> ReceiveError {
+        ReceiveError::Failed(e)
+    }
+}
+
 /// Destination side: connect to the source's socket `name`, prove `token` (a keyed answer to
 /// the source's nonce), and pass each of
 /// the `want` descriptors it sends to `each` as it arrives (so that at most one batch is open
-/// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does.
+/// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does. Every
+/// wait for the source is cut into slices of [`STOP_SLICE`], with `stop` asked between them:
+/// a cancel or the agent's shutdown ends the receive within a slice ([`ReceiveError::Stopped`]).
 pub(crate) fn receive(
     name: &[u8],
     token: &[u8; TOKEN],
     want: usize,
     deadline: Instant,
+    stop: &dyn Fn() -> bool,
     mut each: impl FnMut(OwnedFd) -> Result<(), String>,
-) -> Result<(), String> {
+) -> Result<(), ReceiveError> {
     let mut s = connect_by(name, deadline)
         .map_err(|e| format!("connecting to the source's descriptor socket (another network namespace?): {e}"))?;
     let remaining = || left(deadline).map_err(|_| "the source's descriptors ran past the deadline".to_string());
+    // the next wait: a slice of what is left, or the stop
+    let slice = || -> Result<Duration, ReceiveError> {
+        if stop() {
+            return Err(ReceiveError::Stopped);
+        }
+        Ok(remaining()?.min(STOP_SLICE))
+    };
     let mut nonce = [0u8; TOKEN];
-    s.set_read_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
-    s.read_exact(&mut nonce).map_err(|e| format!("reading the source's nonce: {e}"))?;
+    let mut have = 0;
+    while have < TOKEN {
+        s.set_read_timeout(Some(slice()?)).map_err(|e| e.to_string())?;
+        match s.read(&mut nonce[have..]) {
+            Ok(0) => return Err("reading the source's nonce: the source closed its socket".to_string().into()),
+            Ok(n) => have += n,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) => {
+            }
+            Err(e) => return Err(format!("reading the source's nonce: {e}").into()),
+        }
+    }
+    // a 32-byte write into an empty socket buffer: it does not wait
     s.set_write_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
     s.write_all(&proof(token, &nonce)).map_err(|e| format!("proving the token: {e}"))?;
     let mut got = 0usize;
@@ -351,7 +398,7 @@ pub(crate) fn receive(
     let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     while got < want {
-        s.set_read_timeout(Some(remaining()?)).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(slice()?)).map_err(|e| e.to_string())?;
         let mut payload = [0u8; 1];
         let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
         let mut fds: Vec<OwnedFd> = Vec::new();
@@ -385,16 +432,21 @@ pub(crate) fn receive(
             (n, msg.msg_flags)
         };
         if n < 0 {
-            return Err(format!("reading descriptors: {}", io::Error::last_os_error()));
+            let e = io::Error::last_os_error();
+            if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) {
+                // the slice passed with nothing read (nothing consumed): look at the stop again
+                continue;
+            }
+            return Err(format!("reading descriptors: {e}").into());
         }
         if n == 0 {
-            return Err(format!("the source closed its descriptor socket after {got} of {want} (a wrong token?)"));
+            return Err(format!("the source closed its descriptor socket after {got} of {want} (a wrong token?)").into());
         }
         if flags & libc::MSG_CTRUNC != 0 {
-            return Err("descriptors were cut off (this process's open-file limit?)".into());
+            return Err("descriptors were cut off (this process's open-file limit?)".to_string().into());
         }
         if fds.is_empty() || fds.len() != usize::from(payload[0]) || got + fds.len() > want {
-            return Err(format!("the source sent {} descriptors in a batch it said held {}", fds.len(), payload[0]));
+            return Err(format!("the source sent {} descriptors in a batch it said held {}", fds.len(), payload[0]).into());
         }
         got += fds.len();
         for fd in fds {
@@ -430,7 +482,7 @@ mod tests {
         let server = FdServer::start(pipes(n)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut received = Vec::new();
-        receive(server.name(), server.token(), n, deadline, |fd| {
+        receive(server.name(), server.token(), n, deadline, &|| false, |fd| {
             received.push(fd);
             Ok(())
         })
@@ -446,16 +498,16 @@ mod tests {
         let mut wrong = *server.token();
         wrong[0] ^= 1;
         let mut none = 0;
-        let e = receive(server.name(), &wrong, n, deadline, |_| {
+        let e = receive(server.name(), &wrong, n, deadline, &|| false, |_| {
             none += 1;
             Ok(())
         })
         .unwrap_err();
         assert_eq!(none, 0, "{e}");
-        assert!(e.contains("closed"), "{e}");
+        assert!(e.to_string().contains("closed"), "{e}");
         // asking for fewer than the source sends: an excess, refused
-        let e = receive(server.name(), server.token(), 3, deadline, |_| Ok(())).unwrap_err();
-        assert!(e.contains("batch"), "{e}");
+        let e = receive(server.name(), server.token(), 3, deadline, &|| false, |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("batch"), "{e}");
         // the name is the server's own, and nothing else passes for one
         let pid = std::process::id();
         assert!(is_socket_of(server.name(), pid));
@@ -466,7 +518,23 @@ mod tests {
         assert!(is_socket_of(b"kvrelay-cuda-ipc-1-0123456789abcdef", 1));
         // a socket nobody listens on
         drop(server);
-        assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, |_| Ok(())).is_err());
+        assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, &|| false, |_| Ok(())).is_err());
+    }
+
+    /// A source that accepts and never says a word does not hold the destination past its
+    /// stop check (a cancel, the agent's shutdown), however far its deadline.
+    #[test]
+    fn a_silent_source_is_left_when_the_fetch_stops() {
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("kvrelay-test-silent-{}", std::process::id());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let _silent = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        let asked = std::sync::atomic::AtomicU32::new(0);
+        // stops once it was asked three times: the receive was waiting, and looked again
+        let stop = || asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 3;
+        let far = Instant::now() + Duration::from_secs(3600);
+        let e = receive(name.as_bytes(), &[0; TOKEN], 1, far, &stop, |_| Ok(())).unwrap_err();
+        assert!(matches!(e, ReceiveError::Stopped), "{e}");
     }
 
     fn connect(name: &[u8]) -> UnixStream {
@@ -481,7 +549,7 @@ mod tests {
         let silent: Vec<UnixStream> = (0..3 * MAX_HANDLERS).map(|_| connect(server.name())).collect();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut n = 0;
-        receive(server.name(), server.token(), 3, deadline, |_| {
+        receive(server.name(), server.token(), 3, deadline, &|| false, |_| {
             n += 1;
             Ok(())
         })

@@ -269,7 +269,13 @@ impl CudaIpc {
     /// themselves), and the mappings to hold until the copies through them synchronized. A
     /// source's virtual-memory ranges not mapped yet take its descriptors first, over its
     /// socket, by `deadline`.
-    fn map(&self, cx: &Cx<'_>, e: &Exports, deadline: Instant) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
+    fn map(
+        &self,
+        cx: &Cx<'_>,
+        e: &Exports,
+        deadline: Instant,
+        stopped: &dyn Fn() -> Result<(), Failure>,
+    ) -> Result<(Vec<u64>, Vec<Arc<Mapping>>), Failure> {
         if e.pid == self.pid && e.host == self.host {
             // "this process" is only a claim: its ranges must be what this process exported
             let ranges = e.ranges();
@@ -304,15 +310,22 @@ impl CudaIpc {
                 }
                 handles.reserve(v.chunks());
                 let by = cx.io_deadline().min(deadline);
-                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, |fd| {
+                // a cancel or the agent's shutdown ends the wait for the source within 20 ms
+                let stop = || stopped().is_err();
+                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, &stop, |fd| {
                     // SAFETY: a descriptor the source process of this host sent as one of its
                     // exported allocations (the driver refuses any other file).
                     let h = unsafe { self.dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?;
                     handles.push(h);
                     Ok(())
                 })
-                .map_err(|err| {
-                    (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
+                .map_err(|err| match err {
+                    vmm_fds::ReceiveError::Stopped => stopped().err().unwrap_or_else(|| {
+                        (FailReason::Cancelled, "CUDA IPC: stopped while taking the source's descriptors".into())
+                    }),
+                    vmm_fds::ReceiveError::Failed(err) => {
+                        (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
+                    }
                 })?;
             }
         }
@@ -595,7 +608,7 @@ impl Backend for CudaIpc {
             if offer.blocks.is_empty() {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
-            let (mapped, held) = self.map(cx, &exports, job.deadline).inspect_err(|e| {
+            let (mapped, held) = self.map(cx, &exports, job.deadline, job.stopped).inspect_err(|e| {
                 // memory this process cannot map (another IPC namespace, say): TCP may do
                 land.unusable = e.0 == FailReason::Connect;
             })?;
