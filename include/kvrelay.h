@@ -573,7 +573,8 @@ typedef struct kvrelay_agent_stats {
   uint64_t bytes_fetched;
   // Refused: the destination asked for a transport this service lacks (NIXL).
   uint64_t refused_unsupported;
-  // Destination blocks a NIXL fetch withheld (a READ not proven stopped when it ended).
+  // Destination blocks a fetch withheld: writes into them (NIXL READs) were not proven over
+  // when the transfer ended, early or unwound by a panic.
   uint64_t blocks_withheld;
   // Withheld blocks handed back to the runtime (`BlockHolder::returned`).
   uint64_t blocks_returned;
@@ -589,7 +590,8 @@ typedef struct kvrelay_agent_stats {
   uint64_t fetch_failed_internal;
   // CUDA IPC: allocations of other processes mapped here now (a gauge).
   uint64_t ipc_mapped_now;
-  // CUDA IPC: mappings let go because their source process no longer runs.
+  // CUDA IPC: mappings let go because their source process no longer runs, or to keep the
+  // table within its bounds (per source and in all).
   uint64_t ipc_unmapped;
   // Fetches made again over TCP because the agent's own transport could not reach their
   // source (`tcp_fallback`); that source is then fetched from over TCP for a while.
@@ -1051,9 +1053,13 @@ kvrelay_status kvrelay_agent_new(const struct kvrelay_agent_config *config,
 // Stop the agent and free it (NULL does nothing): the service stops, queued and running
 // fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
 // agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
-// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
-// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
-// shut down), plus what the callbacks it waits for take: the completions of the fetches it
+// longer of the connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in
+// progress is not interrupted; DNS lookups are never waited for, nor are connections blocked
+// in I/O, which are shut down) and, with the NIXL transport, the write grace a fetch gives its
+// posted READs (`KVRELAY_LIMIT_WRITE_GRACE_MS`, 1 s; READs still running after it are
+// released with the agent and their blocks handed back through `returned`), plus one CUDA IPC
+// copy in progress (its kernel runs to its end; a wait for a source's descriptors ends within
+// 20 ms), plus what the callbacks it waits for take: the completions of the fetches it
 // ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
 // called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
 // would wait for them forever). A panic on an agent thread never makes it wait: it is
@@ -1310,9 +1316,11 @@ kvrelay_status kvrelay_fetch_detail(const struct kvrelay_fetch *fetch,
                                     size_t *len_out);
 
 // Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
-// (blocks verified before it stay reported); one still waiting in the agent's queue is taken
-// out and completes at once (its callback on an agent thread), not when a worker frees up.
-// Never blocks; a completed fetch is unaffected.
+// (blocks verified before it stay reported; with NIXL, after its posted READs finished or the
+// write grace, `KVRELAY_LIMIT_WRITE_GRACE_MS`, passed: blocks they may still write are
+// reported `withheld`); one still waiting in the agent's queue is taken out and completes at
+// once (its callback on an agent thread), not when a worker frees up. Never blocks; a
+// completed fetch is unaffected.
 //
 // # Safety
 // `fetch` NULL or live.

@@ -89,7 +89,8 @@ pub struct AgentStats {
     pub fetch_failed_internal: u64,
     /// CUDA IPC: allocations of other processes mapped here now (a gauge).
     pub ipc_mapped_now: u64,
-    /// CUDA IPC: mappings let go because their source process no longer runs.
+    /// CUDA IPC: mappings let go because their source process no longer runs, or to keep the
+    /// table within its bounds (per source and in all).
     pub ipc_unmapped: u64,
     /// Fetches made again over TCP because the agent's own transport could not reach their
     /// source (`tcp_fallback`); that source is then fetched from over TCP for a while.
@@ -198,7 +199,11 @@ impl Stats {
                 s.blocks_withheld,
             ),
             ("blocks_returned", "Withheld blocks handed back to the runtime.", s.blocks_returned),
-            ("ipc_unmapped", "CUDA IPC mappings let go because their source process no longer runs.", s.ipc_unmapped),
+            (
+                "ipc_unmapped",
+                "CUDA IPC mappings let go: their source process ended, or the table's bounds.",
+                s.ipc_unmapped,
+            ),
             (
                 "transport_fallbacks",
                 "Fetches made again over TCP because the agent's own transport could not reach the source.",

@@ -360,14 +360,14 @@ class kvrelay_agent_stats(Structure):
         ("blocks_fetched", c_uint64),  # Blocks fetched, written and verified.
         ("bytes_fetched", c_uint64),  # Their bytes.
         ("refused_unsupported", c_uint64),  # Refused: the destination asked for a transport this service lacks (NIXL).
-        ("blocks_withheld", c_uint64),  # Destination blocks a NIXL fetch withheld (a READ not proven stopped when it ended).
+        ("blocks_withheld", c_uint64),  # Destination blocks a fetch withheld: writes into them (NIXL READs) were not proven over when the transfer ended, early or unwound by a panic.
         ("blocks_returned", c_uint64),  # Withheld blocks handed back to the runtime (`BlockHolder::returned`).
         ("reused", c_uint64),  # Served: transfers that came on a kept-alive connection (no new connect or handshake).
         ("streams_reused", c_uint64),  # Fetched: streams that went over a kept-alive connection.
         ("handshake_evicted", c_uint64),  # Connections closed, before their first valid message, to make room for a newer one (the handshake slots or their address's `max_per_peer` were all taken); each is answered `busy` before it closes.
         ("fetch_failed_internal", c_uint64),  # Fetches that failed: internal (a panic inside the agent).
         ("ipc_mapped_now", c_uint64),  # CUDA IPC: allocations of other processes mapped here now (a gauge).
-        ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs.
+        ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs, or to keep the table within its bounds (per source and in all).
         ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
         ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in software (README, "The NIXL transport"). Since 0.3.1.
     ]

@@ -334,9 +334,11 @@ pub unsafe extern "C" fn kvrelay_fetch_detail(
 }
 
 /// Ask a fetch to stop: it completes with `KVRELAY_FETCH_CANCELLED` after the block in progress
-/// (blocks verified before it stay reported); one still waiting in the agent's queue is taken
-/// out and completes at once (its callback on an agent thread), not when a worker frees up.
-/// Never blocks; a completed fetch is unaffected.
+/// (blocks verified before it stay reported; with NIXL, after its posted READs finished or the
+/// write grace, `KVRELAY_LIMIT_WRITE_GRACE_MS`, passed: blocks they may still write are
+/// reported `withheld`); one still waiting in the agent's queue is taken out and completes at
+/// once (its callback on an agent thread), not when a worker frees up. Never blocks; a
+/// completed fetch is unaffected.
 ///
 /// # Safety
 /// `fetch` NULL or live.

@@ -89,9 +89,13 @@ pub unsafe extern "C" fn kvrelay_agent_new(
 /// Stop the agent and free it (NULL does nothing): the service stops, queued and running
 /// fetches complete (`KVRELAY_FETCH_SHUTDOWN` or `_CANCELLED`, their callbacks run), every
 /// agent thread is joined, then the holder's `destroy` runs. Blocks for at most about the
-/// connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in progress is not
-/// interrupted; DNS lookups are never waited for, nor are connections blocked in I/O, which are
-/// shut down), plus what the callbacks it waits for take: the completions of the fetches it
+/// longer of the connect timeout (`KVRELAY_LIMIT_CONNECT_TIMEOUT_MS`, 2 s; a connect in
+/// progress is not interrupted; DNS lookups are never waited for, nor are connections blocked
+/// in I/O, which are shut down) and, with the NIXL transport, the write grace a fetch gives its
+/// posted READs (`KVRELAY_LIMIT_WRITE_GRACE_MS`, 1 s; READs still running after it are
+/// released with the agent and their blocks handed back through `returned`), plus one CUDA IPC
+/// copy in progress (its kernel runs to its end; a wait for a source's descriptors ends within
+/// 20 ms), plus what the callbacks it waits for take: the completions of the fetches it
 /// ends and any `pin`, `unpin` or `returned` running on an agent thread. So it must not be
 /// called from one of the agent's callbacks, nor while holding a lock those callbacks take (it
 /// would wait for them forever). A panic on an agent thread never makes it wait: it is

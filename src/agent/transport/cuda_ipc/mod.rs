@@ -33,10 +33,16 @@
 //!   counts each block whose sum matches. `DONE` tells the source how many blocks were taken;
 //!   its pins hold until then (or its transfer deadline).
 //! - **Mappings.** Each is reference-counted: a fetch holds the ones it copies through until
-//!   its stream synchronized. While any is held, idle fetch workers look every 50 ms whether
-//!   its source process still runs (`/proc/<pid>`) and let go of those of a process that ended
-//!   (`ipc_unmapped`). A source in another PID namespace (not in this process's `/proc` when
-//!   it was mapped) cannot be looked at: its mappings stay until the agent stops.
+//!   its stream synchronized. The table keeps at most 1,024, at most 128 (and 1 TiB of address
+//!   space) per source process (`table`): beyond a bound the least recently used mapping no
+//!   fetch holds is let go (of the same source first), and a source whose quota is all held is
+//!   refused for that fetch, which falls back to TCP. While any watched mapping is kept, idle
+//!   fetch workers look every 50 ms whether its source process still runs (`/proc/<pid>`,
+//!   outside the table's lock) and let go of those of a process that ended (`ipc_unmapped`
+//!   counts both kinds of letting go). A source in another PID namespace (not in this
+//!   process's `/proc` when it was mapped) cannot be looked at: its mappings stay until the
+//!   bounds or the agent's stop let them go. Every driver call happens outside the table's
+//!   lock.
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
@@ -52,8 +58,8 @@
 
 mod offer;
 mod plan;
+mod table;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -69,12 +75,9 @@ use plan::{plan_copies, plan_segments};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
 const AGENT: &str = "cuda-ipc";
-/// Most source allocations one destination keeps mapped (each a `cuIpcOpenMemHandle`).
-const MAX_MAPPED: usize = 1024;
-
 /// A source allocation: the source's host id, process id and the allocation's IPC handle (for
 /// a virtual-memory range: [`vmm_key`]).
-type MappedKey = ([u8; 16], u32, [u8; 64]);
+type MappedKey = table::Key;
 
 /// The key of a source's virtual-memory range: a marker no CUDA IPC handle starts with
 /// (theirs begin with the allocation's nonzero tag), its base, its size, and the source's
@@ -99,10 +102,6 @@ struct Mapping {
     size: u64,
     /// A virtual-memory range (`vmm_map`), not a CUDA IPC mapping (`ipc_open`).
     vmm: bool,
-    /// Whether its source process showed in this process's `/proc` when it was mapped (one in
-    /// another PID namespace does not: its mapping is then kept until the agent stops, never
-    /// let go and made again at every look).
-    watched: bool,
 }
 
 impl Drop for Mapping {
@@ -168,8 +167,8 @@ pub(in crate::agent) struct CudaIpc {
     pid: u32,
     /// The offer metadata this source sends (its host, process and exports), encoded once.
     metadata: Vec<u8>,
-    /// Source allocations mapped here, by source.
-    mapped: Mutex<HashMap<MappedKey, Arc<Mapping>>>,
+    /// Source allocations mapped here, by source: bounded per source and in all ([`table`]).
+    mapped: Mutex<table::Table<Mapping>>,
     /// Entries of `mapped` whose source process can be looked at (`Mapping::watched`), read
     /// without the lock by the fetch workers' idle loop: only those can be let go by a sweep.
     watched_now: AtomicUsize,
@@ -257,7 +256,7 @@ impl CudaIpc {
             host,
             pid,
             metadata,
-            mapped: Mutex::new(HashMap::new()),
+            mapped: Mutex::new(table::Table::default()),
             watched_now: AtomicUsize::new(0),
             _fds: server,
             _exported: exported,
@@ -265,10 +264,15 @@ impl CudaIpc {
     }
 
     /// The base address here of each of `e`'s ranges ([`Exports::ranges`]: mapped once per
-    /// source process and kept until that process goes; within this process, the addresses
-    /// themselves), and the mappings to hold until the copies through them synchronized. A
-    /// source's virtual-memory ranges not mapped yet take its descriptors first, over its
-    /// socket, by `deadline`.
+    /// source process and kept until that process goes or the table's bounds let it go;
+    /// within this process, the addresses themselves), and the mappings to hold until the
+    /// copies through them synchronized. A source's virtual-memory ranges not mapped yet take
+    /// its descriptors first, over its socket, by `deadline`.
+    ///
+    /// The table's lock is held only to look up and to record ([`table`]): mapping, the
+    /// driver's size check, unmapping and the look at `/proc` happen outside it, so a fetch
+    /// never waits behind another source's driver calls. A source over its quota (or a table
+    /// full of held mappings) is refused with `Refused`: the fetch falls back to TCP.
     fn map(
         &self,
         cx: &Cx<'_>,
@@ -287,28 +291,62 @@ impl CudaIpc {
             }
             return Ok((ranges.iter().map(|r| r.0).collect(), Vec::new()));
         }
-        // the source's virtual-memory ranges: when any is not mapped yet, its descriptors are
-        // taken and imported first, without the table's lock (the source's socket may be slow)
-        let vmm_keys: Vec<(MappedKey, u64)> = e.vmm.as_ref().map_or_else(Vec::new, |v| {
-            v.ranges
-                .iter()
-                .map(|(b, sizes)| {
-                    let total = sizes.iter().sum::<u64>();
-                    ((e.host, e.pid, vmm_key(*b, total, &v.token)), total)
-                })
-                .collect()
-        });
-        let mut handles: Vec<VmmHandle> = Vec::new();
+        // the keys of every range, in the order of `e.ranges()`: the allocations, then the
+        // virtual-memory ranges (with their sizes)
+        let mut keys: Vec<MappedKey> = e.allocs.iter().map(|a| (e.host, e.pid, a.handle)).collect();
         if let Some(v) = &e.vmm {
-            let missing = {
-                let m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-                vmm_keys.iter().any(|(k, _)| !m.contains_key(k))
+            keys.extend(v.ranges.iter().map(|(b, sizes)| (e.host, e.pid, vmm_key(*b, sizes.iter().sum(), &v.token))));
+        }
+        // what is mapped already (held from here), under the lock
+        let mut have: Vec<Option<Arc<Mapping>>> = {
+            let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+            keys.iter().map(|k| m.get(k)).collect()
+        };
+        for (a, p) in e.allocs.iter().zip(&have) {
+            // the same allocation offered again: no larger than it maps
+            if let Some(p) = p.as_ref().filter(|p| a.size > p.size) {
+                return Err((
+                    FailReason::Corrupt,
+                    format!("CUDA IPC: the source offers {} bytes of an allocation that maps {} here", a.size, p.size),
+                ));
+            }
+        }
+        if have.iter().all(Option::is_some) {
+            return Ok((have.iter().flatten().map(|p| p.ptr).collect(), have.into_iter().flatten().collect()));
+        }
+        // the rest is mapped here, outside the lock
+        let watched = process_runs(e.pid);
+        let mut new: Vec<(usize, table::New<Mapping>)> = Vec::new();
+        for (i, a) in e.allocs.iter().enumerate().filter(|(i, _)| have[*i].is_none()) {
+            // SAFETY: a handle another process of this host exported (the driver refuses one
+            // it does not know); the mapping is kept until that process goes, the table lets it
+            // go, or the agent stops.
+            let ptr = unsafe { self.dev.ipc_open(&a.handle) }
+                .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
+            // the copy plans trust the size the source reported: the driver's own must cover it
+            let size = match self.dev.address_range(ptr) {
+                Ok((base, size)) if base == ptr && size >= a.size => size,
+                got => {
+                    // SAFETY: mapped just above, used by nothing yet.
+                    let _ = unsafe { self.dev.ipc_close(ptr) };
+                    return Err((
+                        FailReason::Corrupt,
+                        format!("CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here", a.size),
+                    ));
+                }
             };
-            if missing {
+            let v = Arc::new(Mapping { dev: self.dev.clone(), ptr, size, vmm: false });
+            new.push((i, table::New { key: keys[i], v, bytes: size, watched }));
+        }
+        if let Some(v) = &e.vmm {
+            let first = e.allocs.len();
+            if have[first..].iter().any(Option::is_none) {
                 if !vmm_fds::is_socket_of(&v.socket, e.pid) {
                     return Err((FailReason::Corrupt, "CUDA IPC: the offer names another process's socket".into()));
                 }
-                handles.reserve(v.chunks());
+                // the source's descriptors, all of them (one batch per connection); only the
+                // ranges not mapped yet are mapped
+                let mut handles: Vec<VmmHandle> = Vec::with_capacity(v.chunks());
                 let by = cx.io_deadline().min(deadline);
                 // a cancel or the agent's shutdown ends the wait for the source within 20 ms
                 let stop = || stopped().is_err();
@@ -327,131 +365,84 @@ impl CudaIpc {
                         (FailReason::Connect, format!("CUDA IPC: the source's virtual-memory descriptors: {err}"))
                     }
                 })?;
-            }
-        }
-        let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        let vmm_ranges = vmm_keys.len();
-        let mut out = Vec::with_capacity(e.allocs.len() + vmm_ranges);
-        let mut held = Vec::with_capacity(e.allocs.len() + vmm_ranges);
-        let mut added = false;
-        let room = |m: &mut HashMap<MappedKey, Arc<Mapping>>| {
-            if m.len() >= MAX_MAPPED {
-                self.sweep_locked(cx, m);
-            }
-            if m.len() >= MAX_MAPPED {
-                return Err((FailReason::Refused, format!("CUDA IPC: {MAX_MAPPED} source allocations mapped already")));
-            }
-            Ok(())
-        };
-        let watched = process_runs(e.pid);
-        // every mapping made is counted, whether or not a later one fails
-        let r = (|| -> Result<(), Failure> {
-            for a in &e.allocs {
-                let key = (e.host, e.pid, a.handle);
-                if let Some(p) = m.get(&key) {
-                    // the same allocation offered again: no larger than it maps
-                    if a.size > p.size {
-                        return Err((
-                            FailReason::Corrupt,
-                            format!(
-                                "CUDA IPC: the source offers {} bytes of an allocation that maps {} here",
-                                a.size, p.size
-                            ),
-                        ));
-                    }
-                    out.push(p.ptr);
-                    held.push(p.clone());
-                    continue;
-                }
-                room(&mut m)?;
-                // SAFETY: a handle another process of this host exported (the driver refuses one
-                // it does not know); the mapping is kept until that process goes or the agent stops.
-                let ptr = unsafe { self.dev.ipc_open(&a.handle) }
-                    .map_err(|err| (FailReason::Connect, format!("CUDA IPC: mapping the source's memory: {err}")))?;
-                // the copy plans trust the size the source reported: the driver's own must cover it
-                let size = match self.dev.address_range(ptr) {
-                    Ok((base, size)) if base == ptr && size >= a.size => size,
-                    got => {
-                        // SAFETY: mapped just above, used by nothing yet.
-                        let _ = unsafe { self.dev.ipc_close(ptr) };
-                        return Err((
-                            FailReason::Corrupt,
-                            format!(
-                                "CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here",
-                                a.size
-                            ),
-                        ));
-                    }
-                };
-                let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, size, vmm: false, watched });
-                m.insert(key, p.clone());
-                added = true;
-                out.push(ptr);
-                held.push(p);
-            }
-            if let Some(v) = &e.vmm {
                 let mut at = 0;
-                for ((base, sizes), (key, total)) in v.ranges.iter().zip(&vmm_keys) {
+                for (j, (base, sizes)) in v.ranges.iter().enumerate() {
                     let hs = handles.get(at..at + sizes.len());
                     at += sizes.len();
-                    if let Some(p) = m.get(key) {
-                        out.push(p.ptr);
-                        held.push(p.clone());
+                    let i = first + j;
+                    if have[i].is_some() {
                         continue;
                     }
-                    // mapped when this fetch looked, let go since (a sweep): take it up again next time
                     let Some(hs) = hs else {
-                        return Err((FailReason::Connect, "CUDA IPC: the source's range was let go meanwhile".into()));
+                        return Err((FailReason::Corrupt, "CUDA IPC: the source sent fewer descriptors than ranges".into()));
                     };
-                    room(&mut m)?;
                     // SAFETY: handles imported just above, each mapped at the size its source
                     // offers (the driver refuses a size past the allocation's); kept until that
-                    // process goes or the agent stops. Read-only: the destination only reads.
+                    // process goes, the table lets it go, or the agent stops. Read-only: the
+                    // destination only reads.
                     let ptr = unsafe { self.dev.vmm_map(hs, sizes, false) }.map_err(|err| {
                         (FailReason::Connect, format!("CUDA IPC: mapping the source's range at {base:#x}: {err}"))
                     })?;
-                    let p = Arc::new(Mapping { dev: self.dev.clone(), ptr, size: *total, vmm: true, watched });
-                    m.insert(*key, p.clone());
-                    added = true;
-                    out.push(ptr);
-                    held.push(p);
+                    let total = sizes.iter().sum::<u64>();
+                    let m = Arc::new(Mapping { dev: self.dev.clone(), ptr, size: total, vmm: true });
+                    new.push((i, table::New { key: keys[i], v: m, bytes: total, watched }));
                 }
             }
-            Ok(())
-        })();
-        if added {
-            self.count(cx, &m);
         }
-        r.map(|()| (out, held))
+        // recorded under the lock; whatever goes (evicted, refused, made twice) is unmapped
+        // after it, when its last holder lets go
+        let mut gone = Vec::new();
+        let (at, new): (Vec<usize>, Vec<table::New<Mapping>>) = new.into_iter().unzip();
+        let (kept, evicted) = {
+            let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+            let r = m.admit(new, &mut gone);
+            self.count(cx, &m);
+            r
+        };
+        Stats::add(&cx.stats.ipc_unmapped, evicted as u64);
+        drop(gone);
+        let kept = kept.map_err(|full| {
+            let whose = match full {
+                table::Full::Source => "this source's quota of mappings",
+                table::Full::Table => "the table of mappings",
+            };
+            (FailReason::Refused, format!("CUDA IPC: {whose} is full of mappings fetches hold"))
+        })?;
+        for (i, p) in at.into_iter().zip(kept) {
+            if let Some(a) = e.allocs.get(i).filter(|a| a.size > p.size) {
+                // another fetch mapped the same allocation meanwhile, smaller than offered here
+                return Err((
+                    FailReason::Corrupt,
+                    format!("CUDA IPC: the source offers {} bytes of an allocation that maps {} here", a.size, p.size),
+                ));
+            }
+            have[i] = Some(p);
+        }
+        let held: Vec<Arc<Mapping>> = have.into_iter().flatten().collect();
+        Ok((held.iter().map(|p| p.ptr).collect(), held))
     }
 
-    /// Drop the mappings of source processes that no longer run (each unmapped once no fetch
-    /// holds it).
-    fn sweep_locked(&self, cx: &Cx<'_>, m: &mut HashMap<MappedKey, Arc<Mapping>>) {
-        let before = m.len();
-        let mut gone: Vec<u32> = Vec::new();
-        m.retain(|&(_, pid, _), mapping| {
-            if !mapping.watched {
-                return true;
-            }
-            if gone.contains(&pid) {
-                return false;
-            }
-            let runs = process_runs(pid);
-            if !runs {
-                gone.push(pid);
-            }
-            runs
-        });
-        if m.len() < before {
-            Stats::add(&cx.stats.ipc_unmapped, (before - m.len()) as u64);
-            self.count(cx, m);
+    /// Let go of the mappings of source processes that no longer run (each unmapped once no
+    /// fetch holds it): the pids are read under the lock, looked at in `/proc` outside it.
+    fn sweep(&self, cx: &Cx<'_>) {
+        let pids = self.mapped.lock().unwrap_or_else(|p| p.into_inner()).watched_pids();
+        let ended: Vec<u32> = pids.into_iter().filter(|&p| !process_runs(p)).collect();
+        if ended.is_empty() {
+            return;
         }
+        let mut gone = Vec::new();
+        {
+            let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+            let n = m.drop_pids(&ended, &mut gone);
+            Stats::add(&cx.stats.ipc_unmapped, n as u64);
+            self.count(cx, &m);
+        }
+        drop(gone);
     }
 
     /// After the table changed: the gauge of mappings, and how many of them a sweep can let go.
-    fn count(&self, cx: &Cx<'_>, m: &HashMap<MappedKey, Arc<Mapping>>) {
-        self.watched_now.store(m.values().filter(|p| p.watched).count(), Ordering::Relaxed);
+    fn count(&self, cx: &Cx<'_>, m: &table::Table<Mapping>) {
+        self.watched_now.store(m.watched(), Ordering::Relaxed);
         cx.stats.ipc_mapped_now.store(m.len() as u64, Ordering::Relaxed);
     }
 }
@@ -459,8 +450,10 @@ impl CudaIpc {
 impl Drop for CudaIpc {
     fn drop(&mut self) {
         // the agent's threads are joined: no fetch holds a mapping any more, and each unmaps
-        // as the table drops it
-        self.mapped.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
+        // as it is dropped
+        let mut gone = Vec::new();
+        self.mapped.get_mut().unwrap_or_else(|e| e.into_inner()).clear(&mut gone);
+        drop(gone);
     }
 }
 
@@ -609,8 +602,9 @@ impl Backend for CudaIpc {
                 return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
             let (mapped, held) = self.map(cx, &exports, job.deadline, job.stopped).inspect_err(|e| {
-                // memory this process cannot map (another IPC namespace, say): TCP may do
-                land.unusable = e.0 == FailReason::Connect;
+                // memory this process cannot map (another IPC namespace, say), or no room for
+                // this source's mappings: TCP may do
+                land.unusable = matches!(e.0, FailReason::Connect | FailReason::Refused);
             })?;
             Ok((exports, mapped, held))
         })();
@@ -635,8 +629,7 @@ impl Backend for CudaIpc {
     }
 
     fn reap(&self, cx: &Cx<'_>) {
-        let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        self.sweep_locked(cx, &mut m);
+        self.sweep(cx);
     }
 }
 

@@ -1,0 +1,281 @@
+//! The source allocations a destination keeps mapped: bounded in all ([`MAX_MAPPED`]) and per
+//! source process ([`SOURCE_RANGES`], [`SOURCE_BYTES`]), so that one source (or a neighbour that
+//! poses as many) cannot take the table from the others. Beyond a bound, the least recently
+//! used mapping that no fetch holds goes (of the same source first when that source is over its
+//! quota); when every candidate is held, the new mapping is refused and the fetch falls back to
+//! TCP. The table only does bookkeeping: every driver call (mapping, unmapping: the last
+//! [`Arc`] of a mapping dropped) and every look at `/proc` happens outside its lock, on what it
+//! hands out or gives back in `gone`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Most source allocations (and virtual-memory ranges) one destination keeps mapped.
+pub(super) const MAX_MAPPED: usize = 1024;
+/// Most of them from one source process.
+pub(super) const SOURCE_RANGES: usize = 128;
+/// Most bytes mapped from one source process (address space here, not memory).
+pub(super) const SOURCE_BYTES: u64 = 1 << 40;
+
+/// A source process (its host's boot id and its pid) and one of its allocations: a CUDA IPC
+/// handle, or the key of a virtual-memory range.
+pub(super) type Key = ([u8; 16], u32, [u8; 64]);
+
+struct Entry<V> {
+    v: Arc<V>,
+    bytes: u64,
+    /// Its source process showed in this process's `/proc` when it was mapped (one in another
+    /// PID namespace does not: its mapping is then kept until the bounds or the agent's stop
+    /// let it go, never let go and made again at every look).
+    watched: bool,
+    used: u64,
+}
+
+/// A new mapping for [`Table::admit`].
+pub(super) struct New<V> {
+    pub(super) key: Key,
+    pub(super) v: Arc<V>,
+    pub(super) bytes: u64,
+    pub(super) watched: bool,
+}
+
+/// Why [`Table::admit`] refused.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Full {
+    /// The source's quota is taken by mappings fetches hold.
+    Source,
+    /// The whole table is, likewise.
+    Table,
+}
+
+/// The table (see the module docs). Every method is O(entries) at most, with no I/O.
+pub(super) struct Table<V> {
+    map: HashMap<Key, Entry<V>>,
+    tick: u64,
+}
+
+impl<V> Default for Table<V> {
+    fn default() -> Self {
+        Table { map: HashMap::new(), tick: 0 }
+    }
+}
+
+impl<V> Table<V> {
+    /// The mapping of `key`, marked used.
+    pub(super) fn get(&mut self, key: &Key) -> Option<Arc<V>> {
+        self.tick += 1;
+        let e = self.map.get_mut(key)?;
+        e.used = self.tick;
+        Some(e.v.clone())
+    }
+
+    #[cfg(test)]
+    pub(super) fn contains(&self, key: &Key) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// Mappings kept.
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Mappings whose source could be looked at (a sweep can let those go).
+    pub(super) fn watched(&self) -> usize {
+        self.map.values().filter(|e| e.watched).count()
+    }
+
+    /// Mappings and bytes of source `(host, pid)`.
+    fn of(&self, host: &[u8; 16], pid: u32) -> (usize, u64) {
+        self.map.iter().filter(|(k, _)| k.0 == *host && k.1 == pid).fold((0, 0), |(n, b), (_, e)| (n + 1, b + e.bytes))
+    }
+
+    /// Take out the least recently used mapping no fetch holds (of source `only` when given)
+    /// into `gone`; whether there was one.
+    fn evict(&mut self, only: Option<(&[u8; 16], u32)>, gone: &mut Vec<Arc<V>>) -> bool {
+        let victim = self
+            .map
+            .iter()
+            .filter(|(k, e)| only.is_none_or(|(h, p)| k.0 == *h && k.1 == p) && Arc::strong_count(&e.v) == 1)
+            .min_by_key(|(_, e)| e.used)
+            .map(|(k, _)| *k);
+        match victim.and_then(|k| self.map.remove(&k)) {
+            Some(e) => {
+                gone.push(e.v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Keep `new` mappings (made outside the lock), in order; returns, per new one, the mapping
+    /// to use: its own, or one another fetch kept for the same key meanwhile (its own then goes
+    /// to `gone`). Mappings evicted to make room go to `gone` too; drop `gone` after the lock.
+    /// Refused when the room can only come from mappings fetches hold: the new mappings not
+    /// kept yet go to `gone`, and the count of evictions so far is in the second field.
+    pub(super) fn admit(&mut self, new: Vec<New<V>>, gone: &mut Vec<Arc<V>>) -> (Result<Vec<Arc<V>>, Full>, usize) {
+        let mut out = Vec::with_capacity(new.len());
+        let mut evicted = 0;
+        let mut new = new.into_iter();
+        while let Some(n) = new.next() {
+            if let Some(p) = self.get(&n.key) {
+                gone.push(n.v);
+                out.push(p);
+                continue;
+            }
+            let (host, pid) = (n.key.0, n.key.1);
+            let refused = loop {
+                let (count, bytes) = self.of(&host, pid);
+                if count < SOURCE_RANGES && bytes.saturating_add(n.bytes) <= SOURCE_BYTES {
+                    break None;
+                }
+                if !self.evict(Some((&host, pid)), gone) {
+                    break Some(Full::Source);
+                }
+                evicted += 1;
+            }
+            .or_else(|| loop {
+                if self.map.len() < MAX_MAPPED {
+                    break None;
+                }
+                if !self.evict(None, gone) {
+                    break Some(Full::Table);
+                }
+                evicted += 1;
+            });
+            if let Some(full) = refused {
+                gone.push(n.v);
+                gone.extend(new.map(|n| n.v));
+                return (Err(full), evicted);
+            }
+            self.tick += 1;
+            self.map.insert(n.key, Entry { v: n.v.clone(), bytes: n.bytes, watched: n.watched, used: self.tick });
+            out.push(n.v);
+        }
+        (Ok(out), evicted)
+    }
+
+    /// The source processes of watched mappings (to look at in `/proc`, outside the lock).
+    pub(super) fn watched_pids(&self) -> Vec<u32> {
+        let mut p: Vec<u32> = self.map.iter().filter(|(_, e)| e.watched).map(|(k, _)| k.1).collect();
+        p.sort_unstable();
+        p.dedup();
+        p
+    }
+
+    /// Let go of the watched mappings of processes `pids` (they ended) into `gone`; how many.
+    pub(super) fn drop_pids(&mut self, pids: &[u32], gone: &mut Vec<Arc<V>>) -> usize {
+        let keys: Vec<Key> = self.map.iter().filter(|(k, e)| e.watched && pids.contains(&k.1)).map(|(k, _)| *k).collect();
+        for k in &keys {
+            if let Some(e) = self.map.remove(k) {
+                gone.push(e.v);
+            }
+        }
+        keys.len()
+    }
+
+    /// Every mapping, into `gone` (the agent stops).
+    pub(super) fn clear(&mut self, gone: &mut Vec<Arc<V>>) {
+        gone.extend(self.map.drain().map(|(_, e)| e.v));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(pid: u32, n: u8) -> Key {
+        let mut h = [0u8; 64];
+        h[0] = n;
+        ([7; 16], pid, h)
+    }
+
+    fn new(pid: u32, n: u8, bytes: u64) -> New<u32> {
+        New { key: key(pid, n), v: Arc::new(u32::from(n)), bytes, watched: true }
+    }
+
+    #[test]
+    fn one_source_cannot_take_the_table() {
+        let mut t = Table::default();
+        let mut gone = Vec::new();
+        // a source that offers ever new allocations stays within its quota: its oldest go
+        for i in 0..SOURCE_RANGES + 10 {
+            let (r, _) = t.admit(vec![new(1, i as u8, 1 << 20)], &mut gone);
+            assert!(r.is_ok());
+        }
+        assert_eq!(t.of(&[7; 16], 1).0, SOURCE_RANGES);
+        assert_eq!(gone.len(), 10, "its ten oldest were let go");
+        assert!(!t.contains(&key(1, 9)) && t.contains(&key(1, 10)));
+        // another source still gets its mappings
+        let (r, evicted) = t.admit(vec![new(2, 1, 1 << 20)], &mut gone);
+        assert!(r.is_ok());
+        assert_eq!(evicted, 0, "room without touching the first source");
+        drop(r);
+        // bytes are a quota too (the fetch that mapped it let go)
+        let (r, _) = t.admit(vec![new(3, 1, SOURCE_BYTES)], &mut gone);
+        assert!(r.is_ok());
+        drop(r);
+        let before = gone.len();
+        let (r, evicted) = t.admit(vec![new(3, 2, 1)], &mut gone);
+        assert!(r.is_ok());
+        assert_eq!((evicted, gone.len()), (1, before + 1), "the older of source 3 went");
+        assert!(!t.contains(&key(3, 1)) && t.contains(&key(3, 2)));
+    }
+
+    #[test]
+    fn held_mappings_are_never_evicted_and_a_full_source_is_refused() {
+        let mut t = Table::default();
+        let mut gone = Vec::new();
+        let mut held = Vec::new();
+        for i in 0..SOURCE_RANGES {
+            let (r, _) = t.admit(vec![new(1, i as u8, 1)], &mut gone);
+            held.extend(r.unwrap());
+        }
+        // every one held by a fetch: the next is refused, and nothing was let go
+        let (r, evicted) = t.admit(vec![new(1, 200, 1), new(1, 201, 1)], &mut gone);
+        assert_eq!((r.err(), evicted), (Some(Full::Source), 0));
+        assert_eq!(gone.len(), 2, "both new mappings are handed back to be unmapped");
+        assert_eq!(t.len(), SOURCE_RANGES);
+        // the least recently used unheld one goes first
+        drop(held.drain(..2));
+        assert!(t.get(&key(1, 0)).is_some()); // block 0 used again
+        gone.clear();
+        let (r, evicted) = t.admit(vec![new(1, 200, 1)], &mut gone);
+        assert!(r.is_ok());
+        assert_eq!(evicted, 1);
+        assert!(t.contains(&key(1, 0)) && !t.contains(&key(1, 1)));
+    }
+
+    #[test]
+    fn the_whole_table_is_bounded_and_a_key_kept_meanwhile_is_shared() {
+        let mut t = Table::default();
+        let mut gone = Vec::new();
+        for pid in 0..(MAX_MAPPED / SOURCE_RANGES) as u32 {
+            let n = (0..SOURCE_RANGES as u16).map(|i| New {
+                key: {
+                    let mut k = key(pid, 0);
+                    k.2[1..3].copy_from_slice(&i.to_le_bytes());
+                    k
+                },
+                v: Arc::new(0),
+                bytes: 1,
+                watched: pid % 2 == 0,
+            });
+            assert!(t.admit(n.collect(), &mut gone).0.is_ok());
+        }
+        assert_eq!(t.len(), MAX_MAPPED);
+        let (r, evicted) = t.admit(vec![new(999, 1, 1)], &mut gone);
+        assert!(r.is_ok());
+        assert_eq!((evicted, t.len()), (1, MAX_MAPPED));
+        // the same key made by two fetches: the second's own goes, the first's is used
+        gone.clear();
+        let (r, _) = t.admit(vec![New { key: key(999, 1), v: Arc::new(77), bytes: 1, watched: true }], &mut gone);
+        assert_eq!(*r.unwrap()[0], 1);
+        assert_eq!(gone.iter().map(|g| **g).collect::<Vec<_>>(), [77]);
+        // a sweep lets go of the watched mappings of ended processes only
+        assert_eq!(t.watched_pids().len(), MAX_MAPPED / SOURCE_RANGES / 2 + 1);
+        gone.clear();
+        let n = t.drop_pids(&[1, 2], &mut gone);
+        assert_eq!(n, SOURCE_RANGES, "pid 2's, all of them");
+        assert_eq!(t.of(&[7; 16], 1).0, SOURCE_RANGES, "pid 1's are unwatched: kept");
+    }
+}
