@@ -97,7 +97,10 @@ pub(crate) fn plan_segments(
 /// mappings (range `k` mapped at `k << 44`, nothing overlapping): the offer (`IPC_OFFER`'s
 /// payload) decoded and checked against `layout` for `asked` names into `dst`, its metadata
 /// decoded, both copy plans made; panics when a plan would touch a byte outside a mapping or
-/// past the source's exported ranges. For fuzzing what a hostile source can send.
+/// past the source's exported ranges. Then the same offer as if it claimed this process: its
+/// ranges used as they are, only when they lie inside this process's exports (made up here:
+/// [`SAME_PROCESS_EXPORTS`]), and then no plan may read outside them. For fuzzing what a
+/// hostile source can send.
 #[doc(hidden)]
 pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &[u32]) {
     let Some(offer) = wire::decode_in_place_offer(payload) else { return };
@@ -107,31 +110,54 @@ pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &
     let Some(exports) = decode_exports(&offer.metadata) else { return };
     assert_eq!(encode_exports(&exports), offer.metadata, "metadata decodes only from its exact encoding");
     let ranges = exports.ranges();
+    // another process: range k mapped at k << 44, inside [k << 44, (k << 44) + size), the size
+    // within the mapping's 2^44 bytes
     let mapped: Vec<u64> = (0..ranges.len() as u64).map(|k| k << 44).collect();
-    // inside mapping k: [k << 44, (k << 44) + size), the size within the mapping's 2^44 bytes
     let inside = |at: u64, len: u64| {
         mapped.iter().zip(&ranges).any(|(&m, &(_, size))| size < 1 << 44 && m <= at && at + len <= m + size)
     };
+    let huge = ranges.iter().any(|r| r.1 >= 1 << 44);
+    check_plans(layout, &offer, &ranges, &mapped, &dst[..offer.blocks.len()], &|at, len| huge || inside(at, len));
+    // this process (as the offer may claim): the addresses themselves, once every range lies
+    // inside this process's exports
+    if super::inside_exports(&ranges, &SAME_PROCESS_EXPORTS) {
+        let own: Vec<u64> = ranges.iter().map(|r| r.0).collect();
+        let exported = |at: u64, len: u64| {
+            at.checked_add(len).is_some_and(|end| SAME_PROCESS_EXPORTS.iter().any(|&(b, n, _)| b <= at && end <= b + n))
+        };
+        check_plans(layout, &offer, &ranges, &own, &dst[..offer.blocks.len()], &exported);
+    }
+}
+
+/// The made-up exports of this process [`check_offer_plans`] checks same-process offers
+/// against: two pools, `(base, bytes, agent)`.
+const SAME_PROCESS_EXPORTS: [(u64, u64, u64); 2] = [(0x7f00_0000_0000, 1 << 32, 1), (0x7f10_0000_0000, 1 << 30, 2)];
+
+/// Both copy plans of `offer` with the source's ranges mapped at `mapped`: every byte either
+/// would read must pass `ok(at, len)`.
+fn check_plans(
+    layout: &KvLayout,
+    offer: &wire::InPlaceOffer,
+    ranges: &[(u64, u64)],
+    mapped: &[u64],
+    dst: &[u32],
+    ok: &dyn Fn(u64, u64) -> bool,
+) {
     let segs = layout.segments();
     let mut runs = Vec::new();
-    if plan_copies(layout, &offer.segments, &ranges, &mapped, &offer.blocks, &dst[..offer.blocks.len()], &mut runs)
-        .is_ok()
-    {
+    if plan_copies(layout, &offer.segments, ranges, mapped, &offer.blocks, dst, &mut runs).is_ok() {
         for &(_, from, len) in &runs {
-            // a run may join pieces of several mappings only when they touch, and they never do
-            assert!(inside(from, len) || ranges.iter().any(|r| r.1 >= 1 << 44), "a run reads outside the mappings");
+            // a run may join pieces of several mappings only when they touch
+            assert!(ok(from, len), "a run reads outside the mappings");
         }
     }
     let mut table = Vec::new();
-    if plan_segments(&offer.segments, &ranges, &mapped, &offer.blocks, &mut table) {
+    if plan_segments(&offer.segments, ranges, mapped, &offer.blocks, &mut table) {
         assert_eq!(table.len(), segs.len());
         for &(id, _) in &offer.blocks {
             for (&(here, stride), g) in table.iter().zip(segs) {
                 let at = here.wrapping_add(u64::from(id).wrapping_mul(stride));
-                assert!(
-                    inside(at, g.bytes_per_block) || ranges.iter().any(|r| r.1 >= 1 << 44),
-                    "the kernel would read block {id} outside the mappings"
-                );
+                assert!(ok(at, g.bytes_per_block), "the kernel would read block {id} outside the mappings");
             }
         }
     }
@@ -197,6 +223,37 @@ mod tests {
         let mut runs = Vec::new();
         assert!(plan_copies(&l, &short.segments, &e.ranges(), &mapped, &short.blocks, &[0, 1], &mut runs).is_err());
         check_offer_plans(&l, &wire::encode_in_place_offer(&short), 2, &[0, 1]);
+    }
+
+    /// An offer in this process's name: planned at its own addresses only inside this
+    /// process's exports (the fuzz target's model of the same-process shortcut).
+    #[test]
+    fn a_same_process_offer_is_planned_only_inside_the_exports() {
+        let l = kv_pool_of_8();
+        let at = |base: u64| wire::InPlaceOffer {
+            agent: AGENT.into(),
+            metadata: encode_exports(&Exports {
+                host: [3; 16],
+                pid: 77,
+                allocs: vec![crate::copy::IpcExport { base, size: 8 * 512, handle: [1; 64] }],
+                vmm: None,
+            }),
+            block_bytes: 512,
+            device: Some(0),
+            num_blocks: 8,
+            segments: vec![(base, 512, 256), (base + 0x100, 512, 256)],
+            blocks: vec![(6, 1), (7, 2)],
+        };
+        let inside = SAME_PROCESS_EXPORTS[1].0 + 4096;
+        let e = decode_exports(&at(inside).metadata).unwrap();
+        assert!(super::super::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS));
+        check_offer_plans(&l, &wire::encode_in_place_offer(&at(inside)), 2, &[0, 1]);
+        // the runtime's own memory elsewhere (or a wild address): not this process's export
+        for wild in [0x10000u64, SAME_PROCESS_EXPORTS[1].0 + (1 << 30) - 512, 0xdead_0000] {
+            let e = decode_exports(&at(wild).metadata).unwrap();
+            assert!(!super::super::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS), "{wild:#x}");
+            check_offer_plans(&l, &wire::encode_in_place_offer(&at(wild)), 2, &[0, 1]);
+        }
     }
 
     #[test]
