@@ -653,4 +653,49 @@ mod tests {
         drop(own);
         assert!(!inside_exports(&[(0xdead_0000, 0x100)], &EXPORTED.lock().unwrap()));
     }
+
+    /// On a GPU: an offer that claims this process (its pid and boot id, which any neighbour
+    /// can read) but names memory no agent of it exported is refused before any copy; one that
+    /// names this agent's own pool maps to the addresses themselves. Skips without a CUDA
+    /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
+    #[test]
+    fn a_neighbour_posing_as_this_process_gets_no_copy_of_other_memory() {
+        let dev = match CudaDevice::open(0) {
+            Ok(d) => d,
+            Err(e) if std::env::var_os("KVRELAY_REQUIRE_GPU").is_none() => {
+                eprintln!("skipped: no CUDA device ({e})");
+                return;
+            }
+            Err(e) => panic!("KVRELAY_REQUIRE_GPU is set and there is no CUDA device: {e}"),
+        };
+        let pool = crate::copy::DeviceBuffer::alloc(&dev, 8 * 512).unwrap();
+        // another allocation of this process: the runtime's own tensors, say
+        let tensors = crate::copy::DeviceBuffer::alloc(&dev, 1 << 20).unwrap();
+        let layout = KvLayout::new(
+            8,
+            vec![crate::copy::Segment { base: pool.ptr(), block_stride: 512, bytes_per_block: 512 }],
+            &[],
+        )
+        .unwrap();
+        // SAFETY: the pool is device memory of device 0 that outlives the transport.
+        let ipc = unsafe { CudaIpc::new(&layout, Some(0)) }.unwrap();
+        let (limits, stats, sums, movers) =
+            (Limits::default(), Stats::default(), crate::agent::sums::SumTable::new(8), crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host));
+        let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };
+        let claim = |base: u64, size: u64| Exports {
+            host: ipc.host,
+            pid: ipc.pid,
+            allocs: vec![IpcExport { handle: [9; 64], base, size }],
+            vmm: None,
+        };
+        let by = Instant::now() + std::time::Duration::from_secs(60);
+        let go = || Ok(());
+        for (base, size) in [(tensors.ptr(), 4096), (pool.ptr(), 8 * 512 + 1), (0xdead_beef_0000, 4096)] {
+            let e = ipc.map(&cx, &claim(base, size), by, &go).map(|_| ()).unwrap_err();
+            assert_eq!(e.0, FailReason::Corrupt, "{base:#x}: {e:?}");
+        }
+        let (mapped, held) = ipc.map(&cx, &claim(pool.ptr(), 8 * 512), by, &go).unwrap();
+        assert_eq!((mapped, held.len()), (vec![pool.ptr()], 0), "this process's own export, used as it is");
+        drop(ipc);
+    }
 }
