@@ -103,6 +103,34 @@ typedef int32_t kvrelay_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Where a request body carries its KV hint (`kvrelay_find_hint`).
+enum kvrelay_hint_spelling
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // No hint: none of the spellings, or only `null` ones.
+  KVRELAY_HINT_NONE = 0,
+  // `kv_hints` at the top level: admit it with `kvrelay_admit_batch` over the request's
+  // prompts (one envelope shared, or a list aligned with the prompts).
+  KVRELAY_HINT_KV_HINTS = 1,
+  // `kv_hint` at the top level (Dynamo): admit it with `kvrelay_admit`.
+  KVRELAY_HINT_KV_HINT = 2,
+  // `router_hint` at the top level (newer Dynamo): admit it with `kvrelay_admit`.
+  KVRELAY_HINT_ROUTER_HINT = 3,
+  // `kv_transfer_params.kv_hint`: admit it with `kvrelay_admit`.
+  KVRELAY_HINT_TRANSFER_KV_HINT = 4,
+  // `kv_transfer_params.router_hint`: admit it with `kvrelay_admit`.
+  KVRELAY_HINT_TRANSFER_ROUTER_HINT = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvrelay_hint_spelling kvrelay_hint_spelling;
+#else
+typedef int32_t kvrelay_hint_spelling;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // What happened to a hint: `kvrelay_outcome.kind`.
 enum kvrelay_outcome_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -1029,6 +1057,30 @@ kvrelay_status kvrelay_admission_prometheus(const struct kvrelay_admission *admi
                                             char *buf,
                                             size_t cap,
                                             size_t *len_out);
+
+// Find the KV hint of a generation request's body, the body's original bytes (`body`, `len`):
+// one rule for every runtime, so that admission sees the client's own text (its duplicate
+// members, its large integers and its size survive no parse and re-serialization). A request
+// carries at most one hint, under one of five spellings (`kvrelay_hint_spelling`); a member
+// whose value is `null` is absent; anything else in the body is skipped.
+//
+// On `KVRELAY_OK`: `*spelling_out` is a `kvrelay_hint_spelling` value, and
+// `body[*offset_out .. *offset_out + *len_out]` is the hint's value exactly as sent (`0, 0`
+// with `KVRELAY_HINT_NONE`): pass it to `kvrelay_admit_batch` for `KVRELAY_HINT_KV_HINTS`,
+// to `kvrelay_admit` otherwise. `KVRELAY_ERR_INVALID_ARGUMENT` when the body carries two hints
+// (two spellings, or one twice: answer the request 400, the message names both) or is not one
+// JSON object; nothing is written then, and `kvrelay_last_error_message` says which.
+//
+// Cost: one pass over the body, structure only (the runtime's own parser validated it), no
+// allocation but to decode a key written with escapes. Thread-safe; never reads past `len`.
+//
+// # Safety
+// `body` NULL (with `len` 0) or readable for `len` bytes; the out-pointers NULL or writable.
+kvrelay_status kvrelay_find_hint(const uint8_t *body,
+                                 size_t len,
+                                 int32_t *spelling_out,
+                                 size_t *offset_out,
+                                 size_t *len_out);
 
 // Start an agent over the runtime's pool `layout` (copied; host memory, or device memory when
 // `kvrelay_agent_config_set_device` named a device), with the runtime's

@@ -236,6 +236,29 @@ struct AdmissionConfig {
   std::string trust_env;
 };
 
+/// The KV hint of a request body (find_hint): its spelling, and its value exactly as the
+/// client sent it (a view into the body).
+struct FoundHint {
+  kvrelay_hint_spelling spelling = KVRELAY_HINT_NONE;
+  std::string_view value;
+  explicit operator bool() const noexcept { return spelling != KVRELAY_HINT_NONE; }
+  /// Admitted per prompt (Admission::admit_batch: `kv_hints`) rather than once for the request
+  /// (Admission::admit: Dynamo's spellings).
+  bool batched() const noexcept { return spelling == KVRELAY_HINT_KV_HINTS; }
+};
+
+/// Find the KV hint of a generation request in the body's original bytes (kvrelay_find_hint):
+/// `kv_hints`, `kv_hint`, `router_hint`, or either of the last two under `kv_transfer_params`;
+/// `null` is absent. Throws kvrelay::Error(KVRELAY_ERR_INVALID_ARGUMENT) when the body carries
+/// two (answer the request 400: what() names both) or is not one JSON object. One pass, no
+/// allocation.
+inline FoundHint find_hint(std::string_view body) {
+  int32_t spelling = 0;
+  std::size_t at = 0, len = 0;
+  check(kvrelay_find_hint(reinterpret_cast<const uint8_t *>(body.data()), body.size(), &spelling, &at, &len));
+  return FoundHint{static_cast<kvrelay_hint_spelling>(spelling), body.substr(at, len)};
+}
+
 /// An admission edge. Movable, not copyable; admit() is thread-safe.
 class Admission {
  public:
@@ -256,7 +279,7 @@ class Admission {
 
   kvrelay_admission *get() const noexcept { return h_.get(); }
 
-  /// Admit the raw text found under `kv_hints` (empty: the request has none).
+  /// Admit the raw text of a hint (find_hint's value; empty: the request has none).
   Outcome admit(std::string_view json) const {
     kvrelay_outcome o;
     kvrelay_snapshot *s = nullptr;

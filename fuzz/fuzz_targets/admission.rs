@@ -1,6 +1,8 @@
 //! Admission of arbitrary bytes, with serde_json as the oracle: whatever kvrelay admits,
 //! serde_json parses; without floats, its compact form equals kvrelay's canonical bytes;
-//! canonical bytes re-admit to themselves; the MessagePack round trip is byte-identical.
+//! canonical bytes re-admit to themselves; the MessagePack round trip is byte-identical. The
+//! request-body hint finder runs over the same bytes: no panic, and a hint cut out of a body
+//! serde_json parses parses too.
 #![no_main]
 
 use std::sync::OnceLock;
@@ -24,6 +26,15 @@ fn has_float(v: &Value) -> bool {
 }
 
 fuzz_target!(|data: &[u8]| {
+    // the hint finder over the same bytes: never a panic, a value inside the body, and on a
+    // well-formed JSON body a value that is itself well-formed JSON (serde_json the oracle)
+    if let Ok(found) = kvrelay::hints::find_hint(data) {
+        assert!(found.value.end <= data.len());
+        if found.spelling != kvrelay::hints::HintSpelling::None && serde_json::from_slice::<Value>(data).is_ok() {
+            serde_json::from_slice::<Value>(&data[found.value.clone()])
+                .expect("a hint value cut out of a valid body is valid");
+        }
+    }
     let Outcome::Admitted(snap) = edge().admit(Some(data)) else { return };
     let mut de = serde_json::Deserializer::from_slice(data);
     de.disable_recursion_limit();
@@ -34,7 +45,9 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(compact, snap.canonical(), "canonical bytes differ from serde_json's compact form");
     }
     match edge().admit(Some(snap.canonical())) {
-        Outcome::Admitted(again) => assert_eq!(again.canonical(), snap.canonical(), "canonical bytes are not idempotent"),
+        Outcome::Admitted(again) => {
+            assert_eq!(again.canonical(), snap.canonical(), "canonical bytes are not idempotent")
+        }
         other => panic!("canonical bytes not admitted again: {other:?}"),
     }
     let mut mp = Vec::new();

@@ -80,7 +80,15 @@ fuzz_target!(|data: &[u8]| {
         let mut caps_b: *mut kvrelay_capabilities_builder = ptr::null_mut();
         kvrelay_capabilities_builder_new(&mut caps_b);
         let (f, t, v) = ("fam", "kv.fetch", "1.0");
-        kvrelay_capabilities_builder_add(caps_b, f.as_ptr().cast(), f.len(), t.as_ptr().cast(), t.len(), v.as_ptr().cast(), v.len());
+        kvrelay_capabilities_builder_add(
+            caps_b,
+            f.as_ptr().cast(),
+            f.len(),
+            t.as_ptr().cast(),
+            t.len(),
+            v.as_ptr().cast(),
+            v.len(),
+        );
         let mut caps: *mut kvrelay_capabilities = ptr::null_mut();
         assert_eq!(kvrelay_capabilities_build(caps_b, &mut caps), KVRELAY_OK);
 
@@ -91,7 +99,13 @@ fuzz_target!(|data: &[u8]| {
             if steps > 64 {
                 break;
             }
-            let pick = |held: &Vec<*mut kvrelay_snapshot>, k: usize| if held.is_empty() { ptr::null_mut() } else { held[k % held.len()] };
+            let pick = |held: &Vec<*mut kvrelay_snapshot>, k: usize| {
+                if held.is_empty() {
+                    ptr::null_mut()
+                } else {
+                    held[k % held.len()]
+                }
+            };
             match op % 10 {
                 0 => {
                     let b = inp.bytes();
@@ -141,7 +155,10 @@ fuzz_target!(|data: &[u8]| {
                     if !s.is_null() {
                         if let Some(mp) = query(1 << 20, |b, c, l| kvrelay_snapshot_msgpack(s, b, c, l)) {
                             let (mut o, mut back) = (outcome(), ptr::null_mut());
-                            assert_eq!(kvrelay_admission_decode_msgpack(adm, mp.as_ptr(), mp.len(), &mut o, &mut back), KVRELAY_OK);
+                            assert_eq!(
+                                kvrelay_admission_decode_msgpack(adm, mp.as_ptr(), mp.len(), &mut o, &mut back),
+                                KVRELAY_OK
+                            );
                             if !back.is_null() {
                                 held.push(back);
                             }
@@ -156,7 +173,8 @@ fuzz_target!(|data: &[u8]| {
                         kvrelay_snapshot_action_count(s, &mut n);
                         let e = kvrelay_str { ptr: ptr::null(), len: 0 };
                         let b = kvrelay_bytes { ptr: ptr::null(), len: 0 };
-                        let mut a = kvrelay_action { index: 0, id: e, action_type: e, version: e, payload: b, canonical: b };
+                        let mut a =
+                            kvrelay_action { index: 0, id: e, action_type: e, version: e, payload: b, canonical: b };
                         let st = kvrelay_snapshot_action(s, i, &mut a);
                         assert_eq!(st, if i < n { KVRELAY_OK } else { KVRELAY_ERR_OUT_OF_RANGE });
                         let cap = inp.small() * 4;
@@ -174,8 +192,20 @@ fuzz_target!(|data: &[u8]| {
                     let mut o = vec![outcome(); prompts];
                     let mut s = vec![ptr::null_mut(); prompts];
                     let mut shared = false;
-                    let st = kvrelay_admit_batch(adm, b.as_ptr(), b.len(), prompts, o.as_mut_ptr(), s.as_mut_ptr(), &mut shared);
-                    assert!(st == KVRELAY_OK || st == KVRELAY_ERR_BATCH_LENGTH_MISMATCH || (prompts == 0 && st != KVRELAY_ERR_PANIC));
+                    let st = kvrelay_admit_batch(
+                        adm,
+                        b.as_ptr(),
+                        b.len(),
+                        prompts,
+                        o.as_mut_ptr(),
+                        s.as_mut_ptr(),
+                        &mut shared,
+                    );
+                    assert!(
+                        st == KVRELAY_OK
+                            || st == KVRELAY_ERR_BATCH_LENGTH_MISMATCH
+                            || (prompts == 0 && st != KVRELAY_ERR_PANIC)
+                    );
                     held.extend(s.into_iter().filter(|p| !p.is_null()));
                 }
                 8 => {

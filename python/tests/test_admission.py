@@ -126,3 +126,27 @@ def test_an_index_out_of_range_is_an_index_error():
         empty.action(0)
     with pytest.raises(IndexError):
         empty.action_envelope(-1)
+
+
+def test_find_hint_gives_the_clients_own_bytes_to_admit():
+    trusted = kvrelay.Admission(trusted=True)
+    HINT = envelope()  # indented: the bytes as sent, whitespace and all
+    body = b'{"model":"m","kv_transfer_params":{"router_hint": ' + HINT + b' },"n":1}'
+    spelling, value = kvrelay.find_hint(body)
+    assert spelling == "transfer_router_hint" and spelling is kvrelay.HintSpelling.TRANSFER_ROUTER_HINT
+    assert bytes(value) == HINT
+    assert trusted.admit(value).admitted
+    spelling, value = kvrelay.find_hint(b'{"kv_hint":null,"kv_hints":[' + HINT + b",null]}")
+    assert spelling == "kv_hints" and bytes(value).startswith(b"[")
+    assert kvrelay.find_hint(b'{"kv_hints":null}')[0] == "none"
+    with pytest.raises(kvrelay.KvrelayError) as e:
+        kvrelay.find_hint(b'{"kv_hint":{},"router_hint":{}}')
+    assert e.value.status == kvrelay.Status.ERR_INVALID_ARGUMENT.c and "router_hint" in str(e.value)
+    # a duplicate member inside the hint reaches admission as sent: malformed
+    dup = HINT.replace(b'"message_id": "m-1"', b'"message_id": "m-1", "message_id": "m-2"', 1)
+    assert dup != HINT
+    assert trusted.admit(kvrelay.find_hint(b'{"kv_hint":' + dup + b"}")[1]).reason == "malformed"
+    with pytest.raises(kvrelay.KvrelayError):
+        kvrelay.find_hint(b"[1]")
+    with pytest.raises(TypeError):
+        kvrelay.find_hint("not bytes")

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pool::Mover;
-use super::transport::{io_fail, read_reply, Backend, Cx, Failure, Landing, Progress, Pull, Scratch, Transfer, Unquiet};
+use super::transport::{
+    io_fail, read_reply, Backend, Cx, Failure, Landing, Progress, Pull, Scratch, Transfer, Unquiet,
+};
 use super::wire::{self, Conn};
 use super::{auth, FailReason, FetchRequest, FetchResult, FetchState, Inner, Job, Stats};
 

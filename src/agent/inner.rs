@@ -223,7 +223,8 @@ impl Inner {
     }
 
     pub(super) fn wants_reap(&self) -> bool {
-        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty() || self.backends.iter().any(|b| b.wants_reap())
+        !self.withheld.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            || self.backends.iter().any(|b| b.wants_reap())
     }
 
     /// Hand back the withheld blocks whose writes are all over; every backend looks at what it
@@ -269,7 +270,12 @@ impl Inner {
     /// may write: the blocks after the reported ones up to the furthest such index are
     /// withheld (kept with the writes until they are all over, then handed back through
     /// `BlockHolder::returned`). Returns how many; counted in `blocks_withheld`.
-    pub(super) fn withhold(&self, dst: &[u32], blocks: usize, unquiet: Vec<(Box<dyn transport::Writes>, usize)>) -> usize {
+    pub(super) fn withhold(
+        &self,
+        dst: &[u32],
+        blocks: usize,
+        unquiet: Vec<(Box<dyn transport::Writes>, usize)>,
+    ) -> usize {
         if unquiet.is_empty() {
             return 0;
         }

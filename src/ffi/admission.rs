@@ -356,3 +356,63 @@ pub unsafe extern "C" fn kvrelay_admission_prometheus(
         unsafe { fill(s.as_bytes(), buf.cast(), cap, len_out) }
     })
 }
+
+/// Where a request body carries its KV hint (`kvrelay_find_hint`).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvrelay_hint_spelling {
+    /// No hint: none of the spellings, or only `null` ones.
+    KVRELAY_HINT_NONE = 0,
+    /// `kv_hints` at the top level: admit it with `kvrelay_admit_batch` over the request's
+    /// prompts (one envelope shared, or a list aligned with the prompts).
+    KVRELAY_HINT_KV_HINTS = 1,
+    /// `kv_hint` at the top level (Dynamo): admit it with `kvrelay_admit`.
+    KVRELAY_HINT_KV_HINT = 2,
+    /// `router_hint` at the top level (newer Dynamo): admit it with `kvrelay_admit`.
+    KVRELAY_HINT_ROUTER_HINT = 3,
+    /// `kv_transfer_params.kv_hint`: admit it with `kvrelay_admit`.
+    KVRELAY_HINT_TRANSFER_KV_HINT = 4,
+    /// `kv_transfer_params.router_hint`: admit it with `kvrelay_admit`.
+    KVRELAY_HINT_TRANSFER_ROUTER_HINT = 5,
+}
+
+/// Find the KV hint of a generation request's body, the body's original bytes (`body`, `len`):
+/// one rule for every runtime, so that admission sees the client's own text (its duplicate
+/// members, its large integers and its size survive no parse and re-serialization). A request
+/// carries at most one hint, under one of five spellings (`kvrelay_hint_spelling`); a member
+/// whose value is `null` is absent; anything else in the body is skipped.
+///
+/// On `KVRELAY_OK`: `*spelling_out` is a `kvrelay_hint_spelling` value, and
+/// `body[*offset_out .. *offset_out + *len_out]` is the hint's value exactly as sent (`0, 0`
+/// with `KVRELAY_HINT_NONE`): pass it to `kvrelay_admit_batch` for `KVRELAY_HINT_KV_HINTS`,
+/// to `kvrelay_admit` otherwise. `KVRELAY_ERR_INVALID_ARGUMENT` when the body carries two hints
+/// (two spellings, or one twice: answer the request 400, the message names both) or is not one
+/// JSON object; nothing is written then, and `kvrelay_last_error_message` says which.
+///
+/// Cost: one pass over the body, structure only (the runtime's own parser validated it), no
+/// allocation but to decode a key written with escapes. Thread-safe; never reads past `len`.
+///
+/// # Safety
+/// `body` NULL (with `len` 0) or readable for `len` bytes; the out-pointers NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_find_hint(
+    body: *const u8,
+    len: usize,
+    spelling_out: *mut i32,
+    offset_out: *mut usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        let (s_out, o_out, l_out) = (out_ptr(spelling_out)?, out_ptr(offset_out)?, out_ptr(len_out)?);
+        // SAFETY: forwarded contract.
+        let body = unsafe { bytes(body, len) }?;
+        let f = crate::hints::find_hint(body).map_err(|e| with_detail(KVRELAY_ERR_INVALID_ARGUMENT, e))?;
+        // SAFETY: all three checked non-NULL, writable per the contract.
+        unsafe {
+            put(s_out, f.spelling as i32);
+            put(o_out, f.value.start);
+            put(l_out, f.value.len());
+        }
+        Ok(())
+    })
+}

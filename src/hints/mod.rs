@@ -7,6 +7,7 @@
 mod admission;
 mod counters;
 mod detail;
+mod find;
 mod lex;
 mod msgpack;
 mod scan;
@@ -20,6 +21,7 @@ pub use admission::{
 };
 pub use counters::{CounterValues, Counters, DEFAULT_METRIC_PREFIX};
 pub use detail::{Detail, Where};
+pub use find::{find_hint, FindError, FoundHint, HintSpelling};
 #[doc(hidden)]
 pub use lex::SCANNER;
 pub use scan::Scratch;

@@ -189,6 +189,39 @@ static void batch(kvrelay_admission *adm) {
   for (int i = 0; i < 3; i++) kvrelay_snapshot_release(s[i]);
 }
 
+/* The hint of a request body, found in the body's own bytes and admitted from them. */
+static void find_hint(kvrelay_admission *adm) {
+  char body[1024];
+  int32_t spelling = -1;
+  size_t at = 99, len = 99;
+  snprintf(body, sizeof body, "{\"model\":\"m\",\"kv_transfer_params\":{\"router_hint\": %s },\"n\":1}", HINT);
+  EXPECT(kvrelay_find_hint((const uint8_t *)body, strlen(body), &spelling, &at, &len) == KVRELAY_OK);
+  EXPECT(spelling == KVRELAY_HINT_TRANSFER_ROUTER_HINT && len == sizeof HINT - 1 && memcmp(body + at, HINT, len) == 0);
+  kvrelay_outcome o;
+  kvrelay_snapshot *s = NULL;
+  EXPECT(kvrelay_admit(adm, (const uint8_t *)body + at, len, &o, &s) == KVRELAY_OK);
+  EXPECT(o.kind == KVRELAY_OUTCOME_ADMITTED && s != NULL);
+  kvrelay_snapshot_release(s);
+  /* kv_hints (for kvrelay_admit_batch), and null as absent */
+  snprintf(body, sizeof body, "{\"kv_hint\":null,\"kv_hints\":[%s,null]}", HINT);
+  EXPECT(kvrelay_find_hint((const uint8_t *)body, strlen(body), &spelling, &at, &len) == KVRELAY_OK);
+  EXPECT(spelling == KVRELAY_HINT_KV_HINTS && body[at] == '[' && at + len == strlen(body) - 1);
+  EXPECT(kvrelay_find_hint((const uint8_t *)"{\"kv_hints\":null}", 17, &spelling, &at, &len) == KVRELAY_OK);
+  EXPECT(spelling == KVRELAY_HINT_NONE && len == 0);
+  /* two hints: the client's error, with both named; nothing written */
+  spelling = -1;
+  const char *two = "{\"kv_hint\":{},\"router_hint\":{}}";
+  EXPECT(kvrelay_find_hint((const uint8_t *)two, strlen(two), &spelling, &at, &len) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(spelling == -1);
+  char msg[512];
+  size_t n = 0;
+  EXPECT(kvrelay_last_error_message(msg, sizeof msg, &n) == KVRELAY_OK && strstr(msg, "router_hint") != NULL);
+  /* not an object, NULL pointers */
+  EXPECT(kvrelay_find_hint((const uint8_t *)"[1]", 3, &spelling, &at, &len) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_find_hint(NULL, 0, &spelling, &at, &len) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_find_hint((const uint8_t *)"{}", 2, NULL, &at, &len) == KVRELAY_ERR_NULL);
+}
+
 static void double_release(kvrelay_admission *adm) {
   if (!kvrelay_debug_checks()) {
     printf("double release: skipped (release build of the library does not track handles)\n");
@@ -222,6 +255,7 @@ int main(void) {
   buffers(adm, snap);
   ranges_and_messages(snap);
   batch(adm);
+  find_hint(adm);
   double_release(adm);
 
   kvrelay_snapshot_release(snap);

@@ -167,49 +167,29 @@ void on_model_loaded(const common_params & params, const llama_context * ctx) {
             s.block_tokens, hex64(s.seed).c_str(), s.identity.c_str());
 }
 
-std::vector<hint_ptr> admit_request_hints(const json & data, size_t n_prompts) {
+std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts) {
     std::vector<hint_ptr> out(n_prompts);
 
-    // One hint per request, under any one of these spellings (JSON null counts as absent).
-    const json * value  = nullptr;
-    const char * where  = nullptr;
-    int          n_seen = 0;
-    auto look = [&](const json & obj, const char * key, const char * name) {
-        if (obj.is_object() && obj.contains(key) && !obj.at(key).is_null()) {
-            value = &obj.at(key);
-            where = name;
-            n_seen++;
-        }
-    };
-    look(data, "kv_hints", "kv_hints");
-    look(data, "kv_hint", "kv_hint");
-    look(data, "router_hint", "router_hint");
-    if (data.is_object() && data.contains("kv_transfer_params")) {
-        const json & p = data.at("kv_transfer_params");
-        look(p, "kv_hint", "kv_transfer_params.kv_hint");
-        look(p, "router_hint", "kv_transfer_params.router_hint");
-    }
-    if (n_seen > 1) {
-        throw std::invalid_argument(
-            "a request carries one KV hint: kv_hints, kv_hint, router_hint, kv_transfer_params.kv_hint and "
-            "kv_transfer_params.router_hint are exclusive");
-    }
-    if (n_seen == 0 || n_prompts == 0) {
-        return out;
-    }
-
-    // The body was parsed already: admission sees the value re-serialized compactly.
-    std::string raw;
+    // One hint per request, found by kvrelay in the body's own bytes (kv_hints, kv_hint,
+    // router_hint, kv_transfer_params.{kv_hint,router_hint}; null is absent), so that
+    // admission sees the client's text: its duplicate members and its size, which a parse
+    // and a dump() would not keep.
+    kvrelay::FoundHint found;
     try {
-        raw = value->dump();
-    } catch (const std::exception &) {
-        SRV_WRN("kvrelay: %s could not be re-serialized; the request runs without a hint\n", where);
+        found = kvrelay::find_hint(body);
+    } catch (const kvrelay::Error & e) {
+        // two hints (or a body that is not one JSON object, which the server parsed already)
+        throw std::invalid_argument(e.what());
+    }
+    if (!found || n_prompts == 0) {
         return out;
     }
+    const std::string where = found.batched() ? "kv_hints" : "a router hint";
+    const std::string_view raw = found.value;
 
     std::vector<kvrelay::Outcome> outcomes;
     try {
-        if (std::string(where) == "kv_hints") {
+        if (found.batched()) {
             // a single envelope is shared by every prompt, an aligned list is admitted entry by entry
             outcomes = admission().admit_batch(raw, n_prompts);
         } else {
@@ -238,12 +218,12 @@ std::vector<hint_ptr> admit_request_hints(const json & data, size_t n_prompts) {
             n_admitted++;
         } else if (o.ignored()) {
             // the detail names a rule and a place, never the hint's contents
-            SRV_DBG("kvrelay: %s ignored for prompt %zu: %s%s%s\n", where, i, o.reason_name(),
+            SRV_DBG("kvrelay: %s ignored for prompt %zu: %s%s%s\n", where.c_str(), i, o.reason_name(),
                     o.detail.empty() ? "" : ": ", o.detail.c_str());
         }
     }
     if (n_admitted > 0) {
-        SRV_DBG("kvrelay: %s admitted for %zu of %zu prompt(s)\n", where, n_admitted, n_prompts);
+        SRV_DBG("kvrelay: %s admitted for %zu of %zu prompt(s)\n", where.c_str(), n_admitted, n_prompts);
     }
     return out;
 }

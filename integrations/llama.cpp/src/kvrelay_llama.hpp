@@ -38,12 +38,13 @@ bool consume_args(int & argc, char ** argv);
 void on_model_loaded(const common_params & params, const llama_context * ctx);
 
 /// handle_completions_impl (HTTP thread), once per request after tokenization: finds the
-/// request's hint (kv_hints, kv_hint or router_hint at the top level, kv_hint or router_hint
-/// under kv_transfer_params), admits it through the process-wide kvrelay::Admission and returns
-/// one entry per prompt (a single envelope is shared, an aligned list of kv_hints is admitted
-/// entry by entry). Throws std::invalid_argument (HTTP 400) for two spellings at once or an
-/// aligned list of the wrong length; an ignored hint never throws (kvrelay counts it).
-std::vector<hint_ptr> admit_request_hints(const json & data, size_t n_prompts);
+/// request's hint in the raw request body (`req.body`: kvrelay::find_hint, kv_hints, kv_hint or
+/// router_hint at the top level, kv_hint or router_hint under kv_transfer_params), admits the
+/// client's own bytes through the process-wide kvrelay::Admission and returns one entry per
+/// prompt (a single envelope is shared, an aligned list of kv_hints is admitted entry by
+/// entry). Throws std::invalid_argument (HTTP 400) for two hints at once or an aligned list of
+/// the wrong length; an ignored hint never throws (kvrelay counts it).
+std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts);
 
 /// launch_slot_with_task (main loop): phase 1 only logs (debug level) that the task carries an
 /// admitted hint and its action count, never the hint's contents. Never throws.

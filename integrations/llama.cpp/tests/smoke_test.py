@@ -73,7 +73,8 @@ class Server:
         raise RuntimeError("server did not become healthy; log: " + log_path)
 
     def request(self, method, path, body=None):
-        data = None if body is None else json.dumps(body).encode()
+        # a str body goes as it is (the client's own bytes), anything else as JSON
+        data = None if body is None else body.encode() if isinstance(body, str) else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
@@ -206,6 +207,19 @@ def main():
         st, r = srv.json("POST", "/v1/completions", {"prompt": "three", "max_tokens": 2, "kv_hint": ENVELOPE})
         m, _ = srv.metrics()
         check(st == 200 and m.get("llamacpp_kv_hints_admitted_total") == 4, "kv_hint on /v1/completions admitted")
+        # admission sees the client's own bytes (kvrelay_find_hint over the raw body), not the
+        # server's parse: a duplicate member inside the hint, which a JSON parser would collapse
+        # into one, is malformed; the same hint sent twice at the top level is a 400
+        env = json.dumps(ENVELOPE)
+        dup = env.replace('"message_id": "smoke-1"', '"message_id": "smoke-1", "message_id": "smoke-2"', 1)
+        check(dup != env, "the duplicate-member body is built")
+        before = m.get(ignored % "malformed", 0)
+        st, r = srv.json("POST", "/v1/completions", '{"prompt": "four", "max_tokens": 2, "kv_hint": %s}' % dup)
+        m, _ = srv.metrics()
+        check(st == 200 and m.get(ignored % "malformed", 0) == before + 1 and m.get("llamacpp_kv_hints_admitted_total") == 4,
+              "a duplicate member inside the hint is malformed (the raw bytes were admitted)", "status %d" % st)
+        st, r = srv.json("POST", "/v1/completions", '{"prompt": "five", "max_tokens": 2, "kv_hints": %s, "kv_hints": %s}' % (env, env))
+        check(st == 400, "kv_hints twice in one body -> 400", "status %d" % st)
     finally:
         srv.stop()
     with open(os.path.join(log_dir, "trusted.log"), errors="replace") as f:  # a random model's output is not UTF-8

@@ -19,8 +19,8 @@ of range) before any C call.
 
 from __future__ import annotations
 
-from ._common import AgentLimit, DecisionKind, Discard, FetchFailure, KvrelayError, OutcomeKind, Reason, Status, cuda_available, kv_checksum, version
-from .admission import Action, Admission, Outcome, Snapshot
+from ._common import AgentLimit, DecisionKind, Discard, FetchFailure, HintSpelling, KvrelayError, OutcomeKind, Reason, Status, cuda_available, kv_checksum, version
+from .admission import Action, Admission, Outcome, Snapshot, find_hint
 from .policy import Binding, Candidate, Capabilities, Decision, FetchRequest, Orchestrator, Provider
 from .copy import CpuEngine, KvLayout
 from .agent import Agent, BlockHolder, Fetch, FetchResult, Fingerprint, fetch_run_length
@@ -46,6 +46,7 @@ __all__ = [
     "FetchRequest",
     "FetchResult",
     "Fingerprint",
+    "HintSpelling",
     "KvLayout",
     "KvrelayError",
     "Orchestrator",
@@ -54,6 +55,7 @@ __all__ = [
     "Snapshot",
     "cuda_available",
     "fetch_run_length",
+    "find_hint",
     "kv_checksum",
     "version",
 ]

@@ -77,6 +77,17 @@ class Status(CEnum):
     ERR_PANIC = ("err_panic", 99)
 
 
+class HintSpelling(CEnum):
+    """``kvrelay_hint_spelling``: Where a request body carries its KV hint (`kvrelay_find_hint`)."""
+
+    NONE = ("none", 0)
+    KV_HINTS = ("kv_hints", 1)
+    KV_HINT = ("kv_hint", 2)
+    ROUTER_HINT = ("router_hint", 3)
+    TRANSFER_KV_HINT = ("transfer_kv_hint", 4)
+    TRANSFER_ROUTER_HINT = ("transfer_router_hint", 5)
+
+
 class OutcomeKind(CEnum):
     """``kvrelay_outcome_kind``: What happened to a hint: `kvrelay_outcome.kind`."""
 
@@ -206,6 +217,12 @@ KVRELAY_ERR_PENDING = 16
 KVRELAY_ERR_BUSY = 17
 KVRELAY_ERR_IO = 18
 KVRELAY_ERR_PANIC = 99
+KVRELAY_HINT_NONE = 0
+KVRELAY_HINT_KV_HINTS = 1
+KVRELAY_HINT_KV_HINT = 2
+KVRELAY_HINT_ROUTER_HINT = 3
+KVRELAY_HINT_TRANSFER_KV_HINT = 4
+KVRELAY_HINT_TRANSFER_ROUTER_HINT = 5
 KVRELAY_OUTCOME_ABSENT = 0
 KVRELAY_OUTCOME_ADMITTED = 1
 KVRELAY_OUTCOME_IGNORED = 2
@@ -622,6 +639,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_admission_decode_msgpack": (c_int32, [("admission", c_void_p), ("msgpack", c_void_p), ("len", c_size_t), ("outcome", POINTER(kvrelay_outcome)), ("snapshot", POINTER(c_void_p))]),
     "kvrelay_admission_counters": (c_int32, [("admission", c_void_p), ("out", POINTER(kvrelay_counters))]),
     "kvrelay_admission_prometheus": (c_int32, [("admission", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
+    "kvrelay_find_hint": (c_int32, [("body", c_void_p), ("len", c_size_t), ("spelling_out", POINTER(c_int32)), ("offset_out", POINTER(c_size_t)), ("len_out", POINTER(c_size_t))]),
     "kvrelay_agent_new": (c_int32, [("config", c_void_p), ("layout", c_void_p), ("holder", POINTER(kvrelay_block_holder)), ("out", POINTER(c_void_p))]),
     "kvrelay_agent_free": (None, [("agent", c_void_p)]),
     "kvrelay_agent_endpoint": (c_int32, [("agent", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),

@@ -23,10 +23,11 @@ Discard = B.Discard
 FetchFailure = B.FetchFailure
 AgentLimit = B.AgentLimit
 Status = B.Status
+HintSpelling = B.HintSpelling
 
 
 _BY_C: dict[type[B.CEnum], dict[int, B.CEnum]] = {
-    e: {m.c: m for m in e} for e in (OutcomeKind, Reason, DecisionKind, Discard, FetchFailure, AgentLimit, Status)
+    e: {m.c: m for m in e} for e in (OutcomeKind, Reason, DecisionKind, Discard, FetchFailure, AgentLimit, Status, HintSpelling)
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Protocol
 from . import _bindings as B
 from . import _lib as L
 from ._lib import lib
-from ._common import OutcomeKind, Reason, SIZE_MAX, _Handle, _bool, _buffer, _check, _closed, _ident, _index, _int, _label, _out, _sized, _text, _utf8, _view, version  # noqa: F401
+from ._common import HintSpelling, OutcomeKind, Reason, SIZE_MAX, _Handle, _bool, _buffer, _check, _closed, _ident, _index, _int, _label, _out, _sized, _text, _utf8, _view, version  # noqa: F401
 
 # --- snapshots ---------------------------------------------------------------------------
 
@@ -210,6 +210,23 @@ class Outcome:
 
 
 _admit = lib.kvrelay_admit
+
+
+def find_hint(body: Any) -> tuple[str, memoryview]:
+    """The KV hint of a generation request, found in the body's own bytes (``kvrelay_find_hint``):
+    its spelling (a :class:`HintSpelling` member, equal to its label: ``"kv_hints"``: admit with
+    ``admit_batch``; ``"none"``: no hint) and its value
+    exactly as the client sent it, a view into ``body``. ``null`` members are absent. Raises
+    :class:`KvrelayError` (``INVALID_ARGUMENT``) when the body carries two hints (answer 400)
+    or is not one JSON object."""
+    buf, n = _buffer("body", body)
+    spelling, at, length = ctypes.c_int32(0), ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _check(
+        "kvrelay_find_hint",
+        lib.kvrelay_find_hint(buf, n, ctypes.byref(spelling), ctypes.byref(at), ctypes.byref(length)),
+    )
+    view = memoryview(body).cast("B")[at.value : at.value + length.value]
+    return _label(HintSpelling, spelling.value), view
 
 
 def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:

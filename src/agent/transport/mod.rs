@@ -278,10 +278,7 @@ pub(super) fn serve_in_place(
         device,
         num_blocks: layout.num_blocks(),
         segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
-        blocks: ids
-            .iter()
-            .map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums")))
-            .collect(),
+        blocks: ids.iter().map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums"))).collect(),
     };
     let end = Instant::now() + tcp::transfer_deadline((ids.len() * cx.block_bytes) as u64);
     if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), cx.io_deadline()).is_err() {

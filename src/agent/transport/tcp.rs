@@ -6,7 +6,9 @@
 use std::sync::mpsc;
 use std::time::Instant;
 
-use super::{frame_fail, io_fail, read_reply, refusal, Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes};
+use super::{
+    frame_fail, io_fail, read_reply, refusal, Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes,
+};
 use crate::agent::estimate::{SourceSpeed, TCP_DEFAULT};
 use crate::agent::pool::{Mover, SlotPtr};
 use crate::agent::wire::{self, Conn};
@@ -262,9 +264,7 @@ pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names:
                 head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
                 head[12..20].copy_from_slice(&names[i].to_le_bytes());
                 head[20..28].copy_from_slice(&sum.to_le_bytes());
-                if c.write_by(&head, by(cx)).is_err()
-                    || c.write_by(&staged[j * bb..(j + 1) * bb], by(cx)).is_err()
-                {
+                if c.write_by(&head, by(cx)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(cx)).is_err() {
                     ok = false;
                     break 'send;
                 }

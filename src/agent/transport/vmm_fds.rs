@@ -384,8 +384,11 @@ pub(crate) fn receive(
         match s.read(&mut nonce[have..]) {
             Ok(0) => return Err("reading the source's nonce: the source closed its socket".to_string().into()),
             Ok(n) => have += n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) => {
-            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(format!("reading the source's nonce: {e}").into()),
         }
     }
@@ -440,13 +443,17 @@ pub(crate) fn receive(
             return Err(format!("reading descriptors: {e}").into());
         }
         if n == 0 {
-            return Err(format!("the source closed its descriptor socket after {got} of {want} (a wrong token?)").into());
+            return Err(
+                format!("the source closed its descriptor socket after {got} of {want} (a wrong token?)").into()
+            );
         }
         if flags & libc::MSG_CTRUNC != 0 {
             return Err("descriptors were cut off (this process's open-file limit?)".to_string().into());
         }
         if fds.is_empty() || fds.len() != usize::from(payload[0]) || got + fds.len() > want {
-            return Err(format!("the source sent {} descriptors in a batch it said held {}", fds.len(), payload[0]).into());
+            return Err(
+                format!("the source sent {} descriptors in a batch it said held {}", fds.len(), payload[0]).into()
+            );
         }
         got += fds.len();
         for fd in fds {

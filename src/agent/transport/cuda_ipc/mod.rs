@@ -331,7 +331,10 @@ impl CudaIpc {
                     let _ = unsafe { self.dev.ipc_close(ptr) };
                     return Err((
                         FailReason::Corrupt,
-                        format!("CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here", a.size),
+                        format!(
+                            "CUDA IPC: the source offers {} bytes of an allocation that maps as {got:?} here",
+                            a.size
+                        ),
                     ));
                 }
             };
@@ -374,7 +377,10 @@ impl CudaIpc {
                         continue;
                     }
                     let Some(hs) = hs else {
-                        return Err((FailReason::Corrupt, "CUDA IPC: the source sent fewer descriptors than ranges".into()));
+                        return Err((
+                            FailReason::Corrupt,
+                            "CUDA IPC: the source sent fewer descriptors than ranges".into(),
+                        ));
                     };
                     // SAFETY: handles imported just above, each mapped at the size its source
                     // offers (the driver refuses a size past the allocation's); kept until that
@@ -609,7 +615,9 @@ impl Backend for CudaIpc {
             Ok((exports, mapped, held))
         })();
         match r {
-            Ok((exports, mapped, held)) => Ok(Box::new(Copies { offer, ranges: exports.ranges(), mapped, _held: held })),
+            Ok((exports, mapped, held)) => {
+                Ok(Box::new(Copies { offer, ranges: exports.ranges(), mapped, _held: held }))
+            }
             Err(e) => {
                 send_done(cx, c, 0);
                 Err(e)
@@ -679,8 +687,12 @@ mod tests {
         .unwrap();
         // SAFETY: the pool is device memory of device 0 that outlives the transport.
         let ipc = unsafe { CudaIpc::new(&layout, Some(0)) }.unwrap();
-        let (limits, stats, sums, movers) =
-            (Limits::default(), Stats::default(), crate::agent::sums::SumTable::new(8), crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host));
+        let (limits, stats, sums, movers) = (
+            Limits::default(),
+            Stats::default(),
+            crate::agent::sums::SumTable::new(8),
+            crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host),
+        );
         let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };
         let claim = |base: u64, size: u64| Exports {
             host: ipc.host,

@@ -164,7 +164,8 @@ impl<V> Table<V> {
 
     /// Let go of the watched mappings of processes `pids` (they ended) into `gone`; how many.
     pub(super) fn drop_pids(&mut self, pids: &[u32], gone: &mut Vec<Arc<V>>) -> usize {
-        let keys: Vec<Key> = self.map.iter().filter(|(k, e)| e.watched && pids.contains(&k.1)).map(|(k, _)| *k).collect();
+        let keys: Vec<Key> =
+            self.map.iter().filter(|(k, e)| e.watched && pids.contains(&k.1)).map(|(k, _)| *k).collect();
         for k in &keys {
             if let Some(e) = self.map.remove(k) {
                 gone.push(e.v);

@@ -403,8 +403,16 @@ impl Backend for Nixl {
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
     ) -> Result<Box<dyn Transfer + '_>, Failure> {
-        let offer =
-            read_in_place_offer(cx, c, wire::NIXL_OFFER, None, job.asked.len(), job.deadline, &mut job.scratch.buf, land)?;
+        let offer = read_in_place_offer(
+            cx,
+            c,
+            wire::NIXL_OFFER,
+            None,
+            job.asked.len(),
+            job.deadline,
+            &mut job.scratch.buf,
+            land,
+        )?;
         if offer.blocks.is_empty() {
             send_done(cx, c, 0);
             return Err((FailReason::SourceMiss, "the source holds none of the blocks".into()));

@@ -206,7 +206,7 @@ mod tests {
         let mut t = Remotes::default();
         assert!(matches!(t.begin("busy", b"m"), Step::Load { stale: false }));
         t.loaded("busy", b"m"); // its loader uses it
-        // withheld READs hold a use of their source
+                                // withheld READs hold a use of their source
         load(&mut t, "withheld", b"m");
         assert_eq!(t.begin("withheld", b"m"), Step::Ready);
         for i in 0..2 * MAX_REMOTES {
