@@ -231,8 +231,9 @@ struct AdmissionConfig {
   std::optional<std::size_t> max_depth;
   std::optional<std::size_t> max_raw_bytes;
   std::optional<std::string> metric_prefix;
-  /// When not empty, trust is read from this environment variable (after `trusted`):
-  /// "KVRELAY_TRUST_KV_HINTS" is the conventional name.
+  /// When not empty, this environment variable decides trust and `trusted` is not used: `1`,
+  /// `true`, `yes` or `on` (any case) trust; unset or anything else is untrusted, even with
+  /// `trusted = true`. "KVRELAY_TRUST_KV_HINTS" is the conventional name.
   std::string trust_env;
 };
 
