@@ -48,46 +48,19 @@ pub(super) fn classify(e: &serde_json::Error) -> &'static str {
     }
 }
 
-/// The hint members of every generation body (each body lists them itself: serde cannot keep a
-/// `RawValue` through `#[serde(flatten)]`). A request carries one hint: `kv_hints` (the spelling
-/// of OpenAI clients' `extra_body`), Dynamo's `kv_hint` (or `router_hint`), or `kv_hint` under
-/// `kv_transfer_params`; two at once is a 400.
-pub(super) struct HintFields<'a> {
-    pub(super) kv_hints: Option<&'a RawValue>,
-    pub(super) kv_hint: Option<&'a RawValue>,
-    pub(super) kv_transfer_params: Option<&'a RawValue>,
-}
-
-macro_rules! hint_fields {
-    ($b:expr) => {
-        HintFields { kv_hints: $b.kv_hints, kv_hint: $b.kv_hint, kv_transfer_params: $b.kv_transfer_params }
-    };
-}
-
-#[derive(Deserialize)]
-pub(super) struct TransferParams<'a> {
-    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
-    /// a duplicate field, a 400).
-    #[serde(borrow, default, alias = "router_hint")]
-    pub(super) kv_hint: Option<&'a RawValue>,
-}
-
-impl<'a> HintFields<'a> {
-    pub(super) fn raw(&self) -> Result<Option<&'a [u8]>, ApiError> {
-        let nested = self
-            .kv_transfer_params
-            .and_then(|p| serde_json::from_str::<TransferParams<'a>>(p.get()).ok())
-            .and_then(|p| p.kv_hint);
-        let all = [self.kv_hints, self.kv_hint, nested];
-        let mut present = all.iter().flatten();
-        let first = present.next();
-        if present.next().is_some() {
-            return Err(ApiError::bad_request(
-                "a request carries one KV hint: kv_hints, kv_hint and kv_transfer_params.kv_hint are exclusive",
-            )
-            .with_code("multiple_kv_hints"));
+/// The KV hint of a generation body, found in its original bytes by the library's one rule
+/// (`kvrelay::hints::find_hint`, as C++ runtimes find it): `kv_hints` (the spelling of OpenAI
+/// clients' `extra_body`), Dynamo's `kv_hint` or `router_hint`, or either under
+/// `kv_transfer_params`; `null` is absent; two at once is a 400 (`multiple_kv_hints`).
+pub(super) fn hint(bytes: &[u8]) -> Result<Option<&[u8]>, ApiError> {
+    match kvrelay::hints::find_hint(bytes) {
+        Ok(f) if f.spelling == kvrelay::hints::HintSpelling::None => Ok(None),
+        Ok(f) => Ok(Some(&bytes[f.value])),
+        Err(e @ kvrelay::hints::FindError::Multiple(..)) => {
+            Err(ApiError::bad_request(e.to_string()).with_code("multiple_kv_hints"))
         }
-        Ok(first.map(|r| r.get().as_bytes()))
+        // the body parsed as the endpoint's object already: not reached
+        Err(e) => Err(ApiError::bad_request(e.to_string()).with_code("invalid_json")),
     }
 }
 
@@ -112,14 +85,6 @@ pub(super) struct CompletionBody<'a> {
     pub(super) stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub(super) cache_salt: Option<String>,
-    #[serde(borrow, default)]
-    pub(super) kv_hints: Option<&'a RawValue>,
-    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
-    /// a duplicate field, a 400).
-    #[serde(borrow, default, alias = "router_hint")]
-    pub(super) kv_hint: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    pub(super) kv_transfer_params: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize, Default)]
@@ -130,7 +95,7 @@ pub(super) struct StreamOptions {
 
 #[derive(Deserialize)]
 pub(super) struct ChatBody<'a> {
-    #[serde(default)]
+    #[serde(borrow, default)]
     pub(super) messages: Option<Vec<Message<'a>>>,
     #[serde(default)]
     pub(super) model: Option<String>,
@@ -150,14 +115,6 @@ pub(super) struct ChatBody<'a> {
     pub(super) stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub(super) cache_salt: Option<String>,
-    #[serde(borrow, default)]
-    pub(super) kv_hints: Option<&'a RawValue>,
-    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
-    /// a duplicate field, a 400).
-    #[serde(borrow, default, alias = "router_hint")]
-    pub(super) kv_hint: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    pub(super) kv_transfer_params: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -181,14 +138,6 @@ pub(super) struct ResponsesBody<'a> {
     pub(super) stream: Option<bool>,
     #[serde(default)]
     pub(super) cache_salt: Option<String>,
-    #[serde(borrow, default)]
-    pub(super) kv_hints: Option<&'a RawValue>,
-    /// Newer Dynamo names the hint `router_hint`: either spelling is read (both at once is
-    /// a duplicate field, a 400).
-    #[serde(borrow, default, alias = "router_hint")]
-    pub(super) kv_hint: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    pub(super) kv_transfer_params: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]

@@ -280,7 +280,7 @@ async fn not_found() -> ApiError {
 // Handlers
 
 /// What each generation endpoint's body comes down to.
-struct Parsed<'a> {
+struct Parsed {
     model: Option<String>,
     prompts: Vec<Vec<u32>>,
     batched: bool,
@@ -291,10 +291,9 @@ struct Parsed<'a> {
     /// Alternatives per token when logprobs are asked for.
     logprobs: Option<usize>,
     stream: bool,
-    hint: HintFields<'a>,
 }
 
-fn parse_completion<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
+fn parse_completion(e: &Engine, bytes: &[u8]) -> Result<Parsed, ApiError> {
     let b: CompletionBody<'_> = parse(bytes)?;
     let (prompts, batched) = completion_prompts(b.prompt)?;
     Ok(Parsed {
@@ -306,13 +305,12 @@ fn parse_completion<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiEr
         // the legacy API's `logprobs` is the number of alternatives itself
         logprobs: logprobs_wanted(b.logprobs.is_some(), b.logprobs)?,
         stream: b.stream.unwrap_or(false),
-        hint: hint_fields!(b),
         model: b.model,
         salt: b.cache_salt,
     })
 }
 
-fn parse_chat<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
+fn parse_chat(e: &Engine, bytes: &[u8]) -> Result<Parsed, ApiError> {
     let b: ChatBody<'_> = parse(bytes)?;
     let text = chat_text(e, b.messages.as_deref(), None)?;
     Ok(Parsed {
@@ -323,13 +321,12 @@ fn parse_chat<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
         token_ids: false,
         logprobs: logprobs_wanted(b.logprobs.unwrap_or(false), b.top_logprobs)?,
         stream: b.stream.unwrap_or(false),
-        hint: hint_fields!(b),
         model: b.model,
         salt: b.cache_salt,
     })
 }
 
-fn parse_responses<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiError> {
+fn parse_responses(e: &Engine, bytes: &[u8]) -> Result<Parsed, ApiError> {
     let b: ResponsesBody<'_> = parse(bytes)?;
     let text = responses_text(e, &b)?;
     Ok(Parsed {
@@ -340,7 +337,6 @@ fn parse_responses<'a>(e: &Engine, bytes: &'a [u8]) -> Result<Parsed<'a>, ApiErr
         token_ids: false,
         logprobs: None,
         stream: b.stream.unwrap_or(false),
-        hint: hint_fields!(b),
         model: b.model,
         salt: b.cache_salt,
     })
@@ -353,7 +349,7 @@ async fn generation(
     headers: HeaderMap,
     body: Body,
     api: Api,
-    parse_body: for<'a> fn(&Engine, &'a [u8]) -> Result<Parsed<'a>, ApiError>,
+    parse_body: fn(&Engine, &[u8]) -> Result<Parsed, ApiError>,
 ) -> Response {
     let bytes = match read_body(&st, &headers, body).await {
         Ok(b) => b,
@@ -363,7 +359,7 @@ async fn generation(
         let p = parse_body(&st.engine, &bytes)?;
         check_model(&st, p.model.as_deref())?;
         let max_tokens = max_tokens(&st, p.max_tokens)?;
-        let raw = p.hint.raw()?;
+        let raw = bodies::hint(&bytes)?;
         let (hints, plans, hint_label, decision_label) = admit_and_decide(&st, raw, p.prompts.len(), p.batched)?;
         let job = Job {
             api,
