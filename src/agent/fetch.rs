@@ -105,7 +105,8 @@ pub(super) fn worker(inner: &Arc<Inner>) {
                 if inner.wants_reap() {
                     // withheld blocks, or mappings of peers: look at them every 50 ms
                     drop(q);
-                    inner.reap();
+                    // contained: a holder's `returned` that panics must not end this worker
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.reap()));
                     q = inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
                     if q.is_empty() && !inner.stop.load(Ordering::Acquire) {
                         q = inner
@@ -793,11 +794,68 @@ mod tests {
         let mut mem = vec![0u8; BLOCKS as usize * 256];
         let over = Arc::new(AtomicBool::new(false));
         let (a, returned) = agent(End::Fail, &over, &mut mem);
-        let r = fetch(&a, source.local_addr().unwrap());
+        let req = FetchRequest {
+            endpoint: format!("tcp://{}", source.local_addr().unwrap()),
+            names: vec![11, 12, 13, 14, 15],
+            held: 1,
+            dst: vec![3, 4, 5, 6],
+            deadline: Duration::from_secs(60),
+        };
+        let handle = a.submit(req, None).unwrap();
+        let r = handle.wait(Duration::from_secs(120)).expect("the fetch completes");
         assert_eq!(r.withheld, 3);
         // the writes never end by themselves: dropping the agent drops them (a backend's
-        // requests end with it) and hands their blocks back before the holder goes
+        // requests end with it) and hands their blocks back before the holder goes, though
+        // the runtime still holds the fetch's handle
         drop(a);
         assert_eq!(returned.try_recv().expect("handed back at stop"), vec![4, 5, 6]);
+        drop(handle);
+    }
+
+    /// A holder whose `returned` panics: contained, the worker goes on fetching.
+    #[test]
+    fn a_panicking_holder_does_not_end_the_worker() {
+        struct Panics;
+        impl BlockHolder for Panics {
+            fn pin(&self, _names: &[u64], _ids: &mut [u32]) -> usize {
+                0
+            }
+            fn unpin(&self, _ids: &[u32]) {}
+            fn returned(&self, _ids: &[u32]) {
+                panic!("a runtime's returned that panics");
+            }
+        }
+        let source = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut mem = vec![0u8; BLOCKS as usize * 256];
+        let over = Arc::new(AtomicBool::new(false));
+        let (a, _returned) = agent(End::Fail, &over, &mut mem);
+        drop(a);
+        // the same agent with the panicking holder
+        let fp = Fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 8, dtype_bytes: 2, naming: 1 };
+        let layout = KvLayout::new(
+            BLOCKS,
+            vec![Segment { base: mem.as_mut_ptr() as u64, block_stride: 256, bytes_per_block: 256 }],
+            &[],
+        )
+        .unwrap();
+        let mut cfg = AgentConfig::new(fp);
+        cfg.listen = None;
+        cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, ..Limits::default() };
+        TEST_BACKEND.with(|t| *t.borrow_mut() = Some(Box::new(Slow { end: End::Fail, over: over.clone() })));
+        // SAFETY: `mem` outlives the agent (dropped first).
+        let a = unsafe { Agent::new(cfg, layout, Box::new(Panics)) }.unwrap();
+        assert_eq!(fetch(&a, source.local_addr().unwrap()).withheld, 3);
+        over.store(true, Ordering::Release);
+        // the one worker reaps (the holder panics: its blocks were counted returned before it
+        // heard) ...
+        let until = std::time::Instant::now() + Duration::from_secs(120);
+        while a.stats().blocks_returned < 3 {
+            assert!(std::time::Instant::now() < until, "the withheld blocks were never handed back");
+            std::thread::yield_now();
+        }
+        // ... and still takes the next fetch
+        let r = fetch(&a, source.local_addr().unwrap());
+        assert_eq!((r.failure, r.blocks), (Some(FailReason::Truncated), 1));
+        drop(a);
     }
 }

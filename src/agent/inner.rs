@@ -228,24 +228,27 @@ impl Inner {
     }
 
     /// Hand back the withheld blocks whose writes are all over; every backend looks at what it
-    /// holds mapped ([`transport::Backend::reap`]).
+    /// holds mapped ([`transport::Backend::reap`]). The writes are asked outside the list's
+    /// lock (a NIXL status call may progress UCX), and a holder's `returned` that panics is
+    /// contained here: the other entries are still handed back.
     pub(super) fn reap(&self) {
-        let over: Vec<Withheld> = {
-            let mut w = self.withheld.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending: Vec<Withheld> = std::mem::take(&mut *self.withheld.lock().unwrap_or_else(|e| e.into_inner()));
+        if !pending.is_empty() {
             let mut over = Vec::new();
             let mut i = 0;
-            while i < w.len() {
-                if w[i].0.iter_mut().all(|x| x.over()) {
-                    over.push(w.swap_remove(i));
+            while i < pending.len() {
+                if pending[i].0.iter_mut().all(|x| x.over()) {
+                    over.push(pending.swap_remove(i));
                 } else {
                     i += 1;
                 }
             }
-            over
-        };
-        for (writes, ids) in over {
-            drop(writes);
-            self.give_back(&ids);
+            // what is still running goes back (beside what other fetches withheld meanwhile)
+            self.withheld.lock().unwrap_or_else(|e| e.into_inner()).extend(pending);
+            for (writes, ids) in over {
+                drop(writes);
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.give_back(&ids)));
+            }
         }
         let cx = self.cx();
         for b in &self.backends {
@@ -349,11 +352,35 @@ impl Inner {
         g.1.insert(id, clone);
         Some(id)
     }
+    /// At the agent's end (every thread joined, see [`Inner`]'s drop): the writes still withheld
+    /// are dropped (NIXL releases their requests), then the backends go (a NIXL agent with its
+    /// UCX backend): nothing can write into the withheld blocks any more, and they go back
+    /// before the holder does.
+    fn tear_down(&mut self) {
+        let withheld = std::mem::take(self.withheld.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let mut ids = Vec::new();
+        for (writes, i) in withheld {
+            drop(writes);
+            ids.extend(i);
+        }
+        drop(std::mem::take(&mut self.backends));
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.give_back(&ids)));
+    }
+
     pub(super) fn unregister(&self, id: u64) {
         let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
         g.1.remove(&id);
         if g.1.is_empty() {
             self.conns_idle.notify_all();
         }
+    }
+}
+
+impl Drop for Inner {
+    /// Runs when the last strong reference goes (the agent's drop, after every thread was
+    /// joined), whatever fetch handles still hold weak ones, and before any field is dropped:
+    /// the holder is still there to take the withheld blocks back.
+    fn drop(&mut self) {
+        self.tear_down();
     }
 }

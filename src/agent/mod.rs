@@ -478,19 +478,9 @@ impl Drop for Agent {
         while Arc::strong_count(&self.inner) > 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
-        // with every thread gone, the writes still withheld are dropped (NIXL releases their
-        // requests), then the backends go (a NIXL agent with its UCX backend): nothing can write
-        // into withheld blocks any more, and they go back before the holder does
-        if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            let withheld = std::mem::take(inner.withheld.get_mut().unwrap_or_else(|e| e.into_inner()));
-            let mut ids = Vec::new();
-            for (writes, i) in withheld {
-                drop(writes);
-                ids.extend(i);
-            }
-            drop(std::mem::take(&mut inner.backends));
-            inner.give_back(&ids);
-        }
+        // with every thread gone, the last reference goes with `self.inner`: `Inner`'s drop
+        // drops the writes still withheld, then the backends, and hands the blocks back before
+        // the holder goes (fetch handles may still hold weak references: they do not keep it)
     }
 }
 

@@ -34,7 +34,7 @@
 //!   its pins hold until then (or its transfer deadline).
 //! - **Mappings.** Each is reference-counted: a fetch holds the ones it copies through until
 //!   its stream synchronized. The table keeps at most 1,024, at most 128 (and 1 TiB of address
-//!   space) per source process (`table`): beyond a bound the least recently used mapping no
+//!   space) per source process, or one offer's count when more (`table`): beyond a bound the least recently used mapping no
 //!   fetch holds is let go (of the same source first), and a source whose quota is all held is
 //!   refused for that fetch, which falls back to TCP. While any watched mapping is kept, idle
 //!   fetch workers look every 50 ms whether its source process still runs (`/proc/<pid>`,
@@ -399,9 +399,10 @@ impl CudaIpc {
         // after it, when its last holder lets go
         let mut gone = Vec::new();
         let (at, new): (Vec<usize>, Vec<table::New<Mapping>>) = new.into_iter().unzip();
+        let offer_bytes = e.ranges().iter().map(|r| r.1).sum::<u64>();
         let (kept, evicted) = {
             let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-            let r = m.admit(new, &mut gone);
+            let r = m.admit(new, (keys.len(), offer_bytes), &mut gone);
             self.count(cx, &m);
             r
         };

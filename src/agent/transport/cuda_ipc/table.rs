@@ -12,9 +12,10 @@ use std::sync::Arc;
 
 /// Most source allocations (and virtual-memory ranges) one destination keeps mapped.
 pub(super) const MAX_MAPPED: usize = 1024;
-/// Most of them from one source process.
+/// Most of them from one source process (or as many as one offer of it names, when more).
 pub(super) const SOURCE_RANGES: usize = 128;
-/// Most bytes mapped from one source process (address space here, not memory).
+/// Most bytes mapped from one source process (address space here, not memory; or as many as
+/// one offer of it names, when more).
 pub(super) const SOURCE_BYTES: u64 = 1 << 40;
 
 /// A source process (its host's boot id and its pid) and one of its allocations: a CUDA IPC
@@ -112,7 +113,16 @@ impl<V> Table<V> {
     /// to `gone`). Mappings evicted to make room go to `gone` too; drop `gone` after the lock.
     /// Refused when the room can only come from mappings fetches hold: the new mappings not
     /// kept yet go to `gone`, and the count of evictions so far is in the second field.
-    pub(super) fn admit(&mut self, new: Vec<New<V>>, gone: &mut Vec<Arc<V>>) -> (Result<Vec<Arc<V>>, Full>, usize) {
+    /// `offer`: the ranges and bytes of the whole offer these come from (its mappings kept
+    /// already included): a source's quota is never below one offer of it, so that a pool of
+    /// more than [`SOURCE_RANGES`] allocations is still fetched (within [`MAX_MAPPED`]).
+    pub(super) fn admit(
+        &mut self,
+        new: Vec<New<V>>,
+        offer: (usize, u64),
+        gone: &mut Vec<Arc<V>>,
+    ) -> (Result<Vec<Arc<V>>, Full>, usize) {
+        let (quota, quota_bytes) = (SOURCE_RANGES.max(offer.0), SOURCE_BYTES.max(offer.1));
         let mut out = Vec::with_capacity(new.len());
         let mut evicted = 0;
         let mut new = new.into_iter();
@@ -125,7 +135,7 @@ impl<V> Table<V> {
             let (host, pid) = (n.key.0, n.key.1);
             let refused = loop {
                 let (count, bytes) = self.of(&host, pid);
-                if count < SOURCE_RANGES && bytes.saturating_add(n.bytes) <= SOURCE_BYTES {
+                if count < quota && bytes.saturating_add(n.bytes) <= quota_bytes {
                     break None;
                 }
                 if !self.evict(Some((&host, pid)), gone) {
@@ -200,26 +210,43 @@ mod tests {
         let mut gone = Vec::new();
         // a source that offers ever new allocations stays within its quota: its oldest go
         for i in 0..SOURCE_RANGES + 10 {
-            let (r, _) = t.admit(vec![new(1, i as u8, 1 << 20)], &mut gone);
+            let (r, _) = t.admit(vec![new(1, i as u8, 1 << 20)], (1, 1 << 20), &mut gone);
             assert!(r.is_ok());
         }
         assert_eq!(t.of(&[7; 16], 1).0, SOURCE_RANGES);
         assert_eq!(gone.len(), 10, "its ten oldest were let go");
         assert!(!t.contains(&key(1, 9)) && t.contains(&key(1, 10)));
         // another source still gets its mappings
-        let (r, evicted) = t.admit(vec![new(2, 1, 1 << 20)], &mut gone);
+        let (r, evicted) = t.admit(vec![new(2, 1, 1 << 20)], (1, 1 << 20), &mut gone);
         assert!(r.is_ok());
         assert_eq!(evicted, 0, "room without touching the first source");
         drop(r);
         // bytes are a quota too (the fetch that mapped it let go)
-        let (r, _) = t.admit(vec![new(3, 1, SOURCE_BYTES)], &mut gone);
+        let (r, _) = t.admit(vec![new(3, 1, SOURCE_BYTES)], (1, SOURCE_BYTES), &mut gone);
         assert!(r.is_ok());
         drop(r);
         let before = gone.len();
-        let (r, evicted) = t.admit(vec![new(3, 2, 1)], &mut gone);
+        let (r, evicted) = t.admit(vec![new(3, 2, 1)], (1, 1), &mut gone);
         assert!(r.is_ok());
         assert_eq!((evicted, gone.len()), (1, before + 1), "the older of source 3 went");
         assert!(!t.contains(&key(3, 1)) && t.contains(&key(3, 2)));
+    }
+
+    #[test]
+    fn one_offer_of_more_ranges_than_the_quota_is_kept_whole() {
+        let mut t = Table::default();
+        let mut gone = Vec::new();
+        let n = SOURCE_RANGES + 32;
+        let new: Vec<New<u32>> = (0..n as u16)
+            .map(|i| {
+                let mut k = key(5, 0);
+                k.2[1..3].copy_from_slice(&i.to_le_bytes());
+                New { key: k, v: Arc::new(0), bytes: 1, watched: true }
+            })
+            .collect();
+        let (r, evicted) = t.admit(new, (n, n as u64), &mut gone);
+        assert_eq!((r.map(|v| v.len()), evicted), (Ok(n), 0), "a pool of {n} allocations, all held by its fetch");
+        assert!(gone.is_empty());
     }
 
     #[test]
@@ -228,11 +255,11 @@ mod tests {
         let mut gone = Vec::new();
         let mut held = Vec::new();
         for i in 0..SOURCE_RANGES {
-            let (r, _) = t.admit(vec![new(1, i as u8, 1)], &mut gone);
+            let (r, _) = t.admit(vec![new(1, i as u8, 1)], (1, 1), &mut gone);
             held.extend(r.unwrap());
         }
         // every one held by a fetch: the next is refused, and nothing was let go
-        let (r, evicted) = t.admit(vec![new(1, 200, 1), new(1, 201, 1)], &mut gone);
+        let (r, evicted) = t.admit(vec![new(1, 200, 1), new(1, 201, 1)], (2, 2), &mut gone);
         assert_eq!((r.err(), evicted), (Some(Full::Source), 0));
         assert_eq!(gone.len(), 2, "both new mappings are handed back to be unmapped");
         assert_eq!(t.len(), SOURCE_RANGES);
@@ -240,7 +267,7 @@ mod tests {
         drop(held.drain(..2));
         assert!(t.get(&key(1, 0)).is_some()); // block 0 used again
         gone.clear();
-        let (r, evicted) = t.admit(vec![new(1, 200, 1)], &mut gone);
+        let (r, evicted) = t.admit(vec![new(1, 200, 1)], (1, 1), &mut gone);
         assert!(r.is_ok());
         assert_eq!(evicted, 1);
         assert!(t.contains(&key(1, 0)) && !t.contains(&key(1, 1)));
@@ -261,15 +288,16 @@ mod tests {
                 bytes: 1,
                 watched: pid % 2 == 0,
             });
-            assert!(t.admit(n.collect(), &mut gone).0.is_ok());
+            assert!(t.admit(n.collect(), (SOURCE_RANGES, SOURCE_RANGES as u64), &mut gone).0.is_ok());
         }
         assert_eq!(t.len(), MAX_MAPPED);
-        let (r, evicted) = t.admit(vec![new(999, 1, 1)], &mut gone);
+        let (r, evicted) = t.admit(vec![new(999, 1, 1)], (1, 1), &mut gone);
         assert!(r.is_ok());
         assert_eq!((evicted, t.len()), (1, MAX_MAPPED));
         // the same key made by two fetches: the second's own goes, the first's is used
         gone.clear();
-        let (r, _) = t.admit(vec![New { key: key(999, 1), v: Arc::new(77), bytes: 1, watched: true }], &mut gone);
+        let (r, _) =
+            t.admit(vec![New { key: key(999, 1), v: Arc::new(77), bytes: 1, watched: true }], (1, 1), &mut gone);
         assert_eq!(*r.unwrap()[0], 1);
         assert_eq!(gone.iter().map(|g| **g).collect::<Vec<_>>(), [77]);
         // a sweep lets go of the watched mappings of ended processes only

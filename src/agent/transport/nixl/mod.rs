@@ -322,6 +322,12 @@ impl Nixl {
                 match loaded.begin(name, md) {
                     Step::Ready => return Ok(used()),
                     Step::Load { stale } => break stale,
+                    Step::InUse => {
+                        return Err((
+                            FailReason::Corrupt,
+                            "NIXL: other metadata under the name of a source agent fetches use now".into(),
+                        ))
+                    }
                     Step::Wait => {
                         stopped()?;
                         let now = Instant::now();
@@ -348,15 +354,22 @@ impl Nixl {
                 .load_remote_md(md)
                 .map_err(|e| (FailReason::Connect, format!("NIXL: the source's metadata: {e:?}")))?;
             if got != name {
-                let _ = self.agent.invalidate_remote_md(&got);
+                // NIXL's copy of `got` goes only when the table does not hold that agent (a peer
+                // may send another live agent's metadata under a made-up name)
+                let t = table.remotes.lock().unwrap_or_else(|e| e.into_inner());
+                if !t.knows(&got) {
+                    let _ = self.agent.invalidate_remote_md(&got);
+                }
+                drop(t);
                 return Err((FailReason::Corrupt, "the source's NIXL metadata names another agent".into()));
             }
             Ok(())
         })();
-        let dropped = mark.finish(r.as_ref().ok().map(|()| md));
-        for n in dropped {
-            let _ = self.agent.invalidate_remote_md(&n);
-        }
+        // agents dropped to stay within the bounds are invalidated under the table's lock: no
+        // fetch loads one of them afresh before NIXL's old copy is gone
+        mark.finish(r.as_ref().ok().map(|()| md), &|n| {
+            let _ = self.agent.invalidate_remote_md(n);
+        });
         r.map(|()| used())
     }
 
@@ -364,8 +377,9 @@ impl Nixl {
     /// transfer or withheld READs still use it: NIXL would then fail their status before they
     /// stopped.
     fn forget_remote(&self, name: &str) {
-        let forgotten = self.table.remotes.lock().unwrap_or_else(|e| e.into_inner()).forget(name);
-        if forgotten {
+        // invalidated under the table's lock: a fetch that loads the agent afresh waits for it
+        let mut t = self.table.remotes.lock().unwrap_or_else(|e| e.into_inner());
+        if t.forget(name) {
             let _ = self.agent.invalidate_remote_md(name);
         }
     }

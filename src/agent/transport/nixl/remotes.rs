@@ -24,6 +24,9 @@ pub(super) enum Step {
     Ready,
     /// Another fetch loads it now: wait for that load.
     Wait,
+    /// Other metadata under the name of an agent fetches use now (a source does not change its
+    /// metadata; a peer may pose as it): refused, the loaded one is kept for its users.
+    InUse,
     /// Load it (marked loading); `stale`: other metadata of that name was loaded (invalidate it
     /// first).
     Load {
@@ -56,6 +59,7 @@ impl Remotes {
                 return Step::Ready;
             }
             Some(Entry::Loading) => return Step::Wait,
+            Some(Entry::Loaded { users, .. }) if *users > 0 => return Step::InUse,
             Some(Entry::Loaded { md: m, .. }) => {
                 self.bytes -= m.len();
                 true
@@ -119,6 +123,12 @@ impl Remotes {
         false
     }
 
+    /// Whether `name` is loaded or loading (NIXL's copy of it must not be invalidated by
+    /// anyone but the table).
+    pub(super) fn knows(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
     /// Agents loaded or loading.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
@@ -141,9 +151,10 @@ impl<'a> LoadMark<'a> {
         LoadMark { table, cv, name, done: false }
     }
 
-    /// The load ended: loaded with `md`, or failed (`None`). Returns the names dropped to stay
-    /// within the bounds (invalidate them in NIXL, outside the table's lock).
-    pub(super) fn finish(mut self, md: Option<&[u8]>) -> Vec<String> {
+    /// The load ended: loaded with `md`, or failed (`None`). The names dropped to stay within
+    /// the bounds are passed to `invalidate` under the table's lock (so that no fetch loads one
+    /// of them afresh before NIXL's old copy is gone); how many.
+    pub(super) fn finish(mut self, md: Option<&[u8]>, invalidate: &dyn Fn(&str)) -> usize {
         self.done = true;
         let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
         let dropped = match md {
@@ -153,9 +164,12 @@ impl<'a> LoadMark<'a> {
                 Vec::new()
             }
         };
+        for n in &dropped {
+            invalidate(n);
+        }
         drop(t);
         self.cv.notify_all();
-        dropped
+        dropped.len()
     }
 }
 
@@ -219,6 +233,9 @@ mod tests {
             assert!(!d.iter().any(|n| n == "busy" || n == "withheld"), "{d:?}");
         }
         assert_eq!(t.begin("busy", b"m"), Step::Ready);
+        // other metadata under the name of an agent in use: refused, the loaded one kept
+        assert_eq!(t.begin("busy", b"other"), Step::InUse);
+        assert!(t.knows("busy") && !t.knows("nobody"));
         assert!(!t.forget("busy"), "two users: not forgotten");
         t.release("busy");
         t.release("busy");
@@ -242,7 +259,7 @@ mod tests {
         assert!(matches!(table.lock().unwrap().begin("a", b"m"), Step::Load { stale: false }), "loaded afresh");
         // a finished mark records the load
         let mark = LoadMark::new(&table, &cv, "a");
-        assert!(mark.finish(Some(b"m")).is_empty());
+        assert_eq!(mark.finish(Some(b"m"), &|_| panic!("nothing to drop")), 0);
         assert_eq!(table.lock().unwrap().begin("a", b"m"), Step::Ready);
     }
 }
