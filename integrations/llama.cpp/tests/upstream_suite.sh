@@ -27,7 +27,10 @@ files=("$@")
   unit/test_chat_completion.py unit/test_metrics.py)
 logs="$(mktemp -d)"
 for b in unpatched kvrelay; do
-  (cd "$tests_dir" && KVRELAY_UPSTREAM_MODEL="$MODEL" LLAMA_SERVER_BIN_PATH="$out/bin/llama-server-$b" \
+  # the suite's servers listen on 127.0.0.1 at PORT (8080 unless set): a free one, so that another
+  # job on the machine does not collide with it
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  (cd "$tests_dir" && PORT="$port" KVRELAY_UPSTREAM_MODEL="$MODEL" LLAMA_SERVER_BIN_PATH="$out/bin/llama-server-$b" \
     PYTHONPATH="$here:$deps" timeout 1800 python3 -m pytest -p no:cacheprovider -p upstream_local_model \
     -m "not slow" -rA -q "${files[@]}" >"$logs/$b.log" 2>&1) || true
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)" "$logs/$b.log" | sed 's/ - .*//' | sort >"$logs/$b.outcomes"
