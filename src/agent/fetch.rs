@@ -715,6 +715,13 @@ mod tests {
     const BLOCKS: u32 = 8;
 
     fn agent(end: End, over: &Arc<AtomicBool>, mem: &mut [u8]) -> (Agent, mpsc::Receiver<Vec<u32>>) {
+        let (tx, rx) = mpsc::channel();
+        (agent_with(end, over, mem, Box::new(Holder(Mutex::new(tx)))), rx)
+    }
+
+    /// An agent over `mem` (BLOCKS host blocks) whose one backend is a [`Slow`] one, with
+    /// `holder`.
+    fn agent_with(end: End, over: &Arc<AtomicBool>, mem: &mut [u8], holder: Box<dyn BlockHolder>) -> Agent {
         let fp = Fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 8, dtype_bytes: 2, naming: 1 };
         let layout = KvLayout::new(
             BLOCKS,
@@ -725,12 +732,10 @@ mod tests {
         let mut cfg = AgentConfig::new(fp);
         cfg.listen = None;
         cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, ..Limits::default() };
-        let (tx, rx) = mpsc::channel();
         TEST_BACKEND.with(|t| *t.borrow_mut() = Some(Box::new(Slow { end, over: over.clone() })));
         // SAFETY: `mem` is host memory of BLOCKS blocks that outlives the agent (dropped first
         // by every test).
-        let a = unsafe { Agent::new(cfg, layout, Box::new(Holder(Mutex::new(tx)))) }.unwrap();
-        (a, rx)
+        unsafe { Agent::new(cfg, layout, holder) }.unwrap()
     }
 
     fn fetch(a: &Agent, source: std::net::SocketAddr) -> super::FetchResult {
@@ -828,22 +833,7 @@ mod tests {
         let source = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut mem = vec![0u8; BLOCKS as usize * 256];
         let over = Arc::new(AtomicBool::new(false));
-        let (a, _returned) = agent(End::Fail, &over, &mut mem);
-        drop(a);
-        // the same agent with the panicking holder
-        let fp = Fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 8, dtype_bytes: 2, naming: 1 };
-        let layout = KvLayout::new(
-            BLOCKS,
-            vec![Segment { base: mem.as_mut_ptr() as u64, block_stride: 256, bytes_per_block: 256 }],
-            &[],
-        )
-        .unwrap();
-        let mut cfg = AgentConfig::new(fp);
-        cfg.listen = None;
-        cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, ..Limits::default() };
-        TEST_BACKEND.with(|t| *t.borrow_mut() = Some(Box::new(Slow { end: End::Fail, over: over.clone() })));
-        // SAFETY: `mem` outlives the agent (dropped first).
-        let a = unsafe { Agent::new(cfg, layout, Box::new(Panics)) }.unwrap();
+        let a = agent_with(End::Fail, &over, &mut mem, Box::new(Panics));
         assert_eq!(fetch(&a, source.local_addr().unwrap()).withheld, 3);
         over.store(true, Ordering::Release);
         // the one worker reaps (the holder panics: its blocks were counted returned before it
