@@ -134,6 +134,8 @@ bash integrations/llama.cpp/build.sh --check-patch
 LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" JOBS=2 bash integrations/llama.cpp/build.sh
 timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== llama-server's own pytest suite on the unpatched and the kvrelay build, the same local model: the same tests must pass, fail and skip on both"
+MODEL="$KVRELAY_MODEL_FILE" LLAMA_SERVER_OUT="$root/target/llama-server" bash integrations/llama.cpp/tests/upstream_suite.sh
 
 echo "== the Python package: pip install ./python (cargo builds the library it carries), then its pytest suite"
 pyk="$root/target/ci-tools/pykvrelay"

@@ -2,7 +2,7 @@
 # llama-server's own pytest suite (tools/server/tests of the pinned tree) on the unpatched and the
 # kvrelay build, with a local model (upstream_local_model.py), then the two outcomes compared test
 # by test: exactly the same tests must pass, fail and skip on both. Prints the counts of each and
-# exits 1 when the outcomes differ. Not yet part of the test command (see the README, "Checks").
+# exits 1 when the outcomes differ. Part of the test command (.ci/test.sh), after the smoke test.
 #
 #   MODEL=/path/model.gguf bash integrations/llama.cpp/tests/upstream_suite.sh [pytest files...]
 #
