@@ -430,9 +430,13 @@ class Orchestrator {
   }
 
   /// Decide for a request; `snapshot` may be empty (no admitted hint).
-  Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot) const {
+  Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot) const { return decide(request, snapshot, nullptr); }
+  /// The same, with `call_context` handed to the provider (`kvrelay_fetch_request::call_context`,
+  /// kvrelay_orchestrate_with_context): where the provider leaves what it submitted for the
+  /// caller (a fetch handle, the blocks it fetches into) without globals or thread-locals.
+  Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot, void *call_context) const {
     kvrelay_decision d;
-    check(kvrelay_orchestrate(h_.get(), &request, snapshot.get(), &d));
+    check(kvrelay_orchestrate_with_context(h_.get(), &request, snapshot.get(), call_context, &d));
     return Decision{d.kind, d.discard, std::string(view(d.binding_id)), d.action_index, d.provider_code};
   }
 

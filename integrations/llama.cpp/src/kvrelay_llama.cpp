@@ -1,12 +1,18 @@
-// kvrelay_llama.cpp: kvrelay inside llama-server, phase 1 (see kvrelay_llama.hpp and
+// kvrelay_llama.cpp: kvrelay inside llama-server (see kvrelay_llama.hpp and
 // integrations/llama.cpp/README.md). Uses kvrelay only through its public C++ header.
 #include "kvrelay_llama.hpp"
 
 #include "arg.h"
 #include "build-info.h"
 #include "kvrelay.hpp"
+#include "kvrelay_llama_kv.hpp"
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <unordered_set>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +39,14 @@ struct settings {
     std::string identity;
     uint64_t    seed         = 0;
     std::string model_path;
+    // the KV path
+    std::string              listen;
+    std::vector<std::string> trusted_endpoints;
+    std::vector<std::string> allow_peers;
+    size_t                   pool_mib     = 1024;
+    bool                     fetch_always = false;
+
+    bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
 };
 
 settings & S() {
@@ -73,12 +87,283 @@ void print_usage() {
     printf("--kv-block-tokens N                     tokens per named KV block for /v1/kv/lookup (default: %zu)\n"
            "                                        (env: LLAMA_ARG_KV_BLOCK_TOKENS)\n\n",
            DEFAULT_BLOCK_TOKENS);
+    printf("--kv-listen HOST:PORT                   serve this server's KV blocks to peers there (port 0: any free port);\n"
+           "                                        turns the KV path on (env: LLAMA_ARG_KV_LISTEN)\n");
+    printf("--kv-trusted-endpoint tcp://HOST:PORT   an endpoint a hint may fetch KV from (repeatable; the trusted registry);\n"
+           "                                        turns the KV path on (env: LLAMA_ARG_KV_TRUSTED_ENDPOINTS, comma-separated)\n");
+    printf("--kv-allow-peer SPEC                    a peer that may fetch from this server: loopback, an address or ADDR/PREFIX\n"
+           "                                        (repeatable; default: loopback) (env: LLAMA_ARG_KV_ALLOW_PEERS, comma-separated)\n");
+    printf("--kv-pool-mib N                         host memory of the KV block store (default: 1024)\n"
+           "                                        (env: LLAMA_ARG_KV_POOL_MIB)\n");
+    printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
+           "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n\n");
+}
+
+void split_list(const std::string & text, std::vector<std::string> & out) {
+    size_t at = 0;
+    while (at <= text.size()) {
+        const size_t end  = std::min(text.find(',', at), text.size());
+        std::string  item = text.substr(at, end - at);
+        if (!item.empty()) {
+            out.push_back(item);
+        }
+        at = end + 1;
+    }
+}
+
+bool parse_pool_mib(const std::string & text, const char * from, size_t & out) {
+    char * end = nullptr;
+    errno      = 0;
+    const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+    if (text.empty() || text[0] == '-' || *end != '\0' || errno != 0 || v == 0 || v > (1ull << 20)) {
+        fprintf(stderr, "error: %s: expected MiB in 1..1048576, got '%s'\n", from, text.c_str());
+        return false;
+    }
+    out = (size_t) v;
+    return true;
+}
+
+bool parse_fetch(const std::string & text, const char * from, bool & always) {
+    if (text == "faster" || text == "always") {
+        always = text == "always";
+        return true;
+    }
+    fprintf(stderr, "error: %s: expected faster or always, got '%s'\n", from, text.c_str());
+    return false;
 }
 
 std::string hex64(uint64_t v) {
     char buf[17];
     snprintf(buf, sizeof buf, "%016" PRIx64, v);
     return buf;
+}
+
+// ---- the KV path -------------------------------------------------------------------------
+
+constexpr size_t   MAX_HINT_HASHES = 65536;
+constexpr uint32_t WAIT_SLICE_MS   = 20;
+
+// This integration's counters (the library's agent and policy count their own).
+struct kv_counters {
+    std::mutex                      mu;
+    std::map<std::string, uint64_t> fetch;  // by outcome
+    std::atomic<uint64_t>           fetched_blocks{ 0 };
+    std::atomic<uint64_t>           exported_blocks{ 0 };
+    std::atomic<uint64_t>           export_failed{ 0 };
+    std::atomic<uint64_t>           imported_tokens{ 0 };
+    std::atomic<uint64_t>           import_refused{ 0 };
+
+    void count(const std::string & outcome) {
+        std::lock_guard<std::mutex> g(mu);
+        fetch[outcome]++;
+    }
+};
+
+// What the provider leaves for the request thread that asked (kvrelay_fetch_request::call_context).
+struct fetch_call {
+    const std::vector<uint64_t> * names      = nullptr;  // the prompt's block names, up to the last fetchable
+    std::string                   endpoint;
+    size_t                        held       = 0;        // leading blocks the store holds
+    std::vector<uint32_t>         dst;                   // reserved store blocks the fetch writes
+    kvrelay::Fetch                fetch;
+    bool                          submitted  = false;
+    double                        estimate_s = 0;
+    double                        local_s    = 0;
+    std::string                   outcome;               // why the provider refused
+};
+
+struct kv_runtime;
+kv_runtime * KV = nullptr;  // set once by on_model_loaded, never freed (agent threads may run until exit)
+
+// The provider: validates a kv.fetch 1.0 payload on its own terms, then submits the fetch of the
+// run the store lacks into reserved store blocks (see fetch_prefix).
+class provider final : public kvrelay::Provider {
+  public:
+    // provider codes (kvrelay_decision::provider_code)
+    enum : int { BAD_VERSION = 1, BAD_PAYLOAD = 2, BAD_HASHES = 3, BAD_ENDPOINT = 4, NO_CONTEXT = 5,
+                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13 };
+
+    int validate(const kvrelay_fetch_request & r) override {
+        std::vector<uint64_t> hashes;
+        return parse(r, hashes);
+    }
+    int fetch(const kvrelay_fetch_request & r) override;
+
+    static int parse(const kvrelay_fetch_request & r, std::vector<uint64_t> & hashes) {
+        if (std::string_view(r.action_version.ptr, r.action_version.len) != "1.0") {
+            return BAD_VERSION;
+        }
+        const json p = json::parse_no_throw(std::string(reinterpret_cast<const char *>(r.payload.ptr), r.payload.len));
+        if (p.is_discarded() || !p.is_object() || !p.contains("block_hashes") || !p.at("block_hashes").is_array()) {
+            return BAD_PAYLOAD;
+        }
+        const json & h = p.at("block_hashes");
+        if (h.empty() || h.size() > MAX_HINT_HASHES) {
+            return BAD_HASHES;
+        }
+        hashes.reserve(h.size());
+        for (const json & v : h) {
+            // admission kept integers within -2^63 ..= 2^64-1; a name is never negative
+            if (!v.is_number_integer() || v.dump().front() == '-') {
+                return BAD_HASHES;
+            }
+            hashes.push_back(v.get<uint64_t>());
+        }
+        // the orchestrator checked the registry; the provider checks that its transport speaks it
+        const std::string_view ep(r.endpoint.ptr, r.endpoint.len);
+        const size_t           colon = ep.rfind(':');
+        if (ep.substr(0, 6) != "tcp://" || colon == std::string_view::npos || colon <= 6 || colon + 1 >= ep.size()) {
+            return BAD_ENDPOINT;
+        }
+        return 0;
+    }
+};
+
+struct kv_runtime {
+    kv_schema                              schema;
+    std::unique_ptr<block_store>           store;
+    std::unique_ptr<kvrelay::Agent>        agent;
+    std::unique_ptr<kvrelay::Orchestrator> orch;
+    std::string                            endpoint;        // this server's KV service, "" for none
+    std::atomic<double>                    sec_per_token{ 0 };  // prefill, a moving average (0: not measured)
+    kv_counters                            counts;
+    std::vector<uint8_t>                   blob;             // main loop only
+    kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
+};
+
+int provider::fetch(const kvrelay_fetch_request & r) {
+    auto * call = static_cast<fetch_call *>(r.call_context);
+    if (call == nullptr || KV == nullptr) {
+        return NO_CONTEXT;
+    }
+    std::vector<uint64_t> hashes;
+    if (const int bad = parse(r, hashes); bad != 0) {
+        return bad;
+    }
+    kv_runtime &                  kv    = *KV;
+    const std::vector<uint64_t> & names = *call->names;
+    call->endpoint                      = std::string(r.endpoint.ptr, r.endpoint.len);
+    call->held                          = kv.store->held(names.data(), names.size());
+    size_t run                          = 0;
+    kvrelay::check(kvrelay_fetch_run_length(names.data(), names.size(), call->held, hashes.data(), hashes.size(), &run));
+    if (run == 0) {
+        call->outcome = "nothing_to_fetch";
+        return NOTHING;
+    }
+    call->estimate_s  = kv.agent->estimate(call->endpoint, run);
+    const double spt  = kv.sec_per_token.load(std::memory_order_relaxed);
+    call->local_s     = spt > 0 ? spt * double(run * S().block_tokens) : -1;
+    if (!S().fetch_always && spt > 0 && call->local_s < call->estimate_s) {
+        call->outcome = "not_worth_it";
+        return NOT_WORTH_IT;
+    }
+    call->dst = kv.store->reserve(run);
+    if (call->dst.empty()) {
+        call->outcome = "no_room";
+        return NO_ROOM;
+    }
+    try {
+        const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.size()) * kv.store->block_bytes());
+        call->fetch     = kv.agent->fetch(call->endpoint, names, call->held, call->dst, deadline);
+        call->submitted = true;
+    } catch (const kvrelay::Error &) {
+        kv.store->release(call->dst.data(), call->dst.size());
+        call->dst.clear();
+        call->outcome = "busy";
+        return BUSY;
+    }
+    return 0;
+}
+
+// Read the context's state layout off a one-token probe in sequence 0, then clear the memory.
+bool probe_schema(llama_context * ctx, kv_schema & out, std::string & err) {
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    llama_token         tok   = llama_vocab_bos(vocab);
+    if (tok < 0) {
+        tok = 0;
+    }
+    llama_memory_t mem = llama_get_memory(ctx);
+    if (mem == nullptr) {
+        err = "the context has no KV memory";
+        return false;
+    }
+    llama_memory_clear(mem, true);
+    llama_batch batch = llama_batch_get_one(&tok, 1);
+    if (llama_decode(ctx, batch) != 0) {
+        llama_memory_clear(mem, true);
+        err = "the probe decode failed";
+        return false;
+    }
+    const size_t         size = llama_state_seq_get_size_ext(ctx, 0, 0);
+    std::vector<uint8_t> blob(size);
+    const size_t         got = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, blob.data(), size, 0, 0);
+    llama_memory_clear(mem, true);
+    if (got != size || size == 0) {
+        err = "llama.cpp exported no KV state";
+        return false;
+    }
+    kv_parsed p;
+    if (!parse_state(blob.data(), blob.size(), p, err)) {
+        return false;
+    }
+    if (p.cells != 1 || p.cell_of.size() != 1) {
+        err = "the probe's KV state does not hold its one token";
+        return false;
+    }
+    out              = p.schema;
+    out.block_tokens = S().block_tokens;
+    return true;
+}
+
+void start_kv(const common_params & params, llama_context * ctx) {
+    const settings & s = S();
+    auto             kv = std::make_unique<kv_runtime>();
+    std::string      err;
+    if (!probe_schema(ctx, kv->schema, err)) {
+        SRV_ERR("kvrelay: the KV path is off: %s\n", err.c_str());
+        return;
+    }
+    const size_t bb = kv->schema.block_bytes();
+    if (bb == 0 || bb % 2 != 0) {
+        SRV_ERR("kvrelay: the KV path is off: a block of %zu bytes is not a whole number of K/V halves\n", bb);
+        return;
+    }
+    const size_t blocks = std::max<size_t>(1, (s.pool_mib << 20) / bb);
+    kv->store           = std::make_unique<block_store>(blocks, bb);
+    kv->naming          = kvrelay::Naming(s.seed, s.block_tokens, 0, {});
+
+    const llama_model *       model = llama_get_model(ctx);
+    kvrelay_agent_fingerprint fp{};
+    fp.block_tokens = uint32_t(s.block_tokens);
+    fp.layers       = uint32_t(kv->schema.layers.size());
+    fp.kv_heads     = uint32_t(std::max<int32_t>(1, llama_model_n_head_kv(model)));
+    fp.head_dim     = uint32_t(llama_model_n_embd(model) / std::max<int32_t>(1, llama_model_n_head(model)));
+    fp.dtype_bytes  = uint32_t(ggml_type_size(params.cache_type_k));
+    fp.naming       = s.seed;
+
+    kvrelay::AgentConfig cfg(fp);
+    cfg.listen(s.listen);
+    for (const std::string & p : s.allow_peers) {
+        cfg.allow_peer(p);
+    }
+    // the pool as one [blocks, 1 layer, 2, block/2] region: kvrelay moves whole blocks
+    const kvrelay::KvLayout layout =
+        kvrelay::KvLayout::all_layers_per_block((uint64_t) (uintptr_t) kv->store->pool(), 1, uint32_t(blocks), bb / 2);
+    kv->agent    = std::make_unique<kvrelay::Agent>(cfg, layout, *kv->store);
+    kv->endpoint = kv->agent->endpoint();
+
+    kvrelay::Capabilities caps({ { "kvrelay", "kv.fetch", "1.0" } });
+    kvrelay::PolicyConfig pc;
+    pc.bindings.push_back(kvrelay::Binding{ "kv-tcp", "kvrelay", false, true, { { "kv.fetch", "1.0" } } });
+    pc.endpoints     = s.trusted_endpoints;
+    pc.metric_prefix = std::string("llamacpp_kv_policy");
+    kv->orch         = std::make_unique<kvrelay::Orchestrator>(caps, pc, std::make_shared<provider>());
+
+    SRV_INF("kvrelay: KV path on: %zu blocks of %zu bytes (%zu MiB), %s; %zu trusted endpoint(s); fetch %s\n",
+            blocks, bb, (blocks * bb) >> 20,
+            kv->endpoint.empty() ? "serving nothing" : ("serving at " + kv->endpoint).c_str(),
+            s.trusted_endpoints.size(), s.fetch_always ? "always" : "when faster than prefill");
+    KV = kv.release();
 }
 
 }  // namespace
@@ -101,11 +386,32 @@ bool consume_args(int & argc, char ** argv) {
             return false;
         }
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_LISTEN"); env != nullptr) {
+        s.listen = env;
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_TRUSTED_ENDPOINTS"); env != nullptr) {
+        split_list(env, s.trusted_endpoints);
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_ALLOW_PEERS"); env != nullptr) {
+        split_list(env, s.allow_peers);
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_POOL_MIB"); env != nullptr && *env != '\0') {
+        if (!parse_pool_mib(env, "LLAMA_ARG_KV_POOL_MIB", s.pool_mib)) {
+            return false;
+        }
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_FETCH"); env != nullptr && *env != '\0') {
+        if (!parse_fetch(env, "LLAMA_ARG_KV_FETCH", s.fetch_always)) {
+            return false;
+        }
+    }
     if (argv == nullptr) {
         return true;
     }
 
-    int kept = 1;
+    int  kept               = 1;
+    bool flag_seen_endpoint = false;
+    bool flag_seen_peer     = false;
     for (int i = 1; i < argc; i++) {
         const std::string arg = argv[i];
         if (arg == "--kv-hints-trusted") {
@@ -122,6 +428,42 @@ bool consume_args(int & argc, char ** argv) {
             }
             continue;
         }
+        // the flags with a value: a flag given names its value, replacing the variable's
+        static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
+                                               "--kv-pool-mib", "--kv-fetch" };
+        bool                      is_valued = false;
+        for (const char * v : valued) {
+            is_valued = is_valued || arg == v;
+        }
+        if (is_valued) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: %s needs a value\n", arg.c_str());
+                return false;
+            }
+            const std::string value = argv[++i];
+            if (arg == "--kv-listen") {
+                s.listen = value;
+            } else if (arg == "--kv-trusted-endpoint") {
+                if (!flag_seen_endpoint) {
+                    s.trusted_endpoints.clear();
+                    flag_seen_endpoint = true;
+                }
+                s.trusted_endpoints.push_back(value);
+            } else if (arg == "--kv-allow-peer") {
+                if (!flag_seen_peer) {
+                    s.allow_peers.clear();
+                    flag_seen_peer = true;
+                }
+                s.allow_peers.push_back(value);
+            } else if (arg == "--kv-pool-mib") {
+                if (!parse_pool_mib(value, "--kv-pool-mib", s.pool_mib)) {
+                    return false;
+                }
+            } else if (!parse_fetch(value, "--kv-fetch", s.fetch_always)) {
+                return false;
+            }
+            continue;
+        }
         if (arg == "-h" || arg == "--help" || arg == "--usage") {
             print_usage();
         }
@@ -132,7 +474,7 @@ bool consume_args(int & argc, char ** argv) {
     return true;
 }
 
-void on_model_loaded(const common_params & params, const llama_context * ctx) {
+void on_model_loaded(const common_params & params, llama_context * ctx) {
     settings & s = S();
 
     // The identity names what makes two servers' KV for the same tokens equal: the model file
@@ -165,6 +507,173 @@ void on_model_loaded(const common_params & params, const llama_context * ctx) {
     SRV_INF("kvrelay %s: KV hints %s; %zu-token blocks named under seed %s (%s)\n", kvrelay_version(),
             s.trusted ? "TRUSTED (all traffic that reaches this server is trusted)" : "ignored (untrusted)",
             s.block_tokens, hex64(s.seed).c_str(), s.identity.c_str());
+    if (s.kv_on() && ctx != nullptr && !s.identity.empty() && KV == nullptr) {
+        try {
+            start_kv(params, ctx);
+        } catch (const std::exception & e) {
+            SRV_ERR("kvrelay: the KV path is off: %s\n", e.what());
+        }
+    }
+}
+
+void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint,
+                  const std::function<bool()> & should_stop) noexcept {
+    if (!hint || KV == nullptr) {
+        return;
+    }
+    kv_runtime & kv = *KV;
+    try {
+        if (prompt.has_mtmd) {
+            kv.counts.count("multimodal");
+            return;
+        }
+        const llama_tokens & tokens = prompt.get_tokens();
+        const size_t         bt     = S().block_tokens;
+        // the blocks that may be fetched: full ones, at least one prompt token left to evaluate
+        const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
+        std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+
+        fetch_call         call;
+        call.names = &names;
+        kvrelay_request_info info{};
+        info.generation_only = true;
+        info.lora_adapter    = lora;
+        const kvrelay::Decision d = kv.orch->decide(info, *hint, &call);
+        if (!call.submitted) {
+            if (!call.outcome.empty()) {
+                kv.counts.count(call.outcome);
+                SRV_DBG("kvrelay: no fetch: %s (estimate %.4f s, local prefill %.4f s)\n", call.outcome.c_str(),
+                        call.estimate_s, call.local_s);
+            } else if (!d.named_fetch()) {
+                // the policy's own discard (untrusted endpoint, ...), counted by the policy
+                SRV_DBG("kvrelay: no fetch: %s (provider code %d)\n", d.discard_name(), d.provider_code);
+            }
+            return;
+        }
+        // wait on this request's thread, cancelling when the client goes away
+        std::optional<kvrelay_fetch_result> r;
+        bool                                gone = false;
+        while (!(r = call.fetch.wait(WAIT_SLICE_MS))) {
+            if (!gone && should_stop && should_stop()) {
+                gone = true;
+                call.fetch.cancel();
+            }
+        }
+        const size_t ok       = std::min(r->blocks, call.dst.size());
+        const size_t withheld = std::min(r->withheld, call.dst.size() - ok);
+        kv.store->commit(call.dst.data(), names.data() + call.held, ok);
+        // withheld blocks come back through the holder's returned()
+        kv.store->release(call.dst.data() + ok + withheld, call.dst.size() - ok - withheld);
+        kv.counts.fetched_blocks += ok;
+        const std::string outcome = gone ? "client_gone"
+                                    : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
+                                    : ok < call.dst.size()          ? "partial"
+                                                                    : "fetched";
+        kv.counts.count(outcome);
+        const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();
+        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s)%s%s\n",
+                outcome.c_str(), ok, call.dst.size(), call.held, r->seconds, call.estimate_s, call.local_s,
+                why.empty() ? "" : ": ", why.c_str());
+    } catch (const std::exception & e) {
+        kv.counts.count("internal");
+        SRV_WRN("kvrelay: the fetch path failed (%s); the request prefills as a cold one\n", e.what());
+    } catch (...) {
+        kv.counts.count("internal");
+    }
+}
+
+int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept {
+    if (KV == nullptr || prompt.has_mtmd || n_past < 0) {
+        return n_past;
+    }
+    kv_runtime & kv = *KV;
+    try {
+        const llama_tokens & tokens = prompt.get_tokens();
+        const size_t         bt     = S().block_tokens;
+        const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
+        if (n_max * bt <= size_t(n_past)) {
+            return n_past;
+        }
+        const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+        std::vector<uint32_t>       ids(names.size());
+        const size_t                k = kv.store->pin(names.data(), names.size(), ids.data());
+        if (k * bt <= size_t(n_past)) {
+            kv.store->unpin(ids.data(), k);
+            return n_past;
+        }
+        std::vector<const uint8_t *> src(k);
+        for (size_t i = 0; i < k; i++) {
+            src[i] = kv.store->block(ids[i]);
+        }
+        build_import(kv.schema, src.data(), k, seq_id, kv.blob);
+        kv.store->unpin(ids.data(), k);
+        const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
+        if (got != kv.blob.size()) {
+            llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
+            kv.counts.import_refused++;
+            SRV_WRN("kvrelay: llama.cpp refused the imported KV of %zu blocks; slot %d prefills its whole prompt\n", k, seq_id);
+            return 0;
+        }
+        kv.counts.imported_tokens += k * bt - size_t(n_past);
+        SRV_DBG("kvrelay: slot %d: imported %zu blocks (tokens %d..%zu)\n", seq_id, k, n_past, k * bt);
+        return int(k * bt);
+    } catch (...) {
+        kv.counts.import_refused++;
+        return n_past;
+    }
+}
+
+void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, double t_prompt_ms,
+                    uint64_t n_processed) noexcept {
+    if (KV == nullptr || prompt.has_mtmd) {
+        return;
+    }
+    kv_runtime & kv = *KV;
+    try {
+        const size_t bt = S().block_tokens;
+        if (n_processed >= bt && t_prompt_ms > 0) {
+            const double now  = t_prompt_ms / 1e3 / double(n_processed);
+            const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
+            kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
+        }
+        const llama_tokens &        tokens = prompt.get_tokens();
+        const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());
+        const size_t                from   = kv.store->held(names.data(), names.size());
+        if (from == names.size()) {
+            return;
+        }
+        const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, 0);
+        kv.blob.resize(size);
+        const size_t got = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, kv.blob.data(), size, seq_id, 0);
+        kv_parsed    p;
+        std::string  err;
+        if (got != size || size == 0) {
+            err = "llama.cpp exported no KV state";
+        } else if (parse_state(kv.blob.data(), kv.blob.size(), p, err) && !p.schema.same_layout(kv.schema)) {
+            err = "the exported KV state does not have the layout probed at load";
+        } else if (err.empty() && p.cell_of.size() < names.size() * bt) {
+            err = "the exported KV state lacks some of the prompt's positions";
+        }
+        if (!err.empty()) {
+            kv.counts.export_failed++;
+            SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, err.c_str());
+            return;
+        }
+        std::vector<uint32_t> ids = kv.store->reserve(names.size() - from);
+        std::vector<uint8_t *> dst(ids.size());
+        for (size_t i = 0; i < ids.size(); i++) {
+            dst[i] = kv.store->block(ids[i]);
+        }
+        cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
+        kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
+        kv.store->commit(ids.data(), names.data() + from, ids.size());
+        kv.counts.exported_blocks += ids.size();
+    } catch (const std::exception & e) {
+        kv.counts.export_failed++;
+        SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, e.what());
+    } catch (...) {
+        kv.counts.export_failed++;
+    }
 }
 
 std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts) {
@@ -233,7 +742,7 @@ void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept 
         return;
     }
     try {
-        LOG_DBG("kvrelay: slot %d, task %d carries an admitted KV hint with %zu action(s) (phase 1: not acted on)\n",
+        LOG_DBG("kvrelay: slot %d, task %d carries an admitted KV hint with %zu action(s)\n",
                 id_slot, id_task, hint->action_count());
     } catch (...) {
     }
@@ -245,6 +754,37 @@ std::string prometheus() noexcept {
         if (!text.empty() && text.back() != '\n') {
             text += '\n';
         }
+        if (KV == nullptr) {
+            return text;
+        }
+        kv_runtime & kv = *KV;
+        for (std::string part : { kv.orch->prometheus(), kv.agent->prometheus() }) {
+            if (!part.empty() && part.back() != '\n') {
+                part += '\n';
+            }
+            text += part;
+        }
+        text += "# HELP llamacpp_kv_fetch_total KV fetches a hint asked for, by outcome.\n# TYPE llamacpp_kv_fetch_total counter\n";
+        {
+            std::lock_guard<std::mutex> g(kv.counts.mu);
+            for (const auto & [outcome, n] : kv.counts.fetch) {
+                text += "llamacpp_kv_fetch_total{outcome=\"" + outcome + "\"} " + std::to_string(n) + "\n";
+            }
+        }
+        const block_store::counts c = kv.store->read_counts();
+        const std::pair<const char *, uint64_t> plain[] = {
+            { "fetched_blocks_total", kv.counts.fetched_blocks.load() },
+            { "exported_blocks_total", kv.counts.exported_blocks.load() },
+            { "export_failed_total", kv.counts.export_failed.load() },
+            { "imported_tokens_total", kv.counts.imported_tokens.load() },
+            { "import_refused_total", kv.counts.import_refused.load() },
+            { "store_evicted_total", c.evicted },
+        };
+        for (const auto & [name, v] : plain) {
+            text += std::string("# TYPE llamacpp_kv_") + name + " counter\nllamacpp_kv_" + name + " " + std::to_string(v) + "\n";
+        }
+        text += "# TYPE llamacpp_kv_store_blocks gauge\nllamacpp_kv_store_blocks " + std::to_string(c.committed) + "\n";
+        text += "# TYPE llamacpp_kv_store_pinned_blocks gauge\nllamacpp_kv_store_pinned_blocks " + std::to_string(c.pinned) + "\n";
         return text;
     } catch (...) {
         return std::string();
@@ -265,6 +805,8 @@ json kv_info(const std::string & model_name) {
         { "model",            model                },
         { "kv_hints_trusted", s.trusted            },
         { "kvrelay_version",  std::string(kvrelay_version()) },
+        { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
+        { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
     };
 }
 
@@ -314,7 +856,7 @@ json kv_lookup(const json & body, const server_chat_params & chat_params, const 
     return json{
         { "block_tokens",  s.block_tokens },
         { "blocks_total",  names.size()   },
-        { "blocks_held",   0              },  // phase 1: slots' cached prefixes are not read
+        { "blocks_held",   KV != nullptr ? KV->store->held(names.data(), names.size()) : 0 },
         { "block_hashes",  names          },
         { "n_tokens",      tokens.size()  },
         { "token_ids",     tokens         },

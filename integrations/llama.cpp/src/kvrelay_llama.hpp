@@ -1,7 +1,8 @@
-// kvrelay_llama.hpp: kvrelay inside llama-server, phase 1 (integrations/llama.cpp/README.md).
+// kvrelay_llama.hpp: kvrelay inside llama-server (integrations/llama.cpp/README.md).
 //
-// Everything kvrelay-specific lives in kvrelay_llama.cpp; kvrelay.patch only calls the functions
-// below from llama-server's own code. build.sh copies both files into tools/server/ of the tree.
+// Everything kvrelay-specific lives in kvrelay_llama.cpp and kvrelay_llama_kv.{hpp,cpp};
+// kvrelay.patch only calls the functions below from llama-server's own code. build.sh copies
+// the files into tools/server/ of the tree.
 //
 // This header deliberately does not include kvrelay.hpp: server.cpp (target llama-server-impl)
 // includes it too, and only server-context links kvrelay. A hint travels with a task as a
@@ -12,6 +13,7 @@
 #include "server-common.h"  // json, server_chat_params, mtmd, llama_tokens
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,13 +31,25 @@ using hint_ptr = std::shared_ptr<const kvrelay::Snapshot>;
 /// argv (so llama.cpp's own parser never sees them) and reads their environment variables:
 ///   --kv-hints-trusted     (LLAMA_ARG_KV_HINTS_TRUSTED=1|true|on|enabled)  admit KV hints
 ///   --kv-block-tokens N    (LLAMA_ARG_KV_BLOCK_TOKENS=N, default 32)       tokens per named block
-/// A flag wins over its variable. Prints this integration's usage before llama.cpp's on -h /
+///   --kv-listen HOST:PORT  (LLAMA_ARG_KV_LISTEN)           serve this server's KV blocks there
+///   --kv-trusted-endpoint E (LLAMA_ARG_KV_TRUSTED_ENDPOINTS, comma-separated; repeatable)
+///                          the endpoints a hint may fetch from (the trusted registry)
+///   --kv-allow-peer SPEC   (LLAMA_ARG_KV_ALLOW_PEERS, comma-separated; repeatable, default
+///                          loopback)  who may fetch from this server
+///   --kv-pool-mib N        (LLAMA_ARG_KV_POOL_MIB, default 1024)  host memory of the block store
+///   --kv-fetch faster|always (LLAMA_ARG_KV_FETCH, default faster)  fetch only when the
+///                          estimate beats this server's measured prefill, or always
+/// The block store, the KV agent and the fetch path are on when --kv-listen or a trusted
+/// endpoint is given. A flag wins over its variable. Prints this integration's usage before llama.cpp's on -h /
 /// --help / --usage. Returns false after printing why when a value is invalid.
 bool consume_args(int & argc, char ** argv);
 
 /// llama_server, once the model is loaded (main thread, before any request): fixes the naming
 /// identity from the model file, the llama.cpp build and the context's KV settings, and logs it.
-void on_model_loaded(const common_params & params, const llama_context * ctx);
+/// With the KV path on, reads the context's state layout off a one-token probe (decoded into
+/// sequence 0, then the memory is cleared), allocates the block store and starts the KV agent;
+/// a failure there logs why and leaves the KV path off (hints are still admitted and counted).
+void on_model_loaded(const common_params & params, llama_context * ctx);
 
 /// handle_completions_impl (HTTP thread), once per request after tokenization: finds the
 /// request's hint in the raw request body (`req.body`: kvrelay::find_hint, kv_hints, kv_hint or
@@ -46,20 +60,52 @@ void on_model_loaded(const common_params & params, const llama_context * ctx);
 /// the wrong length; an ignored hint never throws (kvrelay counts it).
 std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts);
 
-/// launch_slot_with_task (main loop): phase 1 only logs (debug level) that the task carries an
+/// handle_completions_impl (HTTP thread), per prompt, before its task is posted: when the prompt
+/// carries an admitted hint and the KV path is on, the orchestration policy decides (the trusted
+/// endpoint registry, the binding) and the provider fetches the run of the prompt's blocks that
+/// the block store lacks and the hint names (SPEC section 8), when the agent's estimate beats
+/// this server's measured prefill (--kv-fetch). Waits for the fetch on this thread, in 20 ms
+/// slices, cancelling it when `should_stop` turns true (the client went away); the verified
+/// blocks are committed to the store, where import_prefix finds them. Costs one naming pass
+/// over the prompt when a hint is admitted, nothing otherwise. Never throws: any failure leaves
+/// the request to prefill as a cold one, counted by reason.
+void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint,
+                  const std::function<bool()> & should_stop) noexcept;
+
+/// The slot's cached-prefix logic (main loop, SLOT_STATE_STARTED) once `n_past` is final:
+/// imports the prompt's leading blocks that the block store holds past `n_past` (fetched for
+/// this request, or computed here by an earlier prompt) into sequence `seq_id`, which llama.cpp
+/// replaces whole. Returns the new n_past: a block multiple above `n_past` after an import,
+/// `n_past` when nothing is imported, 0 when llama.cpp refused the blob (the sequence was
+/// emptied). At least one prompt token is always left to evaluate. Cost: O(imported bytes),
+/// one copy into a reused buffer.
+int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept;
+
+/// post_decode (main loop) when a slot's prompt is evaluated: commits the prompt's full blocks
+/// the store lacks (the sequence exported with llama_state_seq_get_data_ext, cut into blocks,
+/// checksums recorded) so that peers can fetch them, and updates the prefill speed the fetch
+/// decision compares with (`t_prompt_ms` for `n_processed` tokens). Cost: O(the sequence's KV
+/// bytes) when the prompt has new full blocks, one naming pass otherwise.
+void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, double t_prompt_ms,
+                    uint64_t n_processed) noexcept;
+
+/// launch_slot_with_task (main loop): logs (debug level) that the task carries an
 /// admitted hint and its action count, never the hint's contents. Never throws.
 void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept;
 
-/// GET /metrics: kvrelay's admission counters as Prometheus text (metric prefix
-/// llamacpp_kv_hints), each line newline-terminated; "" if they cannot be rendered.
+/// GET /metrics: kvrelay's counters as Prometheus text, each line newline-terminated: admission
+/// (llamacpp_kv_hints_*), and with the KV path on the policy (llamacpp_kv_policy_*), the agent
+/// (kvrelay_kv_agent_*) and this integration's fetch, import and export counters
+/// (llamacpp_kv_*); "" if they cannot be rendered.
 std::string prometheus() noexcept;
 
-/// GET /v1/kv/info: {block_tokens, naming_seed, naming_identity, model, kv_hints_trusted, ...}.
+/// GET /v1/kv/info: {block_tokens, naming_seed, naming_identity, model, kv_hints_trusted,
+/// source_control_endpoint (this server's KV endpoint, "" when it serves none), ...}.
 json kv_info(const std::string & model_name);
 
 /// POST /v1/kv/lookup {prompt | messages, cache_salt?}: the prompt tokenized as the completion
-/// routes do (messages through the chat template as /v1/chat/completions does) and the names of
-/// its full blocks. Throws std::invalid_argument (HTTP 400) for a bad body.
+/// routes do (messages through the chat template as /v1/chat/completions does), the names of
+/// its full blocks and how many leading ones the block store holds (blocks_held). Throws std::invalid_argument (HTTP 400) for a bad body.
 json kv_lookup(const json & body, const server_chat_params & chat_params, const llama_vocab * vocab,
                mtmd_context * mctx, const mtmd_helper_init_opt & init_opt);
 

@@ -1,0 +1,137 @@
+// kvrelay_llama_kv.hpp: the KV side of kvrelay inside llama-server (see kvrelay_llama.hpp).
+//
+// Two pieces with no llama.cpp types in them, so that they build and test on their own:
+// - kv_state: llama.cpp's sequence-state blob (LLAMA_STATE_SEQ_VERSION 3 of the pinned tree,
+//   `llama_state_seq_get_data_ext` with flags 0) read and written as kvrelay blocks;
+// - block_store: the server's reuse cache of named blocks in one host pool, which the KV agent
+//   serves from (kvrelay::BlockHolder) and fetches into.
+#pragma once
+
+#include "kvrelay.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace kvrelay_llama {
+
+/// One layer's rows in the state blob.
+struct kv_layer {
+    int32_t  k_type   = 0;
+    uint64_t k_row    = 0;  // bytes of one cell's K
+    int32_t  v_type   = 0;
+    uint64_t v_row    = 0;  // V not transposed: bytes of one cell's V
+    uint32_t v_el     = 0;  // V transposed: bytes of one element
+    uint32_t n_embd_v = 0;  // V transposed: elements of one cell's V
+    bool operator==(const kv_layer & o) const {
+        return k_type == o.k_type && k_row == o.k_row && v_type == o.v_type && v_row == o.v_row && v_el == o.v_el &&
+               n_embd_v == o.n_embd_v;
+    }
+};
+
+/// The state layout of one context (read off its first export). A block is `block_tokens`
+/// cells, stored as every layer's K (block_tokens rows each), then every layer's V (its
+/// block_tokens rows, or, transposed, n_embd_v runs of block_tokens elements).
+struct kv_schema {
+    uint32_t              n_stream     = 1;
+    bool                  v_trans      = false;
+    std::vector<kv_layer> layers;
+    size_t                block_tokens = 0;
+
+    bool   empty() const { return layers.empty(); }
+    size_t v_token_bytes(const kv_layer & l) const { return v_trans ? size_t(l.n_embd_v) * l.v_el : size_t(l.v_row); }
+    size_t token_bytes() const;
+    size_t block_bytes() const { return token_bytes() * block_tokens; }
+    bool   same_layout(const kv_schema & o) const {
+        return n_stream == o.n_stream && v_trans == o.v_trans && layers == o.layers;
+    }
+};
+
+/// A parsed sequence-state blob: its one non-empty stream's cells and where each layer's K and V
+/// lie. Views into the blob (valid while it lives).
+struct kv_parsed {
+    kv_schema                    schema;  // block_tokens left 0
+    uint32_t                     cells = 0;
+    std::vector<uint32_t>        cell_of;  // cell_of[p]: the blob cell at position p (positions 0..n)
+    std::vector<const uint8_t *> k, v;     // per layer
+};
+
+/// Parse a blob llama.cpp exported for one sequence. Accepts cells in any order; `cell_of`
+/// covers the leading positions 0, 1, ... that are present (stops at the first gap). Returns
+/// false with `err` for anything else than one plain KV cache of this format (several caches,
+/// cells of several sequences, M-RoPE cell extensions, trailing bytes). O(cells + layers).
+bool parse_state(const uint8_t * blob, size_t len, kv_parsed & out, std::string & err);
+
+/// Cut blocks [from, to) of `p` into `dst[i]` (one pointer per block, block_bytes each), laid
+/// out as `schema` says. The caller checked that p's layout is schema's and that p.cell_of
+/// covers to * block_tokens positions. O(bytes).
+void cut_blocks(const kv_schema & schema, const kv_parsed & p, size_t from, size_t to, uint8_t * const * dst);
+
+/// Build a blob of `n` blocks (`src[i]`, in prefix order) that llama_state_seq_set_data_ext
+/// imports into a sequence: cells at positions 0 .. n * block_tokens. O(bytes); `out` is reused.
+void build_import(const kv_schema & schema, const uint8_t * const * src, size_t n, int32_t seq_id, std::vector<uint8_t> & out);
+
+/// The server's reuse cache: `capacity` blocks of `block_bytes` in one host pool, each free,
+/// reserved (being written: a fetch or an export), or committed under its name (readable,
+/// servable). Committed blocks no pin holds are evicted least recently used first when a
+/// reservation needs room. Thread-safe: the agent's connection threads pin and unpin, request
+/// threads reserve and commit fetched blocks, the main loop commits exports and pins imports.
+class block_store : public kvrelay::BlockHolder {
+  public:
+    block_store(size_t capacity, size_t block_bytes);
+    ~block_store() override;
+    block_store(const block_store &)             = delete;
+    block_store & operator=(const block_store &) = delete;
+
+    size_t    capacity() const { return capacity_; }
+    size_t    block_bytes() const { return block_bytes_; }
+    uint8_t * pool() const { return pool_; }
+    uint8_t * block(uint32_t id) const { return pool_ + size_t(id) * block_bytes_; }
+
+    /// How many leading `names` are committed. O(n).
+    size_t held(const uint64_t * names, size_t n) const;
+    /// Pin the leading committed run of `names` (kvrelay::BlockHolder; also the import's read).
+    size_t pin(const uint64_t * names, size_t n, uint32_t * ids_out) override;
+    void   unpin(const uint32_t * ids, size_t n) override;
+    /// Blocks a NIXL fetch withheld are free again.
+    void   returned(const uint32_t * ids, size_t n) override { release(ids, n); }
+    /// Up to `n` blocks to write (free ones first, then the least recently used unpinned
+    /// committed ones, whose names are dropped). Fewer when everything else is pinned or reserved.
+    std::vector<uint32_t> reserve(size_t n);
+    /// Commit reserved `ids[i]` under `names[i]`; a name already committed keeps its block and
+    /// the new one is freed. Every block is checked reserved (others are left alone).
+    void   commit(const uint32_t * ids, const uint64_t * names, size_t n);
+    /// Reserved blocks not committed go back to the free list.
+    void   release(const uint32_t * ids, size_t n);
+
+    struct counts {
+        uint64_t committed = 0;  // gauge
+        uint64_t pinned    = 0;  // gauge: blocks with a pin
+        uint64_t evicted   = 0;
+    };
+    counts read_counts() const;
+
+  private:
+    enum class state : uint8_t { FREE, RESERVED, COMMITTED };
+    struct entry {
+        uint64_t name = 0;
+        uint64_t used = 0;  // LRU tick
+        uint32_t pins = 0;
+        state    st   = state::FREE;
+    };
+    size_t                                 capacity_;
+    size_t                                 block_bytes_;
+    uint8_t *                              pool_ = nullptr;
+    mutable std::mutex                     mu_;
+    std::vector<entry>                     blocks_;
+    std::vector<uint32_t>                  free_;
+    std::unordered_map<uint64_t, uint32_t> by_name_;
+    uint64_t                               tick_    = 0;
+    uint64_t                               evicted_ = 0;
+};
+
+}  // namespace kvrelay_llama

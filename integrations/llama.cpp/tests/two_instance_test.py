@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Two kvrelay llama-servers on loopback: B fetches A's KV by a hint, and answers as a cold server.
+
+    python3 integrations/llama.cpp/tests/two_instance_test.py --server target/llama-server/bin/llama-server-kvrelay \
+        --model MODEL.gguf [--threads 1] [--log-dir DIR]
+
+Standard library only. Starts three servers with the settings that keep moved KV bit-exact
+(`-np 1 -fa off -ub 32`, F16 KV, one thread, 32-token blocks, no RAM prompt cache): A serves its
+blocks (--kv-listen), B trusts hints and fetches from A (--kv-trusted-endpoint A, --kv-fetch
+always), C is the cold reference (no KV flags; every request with cache_prompt false, so each
+one prefills from token 0). Checks, each by the servers' own counters (/metrics) and answers:
+  1. A's prompt's full blocks are served (/v1/kv/lookup: blocks_held);
+  2. a hinted request to B fetches A's blocks, prefills only the rest, and its greedy text and
+     the first tokens' top-5 probabilities equal C's;
+  3. a longer prompt whose first blocks B holds fetches only the blocks B lacks;
+  4. a hint naming an endpoint off B's trusted registry fetches nothing (the policy counts it);
+  5. a hint naming blocks of another naming scheme fetches nothing (nothing_to_fetch);
+  6. a source killed before the fetch: the fetch fails (connect), the answer is C's;
+and every answer equals C's. Exit status 0 when every check passed.
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from smoke_test import Server, check, failures  # noqa: E402
+
+BT = 32
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def text(n_words, seed):
+    # a deterministic prose-like prompt of about n_words words
+    out = []
+    x = seed
+    for _ in range(n_words):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(WORDS[x % len(WORDS)])
+    return "Here is a list of call signs to remember: " + " ".join(out) + "."
+
+
+def envelope(endpoint, hashes, mid):
+    return {"protocol_version": "0.1", "message_id": mid, "actions": [{
+        "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+        "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]}
+
+
+def metrics(srv):
+    status, text_ = srv.request("GET", "/metrics")
+    assert status == 200, text_
+    out = {}
+    for line in text_.splitlines():
+        m = re.match(r'^((?:llamacpp_kv|kvrelay_kv)\w*(?:\{[^}]*\})?) (\S+)$', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def fetches(srv, outcome):
+    return metrics(srv).get('llamacpp_kv_fetch_total{outcome="%s"}' % outcome, 0)
+
+
+def complete(srv, prompt, extra=None):
+    body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "n_probs": 5, "cache_prompt": True}
+    body.update(extra or {})
+    st, r = srv.json("POST", "/completion", body)
+    assert st == 200, (st, r)
+    return r
+
+
+def answer(r):
+    # what must equal the cold server's: the text, and each token with its top-5 probabilities
+    return r["content"], json.dumps(r.get("completion_probabilities"), sort_keys=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--log-dir")
+    a = ap.parse_args()
+    log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvrelay-llama-two-")
+    os.makedirs(log_dir, exist_ok=True)
+    print("logs in", log_dir)
+    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    servers = []
+
+    def start(name, args):
+        s = Server(a.server, a.model, exact + args, os.path.join(log_dir, name + ".log"), threads=a.threads)
+        servers.append(s)
+        return s
+
+    try:
+        A = start("A", ["--kv-listen", "127.0.0.1:0"])
+        st, info_a = A.json("GET", "/v1/kv/info")
+        ep_a = info_a.get("source_control_endpoint", "")
+        check(st == 200 and ep_a.startswith("tcp://127.0.0.1:"), "A serves KV", ep_a)
+        A2 = start("A2", ["--kv-listen", "127.0.0.1:0"])
+        ep_a2 = A2.json("GET", "/v1/kv/info")[1].get("source_control_endpoint", "")
+        B = start("B", ["--kv-hints-trusted", "--kv-listen", "127.0.0.1:0", "--kv-fetch", "always",
+                        "--kv-trusted-endpoint", ep_a, "--kv-trusted-endpoint", ep_a2])
+        C = start("C", [])
+        check(B.json("GET", "/v1/kv/info")[1].get("naming_seed") == info_a.get("naming_seed"),
+              "A and B name blocks alike (same model and settings)")
+
+        def cold(prompt):
+            return complete(C, prompt, {"cache_prompt": False})
+
+        # 1. A prefills P; its full blocks are in its store
+        P = text(150, 1)
+        complete(A, P)
+        st, look = A.json("POST", "/v1/kv/lookup", {"prompt": P})
+        n_tokens, total = look["n_tokens"], look["blocks_total"]
+        check(st == 200 and total >= 4 and look["blocks_held"] == total,
+              "A holds every full block of P", "%d tokens, %d of %d blocks held" % (n_tokens, look["blocks_held"], total))
+
+        # 2. B fetches them by a hint and answers as C
+        want = cold(P)
+        before = metrics(B)
+        r = complete(B, P, {"kv_hints": envelope(ep_a, look["block_hashes"], "two-1")})
+        after = metrics(B)
+        fetchable = (n_tokens - 1) // BT
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        check(fetches(B, "fetched") == 1 and got == fetchable, "B fetched A's blocks of P",
+              "%d blocks (%d fetchable)" % (got, fetchable))
+        check(r["timings"]["prompt_n"] == n_tokens - fetchable * BT,
+              "B prefilled only the tokens after the fetched blocks", "prompt_n %s" % r["timings"]["prompt_n"])
+        check(answer(r) == answer(want), "B's greedy text and top-5 probabilities equal the cold server's",
+              repr(r["content"]))
+
+        # 3. a longer prompt: B holds P's blocks, fetches only the rest
+        P2 = P[:-1] + " and then " + text(120, 2)
+        complete(A, P2)
+        look2 = A.json("POST", "/v1/kv/lookup", {"prompt": P2})[1]
+        held_b = B.json("POST", "/v1/kv/lookup", {"prompt": P2})[1]["blocks_held"]
+        want = cold(P2)
+        before = metrics(B)
+        r = complete(B, P2, {"kv_hints": envelope(ep_a, look2["block_hashes"], "two-2")})
+        after = metrics(B)
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        fetchable2 = (look2["n_tokens"] - 1) // BT
+        check(held_b > 0 and got == fetchable2 - held_b, "B fetched only the blocks of P2 it lacked",
+              "held %d, fetched %d, fetchable %d" % (held_b, got, fetchable2))
+        check(answer(r) == answer(want), "P2: B's answer equals the cold server's", repr(r["content"]))
+
+        # 4. an endpoint off B's registry: no fetch, the policy counts it
+        P3 = text(140, 3)
+        complete(A, P3)
+        look3 = A.json("POST", "/v1/kv/lookup", {"prompt": P3})[1]
+        want = cold(P3)
+        before = metrics(B)
+        r = complete(B, P3, {"kv_hints": envelope("tcp://127.0.0.1:9", look3["block_hashes"], "two-3")})
+        after = metrics(B)
+        discards = {k: v for k, v in after.items() if k.startswith("llamacpp_kv_policy") and "discard" in k
+                    and v != before.get(k, 0)}
+        check(after.get("llamacpp_kv_fetched_blocks_total") == before.get("llamacpp_kv_fetched_blocks_total")
+              and len(discards) == 1, "an untrusted endpoint fetches nothing and is counted", json.dumps(discards))
+        check(answer(r) == answer(want), "P3 (untrusted endpoint): B's answer equals the cold server's")
+
+        # 5. blocks named under another scheme: nothing to fetch
+        P4 = text(130, 4)
+        complete(A, P4)
+        look4 = A.json("POST", "/v1/kv/lookup", {"prompt": P4})[1]
+        want = cold(P4)
+        n0 = fetches(B, "nothing_to_fetch")
+        r = complete(B, P4, {"kv_hints": envelope(ep_a, [h ^ 0x5A5A for h in look4["block_hashes"]], "two-4")})
+        check(fetches(B, "nothing_to_fetch") == n0 + 1, "another model's block names fetch nothing (nothing_to_fetch)")
+        check(answer(r) == answer(want), "P4 (foreign names): B's answer equals the cold server's")
+
+        # 6. the source is gone before the fetch: connect fails, the answer is cold
+        P5 = text(160, 5)
+        complete(A2, P5)
+        look5 = A2.json("POST", "/v1/kv/lookup", {"prompt": P5})[1]
+        check(look5["blocks_held"] == look5["blocks_total"] > 0, "A2 holds P5's blocks")
+        A2.proc.send_signal(signal.SIGKILL)
+        A2.proc.wait()
+        want = cold(P5)
+        before = metrics(B)
+        r = complete(B, P5, {"kv_hints": envelope(ep_a2, look5["block_hashes"], "two-5")})
+        after = metrics(B)
+        failed = {k: v - before.get(k, 0) for k, v in after.items()
+                  if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        check(list(failed) == ['llamacpp_kv_fetch_total{outcome="connect"}'],
+              "a killed source: the fetch fails, counted by reason", json.dumps(failed))
+        check(answer(r) == answer(want), "P5 (source killed): B's answer equals the cold server's")
+        check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop()
+            else:
+                s.log.close()
+    if failures:
+        print("%d check(s) failed: %s (logs in %s)" % (len(failures), ", ".join(failures), log_dir))
+        return 1
+    print("all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
