@@ -134,6 +134,9 @@ bash integrations/llama.cpp/build.sh --check-patch
 LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" JOBS=2 bash integrations/llama.cpp/build.sh
 timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source)"
+timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== llama-server's own pytest suite on the unpatched and the kvrelay build, the same local model: the same tests must pass, fail and skip on both"
 MODEL="$KVRELAY_MODEL_FILE" LLAMA_SERVER_OUT="$root/target/llama-server" bash integrations/llama.cpp/tests/upstream_suite.sh
 
