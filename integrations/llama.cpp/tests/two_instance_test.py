@@ -16,6 +16,8 @@ one prefills from token 0). Checks, each by the servers' own counters (/metrics)
   4. a hint naming an endpoint off B's trusted registry fetches nothing (the policy counts it);
   5. a hint naming blocks of another naming scheme fetches nothing (nothing_to_fetch);
   6. a source killed before the fetch: the fetch fails (connect), the answer is C's;
+  7. a client that goes away while its fetch waits on a source that never answers: the fetch
+     is cancelled and counted (client_gone), and the slot then serves the next request as C;
 and every answer equals C's. Exit status 0 when every check passed.
 """
 import argparse
@@ -23,8 +25,11 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
+import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import Server, check, failures  # noqa: E402
@@ -103,8 +108,26 @@ def main():
         check(st == 200 and ep_a.startswith("tcp://127.0.0.1:"), "A serves KV", ep_a)
         A2 = start("A2", ["--kv-listen", "127.0.0.1:0"])
         ep_a2 = A2.json("GET", "/v1/kv/info")[1].get("source_control_endpoint", "")
+        # a source that accepts and never answers (for the client that goes away)
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        ep_silent = "tcp://127.0.0.1:%d" % silent.getsockname()[1]
+        accepted = threading.Event()
+        held_conns = []
+
+        def accept_silently():
+            try:
+                c, _ = silent.accept()
+                held_conns.append(c)
+                accepted.set()
+            except OSError:
+                pass
+
+        threading.Thread(target=accept_silently, daemon=True).start()
         B = start("B", ["--kv-hints-trusted", "--kv-listen", "127.0.0.1:0", "--kv-fetch", "always",
-                        "--kv-trusted-endpoint", ep_a, "--kv-trusted-endpoint", ep_a2])
+                        "--kv-trusted-endpoint", ep_a, "--kv-trusted-endpoint", ep_a2,
+                        "--kv-trusted-endpoint", ep_silent])
         C = start("C", [])
         check(B.json("GET", "/v1/kv/info")[1].get("naming_seed") == info_a.get("naming_seed"),
               "A and B name blocks alike (same model and settings)")
@@ -189,6 +212,31 @@ def main():
         check(list(failed) == ['llamacpp_kv_fetch_total{outcome="connect"}'],
               "a killed source: the fetch fails, counted by reason", json.dumps(failed))
         check(answer(r) == answer(want), "P5 (source killed): B's answer equals the cold server's")
+
+        # 7. the client goes away while its fetch waits on a silent source
+        P6 = text(170, 6)
+        complete(A, P6)
+        look6 = A.json("POST", "/v1/kv/lookup", {"prompt": P6})[1]
+        body = json.dumps({"prompt": P6, "n_predict": 8, "temperature": 0,
+                           "kv_hints": envelope(ep_silent, look6["block_hashes"], "two-6")}).encode()
+        client = socket.create_connection(("127.0.0.1", B.port), timeout=30)
+        client.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        check(accepted.wait(60), "B's fetch reached the silent source")
+        client.close()
+        gone = 0
+        for _ in range(600):  # bounded: until B counts it (the fetch is cancelled on the next 20 ms slice)
+            gone = fetches(B, "client_gone")
+            if gone:
+                break
+            time.sleep(0.1)
+        check(gone == 1, "a client gone mid-fetch cancels the fetch (client_gone)")
+        want = cold(P6)
+        r = complete(B, P6)
+        check(answer(r) == answer(want), "P6 after the gone client: B's answer equals the cold server's")
+        for c in held_conns:
+            c.close()
+        silent.close()
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
     finally:
         for s in servers:
