@@ -137,6 +137,12 @@ timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/t
 echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source)"
 timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== the official openai client against kvrelay llama-servers: a hint in extra_body fetches, streamed and not, with the cold answer"
+PYTHONPATH="$oa" timeout 600 python3 integrations/llama.cpp/tests/openai_client_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== Dynamo's KV router in front of two kvrelay llama-servers (KV events, SelectionService, the KvRouter runtime path)"
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 900 python3 integrations/llama.cpp/tests/dynamo_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== llama-server's own pytest suite on the unpatched and the kvrelay build, the same local model: the same tests must pass, fail and skip on both"
 MODEL="$KVRELAY_MODEL_FILE" LLAMA_SERVER_OUT="$root/target/llama-server" bash integrations/llama.cpp/tests/upstream_suite.sh
 

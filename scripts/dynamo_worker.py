@@ -1,9 +1,11 @@
-"""A Dynamo worker in front of one kvrelay-server: registers the server with Dynamo's
-distributed runtime (discovery, request plane, event plane) and forwards the requests Dynamo's
-KV router sends it to the server's /v1/completions, the router's `kv_hint` as `kv_hints`.
+"""A Dynamo worker in front of one kvrelay-server (or a llama-server with kvrelay embedded,
+`--api llama`): registers the server with Dynamo's distributed runtime (discovery, request
+plane, event plane) and forwards the requests Dynamo's KV router sends it to the server's
+/v1/completions (llama-server: its native /completion, which streams token ids), the router's
+`kv_hint` as `kv_hints`.
 
-Usage: python3 scripts/dynamo_worker.py --server http://HOST:PORT [--namespace kvrelay]
-    [--component worker] [--discovery file] [--event-plane zmq]
+Usage: python3 scripts/dynamo_worker.py --server http://HOST:PORT [--api openai|llama]
+    [--namespace kvrelay] [--component worker] [--discovery file] [--event-plane zmq]
 The server must run with --kv-events-endpoint: the worker reads its /v1/kv/info (`dynamo`:
 the model name, block size, KV events endpoint and KV endpoint), relays the server's KV events
 to Dynamo's event plane (KvEventPublisher in ZMQ relay mode) and advertises the server's KV
@@ -55,26 +57,39 @@ def kv_hint_of(request):
 
 
 class Forwarder:
-    def __init__(self, base):
+    def __init__(self, base, api="openai"):
         self.base = base
+        self.api = api
 
     async def generate(self, request, context=None):
         """Forward one request and stream the answer back token by token (the server sends
         each token as its engine chooses it; `return_token_ids` gives its id)."""
         stop = request.get("stop_conditions") or {}
-        body = {
-            "prompt": list(request["token_ids"]),
-            "max_tokens": stop.get("max_tokens") or 16,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-        }
+        if self.api == "llama":
+            # llama-server's /completion streams each token's id with return_tokens
+            body = {
+                "prompt": list(request["token_ids"]),
+                "n_predict": stop.get("max_tokens") or 16,
+                "stream": True,
+                "return_tokens": True,
+                "temperature": 0,
+            }
+            path = "/completion"
+        else:
+            body = {
+                "prompt": list(request["token_ids"]),
+                "max_tokens": stop.get("max_tokens") or 16,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
+            }
+            path = "/v1/completions"
         hint = kv_hint_of(request)
         if hint is not None:
             body["kv_hints"] = hint
         loop = asyncio.get_running_loop()
         queue = asyncio.Queue()
-        reader = loop.run_in_executor(None, sse_lines, self.base, "/v1/completions", body, loop, queue)
+        reader = loop.run_in_executor(None, sse_lines, self.base, path, body, loop, queue)
         usage = None
         finish = None
         try:
@@ -88,6 +103,15 @@ class Forwarder:
                 if "error" in item:
                     yield {"token_ids": [], "finish_reason": "error", "text": json.dumps(item)}
                     return
+                if self.api == "llama":
+                    if item.get("tokens") or item.get("content"):
+                        yield {"token_ids": item.get("tokens", []), "text": item.get("content", "")}
+                    if item.get("stop"):
+                        finish = "length" if item.get("stop_type") == "limit" else "stop"
+                        usage = {"prompt_tokens": item.get("tokens_evaluated", 0),
+                                 "completion_tokens": item.get("tokens_predicted", 0),
+                                 "total_tokens": item.get("tokens_evaluated", 0) + item.get("tokens_predicted", 0)}
+                    continue
                 if item.get("usage"):
                     usage = item["usage"]
                 for choice in item.get("choices", []):
@@ -135,6 +159,8 @@ def sse_lines(base, path, body, loop, queue, timeout=300):
 async def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", required=True, help="the kvrelay-server's base URL, http://HOST:PORT")
+    ap.add_argument("--api", choices=("openai", "llama"), default="openai",
+                    help="openai: /v1/completions with return_token_ids (kvrelay-server); llama: llama-server's /completion")
     ap.add_argument("--namespace", default="kvrelay")
     ap.add_argument("--component", default="worker")
     ap.add_argument("--discovery", default="file", help="Dynamo discovery backend (file, etcd, kubernetes)")
@@ -144,7 +170,7 @@ async def main():
 
     status, info = http(args.server, "GET", "/v1/kv/info")
     if status != 200 or "dynamo" not in info:
-        sys.exit(f"{args.server}/v1/kv/info has no `dynamo` registration (is --kv-events-endpoint set?)")
+        sys.exit(f"{args.server}/v1/kv/info has no `dynamo` registration (is --kv-events-endpoint / --kv-events set?)")
     reg = info["dynamo"]
     model, block_size = reg["model_name"], reg["block_size"]
 
@@ -175,7 +201,7 @@ async def main():
         runtime_config=config,
         skip_model_assets=True,
     )
-    forwarder = Forwarder(args.server)
+    forwarder = Forwarder(args.server, args.api)
     print(
         json.dumps(
             {
@@ -183,7 +209,7 @@ async def main():
                 "model_name": model,
                 "block_size": block_size,
                 "server": args.server,
-                "kv_endpoint": info["kv_endpoint"],
+                "kv_endpoint": info.get("kv_endpoint") or info.get("source_control_endpoint"),
             }
         ),
         flush=True,

@@ -45,6 +45,7 @@ struct settings {
     std::vector<std::string> allow_peers;
     size_t                   pool_mib     = 1024;
     bool                     fetch_always = false;
+    std::string              events;  // KV events publisher endpoint ("" : none)
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
 };
@@ -96,7 +97,9 @@ void print_usage() {
     printf("--kv-pool-mib N                         host memory of the KV block store (default: 1024)\n"
            "                                        (env: LLAMA_ARG_KV_POOL_MIB)\n");
     printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
-           "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n\n");
+           "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
+    printf("--kv-events tcp://HOST:PORT             publish KV events (the blocks served, and evicted) there for a router such as\n"
+           "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n\n");
 }
 
 void split_list(const std::string & text, std::vector<std::string> & out) {
@@ -224,12 +227,37 @@ struct kv_runtime {
     std::unique_ptr<block_store>           store;
     std::unique_ptr<kvrelay::Agent>        agent;
     std::unique_ptr<kvrelay::Orchestrator> orch;
+    std::unique_ptr<kvrelay::KvEvents>     events;          // null: no events
     std::string                            endpoint;        // this server's KV service, "" for none
     std::atomic<double>                    sec_per_token{ 0 };  // prefill, a moving average (0: not measured)
     kv_counters                            counts;
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
 };
+
+// Blocks `first + fresh[i]` of a prompt just committed: publish them (KV events), each with the
+// name of the block before it and its tokens. No-op without a publisher.
+void publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names, const llama_tokens & tokens,
+                    size_t first, const std::vector<size_t> & fresh) {
+    if (!kv.events) {
+        return;
+    }
+    const size_t bt = S().block_tokens;
+    for (size_t i : fresh) {
+        const size_t b = first + i;
+        // llama_token ids are never negative: read as their unsigned values
+        kv.events->stored(names[b], b > 0 ? &names[b - 1] : nullptr,
+                          reinterpret_cast<const uint32_t *>(tokens.data() + b * bt), bt);
+    }
+}
+
+void publish_removed(const kv_runtime & kv, const std::vector<uint64_t> & evicted) {
+    if (kv.events) {
+        for (uint64_t name : evicted) {
+            kv.events->removed(name);
+        }
+    }
+}
 
 int provider::fetch(const kvrelay_fetch_request & r) {
     auto * call = static_cast<fetch_call *>(r.call_context);
@@ -257,7 +285,9 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->outcome = "not_worth_it";
         return NOT_WORTH_IT;
     }
-    call->dst = kv.store->reserve(run);
+    std::vector<uint64_t> evicted;
+    call->dst = kv.store->reserve(run, &evicted);
+    publish_removed(kv, evicted);
     if (call->dst.empty()) {
         call->outcome = "no_room";
         return NO_ROOM;
@@ -359,6 +389,20 @@ void start_kv(const common_params & params, llama_context * ctx) {
     pc.metric_prefix = std::string("llamacpp_kv_policy");
     kv->orch         = std::make_unique<kvrelay::Orchestrator>(caps, pc, std::make_shared<provider>());
 
+    if (!s.events.empty()) {
+        if (kv->endpoint.empty()) {
+            SRV_ERR("%s", "kvrelay: --kv-events needs --kv-listen (a router's hint names this server's KV endpoint); no events\n");
+        } else {
+            std::string allow;
+            for (const std::string & p : s.allow_peers) {
+                allow += (allow.empty() ? "" : ",") + p;
+            }
+            kv->events = std::make_unique<kvrelay::KvEvents>(s.events, s.block_tokens, "CPU", allow);
+            SRV_INF("kvrelay: KV events at %s (replay %s)\n", kv->events->endpoint().c_str(),
+                    kv->events->endpoint(true).c_str());
+        }
+    }
+
     SRV_INF("kvrelay: KV path on: %zu blocks of %zu bytes (%zu MiB), %s; %zu trusted endpoint(s); fetch %s\n",
             blocks, bb, (blocks * bb) >> 20,
             kv->endpoint.empty() ? "serving nothing" : ("serving at " + kv->endpoint).c_str(),
@@ -388,6 +432,9 @@ bool consume_args(int & argc, char ** argv) {
     }
     if (const char * env = std::getenv("LLAMA_ARG_KV_LISTEN"); env != nullptr) {
         s.listen = env;
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_EVENTS"); env != nullptr) {
+        s.events = env;
     }
     if (const char * env = std::getenv("LLAMA_ARG_KV_TRUSTED_ENDPOINTS"); env != nullptr) {
         split_list(env, s.trusted_endpoints);
@@ -430,7 +477,7 @@ bool consume_args(int & argc, char ** argv) {
         }
         // the flags with a value: a flag given names its value, replacing the variable's
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
-                                               "--kv-pool-mib", "--kv-fetch" };
+                                               "--kv-pool-mib", "--kv-fetch", "--kv-events" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -443,6 +490,8 @@ bool consume_args(int & argc, char ** argv) {
             const std::string value = argv[++i];
             if (arg == "--kv-listen") {
                 s.listen = value;
+            } else if (arg == "--kv-events") {
+                s.events = value;
             } else if (arg == "--kv-trusted-endpoint") {
                 if (!flag_seen_endpoint) {
                     s.trusted_endpoints.clear();
@@ -561,7 +610,7 @@ void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint
         }
         const size_t ok       = std::min(r->blocks, call.dst.size());
         const size_t withheld = std::min(r->withheld, call.dst.size() - ok);
-        kv.store->commit(call.dst.data(), names.data() + call.held, ok);
+        publish_stored(kv, names, tokens, call.held, kv.store->commit(call.dst.data(), names.data() + call.held, ok));
         // withheld blocks come back through the holder's returned()
         kv.store->release(call.dst.data() + ok + withheld, call.dst.size() - ok - withheld);
         kv.counts.fetched_blocks += ok;
@@ -659,14 +708,16 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
             SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, err.c_str());
             return;
         }
-        std::vector<uint32_t> ids = kv.store->reserve(names.size() - from);
+        std::vector<uint64_t> evicted;
+        std::vector<uint32_t> ids = kv.store->reserve(names.size() - from, &evicted);
+        publish_removed(kv, evicted);
         std::vector<uint8_t *> dst(ids.size());
         for (size_t i = 0; i < ids.size(); i++) {
             dst[i] = kv.store->block(ids[i]);
         }
         cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
         kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
-        kv.store->commit(ids.data(), names.data() + from, ids.size());
+        publish_stored(kv, names, tokens, from, kv.store->commit(ids.data(), names.data() + from, ids.size()));
         kv.counts.exported_blocks += ids.size();
     } catch (const std::exception & e) {
         kv.counts.export_failed++;
@@ -758,7 +809,8 @@ std::string prometheus() noexcept {
             return text;
         }
         kv_runtime & kv = *KV;
-        for (std::string part : { kv.orch->prometheus(), kv.agent->prometheus() }) {
+        for (std::string part : { kv.orch->prometheus(), kv.agent->prometheus(),
+                                  kv.events ? kv.events->prometheus("llamacpp") : std::string() }) {
             if (!part.empty() && part.back() != '\n') {
                 part += '\n';
             }
@@ -798,7 +850,7 @@ json kv_info(const std::string & model_name) {
     if (!s.model_path.empty() && model == s.model_path) {
         model = std::filesystem::path(model).filename().string();
     }
-    return json{
+    json info = json{
         { "block_tokens",     s.block_tokens       },
         { "naming_seed",      hex64(s.seed)        },
         { "naming_identity",  s.identity           },
@@ -808,6 +860,31 @@ json kv_info(const std::string & model_name) {
         { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
         { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
     };
+    if (KV != nullptr && KV->events) {
+        const kvrelay::KvEvents &     ev = *KV->events;
+        const kvrelay_kv_events_stats st = ev.stats();
+        const std::string             pub = ev.endpoint(), replay = ev.endpoint(true);
+        info["kv_events"] = json{
+            { "endpoint",        pub            },
+            { "replay_endpoint", replay         },
+            { "topic",           ""             },
+            { "block_size",      s.block_tokens },
+            { "medium",          "CPU"          },
+            { "published",       st.published   },
+            { "dropped",         st.dropped     },
+        };
+        // what a Dynamo worker registration needs (SelectionService.upsert_worker, or a runtime
+        // worker's settings): this server is data-parallel rank 0, its hint source is its agent
+        info["dynamo"] = json{
+            { "model_name",                           model                                 },
+            { "block_size",                           s.block_tokens                        },
+            { "kv_events_endpoint",                   pub                                   },
+            { "replay_endpoint",                      replay                                },
+            { "router_hint_worker_type",              "kvrelay"                             },
+            { "router_hint_source_control_endpoints", json{ { "0", KV->endpoint } }         },
+        };
+    }
+    return info;
 }
 
 json kv_lookup(const json & body, const server_chat_params & chat_params, const llama_vocab * vocab,

@@ -338,7 +338,7 @@ void block_store::unpin(const uint32_t * ids, size_t n) {
     }
 }
 
-std::vector<uint32_t> block_store::reserve(size_t n) {
+std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evicted) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<uint32_t>       out;
     out.reserve(std::min(n, capacity_));
@@ -360,6 +360,9 @@ std::vector<uint32_t> block_store::reserve(size_t n) {
             entry & e = blocks_[lru[i].second];
             by_name_.erase(e.name);
             evicted_++;
+            if (evicted != nullptr) {
+                evicted->push_back(e.name);
+            }
             out.push_back(lru[i].second);
         }
     }
@@ -369,8 +372,10 @@ std::vector<uint32_t> block_store::reserve(size_t n) {
     return out;
 }
 
-void block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n) {
+std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n) {
     std::lock_guard<std::mutex> g(mu_);
+    std::vector<size_t>         fresh;
+    fresh.reserve(n);
     for (size_t i = 0; i < n; i++) {
         if (ids[i] >= blocks_.size() || blocks_[ids[i]].st != state::RESERVED) {
             continue;
@@ -378,11 +383,13 @@ void block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n)
         entry & e = blocks_[ids[i]];
         if (by_name_.emplace(names[i], ids[i]).second) {
             e = entry{ names[i], ++tick_, 0, state::COMMITTED };
+            fresh.push_back(i);
         } else {
             e = entry{};
             free_.push_back(ids[i]);
         }
     }
+    return fresh;
 }
 
 void block_store::release(const uint32_t * ids, size_t n) {

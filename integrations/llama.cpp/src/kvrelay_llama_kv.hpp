@@ -100,11 +100,13 @@ class block_store : public kvrelay::BlockHolder {
     /// Blocks a NIXL fetch withheld are free again.
     void   returned(const uint32_t * ids, size_t n) override { release(ids, n); }
     /// Up to `n` blocks to write (free ones first, then the least recently used unpinned
-    /// committed ones, whose names are dropped). Fewer when everything else is pinned or reserved.
-    std::vector<uint32_t> reserve(size_t n);
+    /// committed ones, whose names are dropped and, when `evicted` is given, appended to it).
+    /// Fewer when everything else is pinned or reserved.
+    std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr);
     /// Commit reserved `ids[i]` under `names[i]`; a name already committed keeps its block and
-    /// the new one is freed. Every block is checked reserved (others are left alone).
-    void   commit(const uint32_t * ids, const uint64_t * names, size_t n);
+    /// the new one is freed. Every block is checked reserved (others are left alone). Returns
+    /// the positions `i` committed under a new name, in order.
+    std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, size_t n);
     /// Reserved blocks not committed go back to the free list.
     void   release(const uint32_t * ids, size_t n);
 

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Time to first token on llama-server with kvrelay: a prompt whose KV another instance holds,
+fetched by a hint, against the same server prefilling a prompt of the same length cold.
+
+Two kvrelay builds of llama-server run at once on loopback with the bit-exact settings
+(`-np 1 -fa off -ub 32 --cache-ram 0`, 32-token blocks, the same threads): A serves its blocks
+(--kv-listen), B trusts hints from A (--kv-trusted-endpoint, --kv-fetch always). Each round takes
+a fresh prompt for every size (its first token differs from every earlier prompt's, so neither
+server holds any of its blocks): A prefills it (not timed), A's /v1/kv/lookup names its blocks,
+then B answers it with a `kv.fetch` hint naming A's blocks (fetched: the time covers the policy,
+the fetch of every full block but the last token's, the import and the prefill of the rest), and
+B answers another fresh prompt of the same length without a hint and with `cache_prompt` off
+(cold, the anchor: a whole prefill). The two alternate in an order that flips every round. Each
+request generates one token, so its time is the time to first token. The noise beside the ratio
+is how far the cold runs' two halves differ (the ratio of their medians).
+
+    python3 benches/llama_server/ttft.py --server target/llama-server/bin/llama-server-kvrelay \\
+        --model MODEL.gguf [--threads 2] [--sizes 256,1024,2048,4096] [--rounds 6]
+
+Prints one line of JSON per size and a table for benches/RESULTS.md. Every loop is bounded
+(--rounds); the servers listen on 127.0.0.1 only and are stopped at the end.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "integrations", "llama.cpp", "tests"))
+from smoke_test import Server  # noqa: E402
+
+BT = 32
+
+
+def post(srv, path, body):
+    req = urllib.request.Request(srv.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=900) as r:
+        out = json.loads(r.read())
+    return time.perf_counter() - t0, out
+
+
+def hint(endpoint, hashes):
+    return {"protocol_version": "0.1", "message_id": "ttft", "actions": [{
+        "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+        "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", required=True, help="the kvrelay build of llama-server")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sizes", default="256,1024,2048,4096", help="prompt lengths in tokens")
+    ap.add_argument("--rounds", type=int, default=6, help="fetched and cold requests per size (bounded)")
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    logs = tempfile.mkdtemp(prefix="llama-ttft-")
+    exact = ["-c", str(max(sizes) + 64), "-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--no-warmup",
+             "--kv-block-tokens", str(BT)]
+    servers = []
+    try:
+        A = Server(a.server, a.model, exact + ["--kv-listen", "127.0.0.1:0"], os.path.join(logs, "A.log"),
+                   threads=a.threads)
+        servers.append(A)
+        ep = A.json("GET", "/v1/kv/info")[1]["source_control_endpoint"]
+        B = Server(a.server, a.model, exact + ["--kv-hints-trusted", "--kv-listen", "127.0.0.1:0",
+                                               "--kv-trusted-endpoint", ep, "--kv-fetch", "always"],
+                   os.path.join(logs, "B.log"), threads=a.threads)
+        servers.append(B)
+        fresh = iter(range(1, 1 << 30))
+
+        def prompt(n):
+            # token ids of the model's vocabulary; the first one makes every prompt new
+            k = next(fresh)
+            return [1000 + k] + [(i * 7919 + k * 104729) % 20000 + 100 for i in range(n - 1)]
+
+        rows = []
+        for n in sizes:
+            post(B, "/completion", {"prompt": prompt(n), "n_predict": 1, "cache_prompt": False})  # warm
+            times = {"fetched": [], "cold": []}
+            for r in range(a.rounds):
+                p = prompt(n)
+                post(A, "/completion", {"prompt": p, "n_predict": 1})
+                names = A.json("POST", "/v1/kv/lookup", {"prompt": p})[1]["block_hashes"]
+                for k in (["fetched", "cold"] if r % 2 == 0 else ["cold", "fetched"]):
+                    if k == "fetched":
+                        took, out = post(B, "/completion", {"prompt": p, "n_predict": 1, "temperature": 0,
+                                                            "kv_hints": hint(ep, names)})
+                        if out["timings"]["prompt_n"] > BT:
+                            raise RuntimeError("the fetched request prefilled %d tokens" % out["timings"]["prompt_n"])
+                    else:
+                        took, out = post(B, "/completion", {"prompt": prompt(n), "n_predict": 1, "temperature": 0,
+                                                            "cache_prompt": False})
+                        if out["timings"]["prompt_n"] < n:
+                            raise RuntimeError("the cold request reused KV")
+                    times[k].append(took)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            half = a.rounds // 2
+            c = times["cold"]
+            noise = abs(statistics.median(c[:half]) / statistics.median(c[half:]) - 1) if half else float("nan")
+            row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads,
+                   "fetched_ms": round(med["fetched"] * 1e3, 1), "cold_ms": round(med["cold"] * 1e3, 1),
+                   "ratio": round(med["fetched"] / med["cold"], 4), "noise": round(noise, 4)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print()
+        print("| prompt tokens | fetched (median) | cold prefill (median, the anchor) | ratio fetched/cold | noise (cold, half against half) |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print("| %d | %.1f ms | %.1f ms | %.4f | %.2f%% |" % (r["prompt_tokens"], r["fetched_ms"], r["cold_ms"],
+                                                            r["ratio"], 100 * r["noise"]))
+        print("\nlogs in", logs)
+    finally:
+        for s in servers:
+            s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
