@@ -131,6 +131,11 @@ echo "SONAME $soname: a program built against this epoch loads only a library of
 
 echo "== llama.cpp's llama-server with kvrelay embedded (integrations/llama.cpp): the patch applies to the pinned tree without fuzz; both servers build from one tree against the installed package; the smoke test"
 bash integrations/llama.cpp/build.sh --check-patch
+# the integration's KV state and block store, on their own, under AddressSanitizer + UBSan
+g++ -std=c++17 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror -Iinclude \
+  -Iintegrations/llama.cpp/src integrations/llama.cpp/tests/kv_unit_test.cpp integrations/llama.cpp/src/kvrelay_llama_kv.cpp \
+  -o "$b/kv_unit_test"
+"$b/kv_unit_test"
 LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" JOBS=2 bash integrations/llama.cpp/build.sh
 timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -1,0 +1,236 @@
+// Unit tests of kvrelay_llama_kv (no llama.cpp, no model): the sequence-state blob read and
+// written as blocks, and the block store.
+//
+//   g++ -std=c++17 -Wall -Wextra -Werror -Iinclude -Iintegrations/llama.cpp/src
+//       integrations/llama.cpp/tests/kv_unit_test.cpp integrations/llama.cpp/src/kvrelay_llama_kv.cpp
+//       -o kv_unit_test   (one command; no library to link)
+#include "kvrelay_llama_kv.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+using namespace kvrelay_llama;
+
+static int failures = 0;
+#define CHECK(cond)                                                        \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                    \
+        }                                                                  \
+    } while (0)
+
+static kv_schema schema(bool v_trans) {
+    kv_schema s;
+    s.v_trans = v_trans;
+    s.block_tokens = 2;
+    for (int l = 0; l < 3; l++) {
+        kv_layer L;
+        L.k_type = 1;
+        L.k_row  = 8;
+        L.v_type = 1;
+        if (v_trans) {
+            L.v_el     = 2;
+            L.n_embd_v = 4;
+        } else {
+            L.v_row = 8;
+        }
+        s.layers.push_back(L);
+    }
+    return s;
+}
+
+template <typename T> static void put(std::vector<uint8_t> & o, T v) {
+    const size_t at = o.size();
+    o.resize(at + sizeof v);
+    std::memcpy(o.data() + at, &v, sizeof v);
+}
+
+// A blob as llama.cpp writes it for cells in `order` (order[c] = the position of blob cell c),
+// each cell's bytes taken from the blocks `blocks` (position p lies in block p / bt).
+static std::vector<uint8_t> blob_in_order(const kv_schema & s, const std::vector<uint8_t> & blocks,
+                                          const std::vector<uint32_t> & order, uint32_t n_stream = 1) {
+    const size_t bt = s.block_tokens, bb = s.block_bytes();
+    std::vector<uint8_t> o;
+    put<uint32_t>(o, 0xaf143cd8);
+    put<int32_t>(o, 0);
+    put<uint32_t>(o, n_stream);
+    put<uint32_t>(o, uint32_t(order.size()));
+    for (uint32_t p : order) {
+        put<int32_t>(o, int32_t(p));
+        put<uint32_t>(o, 1);
+        put<int32_t>(o, 0);
+    }
+    put<uint32_t>(o, s.v_trans ? 1 : 0);
+    put<uint32_t>(o, uint32_t(s.layers.size()));
+    size_t off = 0;
+    for (const kv_layer & l : s.layers) {
+        put<int32_t>(o, l.k_type);
+        put<uint64_t>(o, l.k_row);
+        for (uint32_t p : order) {
+            const uint8_t * b = blocks.data() + (p / bt) * bb + off + (p % bt) * l.k_row;
+            o.insert(o.end(), b, b + l.k_row);
+        }
+        off += bt * l.k_row;
+    }
+    for (const kv_layer & l : s.layers) {
+        put<int32_t>(o, l.v_type);
+        if (!s.v_trans) {
+            put<uint64_t>(o, l.v_row);
+            for (uint32_t p : order) {
+                const uint8_t * b = blocks.data() + (p / bt) * bb + off + (p % bt) * l.v_row;
+                o.insert(o.end(), b, b + l.v_row);
+            }
+            off += bt * l.v_row;
+            continue;
+        }
+        put<uint32_t>(o, l.v_el);
+        put<uint32_t>(o, l.n_embd_v);
+        for (size_t j = 0; j < l.n_embd_v; j++) {
+            for (uint32_t p : order) {
+                const uint8_t * b = blocks.data() + (p / bt) * bb + off + j * bt * l.v_el + (p % bt) * l.v_el;
+                o.insert(o.end(), b, b + l.v_el);
+            }
+        }
+        off += size_t(l.n_embd_v) * bt * l.v_el;
+    }
+    for (uint32_t st = 1; st < n_stream; st++) {
+        put<uint32_t>(o, 0);
+    }
+    return o;
+}
+
+static std::vector<uint8_t> cut(const kv_schema & s, const kv_parsed & p, size_t from, size_t to) {
+    std::vector<uint8_t>   out((to - from) * s.block_bytes());
+    std::vector<uint8_t *> dst;
+    for (size_t i = 0; i < to - from; i++) {
+        dst.push_back(out.data() + i * s.block_bytes());
+    }
+    cut_blocks(s, p, from, to, dst.data());
+    return out;
+}
+
+static void state_round_trips(bool v_trans) {
+    const kv_schema s  = schema(v_trans);
+    const size_t    n  = 3, bb = s.block_bytes();
+    CHECK(bb == 2 * 3 * (8 + 8));
+    std::vector<uint8_t> blocks(n * bb);
+    for (size_t i = 0; i < blocks.size(); i++) {
+        blocks[i] = uint8_t(i * 7 + 3);
+    }
+    std::vector<const uint8_t *> src;
+    for (size_t b = 0; b < n; b++) {
+        src.push_back(blocks.data() + b * bb);
+    }
+    // build_import writes what llama.cpp writes for cells in position order
+    std::vector<uint8_t> blob;
+    build_import(s, src.data(), n, 5, blob);
+    std::vector<uint32_t> in_order(n * s.block_tokens);
+    std::iota(in_order.begin(), in_order.end(), 0);
+    std::vector<uint8_t> want = blob_in_order(s, blocks, in_order);
+    std::memcpy(want.data() + 4, blob.data() + 4, 4);  // the seq id
+    for (size_t c = 0; c < in_order.size(); c++) {
+        std::memcpy(want.data() + 16 + c * 12 + 8, blob.data() + 16 + c * 12 + 8, 4);
+    }
+    CHECK(blob == want);
+
+    kv_parsed   p;
+    std::string err;
+    CHECK(parse_state(blob.data(), blob.size(), p, err));
+    CHECK(p.cells == n * s.block_tokens && p.cell_of.size() == n * s.block_tokens);
+    kv_schema got = p.schema;
+    got.block_tokens = s.block_tokens;
+    CHECK(got.same_layout(s));
+    CHECK(cut(s, p, 0, n) == blocks);
+    CHECK(cut(s, p, 1, n) == std::vector<uint8_t>(blocks.begin() + bb, blocks.end()));
+
+    // cells out of order (llama.cpp places them wherever cells are free): cut by position
+    std::vector<uint32_t> shuffled = { 3, 0, 5, 1, 4, 2 };
+    std::vector<uint8_t>  blob2    = blob_in_order(s, blocks, shuffled);
+    CHECK(parse_state(blob2.data(), blob2.size(), p, err));
+    CHECK(cut(s, p, 0, n) == blocks);
+
+    // several streams, one of them holding the cells
+    std::vector<uint8_t> blob3 = blob_in_order(s, blocks, in_order, 4);
+    CHECK(parse_state(blob3.data(), blob3.size(), p, err) && p.schema.n_stream == 4);
+    CHECK(cut(s, p, 0, n) == blocks);
+
+    // a gap in the positions: cell_of stops before it
+    std::vector<uint32_t> gap = { 0, 1, 2, 4, 5, 6 };
+    std::vector<uint8_t>  b4  = blob_in_order(s, std::vector<uint8_t>(4 * bb), gap);
+    CHECK(parse_state(b4.data(), b4.size(), p, err) && p.cell_of.size() == 3);
+
+    // refused: truncated, trailing bytes, another magic, two positions alike, nothing
+    CHECK(!parse_state(blob.data(), blob.size() - 1, p, err));
+    std::vector<uint8_t> longer = blob;
+    longer.push_back(0);
+    CHECK(!parse_state(longer.data(), longer.size(), p, err) && err.find("follow") != std::string::npos);
+    std::vector<uint8_t> magic = blob;
+    magic[0] ^= 1;
+    CHECK(!parse_state(magic.data(), magic.size(), p, err));
+    std::vector<uint32_t> twice = { 0, 1, 1, 3, 4, 5 };
+    std::vector<uint8_t>  b5    = blob_in_order(s, blocks, twice);
+    CHECK(!parse_state(b5.data(), b5.size(), p, err));
+    CHECK(!parse_state(nullptr, 0, p, err));
+}
+
+static void store_works() {
+    block_store st(4, 64);
+    CHECK(reinterpret_cast<uintptr_t>(st.pool()) % 4096 == 0);
+    const uint64_t names[] = { 11, 22, 33, 44, 55 };
+    std::vector<uint32_t> ids = st.reserve(3);
+    CHECK(ids.size() == 3);
+    CHECK(st.held(names, 5) == 0);
+    std::vector<size_t> fresh = st.commit(ids.data(), names, 3);
+    CHECK(fresh == (std::vector<size_t>{ 0, 1, 2 }));
+    CHECK(st.held(names, 5) == 3);
+    // pin the leading run: 11, 22, 33
+    uint32_t pinned[5];
+    CHECK(st.pin(names, 5, pinned) == 3);
+    CHECK(st.read_counts().pinned == 3);
+    // all but one free block pinned: a reservation of 2 gets the free one only
+    std::vector<uint64_t> evicted;
+    std::vector<uint32_t> more = st.reserve(2, &evicted);
+    CHECK(more.size() == 1 && evicted.empty());
+    st.release(more.data(), more.size());
+    st.unpin(pinned, 3);
+    CHECK(st.read_counts().pinned == 0);
+    // use 11 again, so 22 is the least recently used committed block
+    uint32_t one;
+    CHECK(st.pin(names, 1, &one) == 1);
+    st.unpin(&one, 1);
+    more = st.reserve(2, &evicted);
+    CHECK(more.size() == 2 && evicted == std::vector<uint64_t>{ 22 });
+    CHECK(st.held(names, 5) == 1);  // 22 is gone: the run stops there
+    // committing a name already held frees the new block
+    const uint64_t again[] = { 11, 44 };
+    fresh = st.commit(more.data(), again, 2);
+    CHECK(fresh == std::vector<size_t>{ 1 });
+    CHECK(st.read_counts().committed == 3 && st.read_counts().evicted == 1);
+    // commit and release ignore blocks that are not reserved
+    st.release(ids.data(), 1);
+    CHECK(st.held(names, 1) == 1);
+    bool threw = false;
+    try {
+        block_store bad(0, 64);
+    } catch (const std::invalid_argument &) {
+        threw = true;
+    }
+    CHECK(threw);
+}
+
+int main() {
+    state_round_trips(true);
+    state_round_trips(false);
+    store_works();
+    if (failures != 0) {
+        std::fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    std::printf("kv_unit_test: all checks passed\n");
+    return 0;
+}
