@@ -18,6 +18,9 @@ one prefills from token 0). Checks, each by the servers' own counters (/metrics)
   6. a source killed before the fetch: the fetch fails (connect), the answer is C's;
   7. a client that goes away while its fetch waits on a source that never answers: the fetch
      is cancelled and counted (client_gone), and the slot then serves the next request as C;
+  8. a source that dies mid-fetch (a relay in front of A cuts both connections after the first
+     block's bytes): B commits only the verified blocks, counts the failure by reason,
+     prefills the rest, and answers as C;
 and every answer equals C's. Exit status 0 when every check passed.
 """
 import argparse
@@ -53,6 +56,56 @@ def envelope(endpoint, hashes, mid):
     return {"protocol_version": "0.1", "message_id": mid, "actions": [{
         "action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
         "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]}
+
+
+class CuttingRelay:
+    """A TCP relay to `target` on loopback that cuts both sides once `limit` bytes went from the
+    target to the client: the source dying mid-transfer, as the client sees it."""
+
+    def __init__(self, target_port, limit):
+        self.target_port, self.limit = target_port, limit
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.cut = threading.Event()
+        self.sent = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while not self.cut.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            t = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self.pump, args=(c, t, False), daemon=True).start()
+            threading.Thread(target=self.pump, args=(t, c, True), daemon=True).start()
+
+    def pump(self, src, dst, counted):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if counted:
+                    data = data[:max(0, self.limit - self.sent)]
+                    self.sent += len(data)
+                dst.sendall(data)
+                if counted and self.sent >= self.limit:
+                    self.cut.set()
+                    break
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.sock.close()
 
 
 def metrics(srv):
@@ -125,9 +178,12 @@ def main():
                 pass
 
         threading.Thread(target=accept_silently, daemon=True).start()
+        # A behind a relay that cuts after about two and a half blocks of its answer
+        relay = CuttingRelay(int(ep_a.rsplit(":", 1)[1]), 5 * int(info_a["block_bytes"]) // 2)
+        ep_relay = "tcp://127.0.0.1:%d" % relay.port
         B = start("B", ["--kv-hints-trusted", "--kv-listen", "127.0.0.1:0", "--kv-fetch", "always",
                         "--kv-trusted-endpoint", ep_a, "--kv-trusted-endpoint", ep_a2,
-                        "--kv-trusted-endpoint", ep_silent])
+                        "--kv-trusted-endpoint", ep_silent, "--kv-trusted-endpoint", ep_relay])
         C = start("C", [])
         check(B.json("GET", "/v1/kv/info")[1].get("naming_seed") == info_a.get("naming_seed"),
               "A and B name blocks alike (same model and settings)")
@@ -237,6 +293,27 @@ def main():
         for c in held_conns:
             c.close()
         silent.close()
+
+        # 8. the source dies mid-fetch
+        P7 = text(180, 7)
+        complete(A, P7)
+        look7 = A.json("POST", "/v1/kv/lookup", {"prompt": P7})[1]
+        want = cold(P7)
+        before = metrics(B)
+        r = complete(B, P7, {"kv_hints": envelope(ep_relay, look7["block_hashes"], "two-7")})
+        after = metrics(B)
+        relay.close()
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        outcomes = {k: v - before.get(k, 0) for k, v in after.items()
+                    if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        fetchable7 = (look7["n_tokens"] - 1) // BT
+        check(relay.cut.is_set() and 0 < got < fetchable7 and len(outcomes) == 1
+              and 'outcome="fetched"' not in list(outcomes)[0] and 'outcome="partial"' not in list(outcomes)[0],
+              "a source dying mid-fetch: only verified blocks are kept, the failure is counted by reason",
+              "%d of %d blocks, %s" % (got, fetchable7, json.dumps(outcomes)))
+        check(r["timings"]["prompt_n"] == look7["n_tokens"] - got * BT, "B prefilled the blocks it did not get",
+              "prompt_n %s" % r["timings"]["prompt_n"])
+        check(answer(r) == answer(want), "P7 (source died mid-fetch): B's answer equals the cold server's")
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
     finally:
         for s in servers:
