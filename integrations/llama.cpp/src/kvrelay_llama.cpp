@@ -7,12 +7,13 @@
 #include "kvrelay.hpp"
 #include "kvrelay_llama_kv.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <map>
 #include <mutex>
-#include <unordered_set>
+#include <optional>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -162,17 +163,76 @@ struct kv_counters {
     }
 };
 
+// Pins held through a scope: unpinned when it ends, however it ends.
+struct pin_guard {
+    block_store *         store = nullptr;
+    std::vector<uint32_t> ids;
+    size_t                n = 0;
+    pin_guard(block_store & st, const uint64_t * names, size_t count) : store(&st), ids(count) {
+        n = st.pin(names, count, ids.data());
+    }
+    pin_guard(const pin_guard &)             = delete;
+    pin_guard & operator=(const pin_guard &) = delete;
+    ~pin_guard() { store->unpin(ids.data(), n); }
+};
+
+// Reserved blocks owned by a scope: `ids[handed..]` go back to the free list when it ends (the
+// ones before were committed, or are withheld by a transfer, and are no longer this scope's).
+struct reservation {
+    block_store *         store = nullptr;
+    std::vector<uint32_t> ids;
+    size_t                handed = 0;
+    reservation() = default;
+    reservation(block_store & st, size_t n, std::vector<uint64_t> * evicted) : store(&st), ids(st.reserve(n, evicted)) {}
+    reservation(reservation && o) noexcept : store(o.store), ids(std::move(o.ids)), handed(o.handed) { o.store = nullptr; }
+    reservation & operator=(reservation && o) noexcept {
+        std::swap(store, o.store);
+        std::swap(ids, o.ids);
+        std::swap(handed, o.handed);
+        return *this;
+    }
+    ~reservation() {
+        if (store != nullptr && handed < ids.size()) {
+            store->release(ids.data() + handed, ids.size() - handed);
+        }
+    }
+};
+
 // What the provider leaves for the request thread that asked (kvrelay_fetch_request::call_context).
 struct fetch_call {
     const std::vector<uint64_t> * names      = nullptr;  // the prompt's block names, up to the last fetchable
     std::string                   endpoint;
     size_t                        held       = 0;        // leading blocks the store holds
-    std::vector<uint32_t>         dst;                   // reserved store blocks the fetch writes
-    kvrelay::Fetch                fetch;
+    std::unique_ptr<pin_guard>    held_pins;             // ... pinned until the fetch is committed
+    reservation                   dst;                   // reserved store blocks the fetch writes
+    kvrelay::Fetch                fetch;                 // destroyed first: settles the fetch
     bool                          submitted  = false;
+    bool                          settled    = false;    // its result was taken (dst.handed set)
     double                        estimate_s = 0;
     double                        local_s    = 0;
     std::string                   outcome;               // why the provider refused
+
+    fetch_call() = default;
+    fetch_call(const fetch_call &)             = delete;
+    fetch_call & operator=(const fetch_call &) = delete;
+    ~fetch_call() {
+        // an early end (an exception) with the fetch still running: wait for it, and keep the
+        // blocks a transfer may still write (withheld) out of the free list
+        if (!submitted || settled) {
+            return;
+        }
+        try {
+            std::optional<kvrelay_fetch_result> r = fetch.poll();
+            if (!r) {
+                fetch.cancel();
+                while (!(r = fetch.wait(1000))) {
+                }
+            }
+            dst.handed = std::min(dst.ids.size(), r->blocks + r->withheld);
+        } catch (...) {
+            dst.handed = dst.ids.size();  // unknown: keep them all out of the free list
+        }
+    }
 };
 
 struct kv_runtime;
@@ -271,7 +331,9 @@ int provider::fetch(const kvrelay_fetch_request & r) {
     kv_runtime &                  kv    = *KV;
     const std::vector<uint64_t> & names = *call->names;
     call->endpoint                      = std::string(r.endpoint.ptr, r.endpoint.len);
-    call->held                          = kv.store->held(names.data(), names.size());
+    // the blocks held stay pinned until the fetched ones are committed after them
+    call->held_pins                     = std::make_unique<pin_guard>(*kv.store, names.data(), names.size());
+    call->held                          = call->held_pins->n;
     size_t run                          = 0;
     kvrelay::check(kvrelay_fetch_run_length(names.data(), names.size(), call->held, hashes.data(), hashes.size(), &run));
     if (run == 0) {
@@ -286,20 +348,18 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         return NOT_WORTH_IT;
     }
     std::vector<uint64_t> evicted;
-    call->dst = kv.store->reserve(run, &evicted);
+    call->dst = reservation(*kv.store, run, &evicted);
     publish_removed(kv, evicted);
-    if (call->dst.empty()) {
+    if (call->dst.ids.empty()) {
         call->outcome = "no_room";
         return NO_ROOM;
     }
     try {
-        const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.size()) * kv.store->block_bytes());
-        call->fetch     = kv.agent->fetch(call->endpoint, names, call->held, call->dst, deadline);
+        const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.ids.size()) * kv.store->block_bytes());
+        call->fetch     = kv.agent->fetch(call->endpoint, names, call->held, call->dst.ids, deadline);
         call->submitted = true;
     } catch (const kvrelay::Error &) {
-        kv.store->release(call->dst.data(), call->dst.size());
-        call->dst.clear();
-        call->outcome = "busy";
+        call->outcome = "busy";  // nothing was submitted: the reservation goes back with the call
         return BUSY;
     }
     return 0;
@@ -345,15 +405,11 @@ bool probe_schema(llama_context * ctx, kv_schema & out, std::string & err) {
     return true;
 }
 
-void start_kv(const common_params & params, llama_context * ctx) {
+void start_kv(const common_params & params, llama_context * ctx, const kv_schema & schema) {
     const settings & s = S();
     auto             kv = std::make_unique<kv_runtime>();
-    std::string      err;
-    if (!probe_schema(ctx, kv->schema, err)) {
-        SRV_ERR("kvrelay: the KV path is off: %s\n", err.c_str());
-        return;
-    }
-    const size_t bb = kv->schema.block_bytes();
+    kv->schema          = schema;
+    const size_t bb     = kv->schema.block_bytes();
     if (bb == 0 || bb % 2 != 0) {
         SRV_ERR("kvrelay: the KV path is off: a block of %zu bytes is not a whole number of K/V halves\n", bb);
         return;
@@ -544,6 +600,20 @@ void on_model_loaded(const common_params & params, llama_context * ctx) {
     id += ";type_k=" + std::string(ggml_type_name(params.cache_type_k));
     id += ";type_v=" + std::string(ggml_type_name(params.cache_type_v));
     id += ";flash_attn=" + std::string(llama_flash_attn_type_name(params.flash_attn_type));
+    // With the KV path on, the context's state layout is read off a probe, and whether V is
+    // stored transposed (flash attention resolved off) joins the identity: "auto" resolves per
+    // device, and blocks computed with and without flash attention differ.
+    kv_schema schema;
+    bool      probed = false;
+    if (s.kv_on() && ctx != nullptr) {
+        std::string err;
+        if (probe_schema(ctx, schema, err)) {
+            probed = true;
+            id += std::string(";v_trans=") + (schema.v_trans ? "1" : "0");
+        } else {
+            SRV_ERR("kvrelay: the KV path is off: %s\n", err.c_str());
+        }
+    }
 
     s.model_path = params.model.path;
     try {
@@ -556,22 +626,26 @@ void on_model_loaded(const common_params & params, llama_context * ctx) {
     SRV_INF("kvrelay %s: KV hints %s; %zu-token blocks named under seed %s (%s)\n", kvrelay_version(),
             s.trusted ? "TRUSTED (all traffic that reaches this server is trusted)" : "ignored (untrusted)",
             s.block_tokens, hex64(s.seed).c_str(), s.identity.c_str());
-    if (s.kv_on() && ctx != nullptr && !s.identity.empty() && KV == nullptr) {
+    if (probed && !s.identity.empty() && KV == nullptr) {
         try {
-            start_kv(params, ctx);
+            start_kv(params, ctx, schema);
         } catch (const std::exception & e) {
             SRV_ERR("kvrelay: the KV path is off: %s\n", e.what());
         }
     }
 }
 
-void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint,
+void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
                   const std::function<bool()> & should_stop) noexcept {
     if (!hint || KV == nullptr) {
         return;
     }
     kv_runtime & kv = *KV;
     try {
+        if (!cache_prompt) {
+            kv.counts.count("cache_prompt_off");  // the slot would not import it
+            return;
+        }
         if (prompt.has_mtmd) {
             kv.counts.count("multimodal");
             return;
@@ -608,20 +682,24 @@ void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint
                 call.fetch.cancel();
             }
         }
-        const size_t ok       = std::min(r->blocks, call.dst.size());
-        const size_t withheld = std::min(r->withheld, call.dst.size() - ok);
-        publish_stored(kv, names, tokens, call.held, kv.store->commit(call.dst.data(), names.data() + call.held, ok));
-        // withheld blocks come back through the holder's returned()
-        kv.store->release(call.dst.data() + ok + withheld, call.dst.size() - ok - withheld);
+        const size_t n_dst    = call.dst.ids.size();
+        const size_t ok       = std::min(r->blocks, n_dst);
+        const size_t withheld = std::min(r->withheld, n_dst - ok);
+        // the verified blocks are committed, withheld ones come back through the holder's
+        // returned(), the rest goes back to the free list with the reservation
+        call.dst.handed                = ok + withheld;
+        call.settled                   = true;
+        const std::vector<size_t> fresh = kv.store->commit(call.dst.ids.data(), names.data() + call.held, ok);
         kv.counts.fetched_blocks += ok;
+        publish_stored(kv, names, tokens, call.held, fresh);
         const std::string outcome = gone ? "client_gone"
                                     : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
-                                    : ok < call.dst.size()          ? "partial"
+                                    : ok < n_dst                    ? "partial"
                                                                     : "fetched";
         kv.counts.count(outcome);
         const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();
         SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s)%s%s\n",
-                outcome.c_str(), ok, call.dst.size(), call.held, r->seconds, call.estimate_s, call.local_s,
+                outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s,
                 why.empty() ? "" : ": ", why.c_str());
     } catch (const std::exception & e) {
         kv.counts.count("internal");
@@ -644,18 +722,19 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             return n_past;
         }
         const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
-        std::vector<uint32_t>       ids(names.size());
-        const size_t                k = kv.store->pin(names.data(), names.size(), ids.data());
-        if (k * bt <= size_t(n_past)) {
-            kv.store->unpin(ids.data(), k);
-            return n_past;
+        size_t                      k     = 0;
+        {
+            pin_guard pins(*kv.store, names.data(), names.size());
+            k = pins.n;
+            if (k * bt <= size_t(n_past)) {
+                return n_past;
+            }
+            std::vector<const uint8_t *> src(k);
+            for (size_t i = 0; i < k; i++) {
+                src[i] = kv.store->block(pins.ids[i]);
+            }
+            build_import(kv.schema, src.data(), k, seq_id, kv.blob);
         }
-        std::vector<const uint8_t *> src(k);
-        for (size_t i = 0; i < k; i++) {
-            src[i] = kv.store->block(ids[i]);
-        }
-        build_import(kv.schema, src.data(), k, seq_id, kv.blob);
-        kv.store->unpin(ids.data(), k);
         const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
         if (got != kv.blob.size()) {
             llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
@@ -672,8 +751,8 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
     }
 }
 
-void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, double t_prompt_ms,
-                    uint64_t n_processed) noexcept {
+void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
+                    double t_prompt_ms, uint64_t n_processed) noexcept {
     if (KV == nullptr || prompt.has_mtmd) {
         return;
     }
@@ -685,9 +764,14 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
             const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
             kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
         }
+        if (!exportable) {
+            return;
+        }
         const llama_tokens &        tokens = prompt.get_tokens();
         const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());
-        const size_t                from   = kv.store->held(names.data(), names.size());
+        // the blocks held stay pinned while the new ones are reserved and committed after them
+        pin_guard    held(*kv.store, names.data(), names.size());
+        const size_t from = held.n;
         if (from == names.size()) {
             return;
         }
@@ -709,16 +793,19 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
             return;
         }
         std::vector<uint64_t> evicted;
-        std::vector<uint32_t> ids = kv.store->reserve(names.size() - from, &evicted);
+        reservation           res(*kv.store, names.size() - from, &evicted);
         publish_removed(kv, evicted);
-        std::vector<uint8_t *> dst(ids.size());
+        const std::vector<uint32_t> & ids = res.ids;
+        std::vector<uint8_t *>        dst(ids.size());
         for (size_t i = 0; i < ids.size(); i++) {
             dst[i] = kv.store->block(ids[i]);
         }
         cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
         kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
-        publish_stored(kv, names, tokens, from, kv.store->commit(ids.data(), names.data() + from, ids.size()));
-        kv.counts.exported_blocks += ids.size();
+        res.handed                      = ids.size();
+        const std::vector<size_t> fresh = kv.store->commit(ids.data(), names.data() + from, ids.size());
+        kv.counts.exported_blocks += fresh.size();
+        publish_stored(kv, names, tokens, from, fresh);
     } catch (const std::exception & e) {
         kv.counts.export_failed++;
         SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, e.what());

@@ -69,7 +69,9 @@ std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_pro
 /// blocks are committed to the store, where import_prefix finds them. Costs one naming pass
 /// over the prompt when a hint is admitted, nothing otherwise. Never throws: any failure leaves
 /// the request to prefill as a cold one, counted by reason.
-void fetch_prefix(const server_tokens & prompt, bool lora, const hint_ptr & hint,
+/// `lora`: the request names LoRA adapters (the policy then discards the hint as ineligible);
+/// `cache_prompt` false: nothing is fetched (the slot would not import it), counted.
+void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
                   const std::function<bool()> & should_stop) noexcept;
 
 /// The slot's cached-prefix logic (main loop, SLOT_STATE_STARTED) once `n_past` is final:
@@ -83,11 +85,14 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
 
 /// post_decode (main loop) when a slot's prompt is evaluated: commits the prompt's full blocks
 /// the store lacks (the sequence exported with llama_state_seq_get_data_ext, cut into blocks,
-/// checksums recorded) so that peers can fetch them, and updates the prefill speed the fetch
-/// decision compares with (`t_prompt_ms` for `n_processed` tokens). Cost: O(the sequence's KV
-/// bytes) when the prompt has new full blocks, one naming pass otherwise.
-void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, double t_prompt_ms,
-                    uint64_t n_processed) noexcept;
+/// checksums recorded) so that peers can fetch them, unless `exportable` is false (the slot
+/// computed them with a LoRA adapter enabled, which the names do not cover), and updates the
+/// prefill speed the fetch decision compares with (`t_prompt_ms` for `n_processed` tokens).
+/// Cost: O(the sequence's KV bytes) when the prompt has new full blocks (the whole sequence is
+/// exported: llama.cpp exports no range), one naming pass otherwise; the export buffer keeps
+/// its largest size.
+void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
+                    double t_prompt_ms, uint64_t n_processed) noexcept;
 
 /// launch_slot_with_task (main loop): logs (debug level) that the task carries an
 /// admitted hint and its action count, never the hint's contents. Never throws.

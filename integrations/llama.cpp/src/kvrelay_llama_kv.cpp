@@ -97,6 +97,11 @@ bool parse_state(const uint8_t * blob, size_t len, kv_parsed & out, std::string 
         }
         seen      = true;
         out.cells = cells;
+        // 12 bytes a cell follow: check before allocating for a count the blob cannot hold
+        if (r.left / 12 < cells) {
+            err = "the KV state blob ends early";
+            return false;
+        }
         std::vector<int32_t> pos(cells);
         for (uint32_t c = 0; c < cells; c++) {
             pos[c]                  = r.get<int32_t>();

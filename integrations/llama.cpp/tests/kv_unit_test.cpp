@@ -176,6 +176,13 @@ static void state_round_trips(bool v_trans) {
     std::vector<uint8_t>  b5    = blob_in_order(s, blocks, twice);
     CHECK(!parse_state(b5.data(), b5.size(), p, err));
     CHECK(!parse_state(nullptr, 0, p, err));
+    // a cell count the blob cannot hold is refused before anything is allocated for it
+    std::vector<uint8_t> huge;
+    put<uint32_t>(huge, 0xaf143cd8);
+    put<int32_t>(huge, 0);
+    put<uint32_t>(huge, 1);
+    put<uint32_t>(huge, 0xffffffffu);
+    CHECK(!parse_state(huge.data(), huge.size(), p, err) && err.find("early") != std::string::npos);
 }
 
 static void store_works() {
