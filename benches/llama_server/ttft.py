@@ -15,7 +15,12 @@ request generates one token, so its time is the time to first token. The noise b
 is how far the cold runs' two halves differ (the ratio of their medians).
 
     python3 benches/llama_server/ttft.py --server target/llama-server/bin/llama-server-kvrelay \\
-        --model MODEL.gguf [--threads 2] [--sizes 256,1024,2048,4096] [--rounds 6]
+        --model MODEL.gguf [--threads 2] [--sizes 256,1024,2048,4096] [--rounds 6] [--ubatch 32]
+        [--server-args "-ngl 99"]
+
+`--ubatch` other than the block size (32) leaves the bit-exact settings: blocks still move and
+are reused, the answers may differ in low bits (the integration's README, "Bit-exact").
+`--server-args` go to both servers (a CUDA build: `-ngl 99`).
 
 Prints one line of JSON per size and a table for benches/RESULTS.md. Every loop is bounded
 (--rounds); the servers listen on 127.0.0.1 only and are stopped at the end.
@@ -58,11 +63,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="256,1024,2048,4096", help="prompt lengths in tokens")
     ap.add_argument("--rounds", type=int, default=6, help="fetched and cold requests per size (bounded)")
+    ap.add_argument("--ubatch", type=int, default=BT, help="-ub of both servers (32: the bit-exact setting)")
+    ap.add_argument("--server-args", default="", help="more flags for both servers, space-separated")
+    ap.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    logs = tempfile.mkdtemp(prefix="llama-ttft-")
-    exact = ["-c", str(max(sizes) + 64), "-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--no-warmup",
-             "--kv-block-tokens", str(BT)]
+    logs = a.log_dir or tempfile.mkdtemp(prefix="llama-ttft-")
+    os.makedirs(logs, exist_ok=True)
+    exact = ["-c", str(max(sizes) + 64), "-fa", "off", "-ub", str(a.ubatch), "--cache-ram", "0", "--no-warmup",
+             "--kv-block-tokens", str(BT)] + a.server_args.split()
     servers = []
     try:
         A = Server(a.server, a.model, exact + ["--kv-listen", "127.0.0.1:0"], os.path.join(logs, "A.log"),
@@ -74,11 +83,14 @@ def main():
                    os.path.join(logs, "B.log"), threads=a.threads)
         servers.append(B)
         fresh = iter(range(1, 1 << 30))
+        n_vocab = B.json("GET", "/v1/models")[1]["data"][0]["meta"]["n_vocab"]
+        span = min(20000, n_vocab - 100)
 
         def prompt(n):
-            # token ids of the model's vocabulary; the first one makes every prompt new
+            # token ids of the model's vocabulary (past its first 100, where special tokens lie);
+            # the first one makes every prompt new
             k = next(fresh)
-            return [1000 + k] + [(i * 7919 + k * 104729) % 20000 + 100 for i in range(n - 1)]
+            return [100 + (900 + k) % span] + [(i * 7919 + k * 104729) % span + 100 for i in range(n - 1)]
 
         rows = []
         for n in sizes:
@@ -104,7 +116,7 @@ def main():
             half = a.rounds // 2
             c = times["cold"]
             noise = abs(statistics.median(c[:half]) / statistics.median(c[half:]) - 1) if half else float("nan")
-            row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads,
+            row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads, "ubatch": a.ubatch,
                    "fetched_ms": round(med["fetched"] * 1e3, 1), "cold_ms": round(med["cold"] * 1e3, 1),
                    "ratio": round(med["fetched"] / med["cold"], 4), "noise": round(noise, 4)}
             rows.append(row)

@@ -155,6 +155,7 @@ struct kv_counters {
     std::atomic<uint64_t>           exported_blocks{ 0 };
     std::atomic<uint64_t>           export_failed{ 0 };
     std::atomic<uint64_t>           imported_tokens{ 0 };
+    std::atomic<uint64_t>           recomputed_tokens{ 0 };
     std::atomic<uint64_t>           import_refused{ 0 };
 
     void count(const std::string & outcome) {
@@ -282,6 +283,12 @@ class provider final : public kvrelay::Provider {
     }
 };
 
+// What the integration knows of one slot's sequence (main loop only).
+struct slot_kv {
+    size_t exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
+    bool   aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
+};
+
 struct kv_runtime {
     kv_schema                              schema;
     std::unique_ptr<block_store>           store;
@@ -293,6 +300,14 @@ struct kv_runtime {
     kv_counters                            counts;
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
+    std::vector<slot_kv>                   slots;            // by sequence id, main loop only
+
+    slot_kv & slot(int seq_id) {
+        if (size_t(seq_id) >= slots.size()) {
+            slots.resize(size_t(seq_id) + 1);
+        }
+        return slots[size_t(seq_id)];
+    }
 };
 
 // Blocks `first + fresh[i]` of a prompt just committed: publish them (KV events), each with the
@@ -710,41 +725,54 @@ void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, co
 }
 
 int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept {
-    if (KV == nullptr || prompt.has_mtmd || n_past < 0) {
+    if (KV == nullptr || prompt.has_mtmd || n_past < 0 || seq_id < 0) {
         return n_past;
     }
     kv_runtime & kv = *KV;
     try {
+        slot_kv &            slot   = kv.slot(seq_id);
         const llama_tokens & tokens = prompt.get_tokens();
         const size_t         bt     = S().block_tokens;
+        // full blocks that may be reused: at least one prompt token is evaluated
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
-        if (n_max * bt <= size_t(n_past)) {
-            return n_past;
-        }
-        const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
-        size_t                      k     = 0;
-        {
-            pin_guard pins(*kv.store, names.data(), names.size());
+        // what the slot keeps of its own cells: the leading ones known to equal a cold prefill
+        // (imported, or prefilled from a block edge; never generated ones), whole blocks only
+        const size_t n_exact = std::min({ size_t(n_past), slot.exact_upto, n_max * bt }) / bt * bt;
+        size_t       n_new   = n_exact;
+        size_t       k       = 0;
+        if (n_max * bt > n_exact) {
+            const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+            pin_guard                   pins(*kv.store, names.data(), names.size());
             k = pins.n;
-            if (k * bt <= size_t(n_past)) {
-                return n_past;
+            if (k * bt > n_exact) {
+                std::vector<const uint8_t *> src(k);
+                for (size_t i = 0; i < k; i++) {
+                    src[i] = kv.store->block(pins.ids[i]);
+                }
+                build_import(kv.schema, src.data(), k, seq_id, kv.blob);
+                n_new = k * bt;
             }
-            std::vector<const uint8_t *> src(k);
-            for (size_t i = 0; i < k; i++) {
-                src[i] = kv.store->block(pins.ids[i]);
+        }
+        if (n_new > n_exact) {
+            const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
+            if (got != kv.blob.size()) {
+                llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
+                kv.counts.import_refused++;
+                slot.exact_upto = 0;
+                slot.aligned    = true;  // the prompt is prefilled from token 0
+                SRV_WRN("kvrelay: llama.cpp refused the imported KV of %zu blocks; slot %d prefills its whole prompt\n", k,
+                        seq_id);
+                return 0;
             }
-            build_import(kv.schema, src.data(), k, seq_id, kv.blob);
+            kv.counts.imported_tokens += n_new - std::min(n_new, size_t(n_past));
+            SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
+        } else if (n_new < size_t(n_past)) {
+            kv.counts.recomputed_tokens += size_t(n_past) - n_new;
         }
-        const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
-        if (got != kv.blob.size()) {
-            llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
-            kv.counts.import_refused++;
-            SRV_WRN("kvrelay: llama.cpp refused the imported KV of %zu blocks; slot %d prefills its whole prompt\n", k, seq_id);
-            return 0;
-        }
-        kv.counts.imported_tokens += k * bt - size_t(n_past);
-        SRV_DBG("kvrelay: slot %d: imported %zu blocks (tokens %d..%zu)\n", seq_id, k, n_past, k * bt);
-        return int(k * bt);
+        // the prompt's prefill starts at a block edge: its blocks are exact, and exported
+        slot.exact_upto = n_new;
+        slot.aligned    = true;
+        return int(n_new);
     } catch (...) {
         kv.counts.import_refused++;
         return n_past;
@@ -753,7 +781,7 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
 
 void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
                     double t_prompt_ms, uint64_t n_processed) noexcept {
-    if (KV == nullptr || prompt.has_mtmd) {
+    if (KV == nullptr || prompt.has_mtmd || seq_id < 0) {
         return;
     }
     kv_runtime & kv = *KV;
@@ -764,7 +792,13 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
             const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
             kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
         }
-        if (!exportable) {
+        // a prompt prefilled from a block edge (import_prefix ran for it) without a LoRA adapter:
+        // its full blocks equal a cold prefill's; anything else is not served, and not kept
+        slot_kv & slot    = kv.slot(seq_id);
+        const bool exact  = exportable && slot.aligned;
+        slot.aligned      = false;
+        slot.exact_upto   = exact ? prompt.size() / bt * bt : 0;
+        if (!exact) {
             return;
         }
         const llama_tokens &        tokens = prompt.get_tokens();
@@ -916,6 +950,7 @@ std::string prometheus() noexcept {
             { "exported_blocks_total", kv.counts.exported_blocks.load() },
             { "export_failed_total", kv.counts.export_failed.load() },
             { "imported_tokens_total", kv.counts.imported_tokens.load() },
+            { "recomputed_tokens_total", kv.counts.recomputed_tokens.load() },
             { "import_refused_total", kv.counts.import_refused.load() },
             { "store_evicted_total", c.evicted },
         };

@@ -2,7 +2,7 @@
 """Two kvrelay llama-servers on loopback: B fetches A's KV by a hint, and answers as a cold server.
 
     python3 integrations/llama.cpp/tests/two_instance_test.py --server target/llama-server/bin/llama-server-kvrelay \
-        --model MODEL.gguf [--threads 1] [--log-dir DIR]
+        --model MODEL.gguf [--threads 1] [--log-dir DIR] [--flash-attn off|on] [--server-args "-ngl 99"]
 
 Standard library only. Starts three servers with the settings that keep moved KV bit-exact
 (`-np 1 -fa off -ub 32`, F16 KV, one thread, 32-token blocks, no RAM prompt cache): A serves its
@@ -18,9 +18,11 @@ one prefills from token 0). Checks, each by the servers' own counters (/metrics)
   6. a source killed before the fetch: the fetch fails (connect), the answer is C's;
   7. a client that goes away while its fetch waits on a source that never answers: the fetch
      is cancelled and counted (client_gone), and the slot then serves the next request as C;
-  8. a source that dies mid-fetch (a relay in front of A cuts both connections after the first
-     block's bytes): B commits only the verified blocks, counts the failure by reason,
-     prefills the rest, and answers as C;
+  8. a source that dies mid-fetch (a relay in front of A cuts its connections once two and a
+     half blocks' bytes went through): B commits only the leading verified blocks, counts the
+     failure by reason, prefills the rest, and answers as C;
+  9. a prompt B answered already, asked again: B keeps only the slot's whole blocks of prefill
+     (not the generated tokens, not the last partial block) and answers as C;
 and every answer equals C's. Exit status 0 when every check passed.
 """
 import argparse
@@ -142,11 +144,14 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--log-dir")
+    ap.add_argument("--flash-attn", choices=("off", "on"), default="off",
+                    help="-fa of every server (both keep the answers exact on llama.cpp's CPU and CUDA backends)")
+    ap.add_argument("--server-args", default="", help="more flags for every server (a CUDA build: -ngl 99)")
     a = ap.parse_args()
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvrelay-llama-two-")
     os.makedirs(log_dir, exist_ok=True)
     print("logs in", log_dir)
-    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    exact = ["-fa", a.flash_attn, "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)] + a.server_args.split()
     servers = []
 
     def start(name, args):
@@ -298,6 +303,7 @@ def main():
         P7 = text(180, 7)
         complete(A, P7)
         look7 = A.json("POST", "/v1/kv/lookup", {"prompt": P7})[1]
+        held7 = B.json("POST", "/v1/kv/lookup", {"prompt": P7})[1]["blocks_held"]  # a prefix shared with earlier prompts
         want = cold(P7)
         before = metrics(B)
         r = complete(B, P7, {"kv_hints": envelope(ep_relay, look7["block_hashes"], "two-7")})
@@ -307,13 +313,25 @@ def main():
         outcomes = {k: v - before.get(k, 0) for k, v in after.items()
                     if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
         fetchable7 = (look7["n_tokens"] - 1) // BT
-        check(relay.cut.is_set() and 0 < got < fetchable7 and len(outcomes) == 1
+        # (0 verified blocks when the fetch ran on several streams, each cut before its first block)
+        check(relay.cut.is_set() and got < fetchable7 and len(outcomes) == 1
               and 'outcome="fetched"' not in list(outcomes)[0] and 'outcome="partial"' not in list(outcomes)[0],
               "a source dying mid-fetch: only verified blocks are kept, the failure is counted by reason",
               "%d of %d blocks, %s" % (got, fetchable7, json.dumps(outcomes)))
-        check(r["timings"]["prompt_n"] == look7["n_tokens"] - got * BT, "B prefilled the blocks it did not get",
-              "prompt_n %s" % r["timings"]["prompt_n"])
+        check(r["timings"]["prompt_n"] == look7["n_tokens"] - (held7 + got) * BT, "B prefilled the blocks it did not get",
+              "prompt_n %s, %d blocks held before" % (r["timings"]["prompt_n"], held7))
         check(answer(r) == answer(want), "P7 (source died mid-fetch): B's answer equals the cold server's")
+
+        # 9. the same prompt again: the slot holds it (and its answer); only its whole blocks of
+        # prefill are kept, the rest is evaluated again from a block edge
+        before = metrics(B)
+        r = complete(B, P7)
+        after = metrics(B)
+        kept = look7["n_tokens"] - r["timings"]["prompt_n"]
+        check(kept % BT == 0 and 0 < kept < look7["n_tokens"]
+              and after.get("llamacpp_kv_recomputed_tokens_total", 0) > before.get("llamacpp_kv_recomputed_tokens_total", 0),
+              "P7 again: B keeps whole blocks of prefill only", "kept %d of %d tokens" % (kept, look7["n_tokens"]))
+        check(answer(r) == answer(want), "P7 again: B's answer equals the cold server's")
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
     finally:
         for s in servers:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# llama-server with kvrelay built with CUDA on the lent H200, then benches/llama_server/ttft.py
+# there: fetched against cold time to first token on a 1B-parameter-shaped random model.
+#
+# Here (the development machine), after integrations/llama.cpp/build.sh:
+#   mkdir -p .gpu && (cd target/llama-server && tar --exclude=llama.cpp/models --exclude=llama.cpp/docs \
+#     --exclude=llama.cpp/tools/server/webui --exclude=llama.cpp/tools/server/tests -cJf ../../.gpu/llama.tar.xz llama.cpp \
+#     && tar -cJf ../../.gpu/kvrelay-prefix.tar.xz kvrelay-prefix)
+# On the device (one call, carrying .gpu; the build stays in .gpu/work while the machine is warm):
+#   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
+#   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
+# Writes ttft-ub<N>.log per ubatch size, and the build's and the servers' tails, into $OUT.
+set -euo pipefail
+out="${OUT:-/tmp}"
+w="$PWD/.gpu/work"
+mkdir -p "$w"
+if [ ! -x "$w/build/bin/llama-server" ]; then
+  tar -xJf .gpu/llama.tar.xz -C "$w"
+  tar -xJf .gpu/kvrelay-prefix.tar.xz -C "$w"
+  # the prefix was installed elsewhere: its CMake files locate the library relative to themselves
+  cmake -S "$w/llama.cpp" -B "$w/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_COMMIT=0c1e570 \
+    -DLLAMA_BUILD_NUMBER=0 -Dkvrelay_DIR="$w/kvrelay-prefix/lib/cmake/kvrelay" >"$out/configure.log" 2>&1 \
+    || { tail -40 "$out/configure.log"; exit 1; }
+  t0=$(date +%s)
+  cmake --build "$w/build" --target llama-server -j "$(nproc)" >"$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
+  echo "h200.sh: llama-server built with CUDA in $(( $(date +%s) - t0 )) s"
+fi
+model="$w/random-1b.gguf"
+[ -f "$model" ] || python3 benches/llama_server/random_gguf.py "$model"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+[ "${1:-}" = "--build-only" ] && exit 0
+for ub in "${@:-32}"; do
+  echo "# benches/llama_server/ttft.py, H200 (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), random 1B-shaped model, ubatch $ub" \
+    | tee "$out/ttft-ub$ub.log"
+  python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
+    --sizes 256,1024,2048,4096 --rounds 6 --ubatch "$ub" --server-args "-ngl 99" 2>&1 | tee -a "$out/ttft-ub$ub.log"
+done
