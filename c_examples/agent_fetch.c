@@ -406,6 +406,13 @@ static int run_destination(int in_fd) {
          device >= 0 ? "GPU memory" : "host memory");
   double est = 0;
   CHECK(kvrelay_agent_estimate(b, ea, strlen(ea), 5, &est) == KVRELAY_OK && est > 0);
+  /* the runtime's own import of fetched blocks joins the estimate once it reports it */
+  double imp = -1, est2 = 0;
+  CHECK(kvrelay_agent_import_estimate(b, 5, &imp) == KVRELAY_OK && imp == 0);
+  CHECK(kvrelay_agent_record_import(b, 5, 0.5) == KVRELAY_OK);
+  CHECK(kvrelay_agent_record_import(b, 5, -1.0) == KVRELAY_ERR_INVALID_ARGUMENT);
+  CHECK(kvrelay_agent_import_estimate(b, 10, &imp) == KVRELAY_OK && imp > 0.99 && imp < 1.01);
+  CHECK(kvrelay_agent_estimate(b, ea, strlen(ea), 5, &est2) == KVRELAY_OK && est2 > est + 0.49 && est2 < est + 0.51);
 
   /* every failure a runtime sees has its reason */
   const uint64_t missing[1] = {0x9999};

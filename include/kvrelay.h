@@ -1142,9 +1142,11 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
                                               const uint32_t *ids,
                                               size_t n);
 
-// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
-// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
-// the runtime's own prefill time for those tokens.
+// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take: the transfer (the
+// source's moving averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s)
+// plus the runtime's own import of the blocks as `kvrelay_agent_record_import` reported it
+// (nothing before its first report). Compare with the runtime's own prefill time for those
+// tokens. Two short locks, no allocation.
 //
 // # Safety
 // `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
@@ -1153,6 +1155,29 @@ kvrelay_status kvrelay_agent_estimate(const struct kvrelay_agent *agent,
                                       size_t len,
                                       size_t blocks,
                                       double *seconds_out);
+
+// Report that the runtime's own import of `blocks` fetched blocks (from the pool into the cache
+// it computes with: llama.cpp's state import, for one) took `seconds`, so that
+// `kvrelay_agent_estimate` counts it. A runtime whose cache is the pool itself never calls it.
+// The cost is modelled as a fixed part plus a part per block, fitted over the reports (newer
+// ones weigh more). `seconds` finite and not negative, else `KVRELAY_ERR_INVALID_ARGUMENT`.
+// Callable from any thread; one short lock.
+//
+// # Safety
+// `agent` NULL or live.
+kvrelay_status kvrelay_agent_record_import(const struct kvrelay_agent *agent,
+                                           size_t blocks,
+                                           double seconds);
+
+// Seconds the runtime's import of `blocks` blocks is expected to take, as
+// `kvrelay_agent_record_import` reported (0 before the first report): the part of
+// `kvrelay_agent_estimate` that is not the transfer.
+//
+// # Safety
+// `agent` NULL or live; `seconds_out` NULL or writable.
+kvrelay_status kvrelay_agent_import_estimate(const struct kvrelay_agent *agent,
+                                             size_t blocks,
+                                             double *seconds_out);
 
 // The speed estimate of `endpoint`.
 //

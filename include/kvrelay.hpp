@@ -729,10 +729,22 @@ class Agent {
     check(kvrelay_agent_fetch(h_.get(), &p, nullptr, nullptr, f.h_.out()));
     return f;
   }
-  /// Expected seconds to fetch `blocks` blocks from `endpoint`.
+  /// Expected seconds to fetch `blocks` blocks from `endpoint`, the runtime's import of them
+  /// included (as `record_import` reported it).
   double estimate(std::string_view endpoint, std::size_t blocks) const {
     double s = 0;
     check(kvrelay_agent_estimate(h_.get(), endpoint.data(), endpoint.size(), blocks, &s));
+    return s;
+  }
+  /// Report that the runtime's own import of `blocks` fetched blocks took `seconds` (finite,
+  /// not negative): `estimate` counts it from now on.
+  void record_import(std::size_t blocks, double seconds) const {
+    check(kvrelay_agent_record_import(h_.get(), blocks, seconds));
+  }
+  /// Expected seconds of the runtime's import of `blocks` blocks (0 before a report).
+  double import_estimate(std::size_t blocks) const {
+    double s = 0;
+    check(kvrelay_agent_import_estimate(h_.get(), blocks, &s));
     return s;
   }
   /// The counters as Prometheus text (kvrelay_kv_agent_*).

@@ -56,6 +56,16 @@ def test_fetch_arguments(agent):
 def test_estimate_and_run_length_refuse_negative_counts(agent):
     raises(ValueError, "blocks", agent.estimate, EP, -1)  # was 6,148,914,691 s
     assert 0 < agent.estimate(EP, 10) < 1
+    # the runtime's import cost joins the estimate once reported
+    base = agent.estimate(EP, 10)
+    assert agent.import_estimate(10) == 0
+    raises(ValueError, "seconds", agent.record_import, 10, -0.5)
+    raises(ValueError, "seconds", agent.record_import, 10, float("nan"))
+    raises(TypeError, "seconds", agent.record_import, 10, "1")
+    raises(ValueError, "blocks", agent.record_import, -1, 1.0)
+    agent.record_import(10, 0.25)
+    assert abs(agent.import_estimate(20) - 0.5) < 1e-9
+    assert abs(agent.estimate(EP, 10) - base - 0.25) < 1e-9
     raises(ValueError, "held", kvrelay.fetch_run_length, [1, 2], -1, [1])
     assert kvrelay.fetch_run_length([1, 2, 3], 1, [3, 2]) == 2
     assert "fetch_run_length" in kvrelay.__all__

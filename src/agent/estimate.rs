@@ -1,6 +1,7 @@
 //! What a fetch from a source is expected to cost: setup latency and throughput per source,
 //! exponential moving averages (weight 1/4 for each new transfer), and a documented default
-//! per transport before the first transfer.
+//! per transport before the first transfer; and what the runtime reports its own import of
+//! fetched blocks costs ([`ImportCost`]), which a fetch must pay for too.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -126,6 +127,70 @@ impl Estimator {
     }
 }
 
+/// What the runtime's own import of fetched blocks costs, as it reports it (a runtime whose
+/// cache is not the pool itself rebuilds its KV from the fetched blocks: llama.cpp's state
+/// import copies them in, transposing V row by row when flash attention is off, about 140 ms on
+/// the H200 whatever the length). Modelled as `fixed_s + per_block_s * blocks`, fitted by least
+/// squares over the reports with exponential forgetting (each report weighs 1, earlier ones
+/// 3/4 as much at every new one), both terms kept non-negative; while the reports all name about
+/// the same block count (their spread under half a block), the cost is taken as proportional to
+/// the blocks. Zero until the first report. One lock, taken once per report and per estimate.
+#[derive(Default)]
+pub struct ImportCost {
+    sums: Mutex<Sums>,
+}
+
+/// Exponentially weighted sums of the reports: weight, blocks, seconds, blocks², blocks·seconds.
+#[derive(Clone, Copy, Default)]
+struct Sums {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl ImportCost {
+    /// Fold in one import of `blocks` blocks that took `seconds` (finite and non-negative: the
+    /// caller checks).
+    pub fn record(&self, blocks: usize, seconds: f64) {
+        let (x, y) = (blocks as f64, seconds);
+        let mut s = self.sums.lock().unwrap_or_else(|e| e.into_inner());
+        let d = 0.75;
+        *s = Sums { w: d * s.w + 1.0, x: d * s.x + x, y: d * s.y + y, xx: d * s.xx + x * x, xy: d * s.xy + x * y };
+    }
+
+    /// The model's two terms, `(fixed_s, per_block_s)`; `(0, 0)` before the first report.
+    pub fn terms(&self) -> (f64, f64) {
+        let s = *self.sums.lock().unwrap_or_else(|e| e.into_inner());
+        if s.w <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mx, my) = (s.x / s.w, s.y / s.w);
+        let var = s.xx / s.w - mx * mx;
+        if var < 0.25 {
+            // one block count (or nearly): no slope to fit; proportional, or fixed for 0 blocks
+            return if mx > 0.0 { (0.0, my / mx) } else { (my, 0.0) };
+        }
+        let slope = (s.xy / s.w - mx * my) / var;
+        if slope <= 0.0 {
+            return (my, 0.0);
+        }
+        let fixed = my - slope * mx;
+        if fixed < 0.0 {
+            // through the origin: the least-squares slope of y = k x
+            return (0.0, s.xy / s.xx);
+        }
+        (fixed, slope)
+    }
+
+    /// Seconds the runtime is expected to spend importing `blocks` blocks.
+    pub fn seconds(&self, blocks: usize) -> f64 {
+        let (fixed, per_block) = self.terms();
+        fixed + per_block * blocks as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +217,47 @@ mod tests {
         assert_eq!(e.speed("a"), TCP_DEFAULT);
         e.record("a", Duration::from_millis(10), 0, Duration::ZERO);
         assert!((e.speed("a").setup_s - (0.75 * 0.002 + 0.25 * 0.010)).abs() < 1e-12, "folded into the default");
+    }
+
+    #[test]
+    fn import_cost_fits_fixed_and_per_block_terms() {
+        let c = ImportCost::default();
+        assert_eq!(c.seconds(10), 0.0, "nothing reported: no cost");
+        // one block count only: proportional
+        c.record(4, 0.040);
+        assert!((c.seconds(8) - 0.080).abs() < 1e-12);
+        // 0.1 s + 0.01 s a block, at several counts: both terms found
+        let c = ImportCost::default();
+        for b in [2usize, 8, 4, 16, 1, 32, 4] {
+            c.record(b, 0.1 + 0.01 * b as f64);
+        }
+        let (f, k) = c.terms();
+        assert!((f - 0.1).abs() < 1e-9 && (k - 0.01).abs() < 1e-9, "{f} {k}");
+        assert!((c.seconds(100) - 1.1).abs() < 1e-9);
+        // a fixed cost whatever the length (llama.cpp's transposed V): the slope is not negative
+        let c = ImportCost::default();
+        for (b, t) in [(2usize, 0.15), (16, 0.14), (64, 0.13)] {
+            c.record(b, t);
+        }
+        let (f, k) = c.terms();
+        assert_eq!(k, 0.0);
+        assert!(f > 0.13 && f < 0.15, "{f}");
+        // a fit whose intercept would be negative goes through the origin
+        let c = ImportCost::default();
+        for (b, t) in [(1usize, 0.0), (10, 1.0), (20, 2.5)] {
+            c.record(b, t);
+        }
+        let (f, k) = c.terms();
+        assert_eq!(f, 0.0);
+        assert!(k > 0.09 && k < 0.13, "{k}");
+        // newer reports weigh more: the cost follows a change
+        let c = ImportCost::default();
+        for _ in 0..3 {
+            c.record(8, 0.8);
+        }
+        for _ in 0..20 {
+            c.record(8, 0.08);
+        }
+        assert!((c.seconds(8) - 0.08).abs() < 0.002, "{}", c.seconds(8));
     }
 }

@@ -26,6 +26,8 @@ pub(super) struct Inner {
     pub(super) holder: Box<dyn BlockHolder>,
     pub(super) sums: SumTable,
     pub(super) estimator: estimate::Estimator,
+    /// What the runtime reported its own import of fetched blocks costs.
+    pub(super) import_cost: estimate::ImportCost,
     pub(super) stats: Stats,
     pub(super) stop: AtomicBool,
     /// Connections per peer address (handshake and serving).

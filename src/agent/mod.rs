@@ -78,7 +78,7 @@ use std::time::Duration;
 pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport, TCP_FALLBACK_MEMORY};
-pub use estimate::{SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
+pub use estimate::{ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
 use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};
@@ -251,6 +251,7 @@ impl Agent {
             movers,
             holder,
             estimator: estimate::Estimator::new(default_speed),
+            import_cost: estimate::ImportCost::default(),
             stats: Stats::default(),
             stop: AtomicBool::new(false),
             peers: Mutex::new(HashMap::new()),
@@ -387,13 +388,33 @@ impl Agent {
         self.inner.estimator.speed(endpoint)
     }
 
-    /// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take; compare it with
-    /// the runtime's own prefill time for those tokens (SPEC section 8, "fetch only when it pays").
-    /// Any `blocks` is taken (the byte count saturates: an absurd count gives an absurdly long
-    /// estimate, never a wrapped short one).
+    /// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take, the runtime's
+    /// import of them included ([`Agent::record_import`]; nothing before its first report);
+    /// compare it with the runtime's own prefill time for those tokens (SPEC section 8, "fetch
+    /// only when it pays"). Any `blocks` is taken (the byte count saturates: an absurd count
+    /// gives an absurdly long estimate, never a wrapped short one). Two short locks, no
+    /// allocation.
     pub fn estimate(&self, endpoint: &str, blocks: usize) -> f64 {
         let bytes = (blocks as u64).saturating_mul(self.inner.block_bytes as u64);
-        self.inner.estimator.seconds(endpoint, bytes)
+        self.inner.estimator.seconds(endpoint, bytes) + self.inner.import_cost.seconds(blocks)
+    }
+
+    /// Report that the runtime's own import of `blocks` fetched blocks (from the pool into the
+    /// cache it computes with) took `seconds`, so that [`Agent::estimate`] counts it: a runtime
+    /// whose cache is the pool itself never reports. `seconds` must be finite and not negative.
+    /// See [`ImportCost`] for the model. One short lock.
+    pub fn record_import(&self, blocks: usize, seconds: f64) -> Result<(), AgentError> {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return Err(AgentError::Argument(format!("an import of {seconds} seconds")));
+        }
+        self.inner.import_cost.record(blocks, seconds);
+        Ok(())
+    }
+
+    /// Seconds the runtime's import of `blocks` blocks is expected to take, as it reported
+    /// (0 before its first report): the part of [`Agent::estimate`] that is not the transfer.
+    pub fn import_estimate(&self, blocks: usize) -> f64 {
+        self.inner.import_cost.seconds(blocks)
     }
 
     /// The counters.

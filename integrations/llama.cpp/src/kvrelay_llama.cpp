@@ -740,11 +740,13 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         const size_t n_exact = std::min({ size_t(n_past), slot.exact_upto, n_max * bt }) / bt * bt;
         size_t       n_new   = n_exact;
         size_t       k       = 0;
+        std::chrono::steady_clock::time_point t0;
         if (n_max * bt > n_exact) {
             const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
             pin_guard                   pins(*kv.store, names.data(), names.size());
             k = pins.n;
             if (k * bt > n_exact) {
+                t0 = std::chrono::steady_clock::now();
                 std::vector<const uint8_t *> src(k);
                 for (size_t i = 0; i < k; i++) {
                     src[i] = kv.store->block(pins.ids[i]);
@@ -765,6 +767,10 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
                 return 0;
             }
             kv.counts.imported_tokens += n_new - std::min(n_new, size_t(n_past));
+            // what a fetch costs past its transfer: the agent's estimate counts it from now on
+            // (llama.cpp imports a whole sequence: flash attention off, V transposed row by row)
+            const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            kv.agent->record_import(k, took);
             SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
         } else if (n_new < size_t(n_past)) {
             kv.counts.recomputed_tokens += size_t(n_past) - n_new;
@@ -959,6 +965,19 @@ std::string prometheus() noexcept {
         }
         text += "# TYPE llamacpp_kv_store_blocks gauge\nllamacpp_kv_store_blocks " + std::to_string(c.committed) + "\n";
         text += "# TYPE llamacpp_kv_store_pinned_blocks gauge\nllamacpp_kv_store_pinned_blocks " + std::to_string(c.pinned) + "\n";
+        // what --kv-fetch faster weighs: the measured prefill against the transfer plus llama.cpp's
+        // own import of the blocks (a fixed part and a part per block, as the agent fitted them)
+        const double imp0 = kv.agent->import_estimate(0), imp1 = kv.agent->import_estimate(1);
+        const std::pair<const char *, double> gauges[] = {
+            { "prefill_seconds_per_token", kv.sec_per_token.load(std::memory_order_relaxed) },
+            { "import_fixed_seconds", imp0 },
+            { "import_seconds_per_block", imp1 - imp0 },
+        };
+        for (const auto & [name, v] : gauges) {
+            char num[64];
+            snprintf(num, sizeof num, "%.9g", v);
+            text += std::string("# TYPE llamacpp_kv_") + name + " gauge\nllamacpp_kv_" + name + " " + num + "\n";
+        }
         return text;
     } catch (...) {
         return std::string();

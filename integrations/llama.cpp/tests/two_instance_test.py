@@ -217,6 +217,10 @@ def main():
               "B prefilled only the tokens after the fetched blocks", "prompt_n %s" % r["timings"]["prompt_n"])
         check(answer(r) == answer(want), "B's greedy text and top-5 probabilities equal the cold server's",
               repr(r["content"]))
+        imp = after.get("llamacpp_kv_import_fixed_seconds", 0) + after.get("llamacpp_kv_import_seconds_per_block", 0)
+        check(before.get("llamacpp_kv_import_fixed_seconds", 1) == 0 and 0 < imp < 60,
+              "B reported its import of the fetched blocks to the agent (the fetch estimate counts it)",
+              "%.6f s for one block" % imp)
 
         # 3. a longer prompt: B holds P's blocks, fetches only the rest
         P2 = P[:-1] + " and then " + text(120, 2)

@@ -645,6 +645,8 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_agent_endpoint": (c_int32, [("agent", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_agent_record_checksums": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t)]),
     "kvrelay_agent_estimate": (c_int32, [("agent", c_void_p), ("endpoint", c_void_p), ("len", c_size_t), ("blocks", c_size_t), ("seconds_out", POINTER(c_double))]),
+    "kvrelay_agent_record_import": (c_int32, [("agent", c_void_p), ("blocks", c_size_t), ("seconds", c_double)]),
+    "kvrelay_agent_import_estimate": (c_int32, [("agent", c_void_p), ("blocks", c_size_t), ("seconds_out", POINTER(c_double))]),
     "kvrelay_agent_source_speed": (c_int32, [("agent", c_void_p), ("endpoint", c_void_p), ("len", c_size_t), ("out", POINTER(kvrelay_source_speed))]),
     "kvrelay_agent_read_stats": (c_int32, [("agent", c_void_p), ("out", POINTER(kvrelay_agent_stats)), ("size", c_size_t)]),
     "kvrelay_agent_prometheus": (c_int32, [("agent", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),

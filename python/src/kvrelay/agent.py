@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 import traceback
@@ -505,6 +506,25 @@ class Agent(_Handle):
         out = ctypes.c_double()
         with self._use() as p:
             _check("kvrelay_agent_estimate", lib.kvrelay_agent_estimate(p, e, len(e), blocks, ctypes.byref(out)))
+        return out.value
+
+    def record_import(self, blocks: int, seconds: float) -> None:
+        """Report that the runtime's own import of ``blocks`` fetched blocks took ``seconds``
+        (finite, not negative): :meth:`estimate` counts it from then on."""
+        _int("blocks", blocks, 0, SIZE_MAX)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"seconds: expected a number, got {type(seconds).__name__}")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"seconds: expected a finite number not below 0, got {seconds!r}")
+        with self._use() as p:
+            _check("kvrelay_agent_record_import", lib.kvrelay_agent_record_import(p, blocks, float(seconds)))
+
+    def import_estimate(self, blocks: int) -> float:
+        """Seconds the runtime's import of ``blocks`` blocks is expected to take (0 before a report)."""
+        _int("blocks", blocks, 0, SIZE_MAX)
+        out = ctypes.c_double()
+        with self._use() as p:
+            _check("kvrelay_agent_import_estimate", lib.kvrelay_agent_import_estimate(p, blocks, ctypes.byref(out)))
         return out.value
 
     @property

@@ -149,9 +149,11 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
     })
 }
 
-/// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take (the source's moving
-/// averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s). Compare with
-/// the runtime's own prefill time for those tokens.
+/// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take: the transfer (the
+/// source's moving averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s)
+/// plus the runtime's own import of the blocks as `kvrelay_agent_record_import` reported it
+/// (nothing before its first report). Compare with the runtime's own prefill time for those
+/// tokens. Two short locks, no allocation.
 ///
 /// # Safety
 /// `agent` NULL or live; `endpoint` readable for `len` bytes; `out` NULL or writable.
@@ -168,6 +170,51 @@ pub unsafe extern "C" fn kvrelay_agent_estimate(
         // SAFETY: forwarded contract.
         let (a, e) = unsafe { (input(agent)?, text(endpoint.cast(), len)?) };
         let s = a.inner.estimate(e, blocks);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(out, s) };
+        Ok(())
+    })
+}
+
+/// Report that the runtime's own import of `blocks` fetched blocks (from the pool into the cache
+/// it computes with: llama.cpp's state import, for one) took `seconds`, so that
+/// `kvrelay_agent_estimate` counts it. A runtime whose cache is the pool itself never calls it.
+/// The cost is modelled as a fixed part plus a part per block, fitted over the reports (newer
+/// ones weigh more). `seconds` finite and not negative, else `KVRELAY_ERR_INVALID_ARGUMENT`.
+/// Callable from any thread; one short lock.
+///
+/// # Safety
+/// `agent` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_record_import(
+    agent: *const kvrelay_agent,
+    blocks: usize,
+    seconds: f64,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent)? };
+        a.inner.record_import(blocks, seconds).map_err(agent_err)
+    })
+}
+
+/// Seconds the runtime's import of `blocks` blocks is expected to take, as
+/// `kvrelay_agent_record_import` reported (0 before the first report): the part of
+/// `kvrelay_agent_estimate` that is not the transfer.
+///
+/// # Safety
+/// `agent` NULL or live; `seconds_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_import_estimate(
+    agent: *const kvrelay_agent,
+    blocks: usize,
+    seconds_out: *mut f64,
+) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(seconds_out)?;
+        // SAFETY: forwarded contract.
+        let a = unsafe { input(agent)? };
+        let s = a.inner.import_estimate(blocks);
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { put(out, s) };
         Ok(())
