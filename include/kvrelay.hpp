@@ -32,13 +32,19 @@
 
 #include "kvrelay.h"
 
-// CUDA driver handle types, declared exactly as cuda.h declares them, so that kvrelay.hpp needs
-// no CUDA headers and a runtime's CUstream / CUevent pass straight through (redeclaring the same
-// typedef is allowed when cuda.h is included too).
-typedef struct CUstream_st *CUstream;
-typedef struct CUevent_st *CUevent;
+// CUDA driver handle types are the struct tags cuda.h declares (and the runtime API's
+// cudaStream_t / cudaEvent_t are the same pointers), so kvrelay.hpp needs no CUDA headers and a
+// runtime's CUstream / CUevent pass straight through. Only the two struct tags are declared in
+// the global namespace; the typedef names stay cuda.h's (kvrelay::CUstream, kvrelay::CUevent here).
+struct CUstream_st;
+struct CUevent_st;
 
 namespace kvrelay {
+
+/// cuda.h's `CUstream` (`struct CUstream_st *`), without including it.
+using CUstream = ::CUstream_st *;
+/// cuda.h's `CUevent` (`struct CUevent_st *`), without including it.
+using CUevent = ::CUevent_st *;
 
 /// A kvrelay_status other than KVRELAY_OK.
 class Error : public std::runtime_error {

@@ -2,8 +2,23 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
+
+// A runtime's CUDA handles, declared as cuda.h declares them (no CUDA toolkit here): they must
+// pass straight through kvrelay.hpp's CUDA methods, and kvrelay.hpp must not redeclare the names.
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 #include <kvrelay.hpp>
+
+static_assert(std::is_same<CUstream, kvrelay::CUstream>::value, "a runtime's CUstream is kvrelay's");
+static_assert(std::is_same<CUevent, kvrelay::CUevent>::value, "a runtime's CUevent is kvrelay's");
+// compiled, never called (it would need a GPU): the runtime's handles are accepted as they are
+[[maybe_unused]] static void pass_cuda_handles(kvrelay::CudaEngine &e, const kvrelay::Pinned &p, CUstream s, CUevent ev) {
+  const uint32_t id = 0;
+  e.gather(&id, 1, p, s, ev);
+  e.scatter(p, &id, 1, s, ev);
+}
 
 int main() {
   // the library found must be the one whose header this was compiled against
