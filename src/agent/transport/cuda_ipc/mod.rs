@@ -399,7 +399,7 @@ impl CudaIpc {
         // after it, when its last holder lets go
         let mut gone = Vec::new();
         let (at, new): (Vec<usize>, Vec<table::New<Mapping>>) = new.into_iter().unzip();
-        let offer_bytes = e.ranges().iter().map(|r| r.1).sum::<u64>();
+        let offer_bytes = e.bytes();
         let (kept, evicted) = {
             let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
             let r = m.admit(new, (keys.len(), offer_bytes), &mut gone);

@@ -70,6 +70,13 @@ impl Exports {
         let vmm = self.vmm.iter().flat_map(|v| v.ranges.iter().map(|(b, c)| (*b, c.iter().sum::<u64>())));
         self.allocs.iter().map(|a| (a.base, a.size)).chain(vmm).collect()
     }
+
+    /// The bytes of every exported range (the sum of [`Exports::ranges`]'s sizes, with no list
+    /// made; saturating, as the sizes are the source's word).
+    pub(super) fn bytes(&self) -> u64 {
+        let vmm = self.vmm.iter().flat_map(|v| v.ranges.iter().flat_map(|(_, c)| c.iter().copied()));
+        self.allocs.iter().map(|a| a.size).chain(vmm).fold(0u64, u64::saturating_add)
+    }
 }
 
 /// `host (16) | pid u32 | count u32 | count x (handle 64 | base u64 | size u64)`, then, when
@@ -223,6 +230,7 @@ mod tests {
         let d = decode_exports(&p).unwrap();
         assert_eq!(d, e);
         assert_eq!(d.ranges(), vec![(0x1000, 0x4000), (0x10_0000, 0x60_0000), (0x100_0000, 0x20_0000)]);
+        assert_eq!(d.bytes(), d.ranges().iter().map(|r| r.1).sum::<u64>());
         assert_eq!(d.vmm.as_ref().unwrap().chunks(), 3);
         // no CUDA IPC allocation, only virtual memory: fine
         let only = Exports { allocs: vec![], ..decode_exports(&p).unwrap() };
