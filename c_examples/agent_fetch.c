@@ -411,8 +411,11 @@ static int run_destination(int in_fd) {
   CHECK(kvrelay_agent_import_estimate(b, 5, &imp) == KVRELAY_OK && imp == 0);
   CHECK(kvrelay_agent_record_import(b, 5, 0.5) == KVRELAY_OK);
   CHECK(kvrelay_agent_record_import(b, 5, -1.0) == KVRELAY_ERR_INVALID_ARGUMENT);
-  CHECK(kvrelay_agent_import_estimate(b, 10, &imp) == KVRELAY_OK && imp > 0.99 && imp < 1.01);
+  /* one block count reported: a fixed cost (no slope yet); a second count gives the slope */
+  CHECK(kvrelay_agent_import_estimate(b, 10, &imp) == KVRELAY_OK && imp > 0.49 && imp < 0.51);
   CHECK(kvrelay_agent_estimate(b, ea, strlen(ea), 5, &est2) == KVRELAY_OK && est2 > est + 0.49 && est2 < est + 0.51);
+  CHECK(kvrelay_agent_record_import(b, 15, 1.5) == KVRELAY_OK); /* 0.1 s a block, nothing fixed */
+  CHECK(kvrelay_agent_import_estimate(b, 30, &imp) == KVRELAY_OK && imp > 2.99 && imp < 3.01);
 
   /* every failure a runtime sees has its reason */
   const uint64_t missing[1] = {0x9999};

@@ -9,6 +9,8 @@
 # On the device (one call, carrying .gpu; the build stays in .gpu/work while the machine is warm):
 #   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
 #   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
+#   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
+#   KV_FETCH=faster bash benches/llama_server/h200.sh 32   # B decides (ttft.py --kv-fetch)
 # Writes ttft-ub<N>.log per ubatch size, and the build's and the servers' tails, into $OUT.
 set -euo pipefail
 out="${OUT:-/tmp}"
@@ -31,9 +33,18 @@ model="$w/random-1b.gguf"
 [ -f "$model" ] || python3 benches/llama_server/random_gguf.py "$model"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "${1:-}" = "--build-only" ] && exit 0
+if [ "${1:-}" = "--two-instance" ]; then
+  for fa in off on; do
+    echo "## --flash-attn $fa" | tee -a "$out/two-instance.log"
+    python3 integrations/llama.cpp/tests/two_instance_test.py --server "$w/build/bin/llama-server" --model "$model" \
+      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" 2>&1 | tee -a "$out/two-instance.log"
+  done
+  exit 0
+fi
 for ub in "${@:-32}"; do
   echo "# benches/llama_server/ttft.py, H200 (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), random 1B-shaped model, ubatch $ub" \
     | tee "$out/ttft-ub$ub.log"
   python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
-    --sizes 256,1024,2048,4096 --rounds 6 --ubatch "$ub" --server-args "-ngl 99" 2>&1 | tee -a "$out/ttft-ub$ub.log"
+    --sizes 256,1024,2048,4096 --rounds 6 --ubatch "$ub" --server-args "-ngl 99 ${SERVER_ARGS:-}" \
+    --kv-fetch "${KV_FETCH:-always}" 2>&1 | tee -a "$out/ttft-ub$ub.log"
 done

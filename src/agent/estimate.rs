@@ -132,9 +132,12 @@ impl Estimator {
 /// import copies them in, transposing V row by row when flash attention is off, about 140 ms on
 /// the H200 whatever the length). Modelled as `fixed_s + per_block_s * blocks`, fitted by least
 /// squares over the reports with exponential forgetting (each report weighs 1, earlier ones
-/// 3/4 as much at every new one), both terms kept non-negative; while the reports all name about
-/// the same block count (their spread under half a block), the cost is taken as proportional to
-/// the blocks. Zero until the first report. One lock, taken once per report and per estimate.
+/// 3/4 as much at every new one), both terms kept non-negative. While the reports all name about
+/// the same block count (their spread under half a block) no slope can be fitted, and the cost is
+/// taken as fixed (their mean) rather than proportional: an estimate that errs high stops the
+/// fetches whose imports would correct it, one that errs low is corrected by the next import (at
+/// a new block count, which gives the slope). Zero until the first report. One lock, taken once
+/// per report and per estimate.
 #[derive(Default)]
 pub struct ImportCost {
     sums: Mutex<Sums>,
@@ -169,8 +172,8 @@ impl ImportCost {
         let (mx, my) = (s.x / s.w, s.y / s.w);
         let var = s.xx / s.w - mx * mx;
         if var < 0.25 {
-            // one block count (or nearly): no slope to fit; proportional, or fixed for 0 blocks
-            return if mx > 0.0 { (0.0, my / mx) } else { (my, 0.0) };
+            // one block count (or nearly): no slope to fit, the mean as a fixed cost
+            return (my, 0.0);
         }
         let slope = (s.xy / s.w - mx * my) / var;
         if slope <= 0.0 {
@@ -223,9 +226,11 @@ mod tests {
     fn import_cost_fits_fixed_and_per_block_terms() {
         let c = ImportCost::default();
         assert_eq!(c.seconds(10), 0.0, "nothing reported: no cost");
-        // one block count only: proportional
+        // one block count only: fixed (an estimate erring low is corrected by the next import)
         c.record(4, 0.040);
-        assert!((c.seconds(8) - 0.080).abs() < 1e-12);
+        c.record(4, 0.050);
+        let mean = (0.75 * 0.040 + 0.050) / 1.75;
+        assert!((c.seconds(8) - mean).abs() < 1e-12 && (c.seconds(1) - mean).abs() < 1e-12);
         // 0.1 s + 0.01 s a block, at several counts: both terms found
         let c = ImportCost::default();
         for b in [2usize, 8, 4, 16, 1, 32, 4] {
