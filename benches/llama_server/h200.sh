@@ -10,7 +10,7 @@
 #   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
 #   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
 #   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
-#   KV_FETCH=faster bash benches/llama_server/h200.sh 32   # B decides (ttft.py --kv-fetch)
+#   KV_FETCH=faster STREAM=1 bash benches/llama_server/h200.sh 32   # B decides; streamed requests
 # Writes ttft-ub<N>.log per ubatch size, and the build's and the servers' tails, into $OUT.
 set -euo pipefail
 out="${OUT:-/tmp}"
@@ -46,5 +46,5 @@ for ub in "${@:-32}"; do
     | tee "$out/ttft-ub$ub.log"
   python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
     --sizes 256,1024,2048,4096 --rounds 6 --ubatch "$ub" --server-args "-ngl 99 ${SERVER_ARGS:-}" \
-    --kv-fetch "${KV_FETCH:-always}" 2>&1 | tee -a "$out/ttft-ub$ub.log"
+    --kv-fetch "${KV_FETCH:-always}" ${STREAM:+--stream} 2>&1 | tee -a "$out/ttft-ub$ub.log"
 done

@@ -12,7 +12,14 @@ unpatched server's own two halves of the run differ (the ratio of their medians)
 it is not measurable here.
 
     python3 benches/llama_server/overhead.py --server target/llama-server/bin/llama-server-kvrelay \\
-        --unpatched target/llama-server/bin/llama-server-unpatched --model MODEL.gguf
+        --unpatched target/llama-server/bin/llama-server-unpatched --model MODEL.gguf [--serving]
+
+`--serving` measures what serving KV costs the instance that serves it: the kvrelay build runs
+with its KV path on (`--kv-listen`), and every request is a fresh prompt (its first token new)
+with `cache_prompt` on, so that each one is prefilled whole and then exported: its full blocks
+cut from llama.cpp's sequence state, checksummed and committed to the store, before the first
+token is sent. The same prompts go to the unpatched build. The run checks, from the kvrelay
+build's /metrics, that every prompt was exported.
 
 Prints one line of JSON per prompt size and a table for benches/RESULTS.md. Every loop is
 bounded (--rounds); the servers listen on 127.0.0.1 only and are stopped at the end.
@@ -37,12 +44,13 @@ def free_port():
 
 
 class Server:
-    def __init__(self, binary, model, threads, ctx, log_path):
+    def __init__(self, binary, model, threads, ctx, log_path, extra=(), cache_prompt=False):
+        self.cache_prompt = cache_prompt
         self.port = free_port()
         self.base = "http://127.0.0.1:%d" % self.port
         self.log = open(log_path, "w")
         cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx), "-np", "1",
-               "-t", str(threads), "-tb", str(threads), "--no-warmup"]
+               "-t", str(threads), "-tb", str(threads), "--no-warmup"] + list(extra)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -58,7 +66,7 @@ class Server:
         raise RuntimeError("%s did not become healthy; log: %s" % (binary, log_path))
 
     def completion(self, tokens):
-        body = json.dumps({"prompt": tokens, "n_predict": 1, "cache_prompt": False, "temperature": 0}).encode()
+        body = json.dumps({"prompt": tokens, "n_predict": 1, "cache_prompt": self.cache_prompt, "temperature": 0}).encode()
         req = urllib.request.Request(self.base + "/completion", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -79,6 +87,14 @@ class Server:
         self.log.close()
 
 
+def exported(srv):
+    with urllib.request.urlopen(srv.base + "/metrics", timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("llamacpp_kv_exported_blocks_total "):
+                return int(float(line.split()[1]))
+    raise RuntimeError("the kvrelay build reports no exported blocks (is its KV path on?)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="the kvrelay build of llama-server")
@@ -87,13 +103,18 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", default="256,1024", help="prompt lengths in tokens")
     ap.add_argument("--rounds", type=int, default=20, help="requests per server and size (bounded)")
+    ap.add_argument("--serving", action="store_true", help="the kvrelay build serves KV (--kv-listen); fresh prompts, cache_prompt on")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     logs = tempfile.mkdtemp(prefix="llama-overhead-")
     servers = {}
     try:
-        servers["kvrelay"] = Server(a.server, a.model, a.threads, max(sizes) + 64, os.path.join(logs, "kvrelay.log"))
-        servers["unpatched"] = Server(a.unpatched, a.model, a.threads, max(sizes) + 64, os.path.join(logs, "unpatched.log"))
+        serve = ["--kv-listen", "127.0.0.1:0", "--kv-block-tokens", "32", "--metrics"] if a.serving else []
+        servers["kvrelay"] = Server(a.server, a.model, a.threads, max(sizes) + 64, os.path.join(logs, "kvrelay.log"),
+                                    serve, a.serving)
+        servers["unpatched"] = Server(a.unpatched, a.model, a.threads, max(sizes) + 64,
+                                      os.path.join(logs, "unpatched.log"), (), a.serving)
+        fresh = 0
         rows = []
         for n in sizes:
             # token ids of the model's own vocabulary, the same prompt for both (no tokenizer run)
@@ -102,6 +123,10 @@ def main():
                 s.completion(tokens)  # warm: first-touch of the weights and buffers
             times = {k: [] for k in servers}
             for r in range(a.rounds):
+                if a.serving:
+                    # a new first token: no server holds any block of it
+                    fresh += 1
+                    tokens = [100 + (900 + fresh) % 19000] + tokens[1:]
                 order = ["kvrelay", "unpatched"] if r % 2 == 0 else ["unpatched", "kvrelay"]
                 for k in order:
                     times[k].append(servers[k].completion(tokens))
@@ -118,6 +143,8 @@ def main():
                 "ratio": round(med["kvrelay"] / med["unpatched"], 4),
                 "noise": round(noise, 4),
             }
+            if a.serving:
+                row["exported_blocks_total"] = exported(servers["kvrelay"])
             rows.append(row)
             print(json.dumps(row), flush=True)
         print()

@@ -30,6 +30,7 @@ Prints one line of JSON per size and a table for benches/RESULTS.md. Every loop 
 """
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -53,6 +54,31 @@ def post(srv, path, body):
     return time.perf_counter() - t0, out
 
 
+def post_stream(srv, path, body):
+    """Time to the first streamed token (the first `data:` chunk with content); the stream is read
+    to its end before returning (timings taken from its last chunk)."""
+    host, port = srv.base[len("http://"):].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=900)
+    t0 = time.perf_counter()
+    c.request("POST", path, body=json.dumps(dict(body, stream=True)), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError("HTTP %d: %s" % (r.status, r.read()[:200]))
+    first, last = None, {}
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if first is None and chunk.get("content"):
+            first = time.perf_counter() - t0
+        last = chunk
+    c.close()
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    return first, last
+
+
 def metrics_text(srv):
     with urllib.request.urlopen(srv.base + "/metrics", timeout=60) as r:
         return r.read().decode()
@@ -74,6 +100,9 @@ def main():
     ap.add_argument("--ubatch", type=int, default=BT, help="-ub of both servers (32: the bit-exact setting)")
     ap.add_argument("--server-args", default="", help="more flags for both servers, space-separated")
     ap.add_argument("--kv-fetch", choices=["always", "faster"], default="always", help="B's fetch decision")
+    ap.add_argument("--stream", action="store_true",
+                    help="streamed requests of 2 tokens, timed to the first token's chunk (the export of a fetched "
+                         "prompt's new blocks then comes after it)")
     ap.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -110,15 +139,17 @@ def main():
                 p = prompt(n)
                 post(A, "/completion", {"prompt": p, "n_predict": 1})
                 names = A.json("POST", "/v1/kv/lookup", {"prompt": p})[1]["block_hashes"]
+                send = post_stream if a.stream else post
+                n_predict = 2 if a.stream else 1
                 for k in (["fetched", "cold"] if r % 2 == 0 else ["cold", "fetched"]):
                     if k == "fetched":
-                        took, out = post(B, "/completion", {"prompt": p, "n_predict": 1, "temperature": 0,
+                        took, out = send(B, "/completion", {"prompt": p, "n_predict": n_predict, "temperature": 0,
                                                             "kv_hints": hint(ep, names)})
                         fetched_rounds += out["timings"]["prompt_n"] <= BT
                         if a.kv_fetch == "always" and out["timings"]["prompt_n"] > BT:
                             raise RuntimeError("the fetched request prefilled %d tokens" % out["timings"]["prompt_n"])
                     else:
-                        took, out = post(B, "/completion", {"prompt": prompt(n), "n_predict": 1, "temperature": 0,
+                        took, out = send(B, "/completion", {"prompt": prompt(n), "n_predict": n_predict, "temperature": 0,
                                                             "cache_prompt": False})
                         if out["timings"]["prompt_n"] < n:
                             raise RuntimeError("the cold request reused KV")
@@ -127,7 +158,7 @@ def main():
             half = a.rounds // 2
             c = times["cold"]
             noise = abs(statistics.median(c[:half]) / statistics.median(c[half:]) - 1) if half else float("nan")
-            row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads, "ubatch": a.ubatch,
+            row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads, "ubatch": a.ubatch, "stream": a.stream,
                    "kv_fetch": a.kv_fetch, "fetched_rounds": fetched_rounds, "fetched_ms": round(med["fetched"] * 1e3, 1), "cold_ms": round(med["cold"] * 1e3, 1),
                    "ratio": round(med["fetched"] / med["cold"], 4), "noise": round(noise, 4)}
             rows.append(row)

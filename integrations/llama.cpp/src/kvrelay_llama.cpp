@@ -285,8 +285,10 @@ class provider final : public kvrelay::Provider {
 
 // What the integration knows of one slot's sequence (main loop only).
 struct slot_kv {
-    size_t exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
-    bool   aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
+    size_t       exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
+    bool         aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
+    double       import_s   = 0;      // this prompt's import (inside llama-server's prompt time)
+    llama_tokens pending;             // a prompt whose blocks export_pending exports (empty: none)
 };
 
 struct kv_runtime {
@@ -733,6 +735,8 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         slot_kv &            slot   = kv.slot(seq_id);
         const llama_tokens & tokens = prompt.get_tokens();
         const size_t         bt     = S().block_tokens;
+        slot.pending.clear();  // a new prompt: an export not made after the last one's first token is dropped
+        slot.import_s = 0;
         // full blocks that may be reused: at least one prompt token is evaluated
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
         // what the slot keeps of its own cells: the leading ones known to equal a cold prefill
@@ -771,6 +775,7 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             // (llama.cpp imports a whole sequence: flash attention off, V transposed row by row)
             const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             kv.agent->record_import(k, took);
+            slot.import_s = took;
             SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
         } else if (n_new < size_t(n_past)) {
             kv.counts.recomputed_tokens += size_t(n_past) - n_new;
@@ -787,27 +792,53 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
 
 void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
                     double t_prompt_ms, uint64_t n_processed) noexcept {
+    (void) ctx;
     if (KV == nullptr || prompt.has_mtmd || seq_id < 0) {
         return;
     }
     kv_runtime & kv = *KV;
     try {
-        const size_t bt = S().block_tokens;
-        if (n_processed >= bt && t_prompt_ms > 0) {
-            const double now  = t_prompt_ms / 1e3 / double(n_processed);
+        const size_t bt   = S().block_tokens;
+        slot_kv &    slot = kv.slot(seq_id);
+        // llama-server's prompt time includes this prompt's import: the prefill alone is the rest
+        const double prefill_s = t_prompt_ms / 1e3 - slot.import_s;
+        slot.import_s          = 0;
+        if (n_processed >= bt && prefill_s > 0) {
+            const double now  = prefill_s / double(n_processed);
             const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
             kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
         }
         // a prompt prefilled from a block edge (import_prefix ran for it) without a LoRA adapter:
         // its full blocks equal a cold prefill's; anything else is not served, and not kept
-        slot_kv & slot    = kv.slot(seq_id);
-        const bool exact  = exportable && slot.aligned;
-        slot.aligned      = false;
-        slot.exact_upto   = exact ? prompt.size() / bt * bt : 0;
-        if (!exact) {
-            return;
+        const bool exact = exportable && slot.aligned;
+        slot.aligned     = false;
+        slot.exact_upto  = exact ? prompt.size() / bt * bt : 0;
+        slot.pending.clear();
+        if (exact && slot.exact_upto > 0) {
+            // exported by export_pending, once the first token is on its way (the copy of the
+            // tokens keeps the buffer's capacity from prompt to prompt)
+            const llama_tokens & tokens = prompt.get_tokens();
+            slot.pending.assign(tokens.begin(), tokens.begin() + slot.exact_upto);
         }
-        const llama_tokens &        tokens = prompt.get_tokens();
+    } catch (...) {
+        kv.counts.export_failed++;
+    }
+}
+
+void export_pending(llama_context * ctx, int seq_id) noexcept {
+    if (KV == nullptr || seq_id < 0 || size_t(seq_id) >= KV->slots.size() || KV->slots[size_t(seq_id)].pending.empty()) {
+        return;
+    }
+    kv_runtime & kv   = *KV;
+    slot_kv &    slot = kv.slots[size_t(seq_id)];
+    try {
+        // exported once, whatever happens below (the buffer keeps its capacity)
+        struct clear_on_exit {
+            llama_tokens & t;
+            ~clear_on_exit() { t.clear(); }
+        } const done{ slot.pending };
+        const size_t                bt     = S().block_tokens;
+        const llama_tokens &        tokens = slot.pending;
         const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());
         // the blocks held stay pinned while the new ones are reserved and committed after them
         pin_guard    held(*kv.store, names.data(), names.size());

@@ -83,16 +83,26 @@ void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, co
 /// one copy into a reused buffer.
 int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept;
 
-/// post_decode (main loop) when a slot's prompt is evaluated: commits the prompt's full blocks
-/// the store lacks (the sequence exported with llama_state_seq_get_data_ext, cut into blocks,
-/// checksums recorded) so that peers can fetch them, unless `exportable` is false (the slot
-/// computed them with a LoRA adapter enabled, which the names do not cover), and updates the
-/// prefill speed the fetch decision compares with (`t_prompt_ms` for `n_processed` tokens).
-/// Cost: O(the sequence's KV bytes) when the prompt has new full blocks (the whole sequence is
-/// exported: llama.cpp exports no range), one naming pass otherwise; the export buffer keeps
-/// its largest size.
+/// post_decode (main loop) when a slot's prompt is evaluated, before its first token is sampled:
+/// updates the prefill speed the fetch decision compares with (`t_prompt_ms` for `n_processed`
+/// tokens, less this prompt's import, which llama-server's prompt time includes), decides which
+/// of the slot's cells equal a cold prefill, and leaves the prompt's full blocks for
+/// export_pending, unless `exportable` is false (the slot computed them with a LoRA adapter
+/// enabled, which the names do not cover). Cost: one copy of the prompt's token ids.
 void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
                     double t_prompt_ms, uint64_t n_processed) noexcept;
+
+/// post_decode (main loop), after the slot's sampled token went to process_token (a streamed
+/// first token is on its way to the client, and not in the KV yet), or before the final
+/// response when that token ends the request (so that a client holding the answer finds the
+/// blocks served): commits the full blocks of the prompt on_prompt_done left,
+/// that the store lacks (the sequence exported with llama_state_seq_get_data_ext, cut into
+/// blocks, checksums recorded), so that peers can fetch them. Once per prompt; O(1) for every
+/// later token, and when nothing is left. Cost: O(the sequence's KV bytes) when the prompt has
+/// new full blocks (llama.cpp exports no range; with flash attention off on a GPU, its row-by-row
+/// copy of transposed V is most of it), one naming pass otherwise; the export buffer keeps its
+/// largest size. Kept out of a streamed request's time to first token this way.
+void export_pending(llama_context * ctx, int seq_id) noexcept;
 
 /// launch_slot_with_task (main loop): logs (debug level) that the task carries an
 /// admitted hint and its action count, never the hint's contents. Never throws.

@@ -336,6 +336,24 @@ def main():
               and after.get("llamacpp_kv_recomputed_tokens_total", 0) > before.get("llamacpp_kv_recomputed_tokens_total", 0),
               "P7 again: B keeps whole blocks of prefill only", "kept %d of %d tokens" % (kept, look7["n_tokens"]))
         check(answer(r) == answer(want), "P7 again: B's answer equals the cold server's")
+
+        # 10. a streamed request: A exports its prompt's blocks after the first token went out,
+        # before the stream ends; B fetches them and answers as the cold server
+        P8 = text(140, 8)
+        st, body = A.request("POST", "/completion", {"prompt": P8, "n_predict": 4, "temperature": 0, "stream": True,
+                                                     "cache_prompt": True})
+        chunks = [json.loads(l[6:]) for l in body.splitlines() if l.startswith("data: {")]
+        look8 = A.json("POST", "/v1/kv/lookup", {"prompt": P8})[1]
+        check(st == 200 and len(chunks) >= 2 and look8["blocks_total"] >= 4 and look8["blocks_held"] == look8["blocks_total"],
+              "a streamed request: A served its prompt's blocks by the stream's end",
+              "%d chunks, %d of %d blocks held" % (len(chunks), look8["blocks_held"], look8["blocks_total"]))
+        want = cold(P8)
+        before = metrics(B)
+        r = complete(B, P8, {"kv_hints": envelope(ep_a, look8["block_hashes"], "two-8")})
+        after = metrics(B)
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        check(got > 0 and answer(r) == answer(want), "P8 (streamed on A): B fetched its blocks and answers as the cold server",
+              "%d blocks" % got)
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
     finally:
         for s in servers:
