@@ -55,7 +55,7 @@ def post(srv, path, body):
 
 
 def post_stream(srv, path, body):
-    """Time to the first streamed token (the first `data:` chunk with content); the stream is read
+    """Time to the first streamed token (the first `data:` chunk); the stream is read
     to its end before returning (timings taken from its last chunk)."""
     host, port = srv.base[len("http://"):].split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=900)
@@ -70,8 +70,8 @@ def post_stream(srv, path, body):
         if not line.startswith("data: {"):
             continue
         chunk = json.loads(line[6:])
-        if first is None and chunk.get("content"):
-            first = time.perf_counter() - t0
+        if first is None:
+            first = time.perf_counter() - t0  # the first token's chunk (its text may still be empty)
         last = chunk
     c.close()
     if first is None:

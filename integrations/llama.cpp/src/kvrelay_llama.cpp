@@ -299,6 +299,7 @@ struct kv_runtime {
     std::unique_ptr<kvrelay::KvEvents>     events;          // null: no events
     std::string                            endpoint;        // this server's KV service, "" for none
     std::atomic<double>                    sec_per_token{ 0 };  // prefill, a moving average (0: not measured)
+    bool                                   warmed = false;      // a prompt was timed (the first is not folded)
     kv_counters                            counts;
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
@@ -803,7 +804,11 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
         // llama-server's prompt time includes this prompt's import: the prefill alone is the rest
         const double prefill_s = t_prompt_ms / 1e3 - slot.import_s;
         slot.import_s          = 0;
-        if (n_processed >= bt && prefill_s > 0) {
+        // a prompt of a few blocks or more (a short one's time is mostly per-decode overhead, which
+        // the tokens a fetch would save do not pay twice)
+        // and not the first one after start, which pays one-time costs (with --no-warmup, or on a
+        // GPU: kernels loaded, graphs and buffers made) that would hold the average up for long
+        if (n_processed >= 4 * bt && prefill_s > 0 && std::exchange(kv.warmed, true)) {
             const double now  = prefill_s / double(n_processed);
             const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
             kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
