@@ -411,6 +411,8 @@ static int run_destination(int in_fd) {
   CHECK(kvrelay_agent_import_estimate(b, 5, &imp) == KVRELAY_OK && imp == 0);
   CHECK(kvrelay_agent_record_import(b, 5, 0.5) == KVRELAY_OK);
   CHECK(kvrelay_agent_record_import(b, 5, -1.0) == KVRELAY_ERR_INVALID_ARGUMENT);
+  CHECK(kvrelay_agent_record_import(b, 5, 1e300) == KVRELAY_ERR_INVALID_ARGUMENT);
+  CHECK(kvrelay_agent_record_import(b, BLOCKS + 1, 0.5) == KVRELAY_ERR_INVALID_ARGUMENT);
   /* one block count reported: a fixed cost (no slope yet); a second count gives the slope */
   CHECK(kvrelay_agent_import_estimate(b, 10, &imp) == KVRELAY_OK && imp > 0.49 && imp < 0.51);
   CHECK(kvrelay_agent_estimate(b, ea, strlen(ea), 5, &est2) == KVRELAY_OK && est2 > est + 0.49 && est2 < est + 0.51);

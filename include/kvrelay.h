@@ -26,6 +26,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The longest import [`ImportCost`] takes a report of (an hour; `Agent::record_import` refuses
+// more).
+#define MAX_IMPORT_SECONDS 3600.0
+
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -1160,7 +1164,8 @@ kvrelay_status kvrelay_agent_estimate(const struct kvrelay_agent *agent,
 // it computes with: llama.cpp's state import, for one) took `seconds`, so that
 // `kvrelay_agent_estimate` counts it. A runtime whose cache is the pool itself never calls it.
 // The cost is modelled as a fixed part plus a part per block, fitted over the reports (newer
-// ones weigh more). `seconds` finite and not negative, else `KVRELAY_ERR_INVALID_ARGUMENT`.
+// ones weigh more). `blocks` at most the pool's and `seconds` in `0..=3600`, else
+// `KVRELAY_ERR_INVALID_ARGUMENT` (one absurd report would hold the fit up for long).
 // Callable from any thread; one short lock.
 //
 // # Safety

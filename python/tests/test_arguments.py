@@ -59,15 +59,17 @@ def test_estimate_and_run_length_refuse_negative_counts(agent):
     # the runtime's import cost joins the estimate once reported
     base = agent.estimate(EP, 10)
     assert agent.import_estimate(10) == 0
-    raises(ValueError, "seconds", agent.record_import, 10, -0.5)
-    raises(ValueError, "seconds", agent.record_import, 10, float("nan"))
-    raises(TypeError, "seconds", agent.record_import, 10, "1")
+    raises(ValueError, "seconds", agent.record_import, 2, -0.5)
+    raises(ValueError, "seconds", agent.record_import, 2, float("nan"))
+    raises(TypeError, "seconds", agent.record_import, 2, "1")
     raises(ValueError, "blocks", agent.record_import, -1, 1.0)
-    agent.record_import(10, 0.25)
+    raises(ValueError, "blocks", agent.record_import, 5, 1.0)  # the pool has 4
+    raises(ValueError, "seconds", agent.record_import, 2, 3601.0)
+    agent.record_import(2, 0.25)
     assert abs(agent.import_estimate(20) - 0.25) < 1e-9  # one block count: a fixed cost
     assert abs(agent.estimate(EP, 10) - base - 0.25) < 1e-9
-    agent.record_import(20, 0.5)  # a second count gives the slope: 25 ms a block
-    assert abs(agent.import_estimate(40) - 1.0) < 1e-9
+    agent.record_import(4, 0.5)  # a second count gives the slope: 125 ms a block
+    assert abs(agent.import_estimate(8) - 1.0) < 1e-9
     raises(ValueError, "held", kvrelay.fetch_run_length, [1, 2], -1, [1])
     assert kvrelay.fetch_run_length([1, 2, 3], 1, [3, 2]) == 2
     assert "fetch_run_length" in kvrelay.__all__

@@ -127,17 +127,22 @@ impl Estimator {
     }
 }
 
+/// The longest import [`ImportCost`] takes a report of (an hour; `Agent::record_import` refuses
+/// more).
+pub const MAX_IMPORT_SECONDS: f64 = 3600.0;
+
 /// What the runtime's own import of fetched blocks costs, as it reports it (a runtime whose
 /// cache is not the pool itself rebuilds its KV from the fetched blocks: llama.cpp's state
 /// import copies them in, transposing V row by row when flash attention is off, about 140 ms on
 /// the H200 whatever the length). Modelled as `fixed_s + per_block_s * blocks`, fitted by least
 /// squares over the reports with exponential forgetting (each report weighs 1, earlier ones
-/// 3/4 as much at every new one), both terms kept non-negative. While the reports all name about
-/// the same block count (their spread under half a block) no slope can be fitted, and the cost is
-/// taken as fixed (their mean) rather than proportional: an estimate that errs high stops the
-/// fetches whose imports would correct it, one that errs low is corrected by the next import (at
-/// a new block count, which gives the slope). Zero until the first report. One lock, taken once
-/// per report and per estimate.
+/// 3/4 as much at every new one), both terms kept non-negative. While the reports' block counts
+/// spread too little for a slope (a standard deviation under half a block, or under a quarter
+/// of their mean: a slope from counts close together is mostly timing noise, and extrapolated to
+/// long prompts) the cost is taken as fixed (their mean) rather than proportional: an estimate
+/// that errs high stops the fetches whose imports would correct it, one that errs low is
+/// corrected by the next import (at a new block count, which widens the spread). Zero until the
+/// first report. One lock, taken once per report and per estimate.
 #[derive(Default)]
 pub struct ImportCost {
     sums: Mutex<Sums>,
@@ -171,7 +176,7 @@ impl ImportCost {
         }
         let (mx, my) = (s.x / s.w, s.y / s.w);
         let var = s.xx / s.w - mx * mx;
-        if var < 0.25 {
+        if var < 0.25 || var < (0.25 * mx) * (0.25 * mx) {
             // one block count (or nearly): no slope to fit, the mean as a fixed cost
             return (my, 0.0);
         }
@@ -255,6 +260,12 @@ mod tests {
         let (f, k) = c.terms();
         assert_eq!(f, 0.0);
         assert!(k > 0.09 && k < 0.13, "{k}");
+        // counts close together (7 and 9 blocks): no slope from them, their mean as a fixed cost
+        let c = ImportCost::default();
+        c.record(7, 0.070);
+        c.record(9, 0.095);
+        assert_eq!(c.terms().1, 0.0);
+        assert!((c.seconds(100) - (0.75 * 0.070 + 0.095) / 1.75).abs() < 1e-12);
         // newer reports weigh more: the cost follows a change
         let c = ImportCost::default();
         for _ in 0..3 {

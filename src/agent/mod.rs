@@ -78,7 +78,9 @@ use std::time::Duration;
 pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport, TCP_FALLBACK_MEMORY};
-pub use estimate::{ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
+pub use estimate::{
+    ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, MAX_IMPORT_SECONDS, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT,
+};
 pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
 use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};
@@ -401,11 +403,16 @@ impl Agent {
 
     /// Report that the runtime's own import of `blocks` fetched blocks (from the pool into the
     /// cache it computes with) took `seconds`, so that [`Agent::estimate`] counts it: a runtime
-    /// whose cache is the pool itself never reports. `seconds` must be finite and not negative.
-    /// See [`ImportCost`] for the model. One short lock.
+    /// whose cache is the pool itself never reports. `blocks` at most the pool's, `seconds` in
+    /// `0..=3600` (a report past either is refused, so that one absurd report cannot hold the
+    /// fit up for long). See [`ImportCost`] for the model. One short lock.
     pub fn record_import(&self, blocks: usize, seconds: f64) -> Result<(), AgentError> {
-        if !seconds.is_finite() || seconds < 0.0 {
-            return Err(AgentError::Argument(format!("an import of {seconds} seconds")));
+        if !(0.0..=MAX_IMPORT_SECONDS).contains(&seconds) {
+            return Err(AgentError::Argument(format!("an import of {seconds} seconds (0 to {MAX_IMPORT_SECONDS})")));
+        }
+        let n = self.inner.layout.num_blocks();
+        if blocks > n as usize {
+            return Err(AgentError::Argument(format!("an import of {blocks} blocks, past the pool's {n}")));
         }
         self.inner.import_cost.record(blocks, seconds);
         Ok(())

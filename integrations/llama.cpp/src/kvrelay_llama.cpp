@@ -8,6 +8,7 @@
 #include "kvrelay_llama_kv.hpp"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -287,8 +288,37 @@ class provider final : public kvrelay::Provider {
 struct slot_kv {
     size_t       exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
     bool         aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
-    double       import_s   = 0;      // this prompt's import (inside llama-server's prompt time)
     llama_tokens pending;             // a prompt whose blocks export_pending exports (empty: none)
+};
+
+// kvrelay's own work on the main loop (imports, exports): llama-server's prompt time of every
+// slot whose prompt was in flight meanwhile includes it, and on_prompt_done takes it out. The
+// last 64 pieces, main loop only; one a slot's window lost from the ring is left in (a prefill
+// then looks slower than it is, and a fetch is chosen a little more often).
+struct loop_work {
+    using clock = std::chrono::steady_clock;
+    struct piece {
+        clock::time_point start;
+        double            seconds = 0;
+    };
+    std::array<piece, 64> ring{};
+    size_t                next = 0;
+
+    // a piece that started at `start` ends now; its seconds
+    double add(clock::time_point start) {
+        const double s              = std::chrono::duration<double>(clock::now() - start).count();
+        ring[next++ % ring.size()] = { start, s };
+        return s;
+    }
+    double since(clock::time_point from) const {
+        double t = 0;
+        for (const piece & p : ring) {
+            if (p.seconds > 0 && p.start >= from) {
+                t += p.seconds;
+            }
+        }
+        return t;
+    }
 };
 
 struct kv_runtime {
@@ -300,6 +330,7 @@ struct kv_runtime {
     std::string                            endpoint;        // this server's KV service, "" for none
     std::atomic<double>                    sec_per_token{ 0 };  // prefill, a moving average (0: not measured)
     bool                                   warmed = false;      // a prompt was timed (the first is not folded)
+    loop_work                              work;                // main loop only
     kv_counters                            counts;
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
@@ -737,7 +768,6 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         const llama_tokens & tokens = prompt.get_tokens();
         const size_t         bt     = S().block_tokens;
         slot.pending.clear();  // a new prompt: an export not made after the last one's first token is dropped
-        slot.import_s = 0;
         // full blocks that may be reused: at least one prompt token is evaluated
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
         // what the slot keeps of its own cells: the leading ones known to equal a cold prefill
@@ -774,9 +804,12 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             kv.counts.imported_tokens += n_new - std::min(n_new, size_t(n_past));
             // what a fetch costs past its transfer: the agent's estimate counts it from now on
             // (llama.cpp imports a whole sequence: flash attention off, V transposed row by row)
-            const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            kv.agent->record_import(k, took);
-            slot.import_s = took;
+            const double took = kv.work.add(t0);
+            try {
+                kv.agent->record_import(k, took);
+            } catch (...) {
+                // the import stands whatever the estimate makes of it
+            }
             SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
         } else if (n_new < size_t(n_past)) {
             kv.counts.recomputed_tokens += size_t(n_past) - n_new;
@@ -801,9 +834,12 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
     try {
         const size_t bt   = S().block_tokens;
         slot_kv &    slot = kv.slot(seq_id);
-        // llama-server's prompt time includes this prompt's import: the prefill alone is the rest
-        const double prefill_s = t_prompt_ms / 1e3 - slot.import_s;
-        slot.import_s          = 0;
+        // llama-server's prompt time includes kvrelay's main-loop work meanwhile (this prompt's
+        // import, other slots' imports and exports): the prefill alone is the rest
+        const auto   now       = loop_work::clock::now();
+        const auto   window    = std::chrono::duration_cast<loop_work::clock::duration>(
+            std::chrono::duration<double, std::milli>(std::max(0.0, t_prompt_ms)));
+        const double prefill_s = t_prompt_ms / 1e3 - kv.work.since(now - window);
         // a prompt of a few blocks or more (a short one's time is mostly per-decode overhead, which
         // the tokens a fetch would save do not pay twice)
         // and not the first one after start, which pays one-time costs (with --no-warmup, or on a
@@ -837,11 +873,17 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
     kv_runtime & kv   = *KV;
     slot_kv &    slot = kv.slots[size_t(seq_id)];
     try {
-        // exported once, whatever happens below (the buffer keeps its capacity)
-        struct clear_on_exit {
-            llama_tokens & t;
-            ~clear_on_exit() { t.clear(); }
-        } const done{ slot.pending };
+        // exported once, whatever happens below (the buffer keeps its capacity); its time is
+        // kvrelay's main-loop work, which other slots' prompt times then include
+        struct on_exit {
+            llama_tokens &                t;
+            loop_work &                   work;
+            loop_work::clock::time_point start;
+            ~on_exit() {
+                t.clear();
+                work.add(start);
+            }
+        } const done{ slot.pending, kv.work, loop_work::clock::now() };
         const size_t                bt     = S().block_tokens;
         const llama_tokens &        tokens = slot.pending;
         const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());

@@ -85,7 +85,8 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
 
 /// post_decode (main loop) when a slot's prompt is evaluated, before its first token is sampled:
 /// updates the prefill speed the fetch decision compares with (`t_prompt_ms` for `n_processed`
-/// tokens, less this prompt's import, which llama-server's prompt time includes), decides which
+/// tokens, less kvrelay's own main-loop work meanwhile, imports and exports, which
+/// llama-server's prompt time includes; prompts of 4 blocks or more, not the first), decides which
 /// of the slot's cells equal a cold prefill, and leaves the prompt's full blocks for
 /// export_pending, unless `exportable` is false (the slot computed them with a LoRA adapter
 /// enabled, which the names do not cover). Cost: one copy of the prompt's token ids.

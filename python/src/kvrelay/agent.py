@@ -509,13 +509,13 @@ class Agent(_Handle):
         return out.value
 
     def record_import(self, blocks: int, seconds: float) -> None:
-        """Report that the runtime's own import of ``blocks`` fetched blocks took ``seconds``
-        (finite, not negative): :meth:`estimate` counts it from then on."""
-        _int("blocks", blocks, 0, SIZE_MAX)
+        """Report that the runtime's own import of ``blocks`` fetched blocks (at most the pool's)
+        took ``seconds`` (0 to 3600): :meth:`estimate` counts it from then on."""
+        _int("blocks", blocks, 0, self._layout.num_blocks)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             raise TypeError(f"seconds: expected a number, got {type(seconds).__name__}")
-        if not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"seconds: expected a finite number not below 0, got {seconds!r}")
+        if not math.isfinite(seconds) or not 0 <= seconds <= 3600:
+            raise ValueError(f"seconds: expected 0 to 3600, got {seconds!r}")
         with self._use() as p:
             _check("kvrelay_agent_record_import", lib.kvrelay_agent_record_import(p, blocks, float(seconds)))
 

@@ -180,7 +180,8 @@ pub unsafe extern "C" fn kvrelay_agent_estimate(
 /// it computes with: llama.cpp's state import, for one) took `seconds`, so that
 /// `kvrelay_agent_estimate` counts it. A runtime whose cache is the pool itself never calls it.
 /// The cost is modelled as a fixed part plus a part per block, fitted over the reports (newer
-/// ones weigh more). `seconds` finite and not negative, else `KVRELAY_ERR_INVALID_ARGUMENT`.
+/// ones weigh more). `blocks` at most the pool's and `seconds` in `0..=3600`, else
+/// `KVRELAY_ERR_INVALID_ARGUMENT` (one absurd report would hold the fit up for long).
 /// Callable from any thread; one short lock.
 ///
 /// # Safety
