@@ -26,10 +26,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The longest import [`ImportCost`] takes a report of (an hour; `Agent::record_import` refuses
-// more).
-#define MAX_IMPORT_SECONDS 3600.0
-
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16

@@ -129,7 +129,7 @@ impl Estimator {
 
 /// The longest import [`ImportCost`] takes a report of (an hour; `Agent::record_import` refuses
 /// more).
-pub const MAX_IMPORT_SECONDS: f64 = 3600.0;
+pub(crate) const MAX_IMPORT_SECONDS: f64 = 3600.0;
 
 /// What the runtime's own import of fetched blocks costs, as it reports it (a runtime whose
 /// cache is not the pool itself rebuilds its KV from the fetched blocks: llama.cpp's state

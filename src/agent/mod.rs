@@ -78,9 +78,7 @@ use std::time::Duration;
 pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport, TCP_FALLBACK_MEMORY};
-pub use estimate::{
-    ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, MAX_IMPORT_SECONDS, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT,
-};
+pub use estimate::{ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
 pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
 use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};
@@ -407,8 +405,11 @@ impl Agent {
     /// `0..=3600` (a report past either is refused, so that one absurd report cannot hold the
     /// fit up for long). See [`ImportCost`] for the model. One short lock.
     pub fn record_import(&self, blocks: usize, seconds: f64) -> Result<(), AgentError> {
-        if !(0.0..=MAX_IMPORT_SECONDS).contains(&seconds) {
-            return Err(AgentError::Argument(format!("an import of {seconds} seconds (0 to {MAX_IMPORT_SECONDS})")));
+        if !(0.0..=estimate::MAX_IMPORT_SECONDS).contains(&seconds) {
+            return Err(AgentError::Argument(format!(
+                "an import of {seconds} seconds (0 to {})",
+                estimate::MAX_IMPORT_SECONDS
+            )));
         }
         let n = self.inner.layout.num_blocks();
         if blocks > n as usize {
