@@ -47,6 +47,7 @@ struct settings {
     std::vector<std::string> allow_peers;
     size_t                   pool_mib     = 1024;
     bool                     fetch_always = false;
+    bool                     fail_on_load = false;  // --kv-load-failure-policy fail
     std::string              events;  // KV events publisher endpoint ("" : none)
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
@@ -100,6 +101,8 @@ void print_usage() {
            "                                        (env: LLAMA_ARG_KV_POOL_MIB)\n");
     printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
+    printf("--kv-load-failure-policy recompute|fail when a hinted fetch fails: prefill as a cold request (default), or answer\n"
+           "                                        502 kv_load_failed (env: LLAMA_ARG_KV_LOAD_FAILURE_POLICY)\n");
     printf("--kv-events tcp://HOST:PORT             publish KV events (the blocks served, and evicted) there for a router such as\n"
            "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n\n");
 }
@@ -134,6 +137,15 @@ bool parse_fetch(const std::string & text, const char * from, bool & always) {
         return true;
     }
     fprintf(stderr, "error: %s: expected faster or always, got '%s'\n", from, text.c_str());
+    return false;
+}
+
+bool parse_failure_policy(const std::string & text, const char * from, bool & fail) {
+    if (text == "recompute" || text == "fail") {
+        fail = text == "fail";
+        return true;
+    }
+    fprintf(stderr, "error: %s: expected recompute or fail, got '%s'\n", from, text.c_str());
     return false;
 }
 
@@ -557,6 +569,11 @@ bool consume_args(int & argc, char ** argv) {
             return false;
         }
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_LOAD_FAILURE_POLICY"); env != nullptr && *env != '\0') {
+        if (!parse_failure_policy(env, "LLAMA_ARG_KV_LOAD_FAILURE_POLICY", s.fail_on_load)) {
+            return false;
+        }
+    }
     if (argv == nullptr) {
         return true;
     }
@@ -582,7 +599,8 @@ bool consume_args(int & argc, char ** argv) {
         }
         // the flags with a value: a flag given names its value, replacing the variable's
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
-                                               "--kv-pool-mib", "--kv-fetch", "--kv-events" };
+                                               "--kv-pool-mib", "--kv-fetch", "--kv-events",
+                                               "--kv-load-failure-policy" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -611,6 +629,10 @@ bool consume_args(int & argc, char ** argv) {
                 s.allow_peers.push_back(value);
             } else if (arg == "--kv-pool-mib") {
                 if (!parse_pool_mib(value, "--kv-pool-mib", s.pool_mib)) {
+                    return false;
+                }
+            } else if (arg == "--kv-load-failure-policy") {
+                if (!parse_failure_policy(value, "--kv-load-failure-policy", s.fail_on_load)) {
                     return false;
                 }
             } else if (!parse_fetch(value, "--kv-fetch", s.fetch_always)) {
@@ -684,20 +706,21 @@ void on_model_loaded(const common_params & params, llama_context * ctx) {
     }
 }
 
-void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
-                  const std::function<bool()> & should_stop) noexcept {
+held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
+                      const std::function<bool()> & should_stop) {
     if (!hint || KV == nullptr) {
-        return;
+        return nullptr;
     }
     kv_runtime & kv = *KV;
+    std::string  load_failure;  // the agent's failure name, under --kv-load-failure-policy fail
     try {
         if (!cache_prompt) {
             kv.counts.count("cache_prompt_off");  // the slot would not import it
-            return;
+            return nullptr;
         }
         if (prompt.has_mtmd) {
             kv.counts.count("multimodal");
-            return;
+            return nullptr;
         }
         const llama_tokens & tokens = prompt.get_tokens();
         const size_t         bt     = S().block_tokens;
@@ -720,7 +743,7 @@ void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, co
                 // the policy's own discard (untrusted endpoint, ...), counted by the policy
                 SRV_DBG("kvrelay: no fetch: %s (provider code %d)\n", d.discard_name(), d.provider_code);
             }
-            return;
+            return nullptr;
         }
         // wait on this request's thread, cancelling when the client goes away
         std::optional<kvrelay_fetch_result> r;
@@ -750,12 +773,25 @@ void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, co
         SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s)%s%s\n",
                 outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s,
                 why.empty() ? "" : ": ", why.c_str());
+        if (S().fail_on_load && !gone && r->failure != KVRELAY_FETCH_OK) {
+            load_failure = outcome;  // thrown below, past this function's own catch
+        } else if (ok > 0) {
+            // the prefix the slot imports stays pinned until it does: taken while call's pins
+            // still hold the leading blocks; the fetched ones were committed just now, as the most
+            // recently used, so a reservation in between would evict every other unpinned block first
+            return std::make_shared<pin_guard>(*kv.store, names.data(), call.held + ok);
+        }
     } catch (const std::exception & e) {
         kv.counts.count("internal");
         SRV_WRN("kvrelay: the fetch path failed (%s); the request prefills as a cold one\n", e.what());
     } catch (...) {
         kv.counts.count("internal");
     }
+    if (!load_failure.empty()) {
+        throw kv_load_failed("fetching the hinted KV failed (" + load_failure +
+                             ") and --kv-load-failure-policy is fail");
+    }
+    return nullptr;
 }
 
 int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept {
@@ -1078,6 +1114,7 @@ json kv_info(const std::string & model_name) {
         { "kvrelay_version",  std::string(kvrelay_version()) },
         { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
         { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
+        { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
     };
     if (KV != nullptr && KV->events) {
         const kvrelay::KvEvents &     ev = *KV->events;

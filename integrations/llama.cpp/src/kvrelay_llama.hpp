@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,10 @@ namespace kvrelay_llama {
 
 /// An admitted hint (null: none, or ignored).
 using hint_ptr = std::shared_ptr<const kvrelay::Snapshot>;
+
+/// Blocks of kvrelay's store pinned for a task (fetch_prefix); unpinned when the last copy goes.
+/// Type-erased so that server-task.h needs no declaration of it.
+using held_ptr = std::shared_ptr<void>;
 
 /// llama_server(argc, argv), before common_params_parse: takes this integration's options out of
 /// argv (so llama.cpp's own parser never sees them) and reads their environment variables:
@@ -39,6 +44,8 @@ using hint_ptr = std::shared_ptr<const kvrelay::Snapshot>;
 ///   --kv-pool-mib N        (LLAMA_ARG_KV_POOL_MIB, default 1024)  host memory of the block store
 ///   --kv-fetch faster|always (LLAMA_ARG_KV_FETCH, default faster)  fetch only when the
 ///                          estimate beats this server's measured prefill, or always
+///   --kv-load-failure-policy recompute|fail (LLAMA_ARG_KV_LOAD_FAILURE_POLICY, default
+///                          recompute)  a failed fetch prefills as a cold request, or fails it (502)
 /// The block store, the KV agent and the fetch path are on when --kv-listen or a trusted
 /// endpoint is given. A flag wins over its variable. Prints this integration's usage before llama.cpp's on -h /
 /// --help / --usage. Returns false after printing why when a value is invalid.
@@ -60,6 +67,15 @@ void on_model_loaded(const common_params & params, llama_context * ctx);
 /// the wrong length; an ignored hint never throws (kvrelay counts it).
 std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts);
 
+/// What fetch_prefix throws under --kv-load-failure-policy fail when a submitted fetch failed:
+/// the request is answered with response() (HTTP 502, type kv_load_failed) instead of
+/// prefilling as a cold one.
+class kv_load_failed : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+    json response() const { return json{ { "code", 502 }, { "message", what() }, { "type", "kv_load_failed" } }; }
+};
+
 /// handle_completions_impl (HTTP thread), per prompt, before its task is posted: when the prompt
 /// carries an admitted hint and the KV path is on, the orchestration policy decides (the trusted
 /// endpoint registry, the binding) and the provider fetches the run of the prompt's blocks that
@@ -67,12 +83,20 @@ std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_pro
 /// this server's measured prefill (--kv-fetch). Waits for the fetch on this thread, in 20 ms
 /// slices, cancelling it when `should_stop` turns true (the client went away); the verified
 /// blocks are committed to the store, where import_prefix finds them. Costs one naming pass
-/// over the prompt when a hint is admitted, nothing otherwise. Never throws: any failure leaves
-/// the request to prefill as a cold one, counted by reason.
+/// over the prompt when a hint is admitted, nothing otherwise. Any failure leaves the request to
+/// prefill as a cold one, counted by reason; the one exception: under
+/// --kv-load-failure-policy fail, a fetch that was submitted and failed (the agent's failures:
+/// connect, timeout, refused, corrupt, truncated, ...; not a client gone, nor a decision not to
+/// fetch) throws kv_load_failed after counting it. Throws nothing else.
 /// `lora`: the request names LoRA adapters (the policy then discards the hint as ineligible);
 /// `cache_prompt` false: nothing is fetched (the slot would not import it), counted.
-void fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
-                  const std::function<bool()> & should_stop) noexcept;
+/// Returns, when blocks were fetched, a pin on the prompt's leading blocks in the store (those
+/// held before and the fetched ones): the task carries it (`task_params::kv_held`; its children
+/// for n_cmpl > 1 do not, they copy the parent's KV) so that no reservation evicts them while the
+/// task waits for a slot, and the slot drops it once import_prefix ran or was skipped (a task
+/// that never reaches a slot drops it when it ends). Null otherwise.
+held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
+                      const std::function<bool()> & should_stop);
 
 /// The slot's cached-prefix logic (main loop, SLOT_STATE_STARTED) once `n_past` is final:
 /// imports the prompt's leading blocks that the block store holds past `n_past` (fetched for

@@ -4,11 +4,12 @@
     python3 integrations/llama.cpp/tests/two_instance_test.py --server target/llama-server/bin/llama-server-kvrelay \
         --model MODEL.gguf [--threads 1] [--log-dir DIR] [--flash-attn off|on] [--server-args "-ngl 99"]
 
-Standard library only. Starts three servers with the settings that keep moved KV bit-exact
+Standard library only. Starts its servers with the settings that keep moved KV bit-exact
 (`-np 1 -fa off -ub 32`, F16 KV, one thread, 32-token blocks, no RAM prompt cache): A serves its
-blocks (--kv-listen), B trusts hints and fetches from A (--kv-trusted-endpoint A, --kv-fetch
-always), C is the cold reference (no KV flags; every request with cache_prompt false, so each
-one prefills from token 0). Checks, each by the servers' own counters (/metrics) and answers:
+blocks (--kv-listen; A2 too, killed in check 6), B trusts hints and fetches from A
+(--kv-trusted-endpoint A, --kv-fetch always), C is the cold reference (no KV flags; every request
+with cache_prompt false, so each one prefills from token 0), D is B with a store of two blocks
+and --kv-load-failure-policy fail (checks 11 and 12). Checks, each by the servers' own counters (/metrics) and answers:
   1. A's prompt's full blocks are served (/v1/kv/lookup: blocks_held);
   2. a hinted request to B fetches A's blocks, prefills only the rest, and its greedy text and
      the first tokens' top-5 probabilities equal C's;
@@ -23,6 +24,12 @@ one prefills from token 0). Checks, each by the servers' own counters (/metrics)
      failure by reason, prefills the rest, and answers as C;
   9. a prompt B answered already, asked again: B keeps only the slot's whole blocks of prefill
      (not the generated tokens, not the last partial block) and answers as C;
+ 10. a request streamed on A: its blocks are served by the stream's end, and B fetches them;
+ 11. fetched blocks stay pinned until the slot imports them: D (a store of two blocks, its one
+     slot kept busy by a streamed request) fetches Y's blocks, then a second hinted request Z
+     finds no room (Y's blocks are not evicted), and Y imports them once the slot is free;
+ 12. D runs with --kv-load-failure-policy fail: a fetch from the killed source answers 502
+     kv_load_failed, counted by reason, and the prompt then answers as C without a hint;
 and every answer equals C's. Exit status 0 when every check passed.
 """
 import argparse
@@ -355,6 +362,87 @@ def main():
         check(got > 0 and answer(r) == answer(want), "P8 (streamed on A): B fetched its blocks and answers as the cold server",
               "%d blocks" % got)
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
+
+        # 11. fetched blocks stay pinned until the slot imports them: D's store holds two blocks;
+        # while D's one slot is busy, Y fetches two blocks and waits for the slot, then Z's fetch
+        # finds no room (Y's blocks are not evicted under it); once the slot is free, Y imports
+        # both, and Y and Z answer as the cold server
+        D = start("D", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a,
+                        "--kv-trusted-endpoint", ep_a2, "--kv-load-failure-policy", "fail",
+                        "--kv-pool-mib", "2", "--threads-http", "8"])
+        st, info_d = D.json("GET", "/v1/kv/info")
+        cap = info_d.get("store_blocks", 0)
+        P9, P10 = text(150, 9), text(150, 10)
+        for p_ in (P9, P10):
+            complete(A, p_)
+        look9 = A.json("POST", "/v1/kv/lookup", {"prompt": P9})[1]
+        look10 = A.json("POST", "/v1/kv/lookup", {"prompt": P10})[1]
+        check(st == 200 and cap == 2 and (look9["n_tokens"] - 1) // BT > cap, "D's store holds two blocks, fewer than P9's",
+              "%s blocks" % cap)
+        want9, want10 = cold(P9), cold(P10)
+        # X keeps D's slot busy: a streamed request with no end of its own (closed below)
+        xbody = json.dumps({"prompt": "Count from one:", "n_predict": 1900, "ignore_eos": True, "stream": True,
+                            "temperature": 0}).encode()
+        xconn = socket.create_connection(("127.0.0.1", D.port), timeout=120)
+        xconn.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(xbody) + xbody)
+        seen = b""
+        while b"data: " not in seen:
+            chunk = xconn.recv(4096)
+            if not chunk:
+                break
+            seen += chunk
+        check(b"data: " in seen, "X streams on D (its slot is busy)")
+        results = {}
+
+        def ask(name, prompt, look, mid):
+            try:
+                results[name] = complete(D, prompt, {"kv_hints": envelope(ep_a, look["block_hashes"], mid)})
+            except Exception as e:  # noqa: BLE001 (reported by the checks below)
+                results[name] = e
+
+        def wait_for(cond):
+            for _ in range(1200):  # bounded: until D counts it
+                if cond():
+                    return True
+                time.sleep(0.05)
+            return False
+
+        ty = threading.Thread(target=ask, args=("Y", P9, look9, "two-9"), daemon=True)
+        ty.start()
+        check(wait_for(lambda: fetches(D, "fetched") == 1), "Y fetched while D's slot is busy")
+        tz = threading.Thread(target=ask, args=("Z", P10, look10, "two-10"), daemon=True)
+        tz.start()
+        check(wait_for(lambda: fetches(D, "no_room") == 1), "Z's fetch finds no room: Y's waiting blocks are not evicted")
+        m = metrics(D)
+        check(m.get("llamacpp_kv_store_pinned_blocks") == cap and "Y" not in results,
+              "Y's fetched blocks stay pinned while Y waits for the slot",
+              "%s pinned" % m.get("llamacpp_kv_store_pinned_blocks"))
+        xconn.close()  # X ends: Y, then Z take the slot
+        ty.join(300)
+        tz.join(300)
+        ry, rz = results.get("Y"), results.get("Z")
+        check(isinstance(ry, dict) and ry["timings"]["prompt_n"] == look9["n_tokens"] - cap * BT,
+              "Y imported its fetched blocks after waiting", "prompt_n %s" % (ry["timings"]["prompt_n"] if isinstance(ry, dict) else ry))
+        check(isinstance(ry, dict) and answer(ry) == answer(want9), "Y's answer equals the cold server's")
+        check(isinstance(rz, dict) and answer(rz) == answer(want10), "Z (no room to fetch) answers as the cold server")
+
+        # 12. --kv-load-failure-policy fail (D): a fetch from the killed source fails the request
+        # (502 kv_load_failed), counted by reason; the prompt without a hint then answers as C
+        before = metrics(D)
+        st, err = D.json("POST", "/completion", {"prompt": P5, "n_predict": 8, "temperature": 0, "n_probs": 5,
+                                                "cache_prompt": True,
+                                                "kv_hints": envelope(ep_a2, look5["block_hashes"], "two-12")})
+        after = metrics(D)
+        failed = {k: v - before.get(k, 0) for k, v in after.items()
+                  if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        check(st == 502 and isinstance(err, dict) and err.get("error", {}).get("type") == "kv_load_failed"
+              and list(failed) == ['llamacpp_kv_fetch_total{outcome="connect"}'],
+              "--kv-load-failure-policy fail: a failed fetch answers 502 kv_load_failed, counted by reason",
+              "%s %s" % (st, json.dumps(failed)))
+        r = complete(D, P5)
+        check(answer(r) == answer(cold(P5)), "P5 without a hint on D afterwards: the answer equals the cold server's")
+        check(metrics(D).get("llamacpp_kv_store_pinned_blocks") == 0, "D holds no block pinned after its requests")
     finally:
         for s in servers:
             if s.proc.poll() is None:
