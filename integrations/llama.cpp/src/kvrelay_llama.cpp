@@ -131,21 +131,13 @@ bool parse_pool_mib(const std::string & text, const char * from, size_t & out) {
     return true;
 }
 
-bool parse_fetch(const std::string & text, const char * from, bool & always) {
-    if (text == "faster" || text == "always") {
-        always = text == "always";
+// A setting of two words: `out` is true for `yes`, false for `no`; anything else is refused.
+bool parse_either(const std::string & text, const char * from, const char * no, const char * yes, bool & out) {
+    if (text == no || text == yes) {
+        out = text == yes;
         return true;
     }
-    fprintf(stderr, "error: %s: expected faster or always, got '%s'\n", from, text.c_str());
-    return false;
-}
-
-bool parse_failure_policy(const std::string & text, const char * from, bool & fail) {
-    if (text == "recompute" || text == "fail") {
-        fail = text == "fail";
-        return true;
-    }
-    fprintf(stderr, "error: %s: expected recompute or fail, got '%s'\n", from, text.c_str());
+    fprintf(stderr, "error: %s: expected %s or %s, got '%s'\n", from, no, yes, text.c_str());
     return false;
 }
 
@@ -565,12 +557,12 @@ bool consume_args(int & argc, char ** argv) {
         }
     }
     if (const char * env = std::getenv("LLAMA_ARG_KV_FETCH"); env != nullptr && *env != '\0') {
-        if (!parse_fetch(env, "LLAMA_ARG_KV_FETCH", s.fetch_always)) {
+        if (!parse_either(env, "LLAMA_ARG_KV_FETCH", "faster", "always", s.fetch_always)) {
             return false;
         }
     }
     if (const char * env = std::getenv("LLAMA_ARG_KV_LOAD_FAILURE_POLICY"); env != nullptr && *env != '\0') {
-        if (!parse_failure_policy(env, "LLAMA_ARG_KV_LOAD_FAILURE_POLICY", s.fail_on_load)) {
+        if (!parse_either(env, "LLAMA_ARG_KV_LOAD_FAILURE_POLICY", "recompute", "fail", s.fail_on_load)) {
             return false;
         }
     }
@@ -632,10 +624,10 @@ bool consume_args(int & argc, char ** argv) {
                     return false;
                 }
             } else if (arg == "--kv-load-failure-policy") {
-                if (!parse_failure_policy(value, "--kv-load-failure-policy", s.fail_on_load)) {
+                if (!parse_either(value, "--kv-load-failure-policy", "recompute", "fail", s.fail_on_load)) {
                     return false;
                 }
-            } else if (!parse_fetch(value, "--kv-fetch", s.fetch_always)) {
+            } else if (!parse_either(value, "--kv-fetch", "faster", "always", s.fetch_always)) {
                 return false;
             }
             continue;

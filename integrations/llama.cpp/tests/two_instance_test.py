@@ -132,12 +132,40 @@ def fetches(srv, outcome):
     return metrics(srv).get('llamacpp_kv_fetch_total{outcome="%s"}' % outcome, 0)
 
 
-def complete(srv, prompt, extra=None):
+def fetch_outcomes(before, after):
+    # the fetch outcomes counted between two metrics() reads, by how much
+    return {k: v - before.get(k, 0) for k, v in after.items()
+            if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+
+
+def wait_for(cond):
+    # bounded: polls `cond` (a server's counter) until it holds, 60 s at most
+    for _ in range(1200):
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def completion_body(prompt, extra=None):
     body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "n_probs": 5, "cache_prompt": True}
     body.update(extra or {})
-    st, r = srv.json("POST", "/completion", body)
+    return body
+
+
+def complete(srv, prompt, extra=None):
+    st, r = srv.json("POST", "/completion", completion_body(prompt, extra))
     assert st == 200, (st, r)
     return r
+
+
+def post_raw(srv, body):
+    # a /completion request on a socket of its own, left open: the caller reads or closes it
+    data = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", srv.port), timeout=120)
+    conn.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(data) + data)
+    return conn
 
 
 def answer(r):
@@ -279,8 +307,7 @@ def main():
         before = metrics(B)
         r = complete(B, P5, {"kv_hints": envelope(ep_a2, look5["block_hashes"], "two-5")})
         after = metrics(B)
-        failed = {k: v - before.get(k, 0) for k, v in after.items()
-                  if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        failed = fetch_outcomes(before, after)
         check(list(failed) == ['llamacpp_kv_fetch_total{outcome="connect"}'],
               "a killed source: the fetch fails, counted by reason", json.dumps(failed))
         check(answer(r) == answer(want), "P5 (source killed): B's answer equals the cold server's")
@@ -289,20 +316,13 @@ def main():
         P6 = text(170, 6)
         complete(A, P6)
         look6 = A.json("POST", "/v1/kv/lookup", {"prompt": P6})[1]
-        body = json.dumps({"prompt": P6, "n_predict": 8, "temperature": 0,
-                           "kv_hints": envelope(ep_silent, look6["block_hashes"], "two-6")}).encode()
-        client = socket.create_connection(("127.0.0.1", B.port), timeout=30)
-        client.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        client = post_raw(B, {"prompt": P6, "n_predict": 8, "temperature": 0,
+                              "kv_hints": envelope(ep_silent, look6["block_hashes"], "two-6")})
         check(accepted.wait(60), "B's fetch reached the silent source")
         client.close()
-        gone = 0
-        for _ in range(600):  # bounded: until B counts it (the fetch is cancelled on the next 20 ms slice)
-            gone = fetches(B, "client_gone")
-            if gone:
-                break
-            time.sleep(0.1)
-        check(gone == 1, "a client gone mid-fetch cancels the fetch (client_gone)")
+        # the fetch is cancelled on the next 20 ms slice
+        wait_for(lambda: fetches(B, "client_gone") > 0)
+        check(fetches(B, "client_gone") == 1, "a client gone mid-fetch cancels the fetch (client_gone)")
         want = cold(P6)
         r = complete(B, P6)
         check(answer(r) == answer(want), "P6 after the gone client: B's answer equals the cold server's")
@@ -321,8 +341,7 @@ def main():
         after = metrics(B)
         relay.close()
         got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-        outcomes = {k: v - before.get(k, 0) for k, v in after.items()
-                    if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        outcomes = fetch_outcomes(before, after)
         fetchable7 = (look7["n_tokens"] - 1) // BT
         # (0 verified blocks when the fetch ran on several streams, each cut before its first block)
         check(relay.cut.is_set() and got < fetchable7 and len(outcomes) == 1
@@ -381,11 +400,8 @@ def main():
               "%s blocks" % cap)
         want9, want10 = cold(P9), cold(P10)
         # X keeps D's slot busy: a streamed request with no end of its own (closed below)
-        xbody = json.dumps({"prompt": "Count from one:", "n_predict": 1900, "ignore_eos": True, "stream": True,
-                            "temperature": 0}).encode()
-        xconn = socket.create_connection(("127.0.0.1", D.port), timeout=120)
-        xconn.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(xbody) + xbody)
+        xconn = post_raw(D, {"prompt": "Count from one:", "n_predict": 1900, "ignore_eos": True, "stream": True,
+                             "temperature": 0})
         seen = b""
         while b"data: " not in seen:
             chunk = xconn.recv(4096)
@@ -400,13 +416,6 @@ def main():
                 results[name] = complete(D, prompt, {"kv_hints": envelope(ep_a, look["block_hashes"], mid)})
             except Exception as e:  # noqa: BLE001 (reported by the checks below)
                 results[name] = e
-
-        def wait_for(cond):
-            for _ in range(1200):  # bounded: until D counts it
-                if cond():
-                    return True
-                time.sleep(0.05)
-            return False
 
         ty = threading.Thread(target=ask, args=("Y", P9, look9, "two-9"), daemon=True)
         ty.start()
@@ -430,12 +439,10 @@ def main():
         # 12. --kv-load-failure-policy fail (D): a fetch from the killed source fails the request
         # (502 kv_load_failed), counted by reason; the prompt without a hint then answers as C
         before = metrics(D)
-        st, err = D.json("POST", "/completion", {"prompt": P5, "n_predict": 8, "temperature": 0, "n_probs": 5,
-                                                "cache_prompt": True,
-                                                "kv_hints": envelope(ep_a2, look5["block_hashes"], "two-12")})
+        st, err = D.json("POST", "/completion",
+                         completion_body(P5, {"kv_hints": envelope(ep_a2, look5["block_hashes"], "two-12")}))
         after = metrics(D)
-        failed = {k: v - before.get(k, 0) for k, v in after.items()
-                  if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
+        failed = fetch_outcomes(before, after)
         check(st == 502 and isinstance(err, dict) and err.get("error", {}).get("type") == "kv_load_failed"
               and list(failed) == ['llamacpp_kv_fetch_total{outcome="connect"}'],
               "--kv-load-failure-policy fail: a failed fetch answers 502 kv_load_failed, counted by reason",
