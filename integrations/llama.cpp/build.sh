@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server twice from one pinned tree: as it is, and with kvrelay embedded
-# (kvrelay.patch plus src/kvrelay_llama{,_kv}.{hpp,cpp}). From a clone of kvrelay:
+# (kvrelay.patch plus src/kvrelay_llama*.{hpp,cpp}). From a clone of kvrelay:
 #
 #   bash integrations/llama.cpp/build.sh                  # both servers into target/llama-server/bin
 #   bash integrations/llama.cpp/build.sh --check-patch    # only: does kvrelay.patch apply, without fuzz?
@@ -35,7 +35,8 @@ me="build.sh"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 patch_file="$here/kvrelay.patch"
-sources=(kvrelay_llama.hpp kvrelay_llama.cpp kvrelay_llama_kv.hpp kvrelay_llama_kv.cpp)
+sources=(kvrelay_llama.hpp kvrelay_llama_state.hpp kvrelay_llama_flags.cpp kvrelay_llama_start.cpp
+  kvrelay_llama_fetch.cpp kvrelay_llama_slots.cpp kvrelay_llama_routes.cpp kvrelay_llama_kv.hpp kvrelay_llama_kv.cpp)
 out="${LLAMA_SERVER_OUT:-$root/target/llama-server}"
 jobs="${JOBS:-$(nproc)}"
 

@@ -1,6 +1,6 @@
 // kvrelay_llama.hpp: kvrelay inside llama-server (integrations/llama.cpp/README.md).
 //
-// Everything kvrelay-specific lives in kvrelay_llama.cpp and kvrelay_llama_kv.{hpp,cpp};
+// Everything kvrelay-specific lives in kvrelay_llama_*.cpp (kvrelay_llama_state.hpp lists them);
 // kvrelay.patch only calls the functions below from llama-server's own code. build.sh copies
 // the files into tools/server/ of the tree.
 //

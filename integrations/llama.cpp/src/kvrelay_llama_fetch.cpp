@@ -1,0 +1,303 @@
+// kvrelay_llama_fetch.cpp: a request's hints admitted, and the fetch path (HTTP threads).
+// Uses kvrelay only through its public C++ header (kvrelay_llama_state.hpp lists the files).
+#include "kvrelay_llama_state.hpp"
+
+#include <algorithm>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace kvrelay_llama {
+using namespace detail;
+namespace {
+
+// What the provider leaves for the request thread that asked (kvrelay_fetch_request::call_context).
+struct fetch_call {
+    const std::vector<uint64_t> * names      = nullptr;  // the prompt's block names, up to the last fetchable
+    std::string                   endpoint;
+    size_t                        held       = 0;        // leading blocks the store holds
+    std::unique_ptr<pin_guard>    held_pins;             // ... pinned until the fetch is committed
+    reservation                   dst;                   // reserved store blocks the fetch writes
+    kvrelay::Fetch                fetch;                 // destroyed first: settles the fetch
+    bool                          submitted  = false;
+    bool                          settled    = false;    // its result was taken (dst.handed set)
+    double                        estimate_s = 0;
+    double                        local_s    = 0;
+    std::string                   outcome;               // why the provider refused
+
+    fetch_call() = default;
+    fetch_call(const fetch_call &)             = delete;
+    fetch_call & operator=(const fetch_call &) = delete;
+    ~fetch_call() {
+        // an early end (an exception) with the fetch still running: wait for it, and keep the
+        // blocks a transfer may still write (withheld) out of the free list
+        if (!submitted || settled) {
+            return;
+        }
+        try {
+            std::optional<kvrelay_fetch_result> r = fetch.poll();
+            if (!r) {
+                fetch.cancel();
+                while (!(r = fetch.wait(1000))) {
+                }
+            }
+            dst.handed = std::min(dst.ids.size(), r->blocks + r->withheld);
+        } catch (...) {
+            dst.handed = dst.ids.size();  // unknown: keep them all out of the free list
+        }
+    }
+};
+
+// The provider: validates a kv.fetch 1.0 payload on its own terms, then submits the fetch of the
+// run the store lacks into reserved store blocks (see fetch_prefix).
+class provider final : public kvrelay::Provider {
+  public:
+    // provider codes (kvrelay_decision::provider_code)
+    enum : int { BAD_VERSION = 1, BAD_PAYLOAD = 2, BAD_HASHES = 3, BAD_ENDPOINT = 4, NO_CONTEXT = 5,
+                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13 };
+
+    int validate(const kvrelay_fetch_request & r) override {
+        std::vector<uint64_t> hashes;
+        return parse(r, hashes);
+    }
+    int fetch(const kvrelay_fetch_request & r) override;
+
+    static int parse(const kvrelay_fetch_request & r, std::vector<uint64_t> & hashes) {
+        if (std::string_view(r.action_version.ptr, r.action_version.len) != "1.0") {
+            return BAD_VERSION;
+        }
+        const json p = json::parse_no_throw(std::string(reinterpret_cast<const char *>(r.payload.ptr), r.payload.len));
+        if (p.is_discarded() || !p.is_object() || !p.contains("block_hashes") || !p.at("block_hashes").is_array()) {
+            return BAD_PAYLOAD;
+        }
+        const json & h = p.at("block_hashes");
+        if (h.empty() || h.size() > MAX_HINT_HASHES) {
+            return BAD_HASHES;
+        }
+        hashes.reserve(h.size());
+        for (const json & v : h) {
+            // admission kept integers within -2^63 ..= 2^64-1; a name is never negative
+            if (!v.is_number_integer() || v.dump().front() == '-') {
+                return BAD_HASHES;
+            }
+            hashes.push_back(v.get<uint64_t>());
+        }
+        // the orchestrator checked the registry; the provider checks that its transport speaks it
+        const std::string_view ep(r.endpoint.ptr, r.endpoint.len);
+        const size_t           colon = ep.rfind(':');
+        if (ep.substr(0, 6) != "tcp://" || colon == std::string_view::npos || colon <= 6 || colon + 1 >= ep.size()) {
+            return BAD_ENDPOINT;
+        }
+        return 0;
+    }
+};
+
+int provider::fetch(const kvrelay_fetch_request & r) {
+    auto * call = static_cast<fetch_call *>(r.call_context);
+    if (call == nullptr || KV == nullptr) {
+        return NO_CONTEXT;
+    }
+    std::vector<uint64_t> hashes;
+    if (const int bad = parse(r, hashes); bad != 0) {
+        return bad;
+    }
+    kv_runtime &                  kv    = *KV;
+    const std::vector<uint64_t> & names = *call->names;
+    call->endpoint                      = std::string(r.endpoint.ptr, r.endpoint.len);
+    // the blocks held stay pinned until the fetched ones are committed after them
+    call->held_pins                     = std::make_unique<pin_guard>(*kv.store, names.data(), names.size());
+    call->held                          = call->held_pins->n;
+    size_t run                          = 0;
+    kvrelay::check(kvrelay_fetch_run_length(names.data(), names.size(), call->held, hashes.data(), hashes.size(), &run));
+    if (run == 0) {
+        call->outcome = "nothing_to_fetch";
+        return NOTHING;
+    }
+    call->estimate_s  = kv.agent->estimate(call->endpoint, run);
+    const double spt  = kv.sec_per_token.load(std::memory_order_relaxed);
+    call->local_s     = spt > 0 ? spt * double(run * S().block_tokens) : -1;
+    if (!S().fetch_always && spt > 0 && call->local_s < call->estimate_s) {
+        call->outcome = "not_worth_it";
+        return NOT_WORTH_IT;
+    }
+    std::vector<uint64_t> evicted;
+    call->dst = reservation(*kv.store, run, &evicted);
+    publish_removed(kv, evicted);
+    if (call->dst.ids.empty()) {
+        call->outcome = "no_room";
+        return NO_ROOM;
+    }
+    try {
+        const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.ids.size()) * kv.store->block_bytes());
+        call->fetch     = kv.agent->fetch(call->endpoint, names, call->held, call->dst.ids, deadline);
+        call->submitted = true;
+    } catch (const kvrelay::Error &) {
+        call->outcome = "busy";  // nothing was submitted: the reservation goes back with the call
+        return BUSY;
+    }
+    return 0;
+}
+
+}  // namespace
+
+namespace detail {
+std::shared_ptr<kvrelay::Provider> make_provider() {
+    return std::make_shared<provider>();
+}
+}  // namespace detail
+
+std::vector<hint_ptr> admit_request_hints(const std::string & body, size_t n_prompts) {
+    std::vector<hint_ptr> out(n_prompts);
+
+    // One hint per request, found by kvrelay in the body's own bytes (kv_hints, kv_hint,
+    // router_hint, kv_transfer_params.{kv_hint,router_hint}; null is absent), so that
+    // admission sees the client's text: its duplicate members and its size, which a parse
+    // and a dump() would not keep.
+    kvrelay::FoundHint found;
+    try {
+        found = kvrelay::find_hint(body);
+    } catch (const kvrelay::Error & e) {
+        // two hints (or a body that is not one JSON object, which the server parsed already)
+        throw std::invalid_argument(e.what());
+    }
+    if (!found || n_prompts == 0) {
+        return out;
+    }
+    const std::string where = found.batched() ? "kv_hints" : "a router hint";
+    const std::string_view raw = found.value;
+
+    std::vector<kvrelay::Outcome> outcomes;
+    try {
+        if (found.batched()) {
+            // a single envelope is shared by every prompt, an aligned list is admitted entry by entry
+            outcomes = admission().admit_batch(raw, n_prompts);
+        } else {
+            // Dynamo's router hint: one envelope for the request
+            outcomes.push_back(admission().admit(raw));
+        }
+    } catch (const kvrelay::Error & e) {
+        if (e.status() == KVRELAY_ERR_BATCH_LENGTH_MISMATCH) {
+            throw std::invalid_argument(string_format(
+                "kv_hints: an aligned list needs exactly one entry (or null) per prompt; this request has %zu prompts",
+                n_prompts));
+        }
+        SRV_WRN("kvrelay: admission failed (%s); the request runs without a hint\n", e.what());
+        return out;
+    }
+
+    size_t n_admitted = 0;
+    for (size_t i = 0; i < n_prompts; i++) {
+        kvrelay::Outcome & o = outcomes.size() == 1 ? outcomes[0] : outcomes[i];
+        if (o.admitted()) {
+            if (outcomes.size() == 1 && i > 0) {
+                out[i] = out[0];  // one snapshot shared by every prompt
+            } else {
+                out[i] = std::make_shared<kvrelay::Snapshot>(std::move(o.snapshot));
+            }
+            n_admitted++;
+        } else if (o.ignored()) {
+            // the detail names a rule and a place, never the hint's contents
+            SRV_DBG("kvrelay: %s ignored for prompt %zu: %s%s%s\n", where.c_str(), i, o.reason_name(),
+                    o.detail.empty() ? "" : ": ", o.detail.c_str());
+        }
+    }
+    if (n_admitted > 0) {
+        SRV_DBG("kvrelay: %s admitted for %zu of %zu prompt(s)\n", where.c_str(), n_admitted, n_prompts);
+    }
+    return out;
+}
+
+held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
+                      const std::function<bool()> & should_stop) {
+    if (!hint || KV == nullptr) {
+        return nullptr;
+    }
+    kv_runtime & kv = *KV;
+    std::string  load_failure;  // the agent's failure name, under --kv-load-failure-policy fail
+    try {
+        if (!cache_prompt) {
+            kv.counts.count("cache_prompt_off");  // the slot would not import it
+            return nullptr;
+        }
+        if (prompt.has_mtmd) {
+            kv.counts.count("multimodal");
+            return nullptr;
+        }
+        const llama_tokens & tokens = prompt.get_tokens();
+        const size_t         bt     = S().block_tokens;
+        // the blocks that may be fetched: full ones, at least one prompt token left to evaluate
+        const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
+        std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+
+        fetch_call         call;
+        call.names = &names;
+        kvrelay_request_info info{};
+        info.generation_only = true;
+        info.lora_adapter    = lora;
+        const kvrelay::Decision d = kv.orch->decide(info, *hint, &call);
+        if (!call.submitted) {
+            if (!call.outcome.empty()) {
+                kv.counts.count(call.outcome);
+                SRV_DBG("kvrelay: no fetch: %s (estimate %.4f s, local prefill %.4f s)\n", call.outcome.c_str(),
+                        call.estimate_s, call.local_s);
+            } else if (!d.named_fetch()) {
+                // the policy's own discard (untrusted endpoint, ...), counted by the policy
+                SRV_DBG("kvrelay: no fetch: %s (provider code %d)\n", d.discard_name(), d.provider_code);
+            }
+            return nullptr;
+        }
+        // wait on this request's thread, cancelling when the client goes away
+        std::optional<kvrelay_fetch_result> r;
+        bool                                gone = false;
+        while (!(r = call.fetch.wait(WAIT_SLICE_MS))) {
+            if (!gone && should_stop && should_stop()) {
+                gone = true;
+                call.fetch.cancel();
+            }
+        }
+        const size_t n_dst    = call.dst.ids.size();
+        const size_t ok       = std::min(r->blocks, n_dst);
+        const size_t withheld = std::min(r->withheld, n_dst - ok);
+        // the verified blocks are committed, withheld ones come back through the holder's
+        // returned(), the rest goes back to the free list with the reservation
+        call.dst.handed                = ok + withheld;
+        call.settled                   = true;
+        const std::vector<size_t> fresh = kv.store->commit(call.dst.ids.data(), names.data() + call.held, ok);
+        kv.counts.fetched_blocks += ok;
+        publish_stored(kv, names, tokens, call.held, fresh);
+        const std::string outcome = gone ? "client_gone"
+                                    : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
+                                    : ok < n_dst                    ? "partial"
+                                                                    : "fetched";
+        kv.counts.count(outcome);
+        const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();
+        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s)%s%s\n",
+                outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s,
+                why.empty() ? "" : ": ", why.c_str());
+        if (S().fail_on_load && !gone && r->failure != KVRELAY_FETCH_OK) {
+            load_failure = outcome;  // thrown below, past this function's own catch
+        } else if (ok > 0) {
+            // the prefix the slot imports stays pinned until it does: taken while call's pins
+            // still hold the leading blocks; the fetched ones were committed just now, as the most
+            // recently used, so a reservation in between would evict every other unpinned block first
+            return std::make_shared<pin_guard>(*kv.store, names.data(), call.held + ok);
+        }
+    } catch (const std::exception & e) {
+        kv.counts.count("internal");
+        SRV_WRN("kvrelay: the fetch path failed (%s); the request prefills as a cold one\n", e.what());
+    } catch (...) {
+        kv.counts.count("internal");
+    }
+    if (!load_failure.empty()) {
+        throw kv_load_failed("fetching the hinted KV failed (" + load_failure +
+                             ") and --kv-load-failure-policy is fail");
+    }
+    return nullptr;
+}
+
+}  // namespace kvrelay_llama

@@ -1,0 +1,171 @@
+// kvrelay_llama_routes.cpp: /metrics (kvrelay's part), /v1/kv/info and /v1/kv/lookup.
+// Uses kvrelay only through its public C++ header (kvrelay_llama_state.hpp lists the files).
+#include "kvrelay_llama_state.hpp"
+
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvrelay_llama {
+using namespace detail;
+
+std::string prometheus() noexcept {
+    try {
+        std::string text = admission().prometheus();
+        if (!text.empty() && text.back() != '\n') {
+            text += '\n';
+        }
+        if (KV == nullptr) {
+            return text;
+        }
+        kv_runtime & kv = *KV;
+        for (std::string part : { kv.orch->prometheus(), kv.agent->prometheus(),
+                                  kv.events ? kv.events->prometheus("llamacpp") : std::string() }) {
+            if (!part.empty() && part.back() != '\n') {
+                part += '\n';
+            }
+            text += part;
+        }
+        text += "# HELP llamacpp_kv_fetch_total KV fetches a hint asked for, by outcome.\n# TYPE llamacpp_kv_fetch_total counter\n";
+        {
+            std::lock_guard<std::mutex> g(kv.counts.mu);
+            for (const auto & [outcome, n] : kv.counts.fetch) {
+                text += "llamacpp_kv_fetch_total{outcome=\"" + outcome + "\"} " + std::to_string(n) + "\n";
+            }
+        }
+        const block_store::counts c = kv.store->read_counts();
+        const std::pair<const char *, uint64_t> plain[] = {
+            { "fetched_blocks_total", kv.counts.fetched_blocks.load() },
+            { "exported_blocks_total", kv.counts.exported_blocks.load() },
+            { "export_failed_total", kv.counts.export_failed.load() },
+            { "imported_tokens_total", kv.counts.imported_tokens.load() },
+            { "recomputed_tokens_total", kv.counts.recomputed_tokens.load() },
+            { "import_refused_total", kv.counts.import_refused.load() },
+            { "store_evicted_total", c.evicted },
+        };
+        for (const auto & [name, v] : plain) {
+            text += std::string("# TYPE llamacpp_kv_") + name + " counter\nllamacpp_kv_" + name + " " + std::to_string(v) + "\n";
+        }
+        text += "# TYPE llamacpp_kv_store_blocks gauge\nllamacpp_kv_store_blocks " + std::to_string(c.committed) + "\n";
+        text += "# TYPE llamacpp_kv_store_pinned_blocks gauge\nllamacpp_kv_store_pinned_blocks " + std::to_string(c.pinned) + "\n";
+        // what --kv-fetch faster weighs: the measured prefill against the transfer plus llama.cpp's
+        // own import of the blocks (a fixed part and a part per block, as the agent fitted them)
+        const double imp0 = kv.agent->import_estimate(0), imp1 = kv.agent->import_estimate(1);
+        const std::pair<const char *, double> gauges[] = {
+            { "prefill_seconds_per_token", kv.sec_per_token.load(std::memory_order_relaxed) },
+            { "import_fixed_seconds", imp0 },
+            { "import_seconds_per_block", imp1 - imp0 },
+        };
+        for (const auto & [name, v] : gauges) {
+            char num[64];
+            snprintf(num, sizeof num, "%.9g", v);
+            text += std::string("# TYPE llamacpp_kv_") + name + " gauge\nllamacpp_kv_" + name + " " + num + "\n";
+        }
+        return text;
+    } catch (...) {
+        return std::string();
+    }
+}
+
+json kv_info(const std::string & model_name) {
+    const settings & s = S();
+    // llama-server names a model without --alias by its path: report the file name then
+    std::string model = model_name;
+    if (!s.model_path.empty() && model == s.model_path) {
+        model = std::filesystem::path(model).filename().string();
+    }
+    json info = json{
+        { "block_tokens",     s.block_tokens       },
+        { "naming_seed",      hex64(s.seed)        },
+        { "naming_identity",  s.identity           },
+        { "model",            model                },
+        { "kv_hints_trusted", s.trusted            },
+        { "kvrelay_version",  std::string(kvrelay_version()) },
+        { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
+        { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
+        { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
+    };
+    if (KV != nullptr && KV->events) {
+        const kvrelay::KvEvents &     ev = *KV->events;
+        const kvrelay_kv_events_stats st = ev.stats();
+        const std::string             pub = ev.endpoint(), replay = ev.endpoint(true);
+        info["kv_events"] = json{
+            { "endpoint",        pub            },
+            { "replay_endpoint", replay         },
+            { "topic",           ""             },
+            { "block_size",      s.block_tokens },
+            { "medium",          "CPU"          },
+            { "published",       st.published   },
+            { "dropped",         st.dropped     },
+        };
+        // what a Dynamo worker registration needs (SelectionService.upsert_worker, or a runtime
+        // worker's settings): this server is data-parallel rank 0, its hint source is its agent
+        info["dynamo"] = json{
+            { "model_name",                           model                                 },
+            { "block_size",                           s.block_tokens                        },
+            { "kv_events_endpoint",                   pub                                   },
+            { "replay_endpoint",                      replay                                },
+            { "router_hint_worker_type",              "kvrelay"                             },
+            { "router_hint_source_control_endpoints", json{ { "0", KV->endpoint } }         },
+        };
+    }
+    return info;
+}
+
+json kv_lookup(const json & body, const server_chat_params & chat_params, const llama_vocab * vocab,
+               mtmd_context * mctx, const mtmd_helper_init_opt & init_opt) {
+    const settings & s = S();
+    if (!body.is_object()) {
+        throw std::invalid_argument("/v1/kv/lookup: the body must be a JSON object");
+    }
+    if (mctx != nullptr) {
+        throw std::invalid_argument("/v1/kv/lookup: not supported while a multimodal projector is loaded");
+    }
+    const bool has_prompt   = body.contains("prompt") && !body.at("prompt").is_null();
+    const bool has_messages = body.contains("messages") && !body.at("messages").is_null();
+    if (has_prompt == has_messages) {
+        throw std::invalid_argument("/v1/kv/lookup: give exactly one of \"prompt\" or \"messages\"");
+    }
+    std::string salt;
+    if (body.contains("cache_salt") && !body.at("cache_salt").is_null()) {
+        if (!body.at("cache_salt").is_string()) {
+            throw std::invalid_argument("/v1/kv/lookup: \"cache_salt\" must be a string");
+        }
+        salt = body.at("cache_salt").get<std::string>();
+    }
+
+    // Tokenize as the completion routes do: a prompt as /completion and /v1/completions
+    // (tokenize_input_prompts with special tokens added and parsed), messages through the
+    // chat template first, as /v1/chat/completions does.
+    json prompt;
+    if (has_messages) {
+        json                    chat = body;  // oaicompat_chat_params_parse edits its input
+        std::vector<raw_buffer> files;
+        prompt = oaicompat_chat_params_parse(chat, chat_params, files).at("prompt");
+    } else {
+        prompt = body.at("prompt");
+    }
+    std::vector<server_tokens> inputs = tokenize_input_prompts(vocab, nullptr, prompt, true, true, init_opt);
+    if (inputs.size() != 1) {
+        throw std::invalid_argument("/v1/kv/lookup: give one prompt, not a batch");
+    }
+    const llama_tokens & tokens = inputs[0].get_tokens();
+
+    // llama.cpp's token ids (i32, never negative) are named as they are, without a copy
+    const kvrelay::Naming naming(s.seed, s.block_tokens, 0, salt);
+    const std::vector<uint64_t> names = naming.names(tokens);
+
+    return json{
+        { "block_tokens",  s.block_tokens },
+        { "blocks_total",  names.size()   },
+        { "blocks_held",   KV != nullptr ? KV->store->held(names.data(), names.size()) : 0 },
+        { "block_hashes",  names          },
+        { "n_tokens",      tokens.size()  },
+        { "token_ids",     tokens         },
+    };
+}
+
+}  // namespace kvrelay_llama

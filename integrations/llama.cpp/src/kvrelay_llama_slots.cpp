@@ -1,0 +1,201 @@
+// kvrelay_llama_slots.cpp: the slot hooks on llama-server's main loop: import a prompt's held blocks,
+// time and mark a prompt done, export its new blocks.
+// Uses kvrelay only through its public C++ header (kvrelay_llama_state.hpp lists the files).
+#include "kvrelay_llama_state.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvrelay_llama {
+using namespace detail;
+
+void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept {
+    if (!hint) {
+        return;
+    }
+    try {
+        LOG_DBG("kvrelay: slot %d, task %d carries an admitted KV hint with %zu action(s)\n",
+                id_slot, id_task, hint->action_count());
+    } catch (...) {
+    }
+}
+
+int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept {
+    if (KV == nullptr || prompt.has_mtmd || n_past < 0 || seq_id < 0) {
+        return n_past;
+    }
+    kv_runtime & kv = *KV;
+    try {
+        slot_kv &            slot   = kv.slot(seq_id);
+        const llama_tokens & tokens = prompt.get_tokens();
+        const size_t         bt     = S().block_tokens;
+        slot.pending.clear();  // a new prompt: an export not made after the last one's first token is dropped
+        // full blocks that may be reused: at least one prompt token is evaluated
+        const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
+        // what the slot keeps of its own cells: the leading ones known to equal a cold prefill
+        // (imported, or prefilled from a block edge; never generated ones), whole blocks only
+        const size_t n_exact = std::min({ size_t(n_past), slot.exact_upto, n_max * bt }) / bt * bt;
+        size_t       n_new   = n_exact;
+        size_t       k       = 0;
+        std::chrono::steady_clock::time_point t0;
+        if (n_max * bt > n_exact) {
+            const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+            pin_guard                   pins(*kv.store, names.data(), names.size());
+            k = pins.n;
+            if (k * bt > n_exact) {
+                t0 = std::chrono::steady_clock::now();
+                std::vector<const uint8_t *> src(k);
+                for (size_t i = 0; i < k; i++) {
+                    src[i] = kv.store->block(pins.ids[i]);
+                }
+                build_import(kv.schema, src.data(), k, seq_id, kv.blob);
+                n_new = k * bt;
+            }
+        }
+        if (n_new > n_exact) {
+            const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
+            if (got != kv.blob.size()) {
+                llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
+                kv.counts.import_refused++;
+                slot.exact_upto = 0;
+                slot.aligned    = true;  // the prompt is prefilled from token 0
+                SRV_WRN("kvrelay: llama.cpp refused the imported KV of %zu blocks; slot %d prefills its whole prompt\n", k,
+                        seq_id);
+                return 0;
+            }
+            kv.counts.imported_tokens += n_new - std::min(n_new, size_t(n_past));
+            // what a fetch costs past its transfer: the agent's estimate counts it from now on
+            // (llama.cpp imports a whole sequence: flash attention off, V transposed row by row)
+            const double took = kv.work.add(t0);
+            try {
+                kv.agent->record_import(k, took);
+            } catch (...) {
+                // the import stands whatever the estimate makes of it
+            }
+            SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
+        } else if (n_new < size_t(n_past)) {
+            kv.counts.recomputed_tokens += size_t(n_past) - n_new;
+        }
+        // the prompt's prefill starts at a block edge: its blocks are exact, and exported
+        slot.exact_upto = n_new;
+        slot.aligned    = true;
+        return int(n_new);
+    } catch (...) {
+        kv.counts.import_refused++;
+        return n_past;
+    }
+}
+
+void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & prompt, bool exportable,
+                    double t_prompt_ms, uint64_t n_processed) noexcept {
+    (void) ctx;
+    if (KV == nullptr || prompt.has_mtmd || seq_id < 0) {
+        return;
+    }
+    kv_runtime & kv = *KV;
+    try {
+        const size_t bt   = S().block_tokens;
+        slot_kv &    slot = kv.slot(seq_id);
+        // llama-server's prompt time includes kvrelay's main-loop work meanwhile (this prompt's
+        // import, other slots' imports and exports): the prefill alone is the rest
+        const auto   now       = loop_work::clock::now();
+        const auto   window    = std::chrono::duration_cast<loop_work::clock::duration>(
+            std::chrono::duration<double, std::milli>(std::max(0.0, t_prompt_ms)));
+        const double prefill_s = t_prompt_ms / 1e3 - kv.work.since(now - window);
+        // a prompt of a few blocks or more (a short one's time is mostly per-decode overhead, which
+        // the tokens a fetch would save do not pay twice)
+        // and not the first one after start, which pays one-time costs (with --no-warmup, or on a
+        // GPU: kernels loaded, graphs and buffers made) that would hold the average up for long
+        if (n_processed >= 4 * bt && prefill_s > 0 && std::exchange(kv.warmed, true)) {
+            const double now  = prefill_s / double(n_processed);
+            const double prev = kv.sec_per_token.load(std::memory_order_relaxed);
+            kv.sec_per_token.store(prev > 0 ? 0.8 * prev + 0.2 * now : now, std::memory_order_relaxed);
+        }
+        // a prompt prefilled from a block edge (import_prefix ran for it) without a LoRA adapter:
+        // its full blocks equal a cold prefill's; anything else is not served, and not kept
+        const bool exact = exportable && slot.aligned;
+        slot.aligned     = false;
+        slot.exact_upto  = exact ? prompt.size() / bt * bt : 0;
+        slot.pending.clear();
+        if (exact && slot.exact_upto > 0) {
+            // exported by export_pending, once the first token is on its way (the copy of the
+            // tokens keeps the buffer's capacity from prompt to prompt)
+            const llama_tokens & tokens = prompt.get_tokens();
+            slot.pending.assign(tokens.begin(), tokens.begin() + slot.exact_upto);
+        }
+    } catch (...) {
+        kv.counts.export_failed++;
+    }
+}
+
+void export_pending(llama_context * ctx, int seq_id) noexcept {
+    if (KV == nullptr || seq_id < 0 || size_t(seq_id) >= KV->slots.size() || KV->slots[size_t(seq_id)].pending.empty()) {
+        return;
+    }
+    kv_runtime & kv   = *KV;
+    slot_kv &    slot = kv.slots[size_t(seq_id)];
+    try {
+        // exported once, whatever happens below (the buffer keeps its capacity); its time is
+        // kvrelay's main-loop work, which other slots' prompt times then include
+        struct on_exit {
+            llama_tokens &                t;
+            loop_work &                   work;
+            loop_work::clock::time_point start;
+            ~on_exit() {
+                t.clear();
+                work.add(start);
+            }
+        } const done{ slot.pending, kv.work, loop_work::clock::now() };
+        const size_t                bt     = S().block_tokens;
+        const llama_tokens &        tokens = slot.pending;
+        const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());
+        // the blocks held stay pinned while the new ones are reserved and committed after them
+        pin_guard    held(*kv.store, names.data(), names.size());
+        const size_t from = held.n;
+        if (from == names.size()) {
+            return;
+        }
+        const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, 0);
+        kv.blob.resize(size);
+        const size_t got = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, kv.blob.data(), size, seq_id, 0);
+        kv_parsed    p;
+        std::string  err;
+        if (got != size || size == 0) {
+            err = "llama.cpp exported no KV state";
+        } else if (parse_state(kv.blob.data(), kv.blob.size(), p, err) && !p.schema.same_layout(kv.schema)) {
+            err = "the exported KV state does not have the layout probed at load";
+        } else if (err.empty() && p.cell_of.size() < names.size() * bt) {
+            err = "the exported KV state lacks some of the prompt's positions";
+        }
+        if (!err.empty()) {
+            kv.counts.export_failed++;
+            SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, err.c_str());
+            return;
+        }
+        std::vector<uint64_t> evicted;
+        reservation           res(*kv.store, names.size() - from, &evicted);
+        publish_removed(kv, evicted);
+        const std::vector<uint32_t> & ids = res.ids;
+        std::vector<uint8_t *>        dst(ids.size());
+        for (size_t i = 0; i < ids.size(); i++) {
+            dst[i] = kv.store->block(ids[i]);
+        }
+        cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
+        kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
+        res.handed                      = ids.size();
+        const std::vector<size_t> fresh = kv.store->commit(ids.data(), names.data() + from, ids.size());
+        kv.counts.exported_blocks += fresh.size();
+        publish_stored(kv, names, tokens, from, fresh);
+    } catch (const std::exception & e) {
+        kv.counts.export_failed++;
+        SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, e.what());
+    } catch (...) {
+        kv.counts.export_failed++;
+    }
+}
+
+}  // namespace kvrelay_llama

@@ -1,0 +1,194 @@
+// kvrelay_llama_state.hpp: the integration's private state, shared by its sources (never
+// included by llama-server's own files; kvrelay_llama.hpp is the only header the patch includes).
+//
+// The sources, one concern each:
+//   kvrelay_llama_flags.cpp   --kv-* flags and LLAMA_ARG_KV_* variables (consume_args)
+//   kvrelay_llama_start.cpp   the process-wide state, the naming identity, the start-up probe,
+//                             the block store, the agent and the policy (on_model_loaded)
+//   kvrelay_llama_fetch.cpp   admission of a request's hints and the fetch path (HTTP threads)
+//   kvrelay_llama_slots.cpp   the slot hooks: import, prompt done, export (main loop)
+//   kvrelay_llama_routes.cpp  /metrics, /v1/kv/info, /v1/kv/lookup
+//   kvrelay_llama_kv.cpp      llama.cpp's state blob cut into blocks, and the block store
+#pragma once
+
+#include "kvrelay.hpp"
+#include "kvrelay_llama.hpp"
+#include "kvrelay_llama_kv.hpp"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvrelay_llama::detail {
+
+inline constexpr size_t       DEFAULT_BLOCK_TOKENS = 32;
+inline constexpr size_t       MAX_BLOCK_TOKENS     = 65536;
+inline constexpr const char * METRIC_PREFIX        = "llamacpp_kv_hints";
+inline constexpr size_t       MAX_HINT_HASHES      = 65536;
+inline constexpr uint32_t     WAIT_SLICE_MS        = 20;
+
+// Process-wide settings: written by consume_args and on_model_loaded on the main thread before
+// the HTTP server is marked ready, read by request threads afterwards.
+struct settings {
+    bool        trusted      = false;
+    size_t      block_tokens = DEFAULT_BLOCK_TOKENS;
+    std::string identity;
+    uint64_t    seed         = 0;
+    std::string model_path;
+    // the KV path
+    std::string              listen;
+    std::vector<std::string> trusted_endpoints;
+    std::vector<std::string> allow_peers;
+    size_t                   pool_mib     = 1024;
+    bool                     fetch_always = false;
+    bool                     fail_on_load = false;  // --kv-load-failure-policy fail
+    std::string              events;  // KV events publisher endpoint ("" : none)
+
+    bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
+};
+
+/// The process-wide settings (kvrelay_llama_start.cpp).
+settings & S();
+
+/// The one admission edge of the process (kvrelay::Admission is thread-safe). Built on first use,
+/// after consume_args fixed the trust switch.
+const kvrelay::Admission & admission();
+
+/// `v` as 16 lower-case hex digits.
+std::string hex64(uint64_t v);
+
+// This integration's counters (the library's agent and policy count their own).
+struct kv_counters {
+    std::mutex                      mu;
+    std::map<std::string, uint64_t> fetch;  // by outcome
+    std::atomic<uint64_t>           fetched_blocks{ 0 };
+    std::atomic<uint64_t>           exported_blocks{ 0 };
+    std::atomic<uint64_t>           export_failed{ 0 };
+    std::atomic<uint64_t>           imported_tokens{ 0 };
+    std::atomic<uint64_t>           recomputed_tokens{ 0 };
+    std::atomic<uint64_t>           import_refused{ 0 };
+
+    void count(const std::string & outcome) {
+        std::lock_guard<std::mutex> g(mu);
+        fetch[outcome]++;
+    }
+};
+
+// Pins held through a scope: unpinned when it ends, however it ends.
+struct pin_guard {
+    block_store *         store = nullptr;
+    std::vector<uint32_t> ids;
+    size_t                n = 0;
+    pin_guard(block_store & st, const uint64_t * names, size_t count) : store(&st), ids(count) {
+        n = st.pin(names, count, ids.data());
+    }
+    pin_guard(const pin_guard &)             = delete;
+    pin_guard & operator=(const pin_guard &) = delete;
+    ~pin_guard() { store->unpin(ids.data(), n); }
+};
+
+// Reserved blocks owned by a scope: `ids[handed..]` go back to the free list when it ends (the
+// ones before were committed, or are withheld by a transfer, and are no longer this scope's).
+struct reservation {
+    block_store *         store = nullptr;
+    std::vector<uint32_t> ids;
+    size_t                handed = 0;
+    reservation() = default;
+    reservation(block_store & st, size_t n, std::vector<uint64_t> * evicted) : store(&st), ids(st.reserve(n, evicted)) {}
+    reservation(reservation && o) noexcept : store(o.store), ids(std::move(o.ids)), handed(o.handed) { o.store = nullptr; }
+    reservation & operator=(reservation && o) noexcept {
+        std::swap(store, o.store);
+        std::swap(ids, o.ids);
+        std::swap(handed, o.handed);
+        return *this;
+    }
+    ~reservation() {
+        if (store != nullptr && handed < ids.size()) {
+            store->release(ids.data() + handed, ids.size() - handed);
+        }
+    }
+};
+
+// What the integration knows of one slot's sequence (main loop only).
+struct slot_kv {
+    size_t       exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
+    bool         aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
+    llama_tokens pending;             // a prompt whose blocks export_pending exports (empty: none)
+};
+
+// kvrelay's own work on the main loop (imports, exports): llama-server's prompt time of every
+// slot whose prompt was in flight meanwhile includes it, and on_prompt_done takes it out. The
+// last 64 pieces, main loop only; one a slot's window lost from the ring is left in (a prefill
+// then looks slower than it is, and a fetch is chosen a little more often).
+struct loop_work {
+    using clock = std::chrono::steady_clock;
+    struct piece {
+        clock::time_point start;
+        double            seconds = 0;
+    };
+    std::array<piece, 64> ring{};
+    size_t                next = 0;
+
+    // a piece that started at `start` ends now; its seconds
+    double add(clock::time_point start) {
+        const double s              = std::chrono::duration<double>(clock::now() - start).count();
+        ring[next++ % ring.size()] = { start, s };
+        return s;
+    }
+    double since(clock::time_point from) const {
+        double t = 0;
+        for (const piece & p : ring) {
+            if (p.seconds > 0 && p.start >= from) {
+                t += p.seconds;
+            }
+        }
+        return t;
+    }
+};
+
+struct kv_runtime {
+    kv_schema                              schema;
+    std::unique_ptr<block_store>           store;
+    std::unique_ptr<kvrelay::Agent>        agent;
+    std::unique_ptr<kvrelay::Orchestrator> orch;
+    std::unique_ptr<kvrelay::KvEvents>     events;          // null: no events
+    std::string                            endpoint;        // this server's KV service, "" for none
+    std::atomic<double>                    sec_per_token{ 0 };  // prefill, a moving average (0: not measured)
+    bool                                   warmed = false;      // a prompt was timed (the first is not folded)
+    loop_work                              work;                // main loop only
+    kv_counters                            counts;
+    std::vector<uint8_t>                   blob;             // main loop only
+    kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
+    std::vector<slot_kv>                   slots;            // by sequence id, main loop only
+
+    slot_kv & slot(int seq_id) {
+        if (size_t(seq_id) >= slots.size()) {
+            slots.resize(size_t(seq_id) + 1);
+        }
+        return slots[size_t(seq_id)];
+    }
+};
+
+/// Set once by on_model_loaded, never freed (agent threads may run until exit); null while the
+/// KV path is off.
+extern kv_runtime * KV;
+
+/// The provider the orchestrator hands a kv.fetch decision to (kvrelay_llama_fetch.cpp).
+std::shared_ptr<kvrelay::Provider> make_provider();
+
+/// Blocks `first + fresh[i]` of a prompt just committed: publish them (KV events), each with the
+/// name of the block before it and its tokens. No-op without a publisher.
+void publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names, const llama_tokens & tokens,
+                    size_t first, const std::vector<size_t> & fresh);
+
+/// Blocks the store evicted: publish their removal. No-op without a publisher.
+void publish_removed(const kv_runtime & kv, const std::vector<uint64_t> & evicted);
+
+}  // namespace kvrelay_llama::detail
