@@ -129,9 +129,24 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
 /// largest size. Kept out of a streamed request's time to first token this way.
 void export_pending(llama_context * ctx, int seq_id) noexcept;
 
-/// launch_slot_with_task (main loop): logs (debug level) that the task carries an
-/// admitted hint and its action count, never the hint's contents. Never throws.
+/// launch_slot_with_task (main loop): a new task starts on the slot: what the integration
+/// tracks per task (the prompt's start at a block edge, an export left over) is reset; the
+/// slot's exact cells stay what the hooks below left. Logs (debug level) that the task carries
+/// an admitted hint and its action count, never the hint's contents. Never throws.
 void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept;
+
+/// Every path of llama-server that replaces or moves a slot's cells other than a prefill or
+/// decode of its own (main loop): the prompt cache's load, a prompt cleared (slot erase, a
+/// failed restore, a new prompt with nothing to keep), a slot restored from a file, a context
+/// shift, --cache-reuse chunk shifting. The cells of `seq_id` at positions `keep` and above are
+/// no longer known to equal a cold prefill (0: none of them): they are neither exported nor
+/// kept as an exact prefix by import_prefix, which then takes what the block store holds and
+/// prefills the rest from a block edge. An export pending past `keep` is cut to it. O(1).
+void on_cells_changed(int seq_id, int keep) noexcept;
+
+/// copy_state_to (main loop, children of n_cmpl > 1): `dst_seq`'s cells became a copy of
+/// `src_seq`'s: it is exact where the source is, and exports nothing (the parent does). O(1).
+void on_cells_copied(int src_seq, int dst_seq) noexcept;
 
 /// GET /metrics: kvrelay's counters as Prometheus text, each line newline-terminated: admission
 /// (llamacpp_kv_hints_*), and with the KV path on the policy (llamacpp_kv_policy_*), the agent

@@ -44,6 +44,7 @@ std::string prometheus() noexcept {
             { "imported_tokens_total", kv.counts.imported_tokens.load() },
             { "recomputed_tokens_total", kv.counts.recomputed_tokens.load() },
             { "import_refused_total", kv.counts.import_refused.load() },
+            { "slot_cells_changed_total", kv.counts.cells_changed.load() },
             { "store_evicted_total", c.evicted },
         };
         for (const auto & [name, v] : plain) {

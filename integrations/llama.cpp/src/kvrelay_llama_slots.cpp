@@ -14,12 +14,51 @@ namespace kvrelay_llama {
 using namespace detail;
 
 void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept {
-    if (!hint) {
+    try {
+        if (KV != nullptr && id_slot >= 0) {
+            slot_kv & slot = KV->slot(id_slot);
+            slot.aligned   = false;  // set again only by import_prefix, for this task's prompt
+            slot.pending.clear();
+        }
+        if (hint) {
+            LOG_DBG("kvrelay: slot %d, task %d carries an admitted KV hint with %zu action(s)\n", id_slot, id_task,
+                    hint->action_count());
+        }
+    } catch (...) {
+    }
+}
+
+void on_cells_changed(int seq_id, int keep) noexcept {
+    if (KV == nullptr || seq_id < 0) {
         return;
     }
     try {
-        LOG_DBG("kvrelay: slot %d, task %d carries an admitted KV hint with %zu action(s)\n",
-                id_slot, id_task, hint->action_count());
+        const size_t bt    = S().block_tokens;
+        slot_kv &    slot  = KV->slot(seq_id);
+        const size_t upto  = keep <= 0 ? 0 : size_t(keep) / bt * bt;
+        slot.exact_upto    = std::min(slot.exact_upto, upto);
+        if (slot.pending.size() > upto) {
+            slot.pending.resize(upto);
+        }
+        if (upto == 0) {
+            slot.aligned = false;
+        }
+        KV->counts.cells_changed++;
+    } catch (...) {
+    }
+}
+
+void on_cells_copied(int src_seq, int dst_seq) noexcept {
+    if (KV == nullptr || src_seq < 0 || dst_seq < 0) {
+        return;
+    }
+    try {
+        const size_t exact = KV->slot(src_seq).exact_upto;
+        slot_kv &    dst   = KV->slot(dst_seq);
+        dst.exact_upto     = exact;
+        dst.aligned        = false;
+        dst.pending.clear();
+        KV->counts.cells_changed++;
     } catch (...) {
     }
 }

@@ -74,6 +74,7 @@ struct kv_counters {
     std::atomic<uint64_t>           imported_tokens{ 0 };
     std::atomic<uint64_t>           recomputed_tokens{ 0 };
     std::atomic<uint64_t>           import_refused{ 0 };
+    std::atomic<uint64_t>           cells_changed{ 0 };  // on_cells_changed / on_cells_copied calls
 
     void count(const std::string & outcome) {
         std::lock_guard<std::mutex> g(mu);
