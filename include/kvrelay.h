@@ -26,6 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
+#define KVRELAY_BLOCK_DIGEST_BYTES 32
+
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -1759,6 +1762,49 @@ kvrelay_status kvrelay_block_names(const struct kvrelay_naming *naming,
                                    uint64_t *names,
                                    size_t cap,
                                    size_t *n_out);
+
+// The content digests of the full blocks of `tokens`: `KVRELAY_BLOCK_DIGEST_BYTES` (32) bytes
+// each, a chained SHA-256 over the domain `"kvrelay-block-digest-1"`, SHA-256 of `identity`,
+// the digest of the block before (32 zero bytes for block 0), `naming->lora_id` (u64 LE),
+// for block 0 a non-empty salt (its length as u64 LE, then its bytes) and the block's tokens
+// (u32 LE). `identity` is the engine's identity, the bytes passed to `kvrelay_name_seed`
+// (`(NULL, 0)`: empty); `naming->seed` is not used. A digest covers its block's whole prefix,
+// the engine and the salt: equal digests mean equal KV for equal engines.
+//
+// Names (`kvrelay_block_names`) are what routers index; they are 64 bits of a
+// non-cryptographic hash, neither secret nor collision-resistant, so a crafted block can
+// carry a popular prefix's name. The digest is the block's identity in the data plane: a
+// runtime imports a block into a slot only when the block's recorded digest equals the digest
+// this function gives for that slot's own tokens at those positions. Never trust a name
+// alone.
+//
+// Blocks are cut as `kvrelay_block_names` cuts them: `tokens` begin at block index
+// `first_block` of their request, and the block before has the digest `parent` (32 bytes;
+// ignored and may be NULL when `first_block` is 0, else `KVRELAY_ERR_NULL` for NULL). A
+// partial last block is not digested. Size-query convention: `*n_out` gets the number of full
+// blocks; a `cap` (in digests: `digests` holds `cap * 32` bytes) below it writes nothing else
+// (`KVRELAY_ERR_BUFFER_TOO_SMALL`). Allocates nothing; one SHA-256 pass over each block's
+// `94 + 4 * block_tokens` bytes (plus the salt once and `identity` once per call).
+// `KVRELAY_ERR_INVALID_ARGUMENT` for `block_tokens` 0 or a `naming` no version of this
+// header describes.
+//
+// # Safety
+// `naming` NULL or readable for `naming->size` bytes, its salt readable for `salt_len` bytes;
+// `identity` NULL with `identity_len` 0 or readable for `identity_len` bytes; `parent` NULL
+// or readable for 32 bytes (read before anything is written, so it may lie in `digests`);
+// `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values; `digests` NULL with
+// `cap` 0 or writable for `cap * 32` bytes, not overlapping `tokens`, `identity` or the salt;
+// `n_out` NULL or writable.
+kvrelay_status kvrelay_block_digests(const struct kvrelay_naming *naming,
+                                     const uint8_t *identity,
+                                     size_t identity_len,
+                                     const uint8_t *parent,
+                                     size_t first_block,
+                                     const uint32_t *tokens,
+                                     size_t n_tokens,
+                                     uint8_t *digests,
+                                     size_t cap,
+                                     size_t *n_out);
 
 // Start a capability snapshot.
 //

@@ -20,6 +20,7 @@
 #ifndef KVRELAY_KVRELAY_HPP
 #define KVRELAY_KVRELAY_HPP
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -823,6 +824,37 @@ class Naming {
   }
   std::vector<uint64_t> names(const std::vector<uint32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
   std::vector<uint64_t> names(const std::vector<int32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
+  /// A block's content digest (kvrelay_block_digests): SHA-256, chained like the names.
+  using Digest = std::array<uint8_t, KVRELAY_BLOCK_DIGEST_BYTES>;
+  static_assert(sizeof(Digest) == KVRELAY_BLOCK_DIGEST_BYTES, "digests are passed to C as contiguous bytes");
+  /// The content digests of the full blocks of `tokens` under the engine identity `identity`
+  /// (the string seed_of() takes), cut as names() cuts them: `tokens` begin at block
+  /// `first_block` of their request after the block whose digest is `*parent` (nullptr and 0
+  /// for a whole prompt; nullptr with `first_block` above 0 throws KVRELAY_ERR_NULL). Names are
+  /// what routers index, but they are not collision-resistant: import a block into a slot
+  /// only when its recorded digest equals the digest of that slot's own tokens.
+  std::vector<Digest> digests(std::string_view identity, const uint32_t *tokens, std::size_t n,
+                              const Digest *parent = nullptr, std::size_t first_block = 0) const {
+    std::vector<Digest> out(block_tokens_ ? n / block_tokens_ : 0);
+    std::size_t got = 0;
+    const kvrelay_naming c = c_naming();
+    check(kvrelay_block_digests(&c, reinterpret_cast<const uint8_t *>(identity.data()), identity.size(),
+                                parent ? parent->data() : nullptr, first_block, tokens, n,
+                                reinterpret_cast<uint8_t *>(out.data()), out.size(), &got));
+    out.resize(got);
+    return out;
+  }
+  /// The same for signed token ids (llama.cpp's `llama_token`), read as their unsigned values.
+  std::vector<Digest> digests(std::string_view identity, const int32_t *tokens, std::size_t n,
+                              const Digest *parent = nullptr, std::size_t first_block = 0) const {
+    return digests(identity, reinterpret_cast<const uint32_t *>(tokens), n, parent, first_block);
+  }
+  std::vector<Digest> digests(std::string_view identity, const std::vector<uint32_t> &tokens) const {
+    return digests(identity, tokens.data(), tokens.size());
+  }
+  std::vector<Digest> digests(std::string_view identity, const std::vector<int32_t> &tokens) const {
+    return digests(identity, tokens.data(), tokens.size());
+  }
   /// The C struct for this naming (valid while this object lives and is not modified).
   kvrelay_naming c_naming() const noexcept {
     return kvrelay_naming{sizeof(kvrelay_naming), seed_,

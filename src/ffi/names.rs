@@ -1,10 +1,16 @@
 //! Block names from C (SPEC sections 8 and 10): the naming function of [`crate::names`], so
-//! that every runtime that links kvrelay names the same tokens the same way.
+//! that every runtime that links kvrelay names the same tokens the same way, and the blocks'
+//! content digests, which a runtime compares before it imports a block.
 
 use super::boundary::{bytes, guard, out_ptr, put, read_sized, with_detail, SizedStruct};
 use super::copy::array;
 use super::status::kvrelay_status::{self, *};
-use crate::names::{name_seed, Naming};
+use crate::names::{name_seed, Naming, BLOCK_DIGEST_BYTES};
+
+/// Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
+pub const KVRELAY_BLOCK_DIGEST_BYTES: usize = 32;
+
+const _: () = assert!(KVRELAY_BLOCK_DIGEST_BYTES == BLOCK_DIGEST_BYTES);
 
 /// What a chain of block names depends on besides the tokens. `size` is
 /// `sizeof(kvrelay_naming)` as the caller's header declares it (fields are only ever
@@ -107,6 +113,98 @@ pub unsafe extern "C" fn kvrelay_block_names(
         let out = unsafe { std::slice::from_raw_parts_mut(names, need) };
         let naming = Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt };
         naming.names_into(parent, first_block, tokens, out);
+        Ok(())
+    })
+}
+
+/// The content digests of the full blocks of `tokens`: `KVRELAY_BLOCK_DIGEST_BYTES` (32) bytes
+/// each, a chained SHA-256 over the domain `"kvrelay-block-digest-1"`, SHA-256 of `identity`,
+/// the digest of the block before (32 zero bytes for block 0), `naming->lora_id` (u64 LE),
+/// for block 0 a non-empty salt (its length as u64 LE, then its bytes) and the block's tokens
+/// (u32 LE). `identity` is the engine's identity, the bytes passed to `kvrelay_name_seed`
+/// (`(NULL, 0)`: empty); `naming->seed` is not used. A digest covers its block's whole prefix,
+/// the engine and the salt: equal digests mean equal KV for equal engines.
+///
+/// Names (`kvrelay_block_names`) are what routers index; they are 64 bits of a
+/// non-cryptographic hash, neither secret nor collision-resistant, so a crafted block can
+/// carry a popular prefix's name. The digest is the block's identity in the data plane: a
+/// runtime imports a block into a slot only when the block's recorded digest equals the digest
+/// this function gives for that slot's own tokens at those positions. Never trust a name
+/// alone.
+///
+/// Blocks are cut as `kvrelay_block_names` cuts them: `tokens` begin at block index
+/// `first_block` of their request, and the block before has the digest `parent` (32 bytes;
+/// ignored and may be NULL when `first_block` is 0, else `KVRELAY_ERR_NULL` for NULL). A
+/// partial last block is not digested. Size-query convention: `*n_out` gets the number of full
+/// blocks; a `cap` (in digests: `digests` holds `cap * 32` bytes) below it writes nothing else
+/// (`KVRELAY_ERR_BUFFER_TOO_SMALL`). Allocates nothing; one SHA-256 pass over each block's
+/// `94 + 4 * block_tokens` bytes (plus the salt once and `identity` once per call).
+/// `KVRELAY_ERR_INVALID_ARGUMENT` for `block_tokens` 0 or a `naming` no version of this
+/// header describes.
+///
+/// # Safety
+/// `naming` NULL or readable for `naming->size` bytes, its salt readable for `salt_len` bytes;
+/// `identity` NULL with `identity_len` 0 or readable for `identity_len` bytes; `parent` NULL
+/// or readable for 32 bytes (read before anything is written, so it may lie in `digests`);
+/// `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values; `digests` NULL with
+/// `cap` 0 or writable for `cap * 32` bytes, not overlapping `tokens`, `identity` or the salt;
+/// `n_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_block_digests(
+    naming: *const kvrelay_naming,
+    identity: *const u8,
+    identity_len: usize,
+    parent: *const u8,
+    first_block: usize,
+    tokens: *const u32,
+    n_tokens: usize,
+    digests: *mut u8,
+    cap: usize,
+    n_out: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        let n_out = out_ptr(n_out)?;
+        // SAFETY: forwarded contract.
+        let c = unsafe { read_sized(naming) }?;
+        c.check("kvrelay_naming")?;
+        let c = c.value;
+        if c.block_tokens == 0 {
+            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "block_tokens is 0"));
+        }
+        // SAFETY: forwarded contract.
+        let (salt, identity, tokens) =
+            unsafe { (bytes(c.salt, c.salt_len)?, bytes(identity, identity_len)?, array(tokens, n_tokens)?) };
+        let parent = if first_block == 0 {
+            [0u8; BLOCK_DIGEST_BYTES]
+        } else if parent.is_null() {
+            return Err(with_detail(KVRELAY_ERR_NULL, "no parent digest for a first_block above 0"));
+        } else {
+            // SAFETY: non-NULL and readable for 32 bytes per the contract; `[u8; 32]` has
+            // alignment 1; copied out before the output is written (it may lie there).
+            unsafe { parent.cast::<[u8; BLOCK_DIGEST_BYTES]>().read() }
+        };
+        if digests.is_null() && cap != 0 {
+            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+        }
+        let need = tokens.len() / c.block_tokens;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put(n_out, need) };
+        if cap < need {
+            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+        }
+        if need == 0 {
+            return Ok(());
+        }
+        // `from_raw_parts_mut` requires the slice to span at most isize::MAX bytes.
+        if need.checked_mul(BLOCK_DIGEST_BYTES).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+        }
+        // SAFETY: non-NULL (cap >= need > 0), `[u8; 32]` has alignment 1, writable for
+        // `cap * 32 >= need * 32` bytes (within isize::MAX) per the contract, and not
+        // overlapping the inputs the caller lent (distinct buffers; `parent` was copied).
+        let out = unsafe { std::slice::from_raw_parts_mut(digests.cast::<[u8; BLOCK_DIGEST_BYTES]>(), need) };
+        let naming = Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt };
+        naming.digests_into(identity, &parent, first_block, tokens, out);
         Ok(())
     })
 }

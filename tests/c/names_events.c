@@ -1,7 +1,7 @@
-/* Block naming and KV events from C: the names equal an independent implementation's (the
- * golden values of src/names.rs), a chain continued block by block equals the whole, the size
- * query and the sized struct's rules hold, and a KV events publisher starts on loopback, counts
- * what it publishes and stops. */
+/* Block naming and KV events from C: the names and the block content digests equal an
+ * independent implementation's (the golden values of src/names.rs), a chain continued block by
+ * block equals the whole, the size query and the sized struct's rules hold, and a KV events
+ * publisher starts on loopback, counts what it publishes and stops. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
 #include <string.h>
@@ -59,6 +59,71 @@ static void test_names(void) {
   EXPECT(kvrelay_block_names(&n, 0, 0, toks, 15, NULL, 0, &got) == KVRELAY_OK && got == 0);
 }
 
+static void test_digests(void) {
+  uint32_t toks[69];
+  for (uint32_t i = 0; i < 69; i++) toks[i] = i + 1;
+  kvrelay_naming n;
+  memset(&n, 0, sizeof n);
+  n.size = sizeof n;
+  n.seed = NAME_SEED;
+  n.block_tokens = 32;
+  const char *id = "llama-identity";
+  const uint8_t *idp = (const uint8_t *)id;
+  const size_t id_len = strlen(id);
+  /* the first digest of tokens 1..=69 under "llama-identity", blocks of 32, no LoRA, no salt
+   * (Python's hashlib, the formula of src/names.rs) */
+  static const uint8_t golden[KVRELAY_BLOCK_DIGEST_BYTES] = {
+      0x03, 0xbc, 0x20, 0x92, 0xf8, 0x85, 0x74, 0x09, 0x69, 0x43, 0xd2, 0x6f, 0x28, 0xc6, 0x93, 0x85,
+      0x6a, 0xb0, 0xe8, 0x7e, 0x48, 0x13, 0xa8, 0x6d, 0x81, 0xe0, 0xd2, 0x57, 0xba, 0x50, 0x26, 0xab};
+  uint8_t digests[4 * KVRELAY_BLOCK_DIGEST_BYTES];
+  memset(digests, 0, sizeof digests);
+  size_t got = 99;
+  EXPECT(KVRELAY_BLOCK_DIGEST_BYTES == 32);
+  /* size query: two full blocks; a buffer of one digest is too small and left alone */
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, NULL, 0, &got) == KVRELAY_ERR_BUFFER_TOO_SMALL && got == 2);
+  got = 99;
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, digests, 1, &got) == KVRELAY_ERR_BUFFER_TOO_SMALL && got == 2);
+  static const uint8_t zeros[KVRELAY_BLOCK_DIGEST_BYTES];
+  EXPECT(memcmp(digests, zeros, sizeof zeros) == 0);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, digests, 4, &got) == KVRELAY_OK && got == 2);
+  EXPECT(memcmp(digests, golden, sizeof golden) == 0);
+  EXPECT(memcmp(digests, digests + KVRELAY_BLOCK_DIGEST_BYTES, KVRELAY_BLOCK_DIGEST_BYTES) != 0);
+  /* continued from the first block's digest: the second block's digest */
+  uint8_t second[KVRELAY_BLOCK_DIGEST_BYTES];
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, digests, 1, toks + 32, 37, second, 1, &got) == KVRELAY_OK && got == 1);
+  EXPECT(memcmp(second, digests + KVRELAY_BLOCK_DIGEST_BYTES, sizeof second) == 0);
+  /* the parent may lie in the output buffer (it is read first) */
+  uint8_t chain[2 * KVRELAY_BLOCK_DIGEST_BYTES];
+  memcpy(chain, digests, KVRELAY_BLOCK_DIGEST_BYTES);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, chain, 1, toks + 32, 32, chain, 1, &got) == KVRELAY_OK && got == 1);
+  EXPECT(memcmp(chain, second, sizeof second) == 0);
+  /* a parent is required past block 0, ignored at block 0 */
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 1, toks + 32, 37, second, 1, &got) == KVRELAY_ERR_NULL);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, second, 0, toks, 32, chain, 1, &got) == KVRELAY_OK && got == 1);
+  EXPECT(memcmp(chain, golden, sizeof golden) == 0);
+  /* another identity, another digest; (NULL, 0) is the empty identity */
+  EXPECT(kvrelay_block_digests(&n, idp, id_len - 1, NULL, 0, toks, 32, chain, 1, &got) == KVRELAY_OK);
+  EXPECT(memcmp(chain, golden, sizeof golden) != 0);
+  uint8_t empty[KVRELAY_BLOCK_DIGEST_BYTES];
+  EXPECT(kvrelay_block_digests(&n, NULL, 0, NULL, 0, toks, 32, empty, 1, &got) == KVRELAY_OK && got == 1);
+  EXPECT(kvrelay_block_digests(&n, (const uint8_t *)"", 0, NULL, 0, toks, 32, chain, 1, &got) == KVRELAY_OK);
+  EXPECT(memcmp(chain, empty, sizeof empty) == 0);
+  EXPECT(kvrelay_block_digests(&n, NULL, 3, NULL, 0, toks, 32, chain, 1, &got) == KVRELAY_ERR_INVALID_ARGUMENT);
+  /* refusals: no tokens per block, a struct of no version, NULLs */
+  n.block_tokens = 0;
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, digests, 4, &got) == KVRELAY_ERR_INVALID_ARGUMENT);
+  n.block_tokens = 32;
+  n.size = 8;
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, digests, 4, &got) == KVRELAY_ERR_INVALID_ARGUMENT);
+  n.size = sizeof n;
+  EXPECT(kvrelay_block_digests(NULL, idp, id_len, NULL, 0, toks, 69, digests, 4, &got) == KVRELAY_ERR_NULL);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, NULL, 3, digests, 4, &got) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, NULL, 4, &got) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 69, digests, 4, NULL) == KVRELAY_ERR_NULL);
+  /* no full block: nothing to write, NULL output is fine */
+  EXPECT(kvrelay_block_digests(&n, idp, id_len, NULL, 0, toks, 31, NULL, 0, &got) == KVRELAY_OK && got == 0);
+}
+
 static void test_events(void) {
   const char *at = "tcp://127.0.0.1:0";
   kvrelay_kv_events_config *c = NULL;
@@ -99,6 +164,7 @@ static void test_events(void) {
 
 int main(void) {
   test_names();
+  test_digests();
   test_events();
   printf("names_events: %d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

@@ -12,6 +12,7 @@ from typing import Any, Optional, TypeVar
 
 # --- constants
 
+KVRELAY_BLOCK_DIGEST_BYTES = 32  # Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
@@ -706,6 +707,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_kv_events_prometheus": (c_int32, [("events", c_void_p), ("prefix", c_void_p), ("prefix_len", c_size_t), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_name_seed": (c_int32, [("identity", c_void_p), ("len", c_size_t), ("out", POINTER(c_uint64))]),
     "kvrelay_block_names": (c_int32, [("naming", POINTER(kvrelay_naming)), ("parent", c_uint64), ("first_block", c_size_t), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("names", POINTER(c_uint64)), ("cap", c_size_t), ("n_out", POINTER(c_size_t))]),
+    "kvrelay_block_digests": (c_int32, [("naming", POINTER(kvrelay_naming)), ("identity", c_void_p), ("identity_len", c_size_t), ("parent", c_void_p), ("first_block", c_size_t), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("digests", c_void_p), ("cap", c_size_t), ("n_out", POINTER(c_size_t))]),
     "kvrelay_capabilities_builder_new": (c_int32, [("out", POINTER(c_void_p))]),
     "kvrelay_capabilities_builder_add": (c_int32, [("builder", c_void_p), ("family", c_void_p), ("family_len", c_size_t), ("action_type", c_void_p), ("action_type_len", c_size_t), ("action_version", c_void_p), ("action_version_len", c_size_t)]),
     "kvrelay_capabilities_build": (c_int32, [("builder", c_void_p), ("out", POINTER(c_void_p))]),
