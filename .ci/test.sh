@@ -145,6 +145,9 @@ timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "
 echo "== a slot exports only KV a cold prefill gives: the prompt cache, --cache-reuse and slot restore change cells, a server that fetches them answers as a cold one"
 timeout 600 python3 integrations/llama.cpp/tests/exactness_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== what a kvrelay llama-server tells and takes at its edges: no membership answer untrusted, the KV port's key, nothing pinned after an over-long or empty hinted prompt"
+timeout 600 python3 integrations/llama.cpp/tests/integrity_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== the official openai client against kvrelay llama-servers: a hint in extra_body fetches, streamed and not, with the cold answer"
 PYTHONPATH="$oa" timeout 600 python3 integrations/llama.cpp/tests/openai_client_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

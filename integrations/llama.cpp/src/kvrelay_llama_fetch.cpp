@@ -46,6 +46,12 @@ struct fetch_call {
                 while (!(r = fetch.wait(1000))) {
                 }
             }
+            // the verified blocks are not committed on this path: back to the free list (they
+            // would stay reserved for ever); withheld ones return through the holder
+            const size_t ok = std::min(dst.ids.size(), r->blocks);
+            if (dst.store != nullptr) {
+                dst.store->release(dst.ids.data(), ok);
+            }
             dst.handed = std::min(dst.ids.size(), r->blocks + r->withheld);
         } catch (...) {
             dst.handed = dst.ids.size();  // unknown: keep them all out of the free list
@@ -125,9 +131,7 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->outcome = "not_worth_it";
         return NOT_WORTH_IT;
     }
-    std::vector<uint64_t> evicted;
-    call->dst = reservation(*kv.store, run, &evicted);
-    publish_removed(kv, evicted);
+    call->dst = reservation(*kv.store, run, publish_removed(kv));
     if (call->dst.ids.empty()) {
         call->outcome = "no_room";
         return NO_ROOM;
@@ -229,6 +233,11 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
             return nullptr;
         }
         const llama_tokens & tokens = prompt.get_tokens();
+        if (S().n_ctx_slot > 0 && tokens.size() >= S().n_ctx_slot) {
+            // llama-server refuses it at the slot (exceeds the context): nothing to fetch for
+            kv.counts.count("prompt_too_long");
+            return nullptr;
+        }
         const size_t         bt     = S().block_tokens;
         // the blocks that may be fetched: full ones, at least one prompt token left to evaluate
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
@@ -267,9 +276,8 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         // returned(), the rest goes back to the free list with the reservation
         call.dst.handed                = ok + withheld;
         call.settled                   = true;
-        const std::vector<size_t> fresh = kv.store->commit(call.dst.ids.data(), names.data() + call.held, ok);
+        kv.store->commit(call.dst.ids.data(), names.data() + call.held, ok, publish_stored(kv, names, tokens, call.held));
         kv.counts.fetched_blocks += ok;
-        publish_stored(kv, names, tokens, call.held, fresh);
         const std::string outcome = gone ? "client_gone"
                                     : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
                                     : ok < n_dst                    ? "partial"

@@ -47,6 +47,9 @@ void print_usage() {
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
     printf("--kv-load-failure-policy recompute|fail when a hinted fetch fails: prefill as a cold request (default), or answer\n"
            "                                        502 kv_load_failed (env: LLAMA_ARG_KV_LOAD_FAILURE_POLICY)\n");
+    printf("--kv-key-file PATH                      a pre-shared key (the file's bytes) that peers fetching from this server\n"
+           "                                        and the peers it fetches from must prove they hold (default: none)\n"
+           "                                        (env: LLAMA_ARG_KV_KEY_FILE)\n");
     printf("--kv-events tcp://HOST:PORT             publish KV events (the blocks served, and evicted) there for a router such as\n"
            "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n\n");
 }
@@ -111,6 +114,9 @@ bool consume_args(int & argc, char ** argv) {
     if (const char * env = std::getenv("LLAMA_ARG_KV_EVENTS"); env != nullptr) {
         s.events = env;
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_KEY_FILE"); env != nullptr) {
+        s.key_file = env;
+    }
     if (const char * env = std::getenv("LLAMA_ARG_KV_TRUSTED_ENDPOINTS"); env != nullptr) {
         split_list(env, s.trusted_endpoints);
     }
@@ -158,7 +164,7 @@ bool consume_args(int & argc, char ** argv) {
         // the flags with a value: a flag given names its value, replacing the variable's
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
                                                "--kv-pool-mib", "--kv-fetch", "--kv-events",
-                                               "--kv-load-failure-policy" };
+                                               "--kv-load-failure-policy", "--kv-key-file" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -171,6 +177,8 @@ bool consume_args(int & argc, char ** argv) {
             const std::string value = argv[++i];
             if (arg == "--kv-listen") {
                 s.listen = value;
+            } else if (arg == "--kv-key-file") {
+                s.key_file = value;
             } else if (arg == "--kv-events") {
                 s.events = value;
             } else if (arg == "--kv-trusted-endpoint") {

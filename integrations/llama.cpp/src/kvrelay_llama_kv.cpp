@@ -339,11 +339,14 @@ void block_store::unpin(const uint32_t * ids, size_t n) {
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < blocks_.size() && blocks_[ids[i]].pins > 0) {
             blocks_[ids[i]].pins--;
+        } else {
+            unpin_unheld_++;
         }
     }
 }
 
-std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evicted) {
+std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evicted,
+                                          const std::function<void(uint64_t)> & on_evict) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<uint32_t>       out;
     out.reserve(std::min(n, capacity_));
@@ -368,6 +371,9 @@ std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evi
             if (evicted != nullptr) {
                 evicted->push_back(e.name);
             }
+            if (on_evict) {
+                on_evict(e.name);
+            }
             out.push_back(lru[i].second);
         }
     }
@@ -377,18 +383,23 @@ std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evi
     return out;
 }
 
-std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n) {
+std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n,
+                                        const std::function<void(size_t)> & on_stored) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<size_t>         fresh;
     fresh.reserve(n);
     for (size_t i = 0; i < n; i++) {
         if (ids[i] >= blocks_.size() || blocks_[ids[i]].st != state::RESERVED) {
+            commit_not_reserved_++;
             continue;
         }
         entry & e = blocks_[ids[i]];
         if (by_name_.emplace(names[i], ids[i]).second) {
             e = entry{ names[i], ++tick_, 0, state::COMMITTED };
             fresh.push_back(i);
+            if (on_stored) {
+                on_stored(i);
+            }
         } else {
             e = entry{};
             free_.push_back(ids[i]);
@@ -403,6 +414,8 @@ void block_store::release(const uint32_t * ids, size_t n) {
         if (ids[i] < blocks_.size() && blocks_[ids[i]].st == state::RESERVED) {
             blocks_[ids[i]] = entry{};
             free_.push_back(ids[i]);
+        } else {
+            release_not_reserved_++;
         }
     }
 }
@@ -414,7 +427,10 @@ block_store::counts block_store::read_counts() const {
     for (const entry & e : blocks_) {
         c.pinned += e.pins > 0 ? 1 : 0;
     }
-    c.evicted = evicted_;
+    c.evicted              = evicted_;
+    c.unpin_unheld         = unpin_unheld_;
+    c.commit_not_reserved  = commit_not_reserved_;
+    c.release_not_reserved = release_not_reserved_;
     return c;
 }
 

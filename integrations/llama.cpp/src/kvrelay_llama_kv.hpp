@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -101,19 +102,31 @@ class block_store : public kvrelay::BlockHolder {
     void   returned(const uint32_t * ids, size_t n) override { release(ids, n); }
     /// Up to `n` blocks to write (free ones first, then the least recently used unpinned
     /// committed ones, whose names are dropped and, when `evicted` is given, appended to it).
-    /// Fewer when everything else is pinned or reserved.
-    std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr);
+    /// Fewer when everything else is pinned or reserved. `on_evict`, when given, is called
+    /// with each evicted name under the store's lock: in the store's own order with every
+    /// other commit and eviction (KV events published there never invert).
+    std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr,
+                                  const std::function<void(uint64_t)> & on_evict = nullptr);
     /// Commit reserved `ids[i]` under `names[i]`; a name already committed keeps its block and
-    /// the new one is freed. Every block is checked reserved (others are left alone). Returns
-    /// the positions `i` committed under a new name, in order.
-    std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, size_t n);
-    /// Reserved blocks not committed go back to the free list.
+    /// the new one is freed. Every block is checked reserved; one that is not is left alone
+    /// and counted (misuse). Returns the positions `i` committed under a new name, in order;
+    /// `on_stored`, when given, is called with each of them under the store's lock (as
+    /// `on_evict` above).
+    std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, size_t n,
+                               const std::function<void(size_t)> & on_stored = nullptr);
+    /// Reserved blocks not committed go back to the free list; a block that is not reserved
+    /// is left alone and counted (misuse).
     void   release(const uint32_t * ids, size_t n);
 
     struct counts {
         uint64_t committed = 0;  // gauge
         uint64_t pinned    = 0;  // gauge: blocks with a pin
         uint64_t evicted   = 0;
+        // misuse, each left without effect: an unpin of a block no pin holds (a second unpin
+        // of the same pin), a commit or a release of a block that is not reserved
+        uint64_t unpin_unheld        = 0;
+        uint64_t commit_not_reserved  = 0;
+        uint64_t release_not_reserved = 0;
     };
     counts read_counts() const;
 
@@ -134,6 +147,7 @@ class block_store : public kvrelay::BlockHolder {
     std::unordered_map<uint64_t, uint32_t> by_name_;
     uint64_t                               tick_    = 0;
     uint64_t                               evicted_ = 0;
+    uint64_t                               unpin_unheld_ = 0, commit_not_reserved_ = 0, release_not_reserved_ = 0;
 };
 
 }  // namespace kvrelay_llama

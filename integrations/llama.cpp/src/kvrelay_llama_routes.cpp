@@ -46,6 +46,9 @@ std::string prometheus() noexcept {
             { "import_refused_total", kv.counts.import_refused.load() },
             { "slot_cells_changed_total", kv.counts.cells_changed.load() },
             { "store_evicted_total", c.evicted },
+            { "store_misuse_unpin_unheld_total", c.unpin_unheld },
+            { "store_misuse_commit_not_reserved_total", c.commit_not_reserved },
+            { "store_misuse_release_not_reserved_total", c.release_not_reserved },
         };
         for (const auto & [name, v] : plain) {
             text += std::string("# TYPE llamacpp_kv_") + name + " counter\nllamacpp_kv_" + name + " " + std::to_string(v) + "\n";
@@ -88,6 +91,7 @@ json kv_info(const std::string & model_name) {
         { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
         { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
         { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
+        { "kv_key_required",  KV != nullptr && !s.key_file.empty() },
     };
     if (KV != nullptr && KV->events) {
         const kvrelay::KvEvents &     ev = *KV->events;
@@ -159,14 +163,20 @@ json kv_lookup(const json & body, const server_chat_params & chat_params, const 
     const kvrelay::Naming naming(s.seed, s.block_tokens, 0, salt);
     const std::vector<uint64_t> names = naming.names(tokens);
 
-    return json{
+    json out = json{
         { "block_tokens",  s.block_tokens },
         { "blocks_total",  names.size()   },
-        { "blocks_held",   KV != nullptr ? KV->store->held(names.data(), names.size()) : 0 },
         { "block_hashes",  names          },
         { "n_tokens",      tokens.size()  },
         { "token_ids",     tokens         },
     };
+    // Which prefixes this server holds is an answer only for the trusted edge (hints trusted:
+    // everything that reaches the server is the operator's own traffic, a router among it).
+    // Otherwise any client could learn whether another tenant's prompt was seen here.
+    if (s.trusted) {
+        out["blocks_held"] = KV != nullptr ? KV->store->held(names.data(), names.size()) : 0;
+    }
+    return out;
 }
 
 }  // namespace kvrelay_llama

@@ -215,9 +215,7 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
             SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, err.c_str());
             return;
         }
-        std::vector<uint64_t> evicted;
-        reservation           res(*kv.store, names.size() - from, &evicted);
-        publish_removed(kv, evicted);
+        reservation                   res(*kv.store, names.size() - from, publish_removed(kv));
         const std::vector<uint32_t> & ids = res.ids;
         std::vector<uint8_t *>        dst(ids.size());
         for (size_t i = 0; i < ids.size(); i++) {
@@ -226,9 +224,9 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
         cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
         kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
         res.handed                      = ids.size();
-        const std::vector<size_t> fresh = kv.store->commit(ids.data(), names.data() + from, ids.size());
+        const std::vector<size_t> fresh =
+            kv.store->commit(ids.data(), names.data() + from, ids.size(), publish_stored(kv, names, tokens, from));
         kv.counts.exported_blocks += fresh.size();
-        publish_stored(kv, names, tokens, from, fresh);
     } catch (const std::exception & e) {
         kv.counts.export_failed++;
         SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, e.what());

@@ -42,26 +42,36 @@ std::string hex64(uint64_t v) {
     return buf;
 }
 
-void publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names, const llama_tokens & tokens,
-                    size_t first, const std::vector<size_t> & fresh) {
+std::function<void(size_t)> publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names,
+                                           const llama_tokens & tokens, size_t first) {
     if (!kv.events) {
-        return;
+        return nullptr;
     }
-    const size_t bt = S().block_tokens;
-    for (size_t i : fresh) {
+    const kvrelay::KvEvents & ev = *kv.events;
+    const size_t              bt = S().block_tokens;
+    return [&ev, &names, &tokens, first, bt](size_t i) {
         const size_t b = first + i;
-        // llama_token ids are never negative: read as their unsigned values
-        kv.events->stored(names[b], b > 0 ? &names[b - 1] : nullptr,
-                          reinterpret_cast<const uint32_t *>(tokens.data() + b * bt), bt);
-    }
+        try {
+            // llama_token ids are never negative: read as their unsigned values
+            ev.stored(names[b], b > 0 ? &names[b - 1] : nullptr,
+                      reinterpret_cast<const uint32_t *>(tokens.data() + b * bt), bt);
+        } catch (...) {
+            // the publisher refused (stopped): the commit stands, the event is lost
+        }
+    };
 }
 
-void publish_removed(const kv_runtime & kv, const std::vector<uint64_t> & evicted) {
-    if (kv.events) {
-        for (uint64_t name : evicted) {
-            kv.events->removed(name);
-        }
+std::function<void(uint64_t)> publish_removed(const kv_runtime & kv) {
+    if (!kv.events) {
+        return nullptr;
     }
+    const kvrelay::KvEvents & ev = *kv.events;
+    return [&ev](uint64_t name) {
+        try {
+            ev.removed(name);
+        } catch (...) {
+        }
+    };
 }
 
 }  // namespace detail
@@ -134,6 +144,9 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
 
     kvrelay::AgentConfig cfg(fp);
     cfg.listen(s.listen);
+    if (!s.key_file.empty()) {
+        cfg.key_from_file(s.key_file);  // both ways: peers fetching from here, fetches from peers
+    }
     for (const std::string & p : s.allow_peers) {
         cfg.allow_peer(p);
     }
@@ -210,6 +223,14 @@ void on_model_loaded(const common_params & params, llama_context * ctx) {
     }
 
     s.model_path = params.model.path;
+    if (ctx != nullptr) {
+        // as llama-server's n_ctx_slot(): a longer prompt is refused at the slot, so never fetched for
+        size_t n = llama_n_ctx_seq(ctx);
+        if (params.kv_unified_per_slot > 0) {
+            n = std::min(n, size_t(params.kv_unified_per_slot));
+        }
+        s.n_ctx_slot = std::min(n, size_t(std::max(0, llama_model_n_ctx_train(llama_get_model(ctx)))));
+    }
     try {
         s.seed     = kvrelay::Naming::seed_of(id);
         s.identity = std::move(id);

@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -50,6 +51,8 @@ struct settings {
     bool                     fetch_always = false;
     bool                     fail_on_load = false;  // --kv-load-failure-policy fail
     std::string              events;  // KV events publisher endpoint ("" : none)
+    std::string              key_file;  // the KV port's pre-shared key ("" : none)
+    size_t                   n_ctx_slot = 0;  // a slot's context (0: unknown); longer prompts are refused
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
 };
@@ -102,7 +105,9 @@ struct reservation {
     std::vector<uint32_t> ids;
     size_t                handed = 0;
     reservation() = default;
-    reservation(block_store & st, size_t n, std::vector<uint64_t> * evicted) : store(&st), ids(st.reserve(n, evicted)) {}
+    reservation(block_store & st, size_t n, const std::function<void(uint64_t)> & on_evict) :
+        store(&st),
+        ids(st.reserve(n, nullptr, on_evict)) {}
     reservation(reservation && o) noexcept : store(o.store), ids(std::move(o.ids)), handed(o.handed) { o.store = nullptr; }
     reservation & operator=(reservation && o) noexcept {
         std::swap(store, o.store);
@@ -184,12 +189,14 @@ extern kv_runtime * KV;
 /// The provider the orchestrator hands a kv.fetch decision to (kvrelay_llama_fetch.cpp).
 std::shared_ptr<kvrelay::Provider> make_provider();
 
-/// Blocks `first + fresh[i]` of a prompt just committed: publish them (KV events), each with the
-/// name of the block before it and its tokens. No-op without a publisher.
-void publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names, const llama_tokens & tokens,
-                    size_t first, const std::vector<size_t> & fresh);
+/// The store's `on_stored` for a commit of blocks `first + i` of a prompt named `names` with
+/// `tokens` (both outlive the commit): publishes each block committed under a new name (KV
+/// events), with the name of the block before it and its tokens, under the store's lock, so
+/// that a router's index follows the store's own order. Null without a publisher.
+std::function<void(size_t)> publish_stored(const kv_runtime & kv, const std::vector<uint64_t> & names,
+                                           const llama_tokens & tokens, size_t first);
 
-/// Blocks the store evicted: publish their removal. No-op without a publisher.
-void publish_removed(const kv_runtime & kv, const std::vector<uint64_t> & evicted);
+/// The store's `on_evict`: publishes each eviction in the store's order. Null without a publisher.
+std::function<void(uint64_t)> publish_removed(const kv_runtime & kv);
 
 }  // namespace kvrelay_llama::detail

@@ -77,7 +77,8 @@ async def run(a, log_dir):
     from dynamo_selection import Router, fetch_payload
 
     exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
-    serve = ["--kv-listen", "127.0.0.1:0", "--kv-events", "tcp://127.0.0.1:0"]
+    # trusted: /v1/kv/lookup answers which blocks are held only at the trusted edge
+    serve = ["--kv-listen", "127.0.0.1:0", "--kv-events", "tcp://127.0.0.1:0", "--kv-hints-trusted"]
     servers = {}
     routers = []
     report = {}
@@ -90,7 +91,7 @@ async def run(a, log_dir):
         A = start("A", serve)
         A2 = start("A2", serve + ["--kv-pool-mib", "4"])
         C = start("C", [])
-        B = start("B", serve + ["--kv-hints-trusted", "--kv-fetch", "always",
+        B = start("B", serve + ["--kv-fetch", "always",
                                 "--kv-trusted-endpoint", A.info["source_control_endpoint"],
                                 "--kv-trusted-endpoint", A2.info["source_control_endpoint"]])
         model = A.info["dynamo"]["model_name"]

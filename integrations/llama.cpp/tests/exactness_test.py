@@ -63,11 +63,14 @@ def main():
 
     try:
         # the sources: the prompt cache as llama-server ships it; --cache-reuse; slots saved to files
-        S1 = start("S1-prompt-cache", ["--kv-listen", "127.0.0.1:0"])
-        S2 = start("S2-cache-reuse", ["--kv-listen", "127.0.0.1:0", "--cache-ram", "0", "--cache-reuse", "8"])
+        # (trusted: /v1/kv/lookup answers blocks_held only at the trusted edge)
+        S1 = start("S1-prompt-cache", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
+        S2 = start("S2-cache-reuse", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--cache-ram", "0",
+                                      "--cache-reuse", "8"])
         slot_dir = os.path.join(log_dir, "slots")
         os.makedirs(slot_dir, exist_ok=True)
-        S3 = start("S3-slot-restore", ["--kv-listen", "127.0.0.1:0", "--cache-ram", "0", "--slot-save-path", slot_dir])
+        S3 = start("S3-slot-restore", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--cache-ram", "0",
+                                       "--slot-save-path", slot_dir])
         eps = {s: endpoint(s) for s in (S1, S2, S3)}
         B_args = ["--kv-hints-trusted", "--kv-fetch", "always", "--cache-ram", "0"]
         for ep in eps.values():

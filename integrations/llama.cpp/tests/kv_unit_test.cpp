@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <set>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -218,9 +220,20 @@ static void store_works() {
     fresh = st.commit(more.data(), again, 2);
     CHECK(fresh == std::vector<size_t>{ 1 });
     CHECK(st.read_counts().committed == 3 && st.read_counts().evicted == 1);
-    // commit and release ignore blocks that are not reserved
+    // commit and release ignore blocks that are not reserved, and count them
     st.release(ids.data(), 1);
-    CHECK(st.held(names, 1) == 1);
+    CHECK(st.held(names, 1) == 1 && st.read_counts().release_not_reserved == 1);
+    const uint64_t other = 99;
+    CHECK(st.commit(ids.data(), &other, 1).empty() && st.held(&other, 1) == 0);
+    CHECK(st.read_counts().commit_not_reserved == 1);
+    // a second unpin of one pin takes nothing from another holder's pin, and is counted
+    uint32_t a, b;
+    CHECK(st.pin(names, 1, &a) == 1 && st.pin(names, 1, &b) == 1 && a == b);
+    st.unpin(&a, 1);
+    st.unpin(&b, 1);
+    CHECK(st.read_counts().pinned == 0 && st.read_counts().unpin_unheld == 0);
+    st.unpin(&a, 1);  // a double unpin: no pin left to take
+    CHECK(st.read_counts().unpin_unheld == 1);
     bool threw = false;
     try {
         block_store bad(0, 64);
@@ -230,10 +243,50 @@ static void store_works() {
     CHECK(threw);
 }
 
+// Commits and evictions racing on two threads: the events the store reports (under its own
+// lock), replayed in their order into a set, give exactly the names the store holds, as a
+// router's index built from KV events must.
+static void store_events_follow_the_store() {
+    block_store                        st(16, 64);
+    std::vector<std::pair<bool, uint64_t>> log;  // (stored?, name), appended under the store's lock only
+    auto work = [&](uint64_t base) {
+        for (uint64_t k = 0; k < 3000; k++) {
+            std::vector<uint32_t> ids = st.reserve(2, nullptr, [&](uint64_t name) { log.emplace_back(false, name); });
+            // names repeat across the threads (k % 40): a commit may find its name held already
+            std::vector<uint64_t> names(ids.size());
+            for (size_t i = 0; i < names.size(); i++) {
+                names[i] = 1 + (base + k * 2 + i) % 40;
+            }
+            st.commit(ids.data(), names.data(), ids.size(), [&](size_t i) { log.emplace_back(true, names[i]); });
+        }
+    };
+    std::thread t1(work, 0), t2(work, 7);
+    t1.join();
+    t2.join();
+    std::set<uint64_t> index;
+    bool               consistent = true;
+    for (const auto & [stored, name] : log) {
+        if (stored) {
+            consistent = index.insert(name).second && consistent;  // never stored twice without a removal
+        } else {
+            consistent = index.erase(name) == 1 && consistent;  // never removed unless stored
+        }
+    }
+    CHECK(consistent);
+    size_t held = 0;
+    for (uint64_t name = 1; name <= 40; name++) {
+        const bool in_store = st.held(&name, 1) == 1;
+        held += in_store ? 1 : 0;
+        CHECK(in_store == (index.count(name) == 1));
+    }
+    CHECK(held == st.read_counts().committed && held == index.size() && st.read_counts().evicted > 1000);
+}
+
 int main() {
     state_round_trips(true);
     state_round_trips(false);
     store_works();
+    store_events_follow_the_store();
     if (failures != 0) {
         std::fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

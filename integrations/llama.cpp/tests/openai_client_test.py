@@ -42,7 +42,7 @@ def main():
         return s
 
     try:
-        A = start("A", ["--kv-listen", "127.0.0.1:0"])
+        A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])  # trusted: lookup answers blocks_held
         ep = A.json("GET", "/v1/kv/info")[1]["source_control_endpoint"]
         B = start("B", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep, "--kv-fetch", "always"])
         C = start("C", [])

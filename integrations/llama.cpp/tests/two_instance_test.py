@@ -195,11 +195,12 @@ def main():
         return s
 
     try:
-        A = start("A", ["--kv-listen", "127.0.0.1:0"])
+        # the sources run at the trusted edge: /v1/kv/lookup answers blocks_held only there
+        A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
         st, info_a = A.json("GET", "/v1/kv/info")
         ep_a = info_a.get("source_control_endpoint", "")
         check(st == 200 and ep_a.startswith("tcp://127.0.0.1:"), "A serves KV", ep_a)
-        A2 = start("A2", ["--kv-listen", "127.0.0.1:0"])
+        A2 = start("A2", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
         ep_a2 = A2.json("GET", "/v1/kv/info")[1].get("source_control_endpoint", "")
         # a source that accepts and never answers (for the client that goes away)
         silent = socket.socket()
