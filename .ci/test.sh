@@ -136,7 +136,8 @@ g++ -std=c++17 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -
   -Iintegrations/llama.cpp/src integrations/llama.cpp/tests/kv_unit_test.cpp integrations/llama.cpp/src/kvrelay_llama_kv.cpp \
   -o "$b/kv_unit_test"
 "$b/kv_unit_test"
-LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" JOBS=2 bash integrations/llama.cpp/build.sh
+# the test build: the integration's fault hooks compiled in (forced block-name collisions, off unless asked for)
+LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" KVRELAY_TEST_HOOKS=1 JOBS=2 bash integrations/llama.cpp/build.sh
 timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source)"
@@ -145,6 +146,12 @@ timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "
 echo "== a slot exports only KV a cold prefill gives: the prompt cache, --cache-reuse and slot restore change cells, a server that fetches them answers as a cold one"
 timeout 600 python3 integrations/llama.cpp/tests/exactness_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== a block name that collides never brings other tokens' KV into a slot, on one server and across two (the test build's forced collisions)"
+timeout 600 python3 integrations/llama.cpp/tests/collision_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== servers that differ in one KV-changing setting (control vector, RoPE base and scale, --override-kv, LoRA scale, another GGUF of one name and size) never exchange a block"
+KVRELAY_CACHE_DIR="$b/kvrelay-cache" timeout 900 python3 integrations/llama.cpp/tests/identity_test.py \
+  --server "$root/target/llama-server/bin/llama-server-kvrelay" --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== what a kvrelay llama-server tells and takes at its edges: no membership answer untrusted, the KV port's key, nothing pinned after an over-long or empty hinted prompt"
 timeout 600 python3 integrations/llama.cpp/tests/integrity_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -256,6 +256,7 @@ fn main() {
         held: 0,
         dst: ids.clone(),
         deadline: Duration::from_secs(60),
+        digests: Vec::new(),
     };
     // the first fetch of two new agents (connections and handshakes; the movers were made
     // when the agents started): 8 blocks, compared below with 8-block fetches once warm
@@ -520,6 +521,7 @@ fn main() {
                             held: 0,
                             dst: ids[..k].to_vec(),
                             deadline: Duration::from_secs(10),
+                            digests: Vec::new(),
                         },
                         None,
                     )
@@ -555,6 +557,7 @@ fn main() {
         held: 0,
         dst: vec![i % BLOCKS],
         deadline: Duration::from_secs(5),
+        digests: Vec::new(),
     };
     let mut fetches = Vec::with_capacity(n);
     let t = Instant::now();

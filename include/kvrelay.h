@@ -40,7 +40,7 @@
 #define KVRELAY_VERSION_MINOR 3
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 2
+#define KVRELAY_VERSION_PATCH 3
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -318,6 +318,10 @@ enum kvrelay_fetch_failure
   KVRELAY_FETCH_SHUTDOWN = 10,
   // The fetch panicked inside the agent (a bug); nothing of it is reported written.
   KVRELAY_FETCH_INTERNAL = 11,
+  // A block arrived under the name asked for with another content digest than the one the
+  // runtime gave (`kvrelay_agent_submit_checked`): a name collision, crafted or not, or a
+  // source that recorded no digest. The block was not written; those before it were.
+  KVRELAY_FETCH_DIGEST_MISMATCH = 12,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -631,6 +635,8 @@ typedef struct kvrelay_agent_stats {
   // descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in
   // software (README, "The NIXL transport"). Since 0.3.1.
   uint64_t nixl_slow_reads;
+  // Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
+  uint64_t fetch_failed_digest_mismatch;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -1145,6 +1151,23 @@ kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
                                               const uint32_t *ids,
                                               size_t n);
 
+// Record the content digests of blocks `ids` (`n` ids; `digests` holds `n` digests of
+// `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `ids[i]`, from `kvrelay_block_digests`
+// over the tokens whose KV the block holds), after their checksums: each block is served with
+// its digest, and a fetch that asks by content (`kvrelay_agent_submit_checked`) takes a block
+// only when the two are equal. Record it again whenever a block is rewritten (a block's digest
+// stays until then). Blocks a checked fetch verified are recorded by the agent itself.
+// `KVRELAY_ERR_INVALID_ARGUMENT` for an id past the pool (nothing recorded). Since 0.3.3.
+// Cost: O(n), no allocation.
+//
+// # Safety
+// `agent` NULL or live; `ids` readable for `n` ids; `digests` readable for `n *
+// KVRELAY_BLOCK_DIGEST_BYTES` bytes.
+kvrelay_status kvrelay_agent_record_digests(const struct kvrelay_agent *agent,
+                                            const uint32_t *ids,
+                                            const uint8_t *digests,
+                                            size_t n);
+
 // Seconds a fetch of `blocks` blocks from `endpoint` is expected to take: the transfer (the
 // source's moving averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s)
 // plus the runtime's own import of the blocks as `kvrelay_agent_record_import` reported it
@@ -1366,6 +1389,27 @@ kvrelay_status kvrelay_agent_submit(const struct kvrelay_agent *agent,
                                     const struct kvrelay_fetch_params *params,
                                     const struct kvrelay_fetch_callbacks *callbacks,
                                     struct kvrelay_fetch **out);
+
+// Submit a fetch whose blocks are checked by content: as `kvrelay_agent_submit`, with
+// `digests` the content digest of every name of `params` (`params->names_len` digests of
+// `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `names[i]`, from
+// `kvrelay_block_digests` over the runtime's own tokens; `digests_len` counts digests). Each
+// block the source sends carries the digest it recorded (`kvrelay_agent_record_digests`); a
+// block whose digest is not the one asked for, or that has none, is never written: the fetch
+// ends before it with `KVRELAY_FETCH_DIGEST_MISMATCH`, the blocks before it verified. A
+// fetched block's digest is recorded with it, so it is served on with its digest. Refused
+// with `KVRELAY_ERR_INVALID_ARGUMENT` also when `digests` is NULL or `digests_len` is not
+// `params->names_len`. Since 0.3.3.
+//
+// # Safety
+// As `kvrelay_agent_submit`; `digests` NULL or readable for `digests_len *
+// KVRELAY_BLOCK_DIGEST_BYTES` bytes.
+kvrelay_status kvrelay_agent_submit_checked(const struct kvrelay_agent *agent,
+                                            const struct kvrelay_fetch_params *params,
+                                            const uint8_t *digests,
+                                            size_t digests_len,
+                                            const struct kvrelay_fetch_callbacks *callbacks,
+                                            struct kvrelay_fetch **out);
 
 // The result of a completed fetch: `KVRELAY_OK` and `*out` written, or `KVRELAY_ERR_PENDING`
 // (nothing written) while it runs. Never blocks.
@@ -1739,6 +1783,18 @@ kvrelay_status kvrelay_kv_events_prometheus(const struct kvrelay_kv_events *even
 // # Safety
 // `identity` NULL with `len` 0, or readable for `len` bytes; `out` NULL or writable.
 kvrelay_status kvrelay_name_seed(const uint8_t *identity, size_t len, uint64_t *out);
+
+// The SHA-256 of the file at `path` (UTF-8, `len` bytes, no NUL needed) into `out`
+// (`KVRELAY_BLOCK_DIGEST_BYTES` bytes): what an engine's identity binds its model file, its
+// adapters and its control vectors by, so that two files of one name and size never share
+// block names. `KVRELAY_ERR_IO` when the file cannot be read (nothing written). Cost: reads
+// the whole file (about 1-2 GB/s where the CPU has SHA extensions): compute it once per file
+// and keep it where a restart finds it. Since 0.3.3.
+//
+// # Safety
+// `path` readable for `len` bytes; `out` NULL or writable for `KVRELAY_BLOCK_DIGEST_BYTES`
+// bytes.
+kvrelay_status kvrelay_file_digest(const uint8_t *path, size_t len, uint8_t *out);
 
 // The names of the full blocks of `tokens` (SPEC section 8): `tokens` begin at block index
 // `first_block` of their request, and the block before is named `parent` (ignored when

@@ -708,6 +708,19 @@ class Fetch {
   detail::Handle<kvrelay_fetch, kvrelay_fetch_free> h_;
 };
 
+/// A block's content digest (kvrelay_block_digests): SHA-256 over its tokens, chained through
+/// its parent and bound to the engine identity.
+using BlockDigest = std::array<uint8_t, KVRELAY_BLOCK_DIGEST_BYTES>;
+static_assert(sizeof(BlockDigest) == KVRELAY_BLOCK_DIGEST_BYTES, "digests are passed to C as contiguous bytes");
+
+/// The SHA-256 of the file at `path` (kvrelay_file_digest): what an engine's identity binds its
+/// model, adapters and control vectors by. Reads the whole file: compute it once per file.
+inline BlockDigest file_digest(std::string_view path) {
+  BlockDigest d{};
+  check(kvrelay_file_digest(reinterpret_cast<const uint8_t *>(path.data()), path.size(), d.data()));
+  return d;
+}
+
 /// The KV agent (kvrelay_agent) over a host-memory pool: serves pinned blocks, fetches named
 /// runs into the runtime's blocks. The holder must outlive the agent. Movable, not copyable;
 /// the destructor stops the agent and joins its threads (kvrelay_agent_free).
@@ -727,6 +740,13 @@ class Agent {
   void record_checksums(const std::vector<uint32_t> &ids) const {
     check(kvrelay_agent_record_checksums(h_.get(), ids.data(), ids.size()));
   }
+  /// Blocks' content digests, `digests[i]` for `ids[i]`, recorded after their checksums
+  /// (kvrelay_agent_record_digests): each block is served with its digest.
+  void record_digests(const std::vector<uint32_t> &ids, const std::vector<BlockDigest> &digests) const {
+    if (ids.size() != digests.size()) throw Error(KVRELAY_ERR_INVALID_ARGUMENT);
+    check(kvrelay_agent_record_digests(h_.get(), ids.data(), reinterpret_cast<const uint8_t *>(digests.data()),
+                                       ids.size()));
+  }
   /// Submit a fetch of names[held .. held + dst.size()] into `dst` (see kvrelay_agent_fetch).
   Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, std::size_t held,
               const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
@@ -734,6 +754,19 @@ class Agent {
                            dst.data(), dst.size(), deadline_ms};
     Fetch f;
     check(kvrelay_agent_fetch(h_.get(), &p, nullptr, nullptr, f.h_.out()));
+    return f;
+  }
+  /// The same, checked by content (kvrelay_agent_submit_checked): `digests[i]` is the digest of
+  /// the runtime's own tokens of block `names[i]`; a block the source recorded another digest
+  /// for (or none) is never written, and the fetch ends before it
+  /// (KVRELAY_FETCH_DIGEST_MISMATCH).
+  Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, const std::vector<BlockDigest> &digests,
+              std::size_t held, const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
+    kvrelay_fetch_params p{{endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
+                           dst.data(), dst.size(), deadline_ms};
+    Fetch f;
+    check(kvrelay_agent_submit_checked(h_.get(), &p, reinterpret_cast<const uint8_t *>(digests.data()),
+                                       digests.size(), nullptr, f.h_.out()));
     return f;
   }
   /// Expected seconds to fetch `blocks` blocks from `endpoint`, the runtime's import of them
@@ -825,8 +858,7 @@ class Naming {
   std::vector<uint64_t> names(const std::vector<uint32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
   std::vector<uint64_t> names(const std::vector<int32_t> &tokens) const { return names(tokens.data(), tokens.size()); }
   /// A block's content digest (kvrelay_block_digests): SHA-256, chained like the names.
-  using Digest = std::array<uint8_t, KVRELAY_BLOCK_DIGEST_BYTES>;
-  static_assert(sizeof(Digest) == KVRELAY_BLOCK_DIGEST_BYTES, "digests are passed to C as contiguous bytes");
+  using Digest = BlockDigest;
   /// The content digests of the full blocks of `tokens` under the engine identity `identity`
   /// (the string seed_of() takes), cut as names() cuts them: `tokens` begin at block
   /// `first_block` of their request after the block whose digest is `*parent` (nullptr and 0

@@ -50,6 +50,13 @@ fn fetches_the_leading_run_byte_exact_and_unpins_everything() {
     assert_eq!(b.agent.speed("tcp://127.0.0.1:1"), kvrelay::agent::TCP_DEFAULT);
 }
 
+/// A fetch that asks with content digests takes only the blocks whose source recorded the
+/// same digest (a name collision is never written), over TCP.
+#[test]
+fn a_checked_fetch_takes_only_blocks_whose_content_digest_is_the_one_asked_for() {
+    content_digests_are_checked(&instance);
+}
+
 #[test]
 fn memory_that_went_bad_after_its_checksum_was_recorded_is_caught() {
     let mut a = instance();
@@ -74,6 +81,7 @@ fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
         held: 0,
         dst: vec![0, 1],
         deadline: Duration::from_millis(deadline_ms),
+        digests: Vec::new(),
     };
     let t = Instant::now();
     let r = b.agent.submit(req(300), None).unwrap().wait(Duration::from_secs(10)).unwrap();
@@ -106,6 +114,7 @@ fn one_worker_and_a_stalled_source() -> (Instance, std::net::TcpListener, FetchR
         held: 0,
         dst: vec![0],
         deadline: Duration::from_secs(120),
+        digests: Vec::new(),
     };
     let b = instance_with(|c| {
         c.limits.fetch_threads = 1;
@@ -179,6 +188,7 @@ fn submissions_are_checked() {
                 held,
                 dst,
                 deadline: Duration::from_millis(ms),
+                digests: Vec::new(),
             },
             None,
         )
@@ -211,6 +221,7 @@ fn dropping_the_agent_completes_every_fetch_and_joins_its_threads() {
             held: 0,
             dst: vec![0],
             deadline: Duration::from_secs(60),
+            digests: Vec::new(),
         };
         fetches.push(
             b.agent.submit(req, Some(Box::new(move |r: &FetchResult| d.lock().unwrap().push(r.failure)))).unwrap(),
@@ -266,6 +277,7 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
         held: 1,
         dst,
         deadline: Duration::from_secs(20),
+        digests: Vec::new(),
     };
     // device -> device
     let mut dst = dev_pool();
@@ -289,6 +301,7 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
         held: 0,
         dst: vec![1, 3],
         deadline: Duration::from_secs(20),
+        digests: Vec::new(),
     };
     let r = dst_agent.submit(hreq, None).unwrap().wait(Duration::from_secs(30)).unwrap();
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
@@ -320,9 +333,10 @@ fn a_stream_that_ends_inside_a_block_is_truncated() {
         wire::Conn::read_by(&mut s, &mut hello, end).unwrap();
         wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(2, bb as u64), end).unwrap();
         let block = content(NAMES[0], bb);
-        let mut head = wire::header(wire::BLOCK, 16 + bb).to_vec();
+        let mut head = wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb).to_vec();
         head.extend_from_slice(&NAMES[0].to_le_bytes());
         head.extend_from_slice(&kv_checksum(&block).to_le_bytes());
+        head.extend_from_slice(&[0; wire::DIGEST_BYTES]);
         s.write_all(&head).unwrap();
         s.write_all(&block[..bb / 2]).unwrap();
         // and the stream ends
@@ -462,6 +476,7 @@ fn a_failed_part_stops_the_parts_after_it() {
         held: 0,
         dst: (0..12).collect(),
         deadline: Duration::from_secs(60),
+        digests: Vec::new(),
     };
     let f = b.agent.submit(req, None).unwrap();
     let r = f.wait(Duration::from_secs(10));
@@ -498,6 +513,7 @@ fn a_cancel_touches_only_its_own_connections() {
             held: 0,
             dst,
             deadline: Duration::from_secs(60),
+            digests: Vec::new(),
         };
         let first = b.agent.submit(req(&names, (0..12).collect()), None).unwrap();
         // the first part was served and its connection waits for a next hello at the source
@@ -550,6 +566,7 @@ fn dropping_an_owned_fetch_cancels_it_and_waits() {
         held: 0,
         dst: vec![0],
         deadline: Duration::from_secs(60),
+        digests: Vec::new(),
     };
     let owned = b.agent.submit(req(), None).unwrap().owned();
     let (_held, _) = stall.accept().unwrap();

@@ -78,6 +78,7 @@ fn a_fetch_allocates_nothing_per_block() {
             held: 0,
             dst: (0..n as u32).collect(),
             deadline: Duration::from_secs(20),
+            digests: Vec::new(),
         };
         let before = ALLOCS.load(Ordering::SeqCst);
         let r = dst.submit(req, None).unwrap().wait(Duration::from_secs(30)).unwrap();

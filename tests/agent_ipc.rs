@@ -35,7 +35,10 @@ fn serve_source(test: &str, mut src: DevPool) {
         src.write(i as u32 + 4, &content(n, bb));
         cache.held.lock().unwrap().insert(n, i as u32 + 4);
     }
-    agent.record_checksums(&(4..4 + NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+    let ids: Vec<u32> = (4..4 + NAMES.len() as u32).collect();
+    agent.record_checksums(&ids).unwrap();
+    // block 3 holds other tokens than a destination asking with `digests_of(1..=6)` expects
+    agent.record_digests(&ids, &digests_of(&[1, 2, 3, 99, 5, 6])).unwrap();
     println!("ENDPOINT {}", agent.endpoint().unwrap());
     for line in std::io::stdin().lines() {
         let line = line.unwrap();
@@ -135,6 +138,7 @@ fn cuda_ipc_copies_between_two_processes_verified() {
         held,
         dst,
         deadline: Duration::from_secs(20),
+        digests: Vec::new(),
     };
     let ids = vec![9u32, 2, 11, 0, 15, 1];
     let r = dst_agent.submit(req(&ep, 0, ids.clone()), None).unwrap().wait(Duration::from_secs(30)).unwrap();
@@ -150,6 +154,16 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
     assert_eq!(dst.read(4), content(NAMES[3], bb));
     eprintln!("{test}: second fetch verified");
+    // a fetch checked by content: the offer is cut before the block under a colliding name,
+    // which is never copied
+    let ours = digests_of(&[1, 2, 3, 4, 5, 6]);
+    let before = dst.read(6);
+    let checked = FetchRequest { digests: ours.clone(), ..req(&ep, 0, vec![12, 13, 14, 6, 7]) };
+    let r = dst_agent.submit(checked, None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::DigestMismatch), 3), "{}", r.detail);
+    assert_eq!(dst.read(6), before, "the colliding block was not copied");
+    assert_eq!(dst_agent.recorded_digest(14), Some(ours[2]));
+    eprintln!("{test}: a name collision was refused by its content digest");
     // a TCP reader of the IPC source
     let tcp = instance();
     let r = tcp.fetch(&ep, &NAMES, 0, vec![0, 1]);
@@ -288,6 +302,7 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
         held,
         dst,
         deadline: Duration::from_secs(20),
+        digests: Vec::new(),
     };
     let ids = vec![9u32, 2, 11, 0, 15, 1];
     let r = dst_agent.submit(req(0, ids.clone()), None).unwrap().wait(Duration::from_secs(30)).unwrap();

@@ -16,6 +16,14 @@ use kvrelay::copy::{CpuEngine, KvLayout};
 mod agent_fixture;
 use agent_fixture::*;
 
+/// NIXL READs take only blocks whose recorded content digest is the one asked for: the offer
+/// is cut before the first other one, which is never read.
+#[test]
+fn nixl_checks_content_digests() {
+    let Some(t) = nixl("nixl_checks_content_digests") else { return };
+    content_digests_are_checked(&|| instance_with(|c| c.transport = t.clone()));
+}
+
 /// NIXL between host pools: the destination READs the blocks in place, verifies them against
 /// the checksums the source recorded and the source unpins them at DONE; a TCP destination is
 /// still served by a NIXL source; a NIXL destination falls back to TCP for a TCP-only source
@@ -73,6 +81,7 @@ fn nixl_reads_blocks_in_place_verified() {
                 held: 0,
                 dst: vec![2 * k, 2 * k + 1],
                 deadline: Duration::from_secs(20),
+                digests: Vec::new(),
             };
             d.agent.submit(req, None).unwrap()
         })
@@ -185,6 +194,7 @@ fn nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends() {
             held: 0,
             dst: ids.clone(),
             deadline: Duration::from_secs(20),
+            digests: Vec::new(),
         };
         let pins = src_cache.pin_calls.load(Ordering::Relaxed);
         let f = dst_agent.submit(req, None).unwrap();
@@ -266,6 +276,7 @@ fn nixl_gpu_pools_read_in_place_verified() {
         held: 0,
         dst,
         deadline: Duration::from_secs(20),
+        digests: Vec::new(),
     };
     let ep = src_agent.endpoint().unwrap().to_string();
     let r = dst_agent.submit(req(ep.clone(), vec![9, 2, 11, 0, 15, 1]), None).unwrap().wait(Duration::from_secs(30));
@@ -333,6 +344,7 @@ fn nixl_counts_a_device_read_it_had_to_emulate() {
             held: 0,
             dst: (0..k as u32).collect(),
             deadline: Duration::from_secs(60),
+            digests: Vec::new(),
         };
         let started = std::time::Instant::now();
         let r = dst_agent.submit(req, None).unwrap().wait(Duration::from_secs(90)).unwrap();
@@ -418,6 +430,7 @@ fn one_agent_prefers_cuda_ipc_then_nixl_then_tcp_per_source() {
                     held: 0,
                     dst: ids,
                     deadline: Duration::from_secs(20),
+                    digests: Vec::new(),
                 },
                 None,
             )

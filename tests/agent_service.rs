@@ -271,6 +271,7 @@ fn panics_in_a_holder_or_a_completion_are_contained() {
         held: 0,
         dst,
         deadline: Duration::from_secs(10),
+        digests: Vec::new(),
     };
     let f = b.agent.submit(req(vec![2]), Some(Box::new(|_: &FetchResult| panic!("a completion with a bug")))).unwrap();
     let r = f.wait(Duration::from_secs(20)).expect("the result is published after the callback panicked");

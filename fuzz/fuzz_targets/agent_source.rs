@@ -58,7 +58,7 @@ fn dest() -> &'static Dest {
 }
 
 /// A well-formed answer for `asked` names: an offer of `count` blocks, each with its name, its
-/// true checksum and its bytes.
+/// true checksum, no digest and its bytes.
 fn well_formed(count: usize, asked: usize, bytes: &[u8], bb: usize) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&wire::header(wire::OFFER, 16));
@@ -66,9 +66,10 @@ fn well_formed(count: usize, asked: usize, bytes: &[u8], bb: usize) -> Vec<u8> {
     for i in 0..count.min(asked) {
         let block: Vec<u8> =
             (0..bb).map(|k| bytes.get((i * bb + k) % bytes.len().max(1)).copied().unwrap_or(0)).collect();
-        out.extend_from_slice(&wire::header(wire::BLOCK, 16 + bb));
+        out.extend_from_slice(&wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb));
         out.extend_from_slice(&NAMES[i].to_le_bytes());
         out.extend_from_slice(&kv_checksum(&block).to_le_bytes());
+        out.extend_from_slice(&[0; wire::DIGEST_BYTES]);
         out.extend_from_slice(&block);
     }
     out

@@ -27,6 +27,9 @@
 #                      (default: the pin in fetch-llama-cpp.sh; unset for a git checkout)
 #   LLAMA_CMAKE_ARGS   extra arguments for llama.cpp's configure (e.g. "-DGGML_CUDA=ON")
 #   CMAKE_GENERATOR    CMake's own variable; Ninja is used when ninja is on PATH and it is unset
+#   KVRELAY_TEST_HOOKS 1: the kvrelay server is the test build, with the integration's fault hooks
+#                      compiled in (KVRELAY_LLAMA_TEST_HOOKS: forced block-name collisions, turned
+#                      on by KVRELAY_LLAMA_TEST_NAME_COLLISIONS=1 at run time); default 0
 # Needs bash, cmake (the system's, else .ci/ensure-cmake.sh installs one), a C/C++ compiler,
 # patch (or git), and for step 2 cargo.
 set -euo pipefail
@@ -280,7 +283,10 @@ for f in "${sources[@]}"; do
     cp "$here/src/$f" "$work/tools/server/$f"
   fi
 done
-cmake -S "$work" -B "$build" "${generator[@]}" "${llama_args[@]}" "-Dkvrelay_DIR=$kvrelay_dir"
+hooks=OFF
+if [ "${KVRELAY_TEST_HOOKS:-0}" = 1 ]; then hooks=ON; fi
+cmake -S "$work" -B "$build" "${generator[@]}" "${llama_args[@]}" "-Dkvrelay_DIR=$kvrelay_dir" \
+  "-DKVRELAY_LLAMA_TEST_HOOKS=$hooks"
 build_server llama-server-kvrelay
 t_patched=$((SECONDS - t0))
 

@@ -23,6 +23,12 @@ pub struct FetchRequest {
     pub dst: Vec<u32>,
     /// The whole fetch's deadline, from submission.
     pub deadline: Duration,
+    /// The content digest of every named block (`digests[i]` for `names[i]`, from
+    /// [`crate::names::Naming::digests_into`] over the runtime's own tokens), or empty: not
+    /// checked. A block whose source recorded another digest (or none) is not written, and the
+    /// fetch ends there as [`FailReason::DigestMismatch`](super::FailReason::DigestMismatch);
+    /// a verified block's digest is recorded with it, so it is served on with its digest.
+    pub digests: Vec<[u8; crate::names::BLOCK_DIGEST_BYTES]>,
 }
 
 /// How a fetch ended.

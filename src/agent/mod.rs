@@ -137,6 +137,11 @@ crate::labels::labelled_enum! {
         /// The fetch panicked inside the agent (a bug, or a completion callback that unwound
         /// before the result was published); nothing of it is reported written.
         Internal = 11 => "internal",
+        /// A block arrived under the name asked for with another content digest than the one
+        /// the runtime computed from its own tokens (a name collision, crafted or not, or a
+        /// source that recorded no digest): it was not written; the blocks before it were.
+        /// Since 0.3.3.
+        DigestMismatch = 12 => "digest_mismatch",
     }
 }
 
@@ -208,13 +213,13 @@ impl Agent {
         holder: Box<dyn BlockHolder>,
     ) -> Result<Agent, AgentError> {
         config.limits.check().map_err(AgentError::Config)?;
-        // a block travels in one frame whose u32 length covers 16 bytes of name and checksum
+        // a block travels in one frame whose u32 length covers its name, checksum and digest
         let block_bytes = usize::try_from(layout.stage_block_bytes())
             .ok()
-            .filter(|&b| b as u64 + 16 <= u64::from(u32::MAX))
+            .filter(|&b| (b + wire::BLOCK_HEAD) as u64 <= u64::from(u32::MAX))
             .ok_or_else(|| {
                 AgentError::Config(format!(
-                    "blocks of {} bytes: the agent moves blocks of at most 4 GiB - 16 bytes",
+                    "blocks of {} bytes: the agent moves blocks of at most 4 GiB - 48 bytes",
                     layout.stage_block_bytes()
                 ))
             })?;
@@ -328,6 +333,33 @@ impl Agent {
         Ok(())
     }
 
+    /// Record the content digests of blocks `ids` (`digests[i]` for `ids[i]`: what
+    /// [`crate::names::Naming::digests_into`] gives for the tokens whose KV the block holds),
+    /// after their checksums. A block is served with its recorded digest (zeros when none was
+    /// recorded), and a fetch that asks with digests takes a block only when the two are equal:
+    /// record the digest again whenever a block is rewritten. A fetched block's digest is
+    /// recorded by the fetch. O(n), no allocation.
+    pub fn record_digests(
+        &self,
+        ids: &[u32],
+        digests: &[[u8; crate::names::BLOCK_DIGEST_BYTES]],
+    ) -> Result<(), AgentError> {
+        let n = self.inner.layout.num_blocks();
+        if ids.len() != digests.len() {
+            return Err(AgentError::Argument(format!("{} block ids and {} digests", ids.len(), digests.len())));
+        }
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
+            return Err(AgentError::Argument(format!("block id {id} (position {i}) is past the pool's {n} blocks")));
+        }
+        self.inner.sums.set_digests(ids, digests);
+        Ok(())
+    }
+
+    /// The content digest recorded for block `id`, if any.
+    pub fn recorded_digest(&self, id: u32) -> Option<[u8; crate::names::BLOCK_DIGEST_BYTES]> {
+        (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.digest(id)).filter(|d| d.iter().any(|&b| b != 0))
+    }
+
     /// The checksum recorded for block `id`, if any.
     pub fn recorded_checksum(&self, id: u32) -> Option<u64> {
         (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.get(id)).flatten()
@@ -339,6 +371,13 @@ impl Agent {
     /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
     pub fn submit(&self, req: FetchRequest, on_done: Option<OnDone>) -> Result<Fetch, AgentError> {
         self.check_destination(req.names.len(), req.held, &req.dst)?;
+        if !req.digests.is_empty() && req.digests.len() != req.names.len() {
+            return Err(AgentError::Argument(format!(
+                "{} content digests for {} names: give one per name, or none",
+                req.digests.len(),
+                req.names.len()
+            )));
+        }
         if req.deadline.is_zero() {
             return Err(AgentError::Argument("a fetch needs a deadline above zero".into()));
         }

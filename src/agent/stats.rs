@@ -99,6 +99,8 @@ pub struct AgentStats {
     /// descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in
     /// software (README, "The NIXL transport"). Since 0.3.1.
     pub nixl_slow_reads: u64,
+    /// Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
+    pub fetch_failed_digest_mismatch: u64,
 }
 
 macro_rules! stats {
@@ -125,7 +127,7 @@ stats! {
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
     fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
-    transport_fallbacks, nixl_slow_reads,
+    transport_fallbacks, nixl_slow_reads, fetch_failed_digest_mismatch,
 }
 
 impl Stats {
@@ -160,6 +162,7 @@ impl Stats {
             FailReason::Cancelled => &self.fetch_failed_cancelled,
             FailReason::Shutdown => &self.fetch_failed_shutdown,
             FailReason::Internal => &self.fetch_failed_internal,
+            FailReason::DigestMismatch => &self.fetch_failed_digest_mismatch,
         }
     }
     pub(super) fn refused(&self, r: Refusal) {

@@ -1,15 +1,23 @@
-//! The checksums the agent keeps: one recorded value per block of the pool ([`SumTable`]), and
-//! the sums of host-pool blocks taken where they lie (device pools are summed by a kernel,
-//! through a mover).
+//! The checksums the agent keeps: one recorded value per block of the pool ([`SumTable`]), with
+//! the block's content digest when the runtime recorded one, and the sums of host-pool blocks
+//! taken where they lie (device pools are summed by a kernel, through a mover).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+
+/// Bytes of a block's content digest (`kvrelay_block_digests`, [`crate::names::BLOCK_DIGEST_BYTES`]).
+pub(super) const DIGEST: usize = crate::names::BLOCK_DIGEST_BYTES;
+/// A block's content digest; all zeros: none recorded (no SHA-256 output is, in practice).
+pub(super) type Digest = [u8; DIGEST];
 
 use crate::copy::KvLayout;
 
-/// The recorded checksum of every block of the pool (and whether one was recorded).
+/// The recorded checksum of every block of the pool (and whether one was recorded), and its
+/// recorded content digest (zeros: none).
 pub(super) struct SumTable {
     sums: Vec<AtomicU64>,
     valid: Vec<AtomicU64>,
+    digests: RwLock<Vec<Digest>>,
 }
 
 impl SumTable {
@@ -17,6 +25,7 @@ impl SumTable {
         SumTable {
             sums: (0..blocks).map(|_| AtomicU64::new(0)).collect(),
             valid: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            digests: RwLock::new(vec![[0; DIGEST]; blocks]),
         }
     }
     pub(super) fn set(&self, id: u32, sum: u64) {
@@ -26,6 +35,21 @@ impl SumTable {
     pub(super) fn get(&self, id: u32) -> Option<u64> {
         let v = self.valid[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0;
         v.then(|| self.sums[id as usize].load(Ordering::Relaxed))
+    }
+    /// Record block `id`'s content digest (zeros: forget it).
+    pub(super) fn set_digest(&self, id: u32, d: &Digest) {
+        self.digests.write().unwrap_or_else(|e| e.into_inner())[id as usize] = *d;
+    }
+    /// Record the digests of blocks `ids` (`d[i]` for `ids[i]`) under one lock.
+    pub(super) fn set_digests(&self, ids: &[u32], d: &[Digest]) {
+        let mut t = self.digests.write().unwrap_or_else(|e| e.into_inner());
+        for (&id, d) in ids.iter().zip(d) {
+            t[id as usize] = *d;
+        }
+    }
+    /// Block `id`'s recorded content digest (zeros: none).
+    pub(super) fn digest(&self, id: u32) -> Digest {
+        self.digests.read().unwrap_or_else(|e| e.into_inner())[id as usize]
     }
 }
 

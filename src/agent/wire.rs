@@ -1,6 +1,6 @@
-//! The agent's TCP framing and messages (version 2 of the KV frame format).
+//! The agent's TCP framing and messages (version 3 of the KV frame format).
 //!
-//! Every frame is a 12-byte header — magic `KVRA`, version 2, kind, two zero bytes, payload
+//! Every frame is a 12-byte header — magic `KVRA`, version 3, kind, two zero bytes, payload
 //! length (u32 LE) — then the payload. All integers are little-endian. Kinds:
 //! - `AUTH_HELLO` (1, destination -> source): a 32-byte nonce; the first frame when a key is set;
 //! - `AUTH_CHALLENGE` (2, source -> destination): the source's 32-byte nonce and its 32-byte
@@ -11,19 +11,25 @@
 //! - `OFFER` (5, source -> destination): `count` (u32, the leading names the source holds and
 //!   pinned), 4 zero bytes, `block_bytes` (u64);
 //! - `BLOCK` (6, source -> destination): name (u64), the checksum recorded when the block
-//!   became reusable (u64), then exactly `block_bytes` bytes; one per offered block, in order;
+//!   became reusable (u64), the block's recorded content digest (32 bytes, zeros when none was
+//!   recorded: `kvrelay_block_digests`), then exactly `block_bytes` bytes; one per offered
+//!   block, in order;
 //! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text;
 //! - with the NIXL transport (feature `nixl`, module `nixl`): `NIXL_HELLO` (8, destination ->
 //!   source, the payload of a `HELLO`: the destination READs the blocks itself), `NIXL_OFFER`
-//!   (9, source -> destination: where the pinned blocks lie, with their recorded checksums) and
+//!   (9, source -> destination: where the pinned blocks lie, with their recorded checksums and
+//!   content digests) and
 //!   `DONE` (10, destination -> source: how many blocks it took, u64; the source unpins them);
 //! - with the same-host CUDA IPC transport (module `cuda_ipc`): `IPC_HELLO` (11, the payload of
 //!   a `HELLO`) and `IPC_OFFER` (12: an in-place offer whose metadata is the source's host id,
 //!   process id and exported allocations), answered by `DONE` after the copy and its check.
 //!
 //! Limits on every read: a control frame at most [`MAX_CONTROL`] bytes, a hello at most
-//! `12 + 36 + 8 * max_names`, a block frame exactly `16 + block_bytes`; every read and write has
+//! `12 + 36 + 8 * max_names`, a block frame exactly `48 + block_bytes`; every read and write has
 //! a deadline.
+//!
+//! Version 3 added the content digests (a version-2 peer's frames are refused as another
+//! format: both ends of a fetch run the same version).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -34,7 +40,7 @@ use super::Fingerprint;
 /// The frame magic.
 pub const MAGIC: &[u8; 4] = b"KVRA";
 /// The frame format's version.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Frame kind: the destination's nonce (first frame when a key is set).
 pub const AUTH_HELLO: u8 = 1;
 /// Frame kind: the source's nonce and proof.
@@ -45,7 +51,7 @@ pub const AUTH_PROOF: u8 = 3;
 pub const HELLO: u8 = 4;
 /// Frame kind: how many leading blocks the source pinned, and their size.
 pub const OFFER: u8 = 5;
-/// Frame kind: one block with its name and recorded checksum.
+/// Frame kind: one block with its name, recorded checksum and recorded content digest.
 pub const BLOCK: u8 = 6;
 /// Frame kind: a refusal with its reason.
 pub const REFUSE: u8 = 7;
@@ -64,6 +70,10 @@ pub const IPC_OFFER: u8 = 12;
 pub const MAX_CONTROL: usize = 512;
 /// Bytes of an encoded fingerprint.
 pub const FINGERPRINT_BYTES: usize = 32;
+/// Bytes of a content digest on the wire.
+pub const DIGEST_BYTES: usize = crate::names::BLOCK_DIGEST_BYTES;
+/// Bytes of a `BLOCK` frame's payload before the block: name, checksum, digest.
+pub const BLOCK_HEAD: usize = 16 + DIGEST_BYTES;
 
 crate::labels::labelled_enum! {
     /// Why a source refused (the wire code and the statistics' label).
@@ -386,7 +396,7 @@ pub fn decode_offer(p: &[u8]) -> Option<(u32, u64)> {
 /// An offer of blocks in place (`NIXL_OFFER`, the NIXL transport's answer to `NIXL_HELLO`):
 /// `count` blocks of `block_bytes`; the source's NIXL agent; its
 /// segments `(base, stride, bytes)`; its pool's block count, device, and per block
-/// `(id, recorded checksum)`.
+/// `(id, recorded checksum, recorded content digest)`.
 #[derive(Debug, Default, PartialEq)]
 pub struct InPlaceOffer {
     /// The source's NIXL agent name.
@@ -401,23 +411,31 @@ pub struct InPlaceOffer {
     pub num_blocks: u32,
     /// The source's segments: base, stride, bytes per block.
     pub segments: Vec<(u64, u64, u64)>,
-    /// Offered blocks: id in the source's pool, recorded checksum.
-    pub blocks: Vec<(u32, u64)>,
+    /// Offered blocks: id in the source's pool, recorded checksum, recorded content digest
+    /// (zeros: none recorded).
+    pub blocks: Vec<OfferedBlock>,
 }
+
+/// One block of an in-place offer: its id in the source's pool, its recorded checksum and its
+/// recorded content digest (zeros: none recorded).
+pub type OfferedBlock = (u32, u64, [u8; DIGEST_BYTES]);
 
 /// Fixed part of an encoded offer.
 const OFFER_HEAD: usize = 36;
+/// Bytes of one offered block: id, checksum, digest.
+const OFFER_BLOCK: usize = 12 + DIGEST_BYTES;
 
 /// Largest NIXL agent metadata an in-place offer may carry.
 pub const MAX_METADATA: usize = 1 << 20;
 
 /// Encode an offer: count u32, segment count u32, block bytes u64, device i32 (-1: host), the
 /// source's block count u32, agent-name length u32, metadata length u32, 4 zero bytes; then per
-/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32 and
-/// checksum u64.
+/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32, checksum
+/// u64 and digest (32 bytes).
 pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
-    let mut p =
-        Vec::with_capacity(OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + 12 * o.blocks.len());
+    let mut p = Vec::with_capacity(
+        OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + OFFER_BLOCK * o.blocks.len(),
+    );
     p.extend_from_slice(&(o.blocks.len() as u32).to_le_bytes());
     p.extend_from_slice(&(o.segments.len() as u32).to_le_bytes());
     p.extend_from_slice(&o.block_bytes.to_le_bytes());
@@ -433,9 +451,10 @@ pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
     }
     p.extend_from_slice(o.agent.as_bytes());
     p.extend_from_slice(&o.metadata);
-    for &(id, sum) in &o.blocks {
+    for (id, sum, digest) in &o.blocks {
         p.extend_from_slice(&id.to_le_bytes());
         p.extend_from_slice(&sum.to_le_bytes());
+        p.extend_from_slice(digest);
     }
     p
 }
@@ -452,7 +471,7 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
     if nseg == 0 || nseg > 1 << 16 || name_len > 255 || md_len > MAX_METADATA || device < -1 {
         return None;
     }
-    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(12)?;
+    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(OFFER_BLOCK)?;
     if p.len() != need {
         return None;
     }
@@ -466,7 +485,12 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
     at += name_len;
     let metadata = p[at..at + md_len].to_vec();
     at += md_len;
-    let blocks = (0..count).map(|i| (u32_at(p, at + 12 * i), u64_at(p, at + 12 * i + 4))).collect();
+    let blocks = (0..count)
+        .map(|i| {
+            let b = at + OFFER_BLOCK * i;
+            (u32_at(p, b), u64_at(p, b + 4), p[b + 12..b + OFFER_BLOCK].try_into().expect("32 bytes"))
+        })
+        .collect();
     Some(InPlaceOffer {
         agent,
         metadata,
@@ -480,7 +504,7 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
 
 /// The largest in-place offer a destination reads for `asked` names over `nseg` segments.
 pub fn max_in_place_offer(asked: usize, nseg: usize) -> usize {
-    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + 12 * asked
+    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + OFFER_BLOCK * asked
 }
 
 impl InPlaceOffer {
@@ -508,7 +532,7 @@ impl InPlaceOffer {
         if self.num_blocks == 0 || !spans_ok {
             return Err((false, "the offer's segment table does not describe a pool".into()));
         }
-        if let Some(&(id, _)) = self.blocks.iter().find(|&&(id, _)| id >= self.num_blocks) {
+        if let Some(&(id, ..)) = self.blocks.iter().find(|b| b.0 >= self.num_blocks) {
             return Err((false, format!("the offer names block {id}, past the source's pool")));
         }
         Ok(())
@@ -545,7 +569,7 @@ mod tests {
             device: Some(0),
             num_blocks: 9,
             segments: vec![(0x1000, 4096, 2048), (0x9000, 4096, 2048)],
-            blocks: vec![(3, 77), (8, 99)],
+            blocks: vec![(3, 77, [5; DIGEST_BYTES]), (8, 99, [0; DIGEST_BYTES])],
         };
         let p = encode_in_place_offer(&o);
         assert_eq!(decode_in_place_offer(&p), Some(o));

@@ -5,7 +5,7 @@
 use super::boundary::{bytes, guard, out_ptr, put, read_sized, with_detail, SizedStruct};
 use super::copy::array;
 use super::status::kvrelay_status::{self, *};
-use crate::names::{name_seed, Naming, BLOCK_DIGEST_BYTES};
+use crate::names::{file_digest, name_seed, Naming, BLOCK_DIGEST_BYTES};
 
 /// Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
 pub const KVRELAY_BLOCK_DIGEST_BYTES: usize = 32;
@@ -53,6 +53,30 @@ pub unsafe extern "C" fn kvrelay_name_seed(identity: *const u8, len: usize, out:
         let id = unsafe { bytes(identity, len) }?;
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { put(out, name_seed(id)) };
+        Ok(())
+    })
+}
+
+/// The SHA-256 of the file at `path` (UTF-8, `len` bytes, no NUL needed) into `out`
+/// (`KVRELAY_BLOCK_DIGEST_BYTES` bytes): what an engine's identity binds its model file, its
+/// adapters and its control vectors by, so that two files of one name and size never share
+/// block names. `KVRELAY_ERR_IO` when the file cannot be read (nothing written). Cost: reads
+/// the whole file (about 1-2 GB/s where the CPU has SHA extensions): compute it once per file
+/// and keep it where a restart finds it. Since 0.3.3.
+///
+/// # Safety
+/// `path` readable for `len` bytes; `out` NULL or writable for `KVRELAY_BLOCK_DIGEST_BYTES`
+/// bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_file_digest(path: *const u8, len: usize, out: *mut u8) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        // SAFETY: forwarded contract.
+        let p = unsafe { super::boundary::text(path, len) }?;
+        let d = file_digest(std::path::Path::new(p))
+            .map_err(|e| with_detail(KVRELAY_ERR_IO, format!("reading the file to digest it: {}", e.kind())))?;
+        // SAFETY: checked non-NULL; writable for 32 bytes per the contract.
+        unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), out, d.len()) };
         Ok(())
     })
 }

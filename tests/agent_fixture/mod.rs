@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 #[cfg(feature = "nixl")]
 use kvrelay::agent::Transport;
-use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FetchRequest, FetchResult, Fingerprint, Psk};
+use kvrelay::agent::{Agent, AgentConfig, BlockHolder, FailReason, FetchRequest, FetchResult, Fingerprint, Psk};
 use kvrelay::copy::{CpuEngine, KvLayout};
 
 pub const BLOCKS: u32 = 16;
@@ -175,8 +175,14 @@ impl Instance {
         self.agent.endpoint().unwrap().to_string()
     }
     pub fn fetch(&self, from: &str, names: &[u64], held: usize, dst: Vec<u32>) -> FetchResult {
-        let req =
-            FetchRequest { endpoint: from.into(), names: names.to_vec(), held, dst, deadline: Duration::from_secs(10) };
+        let req = FetchRequest {
+            endpoint: from.into(),
+            names: names.to_vec(),
+            held,
+            dst,
+            deadline: Duration::from_secs(10),
+            digests: Vec::new(),
+        };
         self.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
     }
 }
@@ -314,4 +320,89 @@ pub fn nixl(test: &str) -> Option<Transport> {
         }
         Err(e) => panic!("KVRELAY_NIXL_LIB_DIR is set, but: {e}"),
     }
+}
+
+/// Digests as a runtime computes them: distinct per block, a function of the block's "tokens".
+pub fn digests_of(tokens: &[u64]) -> Vec<[u8; 32]> {
+    let naming = kvrelay::names::Naming { seed: 7, block_tokens: 1, lora_id: 0, salt: &[] };
+    let toks: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    naming.digests(b"agent-test identity", &toks)
+}
+
+/// What every transport must do with content digests (`make` gives an instance of the
+/// transport under test): a fetch that asks with digests takes only the leading blocks whose
+/// source recorded the same digest; the block under a colliding name is never written; a
+/// verified block is recorded with its digest; a source block with no digest is not taken by a
+/// checked fetch and still by an unchecked one; bad arguments are refused.
+pub fn content_digests_are_checked(make: &dyn Fn() -> Instance) {
+    let a = make();
+    a.hold(&NAMES, 2);
+    let ids: Vec<u32> = (2..2 + NAMES.len() as u32).collect();
+    // the source's block 3 holds other tokens than the destination's block 3 under the same
+    // name (a crafted collision): its recorded digest is that of its own tokens
+    let theirs = digests_of(&[1, 2, 3, 99, 5, 6]);
+    let ours = digests_of(&[1, 2, 3, 4, 5, 6]);
+    assert_eq!(theirs[..3], ours[..3]);
+    assert_ne!(theirs[3], ours[3]);
+    a.agent.record_digests(&ids, &theirs).unwrap();
+    let b = make();
+    let bb = b.pool.block_bytes();
+    let before = b.pool.read(12);
+    let checked = |held: usize, dst: Vec<u32>, digests: Vec<[u8; 32]>| {
+        let req = FetchRequest {
+            endpoint: a.endpoint(),
+            names: NAMES.to_vec(),
+            held,
+            dst,
+            deadline: Duration::from_secs(10),
+            digests,
+        };
+        b.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
+    };
+    let r = checked(0, vec![9, 10, 11, 12, 13], ours.clone());
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::DigestMismatch), 3), "{}", r.detail);
+    assert_eq!(b.pool.read(12), before, "the block under a colliding name was never written");
+    for (i, &id) in [9u32, 10, 11].iter().enumerate() {
+        assert_eq!(b.pool.read(id), content(NAMES[i], bb));
+        assert_eq!(b.agent.recorded_digest(id), Some(ours[i]), "a verified block is recorded with its digest");
+    }
+    assert_eq!(b.agent.recorded_digest(12), None);
+    assert_eq!(b.agent.stats().fetch_failed_digest_mismatch, 1);
+    // the same names asked with the source's own digests: all arrive (the check is the digest)
+    let r = checked(0, vec![0, 1, 2, 3, 4, 5], theirs.clone());
+    assert_eq!((r.failure, r.blocks), (None, 6), "{}", r.detail);
+    // a source block without a recorded digest is not taken by a checked fetch, still by a
+    // fetch that gives none (a runtime that does not check)
+    let c = make();
+    c.hold(&NAMES, 0);
+    let r = checked_from(&b, &c.endpoint(), ours.clone());
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::DigestMismatch), 0), "{}", r.detail);
+    let r = b.fetch(&c.endpoint(), &NAMES, 0, vec![6, 7]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!(b.agent.recorded_digest(6), None, "an unchecked fetch records no digest");
+    // a digest count other than the names' is refused at submission
+    let bad = FetchRequest {
+        endpoint: a.endpoint(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![14],
+        deadline: Duration::from_secs(10),
+        digests: ours[..2].to_vec(),
+    };
+    assert!(matches!(b.agent.submit(bad, None), Err(kvrelay::agent::AgentError::Argument(_))));
+    assert!(b.agent.record_digests(&[BLOCKS], &ours[..1]).is_err(), "an id past the pool");
+    assert!(b.agent.record_digests(&[0, 1], &ours[..1]).is_err(), "one digest per id");
+    eventually("every pin released", || a.cache.pinned() == 0 && c.cache.pinned() == 0);
+}
+
+pub fn checked_from(b: &Instance, from: &str, digests: Vec<[u8; 32]>) -> FetchResult {
+    let req = FetchRequest {
+        endpoint: from.into(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![14, 15],
+        deadline: Duration::from_secs(10),
+        digests,
+    };
+    b.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
 }

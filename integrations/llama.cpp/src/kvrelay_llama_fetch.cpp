@@ -18,7 +18,7 @@ namespace {
 
 // What the provider leaves for the request thread that asked (kvrelay_fetch_request::call_context).
 struct fetch_call {
-    const std::vector<uint64_t> * names      = nullptr;  // the prompt's block names, up to the last fetchable
+    const block_keys *            keys       = nullptr;  // the prompt's blocks, up to the last fetchable
     std::string                   endpoint;
     size_t                        held       = 0;        // leading blocks the store holds
     std::unique_ptr<pin_guard>    held_pins;             // ... pinned until the fetch is committed
@@ -113,10 +113,10 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         return bad;
     }
     kv_runtime &                  kv    = *KV;
-    const std::vector<uint64_t> & names = *call->names;
+    const std::vector<uint64_t> & names = call->keys->names;
     call->endpoint                      = std::string(r.endpoint.ptr, r.endpoint.len);
     // the blocks held stay pinned until the fetched ones are committed after them
-    call->held_pins                     = std::make_unique<pin_guard>(*kv.store, names.data(), names.size());
+    call->held_pins = std::make_unique<pin_guard>(*kv.store, names.data(), call->keys->digests.data(), names.size());
     call->held                          = call->held_pins->n;
     size_t run                          = 0;
     kvrelay::check(kvrelay_fetch_run_length(names.data(), names.size(), call->held, hashes.data(), hashes.size(), &run));
@@ -138,7 +138,9 @@ int provider::fetch(const kvrelay_fetch_request & r) {
     }
     try {
         const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.ids.size()) * kv.store->block_bytes());
-        call->fetch     = kv.agent->fetch(call->endpoint, names, call->held, call->dst.ids, deadline);
+        // checked by content: a block the source holds under the name for other tokens is
+        // never written (KVRELAY_FETCH_DIGEST_MISMATCH)
+        call->fetch     = kv.agent->fetch(call->endpoint, names, call->keys->digests, call->held, call->dst.ids, deadline);
         call->submitted = true;
     } catch (const kvrelay::Error &) {
         call->outcome = "busy";  // nothing was submitted: the reservation goes back with the call
@@ -241,10 +243,11 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         const size_t         bt     = S().block_tokens;
         // the blocks that may be fetched: full ones, at least one prompt token left to evaluate
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
-        std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
+        const block_keys              keys  = keys_of(kv, tokens.data(), n_max * bt);
+        const std::vector<uint64_t> & names = keys.names;
 
         fetch_call         call;
-        call.names = &names;
+        call.keys = &keys;
         kvrelay_request_info info{};
         info.generation_only = true;
         info.lora_adapter    = lora;
@@ -276,9 +279,12 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         // returned(), the rest goes back to the free list with the reservation
         call.dst.handed                = ok + withheld;
         call.settled                   = true;
-        kv.store->commit(call.dst.ids.data(), names.data() + call.held, ok, publish_stored(kv, names, tokens, call.held));
+        kv.store->commit(call.dst.ids.data(), names.data() + call.held, keys.digests.data() + call.held, ok,
+                         publish_stored(kv, names, tokens, call.held));
         kv.counts.fetched_blocks += ok;
         const std::string outcome = gone ? "client_gone"
+                                    // the source holds another content under a name: a collision
+                                    : r->failure == KVRELAY_FETCH_DIGEST_MISMATCH ? "name_collision"
                                     : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
                                     : ok < n_dst                    ? "partial"
                                                                     : "fetched";
@@ -293,7 +299,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
             // the prefix the slot imports stays pinned until it does: taken while call's pins
             // still hold the leading blocks; the fetched ones were committed just now, as the most
             // recently used, so a reservation in between would evict every other unpinned block first
-            return std::make_shared<pin_guard>(*kv.store, names.data(), call.held + ok);
+            return std::make_shared<pin_guard>(*kv.store, names.data(), keys.digests.data(), call.held + ok);
         }
     } catch (const std::exception & e) {
         kv.counts.count("internal");

@@ -50,6 +50,9 @@ void print_usage() {
     printf("--kv-key-file PATH                      a pre-shared key (the file's bytes) that peers fetching from this server\n"
            "                                        and the peers it fetches from must prove they hold (default: none)\n"
            "                                        (env: LLAMA_ARG_KV_KEY_FILE)\n");
+    printf("--kv-model-id ID                        name the model by ID, which the operator vouches for (equal only for\n"
+           "                                        equal weights), instead of the SHA-256 of its file, computed at start and\n"
+           "                                        cached (env: LLAMA_ARG_KV_MODEL_ID)\n");
     printf("--kv-events tcp://HOST:PORT             publish KV events (the blocks served, and evicted) there for a router such as\n"
            "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n\n");
 }
@@ -117,6 +120,9 @@ bool consume_args(int & argc, char ** argv) {
     if (const char * env = std::getenv("LLAMA_ARG_KV_KEY_FILE"); env != nullptr) {
         s.key_file = env;
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_MODEL_ID"); env != nullptr) {
+        s.model_id = env;
+    }
     if (const char * env = std::getenv("LLAMA_ARG_KV_TRUSTED_ENDPOINTS"); env != nullptr) {
         split_list(env, s.trusted_endpoints);
     }
@@ -164,7 +170,7 @@ bool consume_args(int & argc, char ** argv) {
         // the flags with a value: a flag given names its value, replacing the variable's
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
                                                "--kv-pool-mib", "--kv-fetch", "--kv-events",
-                                               "--kv-load-failure-policy", "--kv-key-file" };
+                                               "--kv-load-failure-policy", "--kv-key-file", "--kv-model-id" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -179,6 +185,8 @@ bool consume_args(int & argc, char ** argv) {
                 s.listen = value;
             } else if (arg == "--kv-key-file") {
                 s.key_file = value;
+            } else if (arg == "--kv-model-id") {
+                s.model_id = value;
             } else if (arg == "--kv-events") {
                 s.events = value;
             } else if (arg == "--kv-trusted-endpoint") {

@@ -309,11 +309,35 @@ block_store::~block_store() {
     std::free(pool_);
 }
 
-size_t block_store::held(const uint64_t * names, size_t n) const {
+size_t block_store::held(const uint64_t * names, const digest * digests, size_t n) const {
     std::lock_guard<std::mutex> g(mu_);
     size_t                      k = 0;
-    while (k < n && by_name_.count(names[k]) != 0) {
-        k++;
+    for (; k < n; k++) {
+        const auto it = by_name_.find(names[k]);
+        if (it == by_name_.end() || blocks_[it->second].dig != digests[k]) {
+            break;
+        }
+    }
+    return k;
+}
+
+size_t block_store::pin_checked(const uint64_t * names, const digest * digests, size_t n, uint32_t * ids_out) {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t                      k = 0;
+    for (; k < n; k++) {
+        const auto it = by_name_.find(names[k]);
+        if (it == by_name_.end()) {
+            break;
+        }
+        entry & e = blocks_[it->second];
+        if (e.dig != digests[k]) {
+            // the name is held, for other tokens: never this slot's KV
+            name_collisions_++;
+            break;
+        }
+        e.pins++;
+        e.used     = ++tick_;
+        ids_out[k] = it->second;
     }
     return k;
 }
@@ -378,13 +402,14 @@ std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evi
         }
     }
     for (uint32_t id : out) {
-        blocks_[id] = entry{ 0, 0, 0, state::RESERVED };
+        blocks_[id]    = entry{};
+        blocks_[id].st = state::RESERVED;
     }
     return out;
 }
 
-std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * names, size_t n,
-                                        const std::function<void(size_t)> & on_stored) {
+std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * names, const digest * digests,
+                                        size_t n, const std::function<void(size_t)> & on_stored) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<size_t>         fresh;
     fresh.reserve(n);
@@ -395,7 +420,7 @@ std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * n
         }
         entry & e = blocks_[ids[i]];
         if (by_name_.emplace(names[i], ids[i]).second) {
-            e = entry{ names[i], ++tick_, 0, state::COMMITTED };
+            e = entry{ names[i], ++tick_, 0, state::COMMITTED, digests[i] };
             fresh.push_back(i);
             if (on_stored) {
                 on_stored(i);
@@ -431,6 +456,7 @@ block_store::counts block_store::read_counts() const {
     c.unpin_unheld         = unpin_unheld_;
     c.commit_not_reserved  = commit_not_reserved_;
     c.release_not_reserved = release_not_reserved_;
+    c.name_collisions      = name_collisions_;
     return c;
 }
 

@@ -83,6 +83,9 @@ void build_import(const kv_schema & schema, const uint8_t * const * src, size_t 
 /// threads reserve and commit fetched blocks, the main loop commits exports and pins imports.
 class block_store : public kvrelay::BlockHolder {
   public:
+    /// A block's content digest (kvrelay::Naming::digests over the tokens whose KV it holds).
+    using digest = kvrelay::BlockDigest;
+
     block_store(size_t capacity, size_t block_bytes);
     ~block_store() override;
     block_store(const block_store &)             = delete;
@@ -93,10 +96,15 @@ class block_store : public kvrelay::BlockHolder {
     uint8_t * pool() const { return pool_; }
     uint8_t * block(uint32_t id) const { return pool_ + size_t(id) * block_bytes_; }
 
-    /// How many leading `names` are committed. O(n).
-    size_t held(const uint64_t * names, size_t n) const;
-    /// Pin the leading committed run of `names` (kvrelay::BlockHolder; also the import's read).
+    /// How many leading `names` are committed with the content `digests` (one per name). O(n).
+    size_t held(const uint64_t * names, const digest * digests, size_t n) const;
+    /// Pin the leading committed run of `names` (kvrelay::BlockHolder: the agent's serving side,
+    /// which sends each block's recorded digest for the reader to check).
     size_t pin(const uint64_t * names, size_t n, uint32_t * ids_out) override;
+    /// Pin the leading committed run of `names` whose blocks hold the content `digests[i]` (what
+    /// a slot imports and an export keeps): a name committed for other tokens ends the run and
+    /// is counted (name_collisions), never pinned. O(n).
+    size_t pin_checked(const uint64_t * names, const digest * digests, size_t n, uint32_t * ids_out);
     void   unpin(const uint32_t * ids, size_t n) override;
     /// Blocks a NIXL fetch withheld are free again.
     void   returned(const uint32_t * ids, size_t n) override { release(ids, n); }
@@ -107,12 +115,12 @@ class block_store : public kvrelay::BlockHolder {
     /// other commit and eviction (KV events published there never invert).
     std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr,
                                   const std::function<void(uint64_t)> & on_evict = nullptr);
-    /// Commit reserved `ids[i]` under `names[i]`; a name already committed keeps its block and
-    /// the new one is freed. Every block is checked reserved; one that is not is left alone
+    /// Commit reserved `ids[i]` under `names[i]` with content digest `digests[i]`; a name already
+    /// committed keeps its block (and its digest) and the new one is freed. Every block is checked reserved; one that is not is left alone
     /// and counted (misuse). Returns the positions `i` committed under a new name, in order;
     /// `on_stored`, when given, is called with each of them under the store's lock (as
     /// `on_evict` above).
-    std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, size_t n,
+    std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, const digest * digests, size_t n,
                                const std::function<void(size_t)> & on_stored = nullptr);
     /// Reserved blocks not committed go back to the free list; a block that is not reserved
     /// is left alone and counted (misuse).
@@ -127,6 +135,8 @@ class block_store : public kvrelay::BlockHolder {
         uint64_t unpin_unheld        = 0;
         uint64_t commit_not_reserved  = 0;
         uint64_t release_not_reserved = 0;
+        // a name held for other tokens than a slot's (a collision, crafted or not): not imported
+        uint64_t name_collisions      = 0;
     };
     counts read_counts() const;
 
@@ -137,6 +147,7 @@ class block_store : public kvrelay::BlockHolder {
         uint64_t used = 0;  // LRU tick
         uint32_t pins = 0;
         state    st   = state::FREE;
+        digest   dig{};
     };
     size_t                                 capacity_;
     size_t                                 block_bytes_;
@@ -148,6 +159,7 @@ class block_store : public kvrelay::BlockHolder {
     uint64_t                               tick_    = 0;
     uint64_t                               evicted_ = 0;
     uint64_t                               unpin_unheld_ = 0, commit_not_reserved_ = 0, release_not_reserved_ = 0;
+    uint64_t                               name_collisions_ = 0;
 };
 
 }  // namespace kvrelay_llama

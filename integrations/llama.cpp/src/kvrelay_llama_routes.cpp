@@ -49,6 +49,9 @@ std::string prometheus() noexcept {
             { "store_misuse_unpin_unheld_total", c.unpin_unheld },
             { "store_misuse_commit_not_reserved_total", c.commit_not_reserved },
             { "store_misuse_release_not_reserved_total", c.release_not_reserved },
+            // a slot's block name held here for other tokens: not imported (fetches that met one
+            // count in llamacpp_kv_fetch_total{outcome="name_collision"})
+            { "store_name_collisions_total", c.name_collisions },
         };
         for (const auto & [name, v] : plain) {
             text += std::string("# TYPE llamacpp_kv_") + name + " counter\nllamacpp_kv_" + name + " " + std::to_string(v) + "\n";
@@ -160,8 +163,9 @@ json kv_lookup(const json & body, const server_chat_params & chat_params, const 
     const llama_tokens & tokens = inputs[0].get_tokens();
 
     // llama.cpp's token ids (i32, never negative) are named as they are, without a copy
-    const kvrelay::Naming naming(s.seed, s.block_tokens, 0, salt);
-    const std::vector<uint64_t> names = naming.names(tokens);
+    const kvrelay::Naming    naming(s.seed, s.block_tokens, 0, salt);
+    std::vector<llama_token> scratch;
+    const std::vector<uint64_t> names = naming.names(name_tokens(tokens.data(), tokens.size(), scratch), tokens.size());
 
     json out = json{
         { "block_tokens",  s.block_tokens },
@@ -174,7 +178,9 @@ json kv_lookup(const json & body, const server_chat_params & chat_params, const 
     // everything that reaches the server is the operator's own traffic, a router among it).
     // Otherwise any client could learn whether another tenant's prompt was seen here.
     if (s.trusted) {
-        out["blocks_held"] = KV != nullptr ? KV->store->held(names.data(), names.size()) : 0;
+        // held: under these names, for these tokens (a name held for other tokens is not)
+        const std::vector<kvrelay::BlockDigest> digests = naming.digests(s.identity, tokens);
+        out["blocks_held"] = KV != nullptr ? KV->store->held(names.data(), digests.data(), names.size()) : 0;
     }
     return out;
 }

@@ -82,8 +82,9 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         size_t       k       = 0;
         std::chrono::steady_clock::time_point t0;
         if (n_max * bt > n_exact) {
-            const std::vector<uint64_t> names = kv.naming.names(tokens.data(), n_max * bt);
-            pin_guard                   pins(*kv.store, names.data(), names.size());
+            // blocks whose name and content digest are those of this slot's own tokens
+            const block_keys keys = keys_of(kv, tokens.data(), n_max * bt);
+            pin_guard        pins(*kv.store, keys.names.data(), keys.digests.data(), keys.names.size());
             k = pins.n;
             if (k * bt > n_exact) {
                 t0 = std::chrono::steady_clock::now();
@@ -191,9 +192,12 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
         } const done{ slot.pending, kv.work, loop_work::clock::now() };
         const size_t                bt     = S().block_tokens;
         const llama_tokens &        tokens = slot.pending;
-        const std::vector<uint64_t> names  = kv.naming.names(tokens.data(), tokens.size());
+        const block_keys            keys   = keys_of(kv, tokens.data(), tokens.size());
+        const std::vector<uint64_t> & names = keys.names;
         // the blocks held stay pinned while the new ones are reserved and committed after them
-        pin_guard    held(*kv.store, names.data(), names.size());
+        // (a name held for other tokens ends the run: this prompt's own blocks are not stored
+        // under it, and the ones after it chain from it)
+        pin_guard    held(*kv.store, names.data(), keys.digests.data(), names.size());
         const size_t from = held.n;
         if (from == names.size()) {
             return;
@@ -222,10 +226,14 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
             dst[i] = kv.store->block(ids[i]);
         }
         cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
-        kv.agent->record_checksums(ids);  // before the blocks can be pinned by name
+        // recorded before the blocks can be pinned by name: each is served with its checksum and
+        // its content digest, which a fetching server compares with its own tokens' digest
+        kv.agent->record_checksums(ids);
+        kv.agent->record_digests(ids, std::vector<block_store::digest>(keys.digests.begin() + from,
+                                                                      keys.digests.begin() + from + ids.size()));
         res.handed                      = ids.size();
-        const std::vector<size_t> fresh =
-            kv.store->commit(ids.data(), names.data() + from, ids.size(), publish_stored(kv, names, tokens, from));
+        const std::vector<size_t> fresh = kv.store->commit(ids.data(), names.data() + from, keys.digests.data() + from,
+                                                           ids.size(), publish_stored(kv, names, tokens, from));
         kv.counts.exported_blocks += fresh.size();
     } catch (const std::exception & e) {
         kv.counts.export_failed++;

@@ -7,12 +7,17 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 namespace kvrelay_llama {
 namespace detail {
@@ -120,6 +125,157 @@ bool probe_schema(llama_context * ctx, kv_schema & out, std::string & err) {
     return true;
 }
 
+// Where file digests are kept between runs: KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else
+// $HOME/.cache/kvrelay ("" : nowhere; each start digests the files again).
+std::filesystem::path cache_dir() {
+    if (const char * d = std::getenv("KVRELAY_CACHE_DIR"); d != nullptr && *d != '\0') {
+        return d;
+    }
+    if (const char * d = std::getenv("XDG_CACHE_HOME"); d != nullptr && *d != '\0') {
+        return std::filesystem::path(d) / "kvrelay";
+    }
+    if (const char * d = std::getenv("HOME"); d != nullptr && *d != '\0') {
+        return std::filesystem::path(d) / ".cache" / "kvrelay";
+    }
+    return {};
+}
+
+// The SHA-256 of a file (model, adapter, control vector) as hex: what the identity binds it by.
+// Read once per file version: kept in the cache directory under its canonical path, size and
+// modification time (a file changed in place gets a new entry); an entry is used only when the
+// key it records is this file's. Throws when the file cannot be read.
+std::string file_sha256(const std::string & file) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path  canon = fs::canonical(file, ec);
+    const uintmax_t size  = fs::file_size(file, ec);
+    const auto      mtime = fs::last_write_time(file, ec).time_since_epoch().count();
+    const std::string key = (ec ? fs::path(file) : canon).string() + "\n" + std::to_string((unsigned long long) size) +
+                            "\n" + std::to_string((long long) mtime);
+    const fs::path dir    = cache_dir();
+    const fs::path entry  = dir.empty() || ec ? fs::path() : dir / "file-sha256" / hex64(kvrelay::Naming::seed_of(key));
+    if (!entry.empty()) {
+        std::ifstream in(entry);
+        std::string   hex;
+        if (in && std::getline(in, hex)) {
+            const std::string rest((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+            if (hex.size() == 64 && rest == key) {
+                return hex;
+            }
+        }
+    }
+    const kvrelay::BlockDigest d = kvrelay::file_digest(file);
+    std::string                hex;
+    for (uint8_t b : d) {
+        char two[3];
+        snprintf(two, sizeof two, "%02x", b);
+        hex += two;
+    }
+    if (!entry.empty()) {
+        // best effort, written whole then renamed: a reader never sees half an entry
+        fs::create_directories(entry.parent_path(), ec);
+        const fs::path tmp = entry.string() + ".tmp" + std::to_string((long long) getpid());
+        {
+            std::ofstream out(tmp, std::ios::trunc);
+            out << hex << '\n' << key;
+        }
+        fs::rename(tmp, entry, ec);
+        if (ec) {
+            fs::remove(tmp, ec);
+        }
+    }
+    return hex;
+}
+
+// A float setting as text that tells every value apart (hexadecimal floating point).
+std::string exact(double v) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%a", v);
+    return buf;
+}
+
+// Everything the KV of a prompt depends on besides its tokens, as text (the identity's settings
+// part): the model by content, every setting that reaches the graph, the KV cache's types, the
+// build and where the model runs. Two servers whose identities are equal compute equal KV for
+// equal tokens; everything else never exchanges a block (their names and digests differ, and
+// their agents refuse each other's fingerprint). Throws when a file cannot be read.
+std::string identity_of(const common_params & params, const llama_context * ctx) {
+    const settings & s  = S();
+    std::string      id = "llama-server/kvrelay-naming-2";
+    // the model by content, or by the operator's word
+    id += s.model_id.empty() ? ";model_sha256=" + file_sha256(params.model.path) : ";model_id=" + s.model_id;
+    for (const auto & lora : params.lora_adapters) {
+        id += ";lora_sha256=" + file_sha256(lora.path) + "*" + exact(lora.scale);
+    }
+    id += std::string(";lora_applied=") + (params.lora_init_without_apply ? "0" : "1");
+    for (const auto & cv : params.control_vectors) {
+        id += ";cvec_sha256=" + file_sha256(cv.fname) + "*" + exact(cv.strength);
+    }
+    if (!params.control_vectors.empty()) {
+        id += ";cvec_layers=" + std::to_string(params.control_vector_layer_start) + ".." +
+              std::to_string(params.control_vector_layer_end);
+    }
+    for (const llama_model_kv_override & o : params.kv_overrides) {
+        if (o.key[0] == '\0') {
+            continue;  // the list's terminator
+        }
+        id += ";override_kv=" + std::string(o.key) + ":";
+        switch (o.tag) {
+            case LLAMA_KV_OVERRIDE_TYPE_INT:   id += "int:" + std::to_string((long long) o.val_i64); break;
+            case LLAMA_KV_OVERRIDE_TYPE_FLOAT: id += "float:" + exact(o.val_f64); break;
+            case LLAMA_KV_OVERRIDE_TYPE_BOOL:  id += std::string("bool:") + (o.val_bool ? "1" : "0"); break;
+            case LLAMA_KV_OVERRIDE_TYPE_STR:   id += "str:" + std::string(o.val_str); break;
+            default:                           id += "tag:" + std::to_string(int(o.tag)); break;
+        }
+    }
+    // RoPE and YaRN as given (0 and -1: the model's own, which its digest binds); K is stored
+    // after RoPE
+    id += ";rope_freq_base=" + exact(params.rope_freq_base) + ";rope_freq_scale=" + exact(params.rope_freq_scale);
+    id += ";rope_scaling=" + std::to_string(int(params.rope_scaling_type));
+    id += ";yarn=" + exact(params.yarn_ext_factor) + "," + exact(params.yarn_attn_factor) + "," +
+          exact(params.yarn_beta_fast) + "," + exact(params.yarn_beta_slow) + "," + std::to_string(params.yarn_orig_ctx);
+    id += std::string(";swa_full=") + (params.swa_full ? "1" : "0");
+    id += ";build=" + std::string(llama_commit());
+    id += ";n_ubatch=" + std::to_string(ctx != nullptr ? llama_n_ubatch(ctx) : (uint32_t) params.n_ubatch);
+    id += ";type_k=" + std::string(ggml_type_name(params.cache_type_k));
+    id += ";type_v=" + std::string(ggml_type_name(params.cache_type_v));
+    id += ";flash_attn=" + std::string(llama_flash_attn_type_name(params.flash_attn_type));
+    // where the layers run: the CPU backend, or the GPUs' kind (their kernels' numerics differ)
+    id += ";ngl=" + std::to_string(params.n_gpu_layers) + ";split=" + std::to_string(int(params.split_mode));
+    std::vector<ggml_backend_dev_t> devs = params.devices;
+    if (devs.empty()) {
+        for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+            ggml_backend_dev_t d = ggml_backend_dev_get(i);
+            const auto         t = ggml_backend_dev_type(d);
+            if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+                devs.push_back(d);
+            }
+        }
+    }
+    for (ggml_backend_dev_t d : devs) {
+        if (d != nullptr && params.n_gpu_layers != 0) {
+            id += ";device=" + std::string(ggml_backend_dev_name(d)) + ":" + ggml_backend_dev_description(d);
+        }
+    }
+    return id;
+}
+
+// The test build's forced name collisions (a build with KVRELAY_LLAMA_TEST_HOOKS defined, which
+// build.sh makes with KVRELAY_TEST_HOOKS=1, run with KVRELAY_LLAMA_TEST_NAME_COLLISIONS=1): block
+// names ignore the tokens, so any two prompts of one length share every name, as a crafted
+// collision would. Digests are untouched: the content check is what the test exercises.
+bool forced_collisions() {
+#ifdef KVRELAY_LLAMA_TEST_HOOKS
+    static const bool on = [] {
+        const char * v = std::getenv("KVRELAY_LLAMA_TEST_NAME_COLLISIONS");
+        return v != nullptr && std::string(v) == "1";
+    }();
+    return on;
+#else
+    return false;
+#endif
+}
+
 void start_kv(const common_params & params, llama_context * ctx, const kv_schema & schema) {
     const settings & s = S();
     auto             kv = std::make_unique<kv_runtime>();
@@ -186,33 +342,44 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
 
 }  // namespace
 
+namespace detail {
+
+const llama_token * name_tokens(const llama_token * tokens, size_t n, std::vector<llama_token> & scratch) {
+    if (!forced_collisions()) {
+        return tokens;
+    }
+    scratch.assign(n, 0);
+    return scratch.data();
+}
+
+block_keys keys_of(const kv_runtime & kv, const llama_token * tokens, size_t n) {
+    block_keys               k;
+    std::vector<llama_token> scratch;
+    k.names   = kv.naming.names(name_tokens(tokens, n, scratch), n);
+    k.digests = kv.naming.digests(S().identity, tokens, n);
+    return k;
+}
+
+}  // namespace detail
+
 void on_model_loaded(const common_params & params, llama_context * ctx) {
     settings & s = S();
 
-    // The identity names what makes two servers' KV for the same tokens equal: the model file
-    // (name and size), the llama.cpp build, and the context's KV settings. Equal identities give
-    // equal block names (SPEC section 8).
-    const std::filesystem::path path(params.model.path);
-    std::error_code             ec;
-    const uintmax_t             model_bytes = std::filesystem::file_size(path, ec);
-
-    std::string id = "llama-server/kvrelay-naming-1";
-    id += ";model=" + path.filename().string();
-    id += ";model_bytes=" + std::to_string(ec ? 0 : (unsigned long long) model_bytes);
-    for (const auto & lora : params.lora_adapters) {
-        id += ";lora=" + std::filesystem::path(lora.path).filename().string();
+    // The identity names what makes two servers' KV for the same tokens equal (identity_of):
+    // equal identities give equal block names and digests (SPEC section 8), and nothing else
+    // does. A file that cannot be read leaves the identity empty: the KV path stays off.
+    std::string id;
+    try {
+        id = identity_of(params, ctx);
+    } catch (const std::exception & e) {
+        SRV_ERR("kvrelay: the KV path is off: the engine's identity: %s\n", e.what());
     }
-    id += ";build=" + std::string(llama_commit());
-    id += ";n_ubatch=" + std::to_string(ctx != nullptr ? llama_n_ubatch(ctx) : (uint32_t) params.n_ubatch);
-    id += ";type_k=" + std::string(ggml_type_name(params.cache_type_k));
-    id += ";type_v=" + std::string(ggml_type_name(params.cache_type_v));
-    id += ";flash_attn=" + std::string(llama_flash_attn_type_name(params.flash_attn_type));
     // With the KV path on, the context's state layout is read off a probe, and whether V is
     // stored transposed (flash attention resolved off) joins the identity: "auto" resolves per
     // device, and blocks computed with and without flash attention differ.
     kv_schema schema;
     bool      probed = false;
-    if (s.kv_on() && ctx != nullptr) {
+    if (s.kv_on() && ctx != nullptr && !id.empty()) {
         std::string err;
         if (probe_schema(ctx, schema, err)) {
             probed = true;

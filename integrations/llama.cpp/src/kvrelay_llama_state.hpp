@@ -52,6 +52,7 @@ struct settings {
     bool                     fail_on_load = false;  // --kv-load-failure-policy fail
     std::string              events;  // KV events publisher endpoint ("" : none)
     std::string              key_file;  // the KV port's pre-shared key ("" : none)
+    std::string              model_id;  // --kv-model-id: the operator vouches for the model ("" : its SHA-256)
     size_t                   n_ctx_slot = 0;  // a slot's context (0: unknown); longer prompts are refused
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
@@ -85,13 +86,16 @@ struct kv_counters {
     }
 };
 
-// Pins held through a scope: unpinned when it ends, however it ends.
+// Pins held through a scope: unpinned when it ends, however it ends. Only blocks whose content
+// digest is the one asked for are pinned (block_store::pin_checked).
 struct pin_guard {
     block_store *         store = nullptr;
     std::vector<uint32_t> ids;
     size_t                n = 0;
-    pin_guard(block_store & st, const uint64_t * names, size_t count) : store(&st), ids(count) {
-        n = st.pin(names, count, ids.data());
+    pin_guard(block_store & st, const uint64_t * names, const block_store::digest * digests, size_t count) :
+        store(&st),
+        ids(count) {
+        n = st.pin_checked(names, digests, count, ids.data());
     }
     pin_guard(const pin_guard &)             = delete;
     pin_guard & operator=(const pin_guard &) = delete;
@@ -181,6 +185,22 @@ struct kv_runtime {
         return slots[size_t(seq_id)];
     }
 };
+
+/// A prompt's full blocks as the store knows them: their names (what routers index) and their
+/// content digests (what a block must hold to enter a slot), from block 0.
+struct block_keys {
+    std::vector<uint64_t>            names;
+    std::vector<block_store::digest> digests;
+};
+
+/// The keys of the full blocks of tokens[0, n) (n a block multiple). With the test build's
+/// forced collisions on (kvrelay_llama_start.cpp), names are computed as if every token were 0,
+/// so that two prompts of one length share every name; digests always come from the tokens.
+block_keys keys_of(const kv_runtime & kv, const llama_token * tokens, size_t n);
+
+/// Token ids as names see them: `tokens` itself, or, with the test build's forced collisions
+/// on, zeros (in `scratch`).
+const llama_token * name_tokens(const llama_token * tokens, size_t n, std::vector<llama_token> & scratch);
 
 /// Set once by on_model_loaded, never freed (agent threads may run until exit); null while the
 /// KV path is off.

@@ -187,16 +187,34 @@ static void state_round_trips(bool v_trans) {
     CHECK(!parse_state(huge.data(), huge.size(), p, err) && err.find("early") != std::string::npos);
 }
 
+// A stand-in content digest: one per name (a block's tokens), another for a collision.
+static block_store::digest dig(uint64_t name, uint8_t tenant = 0) {
+    block_store::digest d{};
+    std::memcpy(d.data(), &name, sizeof name);
+    d[31] = tenant;
+    return d;
+}
+
 static void store_works() {
     block_store st(4, 64);
     CHECK(reinterpret_cast<uintptr_t>(st.pool()) % 4096 == 0);
     const uint64_t names[] = { 11, 22, 33, 44, 55 };
+    const block_store::digest digs[] = { dig(11), dig(22), dig(33), dig(44), dig(55) };
     std::vector<uint32_t> ids = st.reserve(3);
     CHECK(ids.size() == 3);
-    CHECK(st.held(names, 5) == 0);
-    std::vector<size_t> fresh = st.commit(ids.data(), names, 3);
+    CHECK(st.held(names, digs, 5) == 0);
+    std::vector<size_t> fresh = st.commit(ids.data(), names, digs, 3);
     CHECK(fresh == (std::vector<size_t>{ 0, 1, 2 }));
-    CHECK(st.held(names, 5) == 3);
+    CHECK(st.held(names, digs, 5) == 3);
+    // the same names for other tokens (a collision): not held, never pinned, counted
+    const block_store::digest theirs[] = { dig(11), dig(22, 1), dig(33) };
+    uint32_t                  got[3];
+    CHECK(st.held(names, theirs, 3) == 1);
+    CHECK(st.pin_checked(names, theirs, 3, got) == 1 && st.read_counts().name_collisions == 1);
+    st.unpin(got, 1);
+    CHECK(st.pin_checked(names, digs, 3, got) == 3);
+    st.unpin(got, 3);
+    CHECK(st.read_counts().pinned == 0 && st.read_counts().name_collisions == 1);
     // pin the leading run: 11, 22, 33
     uint32_t pinned[5];
     CHECK(st.pin(names, 5, pinned) == 3);
@@ -214,17 +232,19 @@ static void store_works() {
     st.unpin(&one, 1);
     more = st.reserve(2, &evicted);
     CHECK(more.size() == 2 && evicted == std::vector<uint64_t>{ 22 });
-    CHECK(st.held(names, 5) == 1);  // 22 is gone: the run stops there
-    // committing a name already held frees the new block
-    const uint64_t again[] = { 11, 44 };
-    fresh = st.commit(more.data(), again, 2);
+    CHECK(st.held(names, digs, 5) == 1);  // 22 is gone: the run stops there
+    // committing a name already held frees the new block (and keeps the held block's digest)
+    const uint64_t            again[]      = { 11, 44 };
+    const block_store::digest again_digs[] = { dig(11, 2), dig(44) };
+    fresh = st.commit(more.data(), again, again_digs, 2);
     CHECK(fresh == std::vector<size_t>{ 1 });
     CHECK(st.read_counts().committed == 3 && st.read_counts().evicted == 1);
     // commit and release ignore blocks that are not reserved, and count them
     st.release(ids.data(), 1);
-    CHECK(st.held(names, 1) == 1 && st.read_counts().release_not_reserved == 1);
-    const uint64_t other = 99;
-    CHECK(st.commit(ids.data(), &other, 1).empty() && st.held(&other, 1) == 0);
+    CHECK(st.held(names, digs, 1) == 1 && st.read_counts().release_not_reserved == 1);
+    const uint64_t            other     = 99;
+    const block_store::digest other_dig = dig(99);
+    CHECK(st.commit(ids.data(), &other, &other_dig, 1).empty() && st.held(&other, &other_dig, 1) == 0);
     CHECK(st.read_counts().commit_not_reserved == 1);
     // a second unpin of one pin takes nothing from another holder's pin, and is counted
     uint32_t a, b;
@@ -253,11 +273,14 @@ static void store_events_follow_the_store() {
         for (uint64_t k = 0; k < 3000; k++) {
             std::vector<uint32_t> ids = st.reserve(2, nullptr, [&](uint64_t name) { log.emplace_back(false, name); });
             // names repeat across the threads (k % 40): a commit may find its name held already
-            std::vector<uint64_t> names(ids.size());
+            std::vector<uint64_t>            names(ids.size());
+            std::vector<block_store::digest> digs(ids.size());
             for (size_t i = 0; i < names.size(); i++) {
                 names[i] = 1 + (base + k * 2 + i) % 40;
+                digs[i]  = dig(names[i]);
             }
-            st.commit(ids.data(), names.data(), ids.size(), [&](size_t i) { log.emplace_back(true, names[i]); });
+            st.commit(ids.data(), names.data(), digs.data(), ids.size(),
+                      [&](size_t i) { log.emplace_back(true, names[i]); });
         }
     };
     std::thread t1(work, 0), t2(work, 7);
@@ -275,7 +298,8 @@ static void store_events_follow_the_store() {
     CHECK(consistent);
     size_t held = 0;
     for (uint64_t name = 1; name <= 40; name++) {
-        const bool in_store = st.held(&name, 1) == 1;
+        const block_store::digest d        = dig(name);
+        const bool                in_store = st.held(&name, &d, 1) == 1;
         held += in_store ? 1 : 0;
         CHECK(in_store == (index.count(name) == 1));
     }

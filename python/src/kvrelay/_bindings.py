@@ -16,7 +16,7 @@ KVRELAY_BLOCK_DIGEST_BYTES = 32  # Bytes of one block content digest (`kvrelay_b
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
-KVRELAY_VERSION_PATCH = 2  # Patch version.
+KVRELAY_VERSION_PATCH = 3  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -165,6 +165,7 @@ class FetchFailure(CEnum):
     CANCELLED = ("cancelled", 9)
     SHUTDOWN = ("shutdown", 10)
     INTERNAL = ("internal", 11)
+    DIGEST_MISMATCH = ("digest_mismatch", 12)
 
 
 class AgentLimit(CEnum):
@@ -267,6 +268,7 @@ KVRELAY_FETCH_AUTH_FAILED = 8
 KVRELAY_FETCH_CANCELLED = 9
 KVRELAY_FETCH_SHUTDOWN = 10
 KVRELAY_FETCH_INTERNAL = 11
+KVRELAY_FETCH_DIGEST_MISMATCH = 12
 KVRELAY_LIMIT_MAX_CONNECTIONS = 1
 KVRELAY_LIMIT_MAX_PER_PEER = 2
 KVRELAY_LIMIT_MAX_PENDING = 3
@@ -388,6 +390,7 @@ class kvrelay_agent_stats(Structure):
         ("ipc_unmapped", c_uint64),  # CUDA IPC: mappings let go because their source process no longer runs, or to keep the table within its bounds (per source and in all).
         ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
         ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in software (README, "The NIXL transport"). Since 0.3.1.
+        ("fetch_failed_digest_mismatch", c_uint64),  # Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
     ]
 
 
@@ -645,6 +648,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_agent_free": (None, [("agent", c_void_p)]),
     "kvrelay_agent_endpoint": (c_int32, [("agent", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_agent_record_checksums": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t)]),
+    "kvrelay_agent_record_digests": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("digests", c_void_p), ("n", c_size_t)]),
     "kvrelay_agent_estimate": (c_int32, [("agent", c_void_p), ("endpoint", c_void_p), ("len", c_size_t), ("blocks", c_size_t), ("seconds_out", POINTER(c_double))]),
     "kvrelay_agent_record_import": (c_int32, [("agent", c_void_p), ("blocks", c_size_t), ("seconds", c_double)]),
     "kvrelay_agent_import_estimate": (c_int32, [("agent", c_void_p), ("blocks", c_size_t), ("seconds_out", POINTER(c_double))]),
@@ -665,6 +669,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_agent_config_key_from_file": (c_int32, [("config", c_void_p), ("path", c_void_p), ("len", c_size_t)]),
     "kvrelay_agent_fetch": (c_int32, [("agent", c_void_p), ("params", POINTER(kvrelay_fetch_params)), ("done", kvrelay_agent_fetch_done_fn), ("user_data", c_void_p), ("out", POINTER(c_void_p))]),
     "kvrelay_agent_submit": (c_int32, [("agent", c_void_p), ("params", POINTER(kvrelay_fetch_params)), ("callbacks", POINTER(kvrelay_fetch_callbacks)), ("out", POINTER(c_void_p))]),
+    "kvrelay_agent_submit_checked": (c_int32, [("agent", c_void_p), ("params", POINTER(kvrelay_fetch_params)), ("digests", c_void_p), ("digests_len", c_size_t), ("callbacks", POINTER(kvrelay_fetch_callbacks)), ("out", POINTER(c_void_p))]),
     "kvrelay_fetch_poll": (c_int32, [("fetch", c_void_p), ("out", POINTER(kvrelay_fetch_result))]),
     "kvrelay_fetch_wait": (c_int32, [("fetch", c_void_p), ("timeout_ms", c_uint32), ("out", POINTER(kvrelay_fetch_result))]),
     "kvrelay_fetch_detail": (c_int32, [("fetch", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
@@ -706,6 +711,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_kv_events_read_stats": (c_int32, [("events", c_void_p), ("out", POINTER(kvrelay_kv_events_stats)), ("size", c_size_t)]),
     "kvrelay_kv_events_prometheus": (c_int32, [("events", c_void_p), ("prefix", c_void_p), ("prefix_len", c_size_t), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_name_seed": (c_int32, [("identity", c_void_p), ("len", c_size_t), ("out", POINTER(c_uint64))]),
+    "kvrelay_file_digest": (c_int32, [("path", c_void_p), ("len", c_size_t), ("out", c_void_p)]),
     "kvrelay_block_names": (c_int32, [("naming", POINTER(kvrelay_naming)), ("parent", c_uint64), ("first_block", c_size_t), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("names", POINTER(c_uint64)), ("cap", c_size_t), ("n_out", POINTER(c_size_t))]),
     "kvrelay_block_digests": (c_int32, [("naming", POINTER(kvrelay_naming)), ("identity", c_void_p), ("identity_len", c_size_t), ("parent", c_void_p), ("first_block", c_size_t), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("digests", c_void_p), ("cap", c_size_t), ("n_out", POINTER(c_size_t))]),
     "kvrelay_capabilities_builder_new": (c_int32, [("out", POINTER(c_void_p))]),

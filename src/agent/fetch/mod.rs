@@ -245,6 +245,7 @@ fn pull(
     let addr = resolve(inner, hostport, deadline, &stopped)?;
     let asked = &req.names[req.held..req.held + req.dst.len()];
     let dst = &req.dst[..asked.len()];
+    let want = req.digests.get(req.held..req.held + asked.len()).unwrap_or(&[]);
     // one stream of the fetch: a contiguous part of the run on a connection of its own
     // a part that ends short (failed, or the source's run ended inside it) makes every later
     // part useless: those stop at once (their connections are shut down) instead of moving
@@ -269,7 +270,7 @@ fn pull(
             deadline,
             stopped: &stopped_k,
         };
-        let mut land = Landing::new(&inner.sums, &dst[lo..hi]);
+        let mut land = Landing::new(&inner.sums, &dst[lo..hi], want.get(lo..hi).unwrap_or(&[]));
         let result = job.run(mover, scratch, &mut land);
         let p = Part { blocks: land.blocks, first: land.first, result };
         if p.result.is_err() || p.blocks < hi - lo {
@@ -539,7 +540,7 @@ fn drive(
         loop {
             (job.stopped)()?;
             match t.check(cx, c, job, land)? {
-                Progress::Done { reusable } => return Ok(reusable),
+                Progress::Done { reusable } => return land.cut.take().map_or(Ok(reusable), Err),
                 Progress::Pending if land.blocks != seen => (spins, seen) = (0, land.blocks),
                 Progress::Pending if spins < SPINS => {
                     spins += 1;
@@ -564,7 +565,7 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
     let stopped = || Ok(());
     let (mut mover, mut scratch) = (None, Scratch::default());
     let asked = &names[..dst.len()];
-    let mut land = Landing::new(&inner.sums, dst);
+    let mut land = Landing::new(&inner.sums, dst, &[]);
     let unquiet = Unquiet::default();
     let r = (|| {
         let hello = wire::encode_hello(&inner.fingerprint, asked);

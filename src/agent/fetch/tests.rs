@@ -151,6 +151,7 @@ fn fetch(a: &Agent, source: std::net::SocketAddr) -> super::FetchResult {
         held: 1,
         dst: vec![3, 4, 5, 6],
         deadline: Duration::from_secs(60),
+        digests: Vec::new(),
     };
     a.submit(req, None).unwrap().wait(Duration::from_secs(120)).expect("the fetch completes")
 }
@@ -211,6 +212,7 @@ fn withheld_blocks_go_back_when_the_agent_stops() {
         held: 1,
         dst: vec![3, 4, 5, 6],
         deadline: Duration::from_secs(60),
+        digests: Vec::new(),
     };
     let handle = a.submit(req, None).unwrap();
     let r = handle.wait(Duration::from_secs(120)).expect("the fetch completes");

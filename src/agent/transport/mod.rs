@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use super::estimate::SourceSpeed;
 use super::pool::{Mover, Movers};
-use super::sums::SumTable;
+use super::sums::{Digest, SumTable};
 use super::wire::{self, Conn, FrameError, Refusal};
 use super::{AgentError, FailReason, Limits, Stats, Transport};
 use crate::copy::KvLayout;
@@ -220,6 +220,12 @@ pub(super) struct Scratch {
 pub(super) struct Landing<'a> {
     sums: &'a SumTable,
     dst: &'a [u32],
+    /// The content digests the fetch asked for, one per block of the stream (`dst`'s order);
+    /// empty: the runtime gave none and digests are not checked.
+    pub(super) want: &'a [Digest],
+    /// An in-place offer was cut before a block whose digest differs from the one asked for:
+    /// the stream ends with this failure once the blocks before it landed.
+    pub(super) cut: Option<Failure>,
     /// Leading blocks written and verified.
     pub(super) blocks: usize,
     /// When the first of them was.
@@ -233,8 +239,26 @@ pub(super) struct Landing<'a> {
 }
 
 impl<'a> Landing<'a> {
-    pub(super) fn new(sums: &'a SumTable, dst: &'a [u32]) -> Landing<'a> {
-        Landing { sums, dst, blocks: 0, first: None, offered: false, unusable: false }
+    pub(super) fn new(sums: &'a SumTable, dst: &'a [u32], want: &'a [Digest]) -> Landing<'a> {
+        debug_assert!(want.is_empty() || want.len() == dst.len());
+        Landing { sums, dst, want, cut: None, blocks: 0, first: None, offered: false, unusable: false }
+    }
+
+    /// The content rule, checked before a byte of block `i` reaches the pool: the digest the
+    /// source recorded for it (`got`) must be the one the runtime computed from its own tokens
+    /// (`want[i]`, when it gave digests). A block whose name is right and whose content is
+    /// another (a crafted or accidental name collision, a source that never recorded a digest)
+    /// ends the fetch before it.
+    pub(super) fn check_digest(want: &[Digest], i: usize, got: &Digest) -> Result<(), Failure> {
+        match want.get(i) {
+            Some(w) if w != got => Err((
+                FailReason::DigestMismatch,
+                format!(
+                    "block {i}: the source's block under this name holds other tokens (its content digest differs)"
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The one verification rule: block `i`, summed where its bytes lie to `got`, against the
@@ -248,10 +272,12 @@ impl<'a> Landing<'a> {
     }
 
     /// Block `i` (the next in order) is in `dst[i]` and verified with checksum `sum`: record the
-    /// checksum (it travels on with the block) and count it.
+    /// checksum and the digest it was checked against (both travel on with the block; no digest
+    /// when none was asked for) and count it.
     pub(super) fn landed(&mut self, i: usize, sum: u64) {
         debug_assert_eq!(i, self.blocks, "blocks land in order");
         self.sums.set(self.dst[i], sum);
+        self.sums.set_digest(self.dst[i], self.want.get(i).unwrap_or(&[0; super::sums::DIGEST]));
         self.blocks = i + 1;
         self.first.get_or_insert_with(Instant::now);
     }
@@ -278,7 +304,10 @@ pub(super) fn serve_in_place(
         device,
         num_blocks: layout.num_blocks(),
         segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
-        blocks: ids.iter().map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums"))).collect(),
+        blocks: ids
+            .iter()
+            .map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums"), cx.sums.digest(id)))
+            .collect(),
     };
     let end = Instant::now() + tcp::transfer_deadline((ids.len() * cx.block_bytes) as u64);
     if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), cx.io_deadline()).is_err() {
@@ -337,9 +366,24 @@ pub(super) fn read_in_place_offer(
         (true, Some(o)) if agent.is_none_or(|a| o.agent == a) => o,
         _ => return Err((FailReason::Corrupt, "expected an in-place offer of this transport".into())),
     };
+    let mut offer = offer;
     offer.check(cx.layout, asked).map_err(|(mismatch, text)| {
         (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
     })?;
+    // blocks from the first whose content is not the one asked for are not taken
+    let cut = offer
+        .blocks
+        .iter()
+        .enumerate()
+        .find_map(|(i, b)| Landing::check_digest(land.want, i, &b.2).err().map(|e| (i, e)));
+    if let Some((i, e)) = cut {
+        if i == 0 {
+            send_done(cx, c, 0);
+            return Err(e);
+        }
+        offer.blocks.truncate(i);
+        land.cut = Some(e);
+    }
     Ok(offer)
 }
 

@@ -1,7 +1,8 @@
 //! The embedded transport: block bytes travel in frames on the agent's own TCP connection.
-//! The source gathers the pinned blocks into a mover's slots and sends each with its name and
-//! recorded checksum; the destination reads each into a slot, verifies it there and only then
-//! scatters it into its destination block, pipelined over the mover's two slots at both ends.
+//! The source gathers the pinned blocks into a mover's slots and sends each with its name,
+//! recorded checksum and recorded content digest; the destination checks the digest against the
+//! one it asked for, reads the block into a slot, verifies it there and only then scatters it
+//! into its destination block, pipelined over the mover's two slots at both ends.
 
 use std::sync::mpsc;
 use std::time::Instant;
@@ -145,6 +146,7 @@ fn receive(
     land: &mut Landing<'_>,
 ) -> Result<(), Failure> {
     let bb = cx.block_bytes;
+    let want_digests = land.want;
     let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
     let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
     let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
@@ -163,21 +165,21 @@ fn receive(
             Ok(())
         });
         let read = (|| -> Result<(), Failure> {
-            let mut head = [0u8; 16];
+            let mut head = [0u8; wire::BLOCK_HEAD];
             let mut buf = Vec::new();
             for (i, &want) in asked.iter().enumerate().take(count) {
                 stopped()?;
                 // the verifier stopped (its error is the answer) when no slot comes back
                 let Ok(k) = free_rx.recv() else { return Ok(()) };
                 let what = || format!("block {i}");
-                let (kind, len) =
-                    wire::read_header(c, 16 + bb.max(wire::MAX_CONTROL), by()).map_err(|e| frame_fail(e, &what()))?;
+                let (kind, len) = wire::read_header(c, wire::BLOCK_HEAD + bb.max(wire::MAX_CONTROL), by())
+                    .map_err(|e| frame_fail(e, &what()))?;
                 if kind == wire::REFUSE && len <= wire::MAX_CONTROL {
                     buf.resize(len, 0);
                     c.read_by(&mut buf, by()).map_err(|e| io_fail(&e, &what()))?;
                     return Err(refusal(&buf));
                 }
-                if kind != wire::BLOCK || len != 16 + bb {
+                if kind != wire::BLOCK || len != wire::BLOCK_HEAD + bb {
                     return Err((FailReason::Corrupt, format!("block {i}: a frame of kind {kind}, {len} bytes")));
                 }
                 c.read_by(&mut head, by()).map_err(|e| io_fail(&e, &what()))?;
@@ -188,6 +190,8 @@ fn receive(
                 if wire::u64_at(&head, 0) != want {
                     return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
                 }
+                // another content under the asked name: never written into the pool
+                Landing::check_digest(want_digests, i, head[16..].try_into().expect("32 bytes"))?;
                 if verify_tx.send((k, i, wire::u64_at(&head, 8))).is_err() {
                     return Ok(());
                 }
@@ -208,7 +212,7 @@ pub(in crate::agent) fn transfer_deadline(bytes: u64) -> std::time::Duration {
 }
 
 /// Serve the pinned blocks `ids` (names `names`) in frames: the offer, then each block with its
-/// name and recorded checksum, gathered by a helper thread into one slot while this thread
+/// name, recorded checksum and recorded digest, gathered by a helper thread into one slot while this thread
 /// sends the other. Whether it ended cleanly.
 pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
     let bb = cx.block_bytes;
@@ -260,10 +264,11 @@ pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names:
             for (j, &id) in part.iter().enumerate() {
                 let i = ci * chunk + j;
                 let sum = cx.sums.get(id).expect("offered blocks have recorded checksums");
-                let mut head = [0u8; 28];
-                head[..12].copy_from_slice(&wire::header(wire::BLOCK, 16 + bb));
+                let mut head = [0u8; 12 + wire::BLOCK_HEAD];
+                head[..12].copy_from_slice(&wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb));
                 head[12..20].copy_from_slice(&names[i].to_le_bytes());
                 head[20..28].copy_from_slice(&sum.to_le_bytes());
+                head[28..].copy_from_slice(&cx.sums.digest(id));
                 if c.write_by(&head, by(cx)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(cx)).is_err() {
                     ok = false;
                     break 'send;

@@ -47,6 +47,10 @@ pub enum kvrelay_fetch_failure {
     KVRELAY_FETCH_SHUTDOWN = 10,
     /// The fetch panicked inside the agent (a bug); nothing of it is reported written.
     KVRELAY_FETCH_INTERNAL = 11,
+    /// A block arrived under the name asked for with another content digest than the one the
+    /// runtime gave (`kvrelay_agent_submit_checked`): a name collision, crafted or not, or a
+    /// source that recorded no digest. The block was not written; those before it were.
+    KVRELAY_FETCH_DIGEST_MISMATCH = 12,
 }
 
 /// How a fetch ended.
@@ -141,7 +145,7 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
         }) as crate::agent::OnDone
     });
     // SAFETY: forwarded contract.
-    guard(|| unsafe { submit(agent, params, cb, out) })
+    guard(|| unsafe { submit(agent, params, None, cb, out) })
 }
 
 /// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
@@ -198,6 +202,49 @@ pub unsafe extern "C" fn kvrelay_agent_submit(
     callbacks: *const kvrelay_fetch_callbacks,
     out: *mut *mut kvrelay_fetch,
 ) -> kvrelay_status {
+    // SAFETY: forwarded contract.
+    unsafe { submit_with(agent, params, None, callbacks, out) }
+}
+
+/// Submit a fetch whose blocks are checked by content: as `kvrelay_agent_submit`, with
+/// `digests` the content digest of every name of `params` (`params->names_len` digests of
+/// `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `names[i]`, from
+/// `kvrelay_block_digests` over the runtime's own tokens; `digests_len` counts digests). Each
+/// block the source sends carries the digest it recorded (`kvrelay_agent_record_digests`); a
+/// block whose digest is not the one asked for, or that has none, is never written: the fetch
+/// ends before it with `KVRELAY_FETCH_DIGEST_MISMATCH`, the blocks before it verified. A
+/// fetched block's digest is recorded with it, so it is served on with its digest. Refused
+/// with `KVRELAY_ERR_INVALID_ARGUMENT` also when `digests` is NULL or `digests_len` is not
+/// `params->names_len`. Since 0.3.3.
+///
+/// # Safety
+/// As `kvrelay_agent_submit`; `digests` NULL or readable for `digests_len *
+/// KVRELAY_BLOCK_DIGEST_BYTES` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_submit_checked(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    digests: *const u8,
+    digests_len: usize,
+    callbacks: *const kvrelay_fetch_callbacks,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
+    // SAFETY: forwarded contract (a NULL `digests` is refused there, after which the
+    // callbacks' destroy runs as for any refused submission).
+    unsafe { submit_with(agent, params, Some((digests, digests_len)), callbacks, out) }
+}
+
+/// `kvrelay_agent_submit`, with digests when `digests` is given (a NULL pointer: refused).
+///
+/// # Safety
+/// As `kvrelay_agent_submit_checked`.
+unsafe fn submit_with(
+    agent: *const kvrelay_agent,
+    params: *const kvrelay_fetch_params,
+    digests: Option<(*const u8, usize)>,
+    callbacks: *const kvrelay_fetch_callbacks,
+    out: *mut *mut kvrelay_fetch,
+) -> kvrelay_status {
     /// Runs `destroy` when dropped: after `done`, or with a refused submission's closure.
     struct Callbacks(kvrelay_fetch_callbacks);
     // SAFETY: the callbacks' contract lets them run on an agent thread with their user_data.
@@ -238,7 +285,7 @@ pub unsafe extern "C" fn kvrelay_agent_submit(
             }) as crate::agent::OnDone
         });
         // SAFETY: forwarded contract.
-        unsafe { submit(agent, params, cb, out) }
+        unsafe { submit(agent, params, digests, cb, out) }
     })
 }
 
@@ -249,6 +296,7 @@ pub unsafe extern "C" fn kvrelay_agent_submit(
 unsafe fn submit(
     agent: *const kvrelay_agent,
     params: *const kvrelay_fetch_params,
+    digests: Option<(*const u8, usize)>,
     cb: Option<crate::agent::OnDone>,
     out: *mut *mut kvrelay_fetch,
 ) -> Result<(), kvrelay_status> {
@@ -259,12 +307,23 @@ unsafe fn submit(
     let (endpoint, names, dst) = unsafe {
         (text(p.endpoint.ptr.cast(), p.endpoint.len)?, array(p.names, p.names_len)?, array(p.dst_blocks, p.dst_len)?)
     };
+    let digests = match digests {
+        None => Vec::new(),
+        Some((d, n)) => {
+            if d.is_null() || n != names.len() {
+                return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+            }
+            // SAFETY: forwarded contract: `n` digests of 32 bytes (alignment 1) readable.
+            unsafe { array(d.cast::<[u8; crate::names::BLOCK_DIGEST_BYTES]>(), n)? }.to_vec()
+        }
+    };
     let req = FetchRequest {
         endpoint: endpoint.to_string(),
         names: names.to_vec(),
         held: p.held,
         dst: dst.to_vec(),
         deadline: Duration::from_millis(u64::from(p.deadline_ms)),
+        digests,
     };
     let f = a.inner.submit(req, cb).map_err(agent_err)?;
     // SAFETY: checked non-NULL; writable per the contract.

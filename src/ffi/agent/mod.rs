@@ -149,6 +149,34 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
     })
 }
 
+/// Record the content digests of blocks `ids` (`n` ids; `digests` holds `n` digests of
+/// `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `ids[i]`, from `kvrelay_block_digests`
+/// over the tokens whose KV the block holds), after their checksums: each block is served with
+/// its digest, and a fetch that asks by content (`kvrelay_agent_submit_checked`) takes a block
+/// only when the two are equal. Record it again whenever a block is rewritten (a block's digest
+/// stays until then). Blocks a checked fetch verified are recorded by the agent itself.
+/// `KVRELAY_ERR_INVALID_ARGUMENT` for an id past the pool (nothing recorded). Since 0.3.3.
+/// Cost: O(n), no allocation.
+///
+/// # Safety
+/// `agent` NULL or live; `ids` readable for `n` ids; `digests` readable for `n *
+/// KVRELAY_BLOCK_DIGEST_BYTES` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_record_digests(
+    agent: *const kvrelay_agent,
+    ids: *const u32,
+    digests: *const u8,
+    n: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract (digests: `n` arrays of 32 bytes, alignment 1).
+        let (a, ids, d) = unsafe {
+            (input(agent)?, array(ids, n)?, array(digests.cast::<[u8; crate::names::BLOCK_DIGEST_BYTES]>(), n)?)
+        };
+        a.inner.record_digests(ids, d).map_err(agent_err)
+    })
+}
+
 /// Seconds a fetch of `blocks` blocks from `endpoint` is expected to take: the transfer (the
 /// source's moving averages, or the TCP default before its first transfer: 2 ms setup, 3 GB/s)
 /// plus the runtime's own import of the blocks as `kvrelay_agent_record_import` reported it

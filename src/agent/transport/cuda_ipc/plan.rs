@@ -18,14 +18,14 @@ pub(crate) fn plan_copies(
     src_segments: &[(u64, u64, u64)],
     ranges: &[(u64, u64)],
     mapped: &[u64],
-    blocks: &[(u32, u64)],
+    blocks: &[crate::agent::wire::OfferedBlock],
     dst: &[u32],
     runs: &mut Vec<(u64, u64, u64)>,
 ) -> Result<(), String> {
     runs.clear();
     let mine = layout.segments();
     let mut run: Option<(u64, u64, u64)> = None;
-    for (i, (&(src, _), &d)) in blocks.iter().zip(dst).enumerate() {
+    for (i, (&(src, ..), &d)) in blocks.iter().zip(dst).enumerate() {
         for (s, (m, &(sbase, sstride, len))) in mine.iter().zip(src_segments).enumerate() {
             let at = u64::from(src)
                 .checked_mul(sstride)
@@ -66,7 +66,7 @@ pub(crate) fn plan_segments(
     src_segments: &[(u64, u64, u64)],
     ranges: &[(u64, u64)],
     mapped: &[u64],
-    blocks: &[(u32, u64)],
+    blocks: &[crate::agent::wire::OfferedBlock],
     out: &mut Vec<(u64, u64)>,
 ) -> bool {
     out.clear();
@@ -154,7 +154,7 @@ fn check_plans(
     let mut table = Vec::new();
     if plan_segments(&offer.segments, ranges, mapped, &offer.blocks, &mut table) {
         assert_eq!(table.len(), segs.len());
-        for &(id, _) in &offer.blocks {
+        for &(id, ..) in &offer.blocks {
             for (&(here, stride), g) in table.iter().zip(segs) {
                 let at = here.wrapping_add(u64::from(id).wrapping_mul(stride));
                 assert!(ok(at, g.bytes_per_block), "the kernel would read block {id} outside the mappings");
@@ -207,14 +207,20 @@ mod tests {
             device: Some(0),
             num_blocks: 8,
             segments: vec![(0x80000, 512, 256), (0x80100, 512, 256)],
-            blocks: vec![(6, 1), (7, 2)],
+            blocks: vec![(6, 1, [0; 32]), (7, 2, [0; 32])],
         };
         let good = wire::encode_in_place_offer(&offer(8 * 512));
         check_offer_plans(&l, &good, 2, &[0, 1]);
         let e = decode_exports(&offer(8 * 512).metadata).unwrap();
         let mapped: Vec<u64> = (0..e.ranges().len() as u64).map(|k| k << 44).collect();
         let mut segs = Vec::new();
-        assert!(plan_segments(&offer(8 * 512).segments, &e.ranges(), &mapped, &[(6, 1), (7, 2)], &mut segs));
+        assert!(plan_segments(
+            &offer(8 * 512).segments,
+            &e.ranges(),
+            &mapped,
+            &[(6, 1, [0; 32]), (7, 2, [0; 32])],
+            &mut segs
+        ));
         assert_eq!(segs[0].0.wrapping_add(6 * 512), 6 * 512, "block 6 read at its offset in mapping 0");
         // the export ends inside block 7: neither plan takes the offer
         let short = offer(7 * 512 + 100);
@@ -242,7 +248,7 @@ mod tests {
             device: Some(0),
             num_blocks: 8,
             segments: vec![(base, 512, 256), (base + 0x100, 512, 256)],
-            blocks: vec![(6, 1), (7, 2)],
+            blocks: vec![(6, 1, [0; 32]), (7, 2, [0; 32])],
         };
         let inside = SAME_PROCESS_EXPORTS[1].0 + 4096;
         let e = decode_exports(&at(inside).metadata).unwrap();
@@ -265,17 +271,17 @@ mod tests {
         let mapped = [0x500_0000u64];
         let mut runs = Vec::new();
         // blocks 2, 3 into 5, 6: K and V of consecutive blocks touch at both ends: one run
-        plan_copies(&l, &src, &allocs, &mapped, &[(2, 0), (3, 0)], &[5, 6], &mut runs).unwrap();
+        plan_copies(&l, &src, &allocs, &mapped, &[(2, 0, [0; 32]), (3, 0, [0; 32])], &[5, 6], &mut runs).unwrap();
         assert_eq!(runs, vec![(0x10000 + 5 * 512, 0x500_0000 + 2 * 512, 1024)]);
         // out of order: one run per block
-        plan_copies(&l, &src, &allocs, &mapped, &[(3, 0), (2, 0)], &[5, 6], &mut runs).unwrap();
+        plan_copies(&l, &src, &allocs, &mapped, &[(3, 0, [0; 32]), (2, 0, [0; 32])], &[5, 6], &mut runs).unwrap();
         assert_eq!(runs.len(), 2);
         // a block past the exported allocation is refused before any address is used
-        let e = plan_copies(&l, &src, &allocs, &mapped, &[(8, 0)], &[0], &mut runs).unwrap_err();
+        let e = plan_copies(&l, &src, &allocs, &mapped, &[(8, 0, [0; 32])], &[0], &mut runs).unwrap_err();
         assert!(e.contains("outside the memory the source exported"), "{e}");
         // an address that overflows
         let bad = [(u64::MAX - 100, 512u64, 256u64), (0x80100, 512, 256)];
-        let e = plan_copies(&l, &bad, &allocs, &mapped, &[(1, 0)], &[0], &mut runs).unwrap_err();
+        let e = plan_copies(&l, &bad, &allocs, &mapped, &[(1, 0, [0; 32])], &[0], &mut runs).unwrap_err();
         assert!(e.contains("overflows"), "{e}");
     }
 
@@ -287,31 +293,37 @@ mod tests {
         let allocs = [(0x80000u64, 8 * 512u64)];
         let mapped = [0x500_0000u64];
         let mut segs = Vec::new();
-        assert!(plan_segments(&src, &allocs, &mapped, &[(2, 0), (7, 0), (0, 0)], &mut segs));
+        assert!(plan_segments(&src, &allocs, &mapped, &[(2, 0, [0; 32]), (7, 0, [0; 32]), (0, 0, [0; 32])], &mut segs));
         assert_eq!(segs, vec![(0x500_0000, 512), (0x500_0100, 512)]);
         // a block past the export (block 8 ends at 0x81100 > 0x81000): refused, whichever order
-        assert!(!plan_segments(&src, &allocs, &mapped, &[(8, 0), (0, 0)], &mut segs));
+        assert!(!plan_segments(&src, &allocs, &mapped, &[(8, 0, [0; 32]), (0, 0, [0; 32])], &mut segs));
         assert!(segs.len() < 2, "no table for a refused offer");
         // the segments in two allocations: each is translated by its own mapping
         let split = [(0x80000u64, 512u64, 256u64), (0x90000, 512, 256)];
         let two = [(0x80000u64, 8 * 512u64), (0x90000, 8 * 512)];
-        assert!(plan_segments(&split, &two, &[0x100_0000, 0x700_0000], &[(0, 0), (7, 0)], &mut segs));
+        assert!(plan_segments(&split, &two, &[0x100_0000, 0x700_0000], &[(0, 0, [0; 32]), (7, 0, [0; 32])], &mut segs));
         assert_eq!(segs, vec![(0x100_0000, 512), (0x700_0000, 512)]);
         // one segment's blocks spread over two allocations: no single table (run by run instead)
         let spread = [(0x80000u64, 4 * 512u64), (0x80000 + 4 * 512, 4 * 512)];
-        assert!(!plan_segments(&src, &spread, &[0x100_0000, 0x200_0000], &[(1, 0), (6, 0)], &mut segs));
+        assert!(!plan_segments(
+            &src,
+            &spread,
+            &[0x100_0000, 0x200_0000],
+            &[(1, 0, [0; 32]), (6, 0, [0; 32])],
+            &mut segs
+        ));
         // a base before the allocation is fine when the offered blocks are inside (modular)
         let late = [(0x80000u64 + 2 * 512, 6 * 512u64)];
-        assert!(plan_segments(&src, &late, &[0x900_0000], &[(2, 0), (7, 0)], &mut segs));
+        assert!(plan_segments(&src, &late, &[0x900_0000], &[(2, 0, [0; 32]), (7, 0, [0; 32])], &mut segs));
         assert_eq!(segs[0].0.wrapping_add(2 * 512), 0x900_0000);
         // misaligned: an odd base or stride is never handed to the 16-byte kernel
         let odd = [(0x80008u64, 512u64, 256u64), (0x80108, 512, 256)];
-        assert!(!plan_segments(&odd, &allocs, &mapped, &[(0, 0)], &mut segs));
+        assert!(!plan_segments(&odd, &allocs, &mapped, &[(0, 0, [0; 32])], &mut segs));
         let odd_stride = [(0x80000u64, 520u64, 256u64), (0x80100, 520, 256)];
-        assert!(!plan_segments(&odd_stride, &[(0x80000u64, 8 * 520u64)], &mapped, &[(1, 0)], &mut segs));
+        assert!(!plan_segments(&odd_stride, &[(0x80000u64, 8 * 520u64)], &mapped, &[(1, 0, [0; 32])], &mut segs));
         // overflow and an empty offer
         let huge = [(u64::MAX - 100, 512u64, 256u64), (0x80100, 512, 256)];
-        assert!(!plan_segments(&huge, &allocs, &mapped, &[(1, 0)], &mut segs));
+        assert!(!plan_segments(&huge, &allocs, &mapped, &[(1, 0, [0; 32])], &mut segs));
         assert!(!plan_segments(&src, &allocs, &mapped, &[], &mut segs));
     }
 }

@@ -39,7 +39,7 @@ pub(super) fn slow_device_read(bytes: u64, descriptors: u64, took: Duration) -> 
 pub(super) fn merge_runs(
     local: &[crate::copy::Segment],
     remote: &[(u64, u64, u64)],
-    blocks: &[(u32, u64)],
+    blocks: &[crate::agent::wire::OfferedBlock],
     dst: &[u32],
     segment_major: bool,
     out: &mut Vec<(u64, u64, u64)>,
@@ -137,7 +137,7 @@ mod tests {
         for l in layouts {
             let r = remote(l, 0x40000);
             for p in pairs {
-                let blocks: Vec<(u32, u64)> = p.iter().map(|&(s, _)| (s, 0)).collect();
+                let blocks: Vec<crate::agent::wire::OfferedBlock> = p.iter().map(|&(s, _)| (s, 0, [0; 32])).collect();
                 let dst: Vec<u32> = p.iter().map(|&(_, d)| d).collect();
                 let mut want = std::collections::BTreeMap::new();
                 for &(src, d) in p {
