@@ -157,12 +157,14 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     // a fetch checked by content: the offer is cut before the block under a colliding name,
     // which is never copied
     let ours = digests_of(&[1, 2, 3, 4, 5, 6]);
-    let before = dst.read(6);
-    let checked = FetchRequest { digests: ours.clone(), ..req(&ep, 0, vec![12, 13, 14, 6, 7]) };
+    // (destination blocks no other step of this test counts on)
+    let before = dst.read(10);
+    let checked = FetchRequest { digests: ours.clone(), ..req(&ep, 0, vec![6, 7, 8, 10, 12]) };
     let r = dst_agent.submit(checked, None).unwrap().wait(Duration::from_secs(30)).unwrap();
     assert_eq!((r.failure, r.blocks), (Some(FailReason::DigestMismatch), 3), "{}", r.detail);
-    assert_eq!(dst.read(6), before, "the colliding block was not copied");
-    assert_eq!(dst_agent.recorded_digest(14), Some(ours[2]));
+    assert_eq!(dst.read(10), before, "the colliding block was not copied");
+    assert_eq!(dst_agent.recorded_checksum(10), None);
+    assert_eq!(dst_agent.recorded_digest(8), Some(ours[2]));
     eprintln!("{test}: a name collision was refused by its content digest");
     // a TCP reader of the IPC source
     let tcp = instance();

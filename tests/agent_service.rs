@@ -171,7 +171,7 @@ fn what_a_peer_sends_before_the_transfer_is_bounded() {
     let a = instance_with(|c| c.limits.max_names = 4);
     let mut s = TcpStream::connect(a.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
     let mut h = Vec::from(*b"KVRA");
-    h.extend_from_slice(&[2, 4, 0, 0]);
+    h.extend_from_slice(&[kvrelay::agent::wire::VERSION, 4, 0, 0]);
     h.extend_from_slice(&(1u32 << 30).to_le_bytes());
     s.write_all(&h).unwrap();
     let mut answer = Vec::new();

@@ -18,6 +18,7 @@ void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept 
         if (KV != nullptr && id_slot >= 0) {
             slot_kv & slot = KV->slot(id_slot);
             slot.aligned   = false;  // set again only by import_prefix, for this task's prompt
+            slot.kept      = false;
             slot.pending.clear();
         }
         if (hint) {
@@ -73,6 +74,7 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         const llama_tokens & tokens = prompt.get_tokens();
         const size_t         bt     = S().block_tokens;
         slot.pending.clear();  // a new prompt: an export not made after the last one's first token is dropped
+        slot.kept = false;
         // full blocks that may be reused: at least one prompt token is evaluated
         const size_t         n_max  = tokens.empty() ? 0 : (tokens.size() - 1) / bt;
         // what the slot keeps of its own cells: the leading ones known to equal a cold prefill
@@ -95,6 +97,18 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
                 build_import(kv.schema, src.data(), k, seq_id, kv.blob);
                 n_new = k * bt;
             }
+        }
+        // llama-server's own reuse reaches past the exact prefix (a prompt asked again, a turn
+        // that adds less than a block): cutting it back to a block edge only makes sense when a
+        // block computed after the cut would be exported. When every full block of the prompt
+        // lies within the exact prefix, none is: keep llama-server's reuse, and mark the
+        // prompt's prefill (which starts mid-block) as not aligned, so nothing of it is exported
+        const size_t n_full = tokens.size() / bt * bt;
+        if (n_new == n_exact && size_t(n_past) > n_exact && n_full <= n_exact) {
+            slot.exact_upto = n_exact;
+            slot.aligned    = false;
+            slot.kept       = true;
+            return n_past;
         }
         if (n_new > n_exact) {
             const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
@@ -157,9 +171,13 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
         }
         // a prompt prefilled from a block edge (import_prefix ran for it) without a LoRA adapter:
         // its full blocks equal a cold prefill's; anything else is not served, and not kept
-        const bool exact = exportable && slot.aligned;
-        slot.aligned     = false;
-        slot.exact_upto  = exact ? prompt.size() / bt * bt : 0;
+        // a prompt whose prefill started mid-block (llama-server's own reuse kept, nothing to
+        // export) leaves the cells before its start as they were: the exact prefix stays
+        const bool   exact = exportable && slot.aligned;
+        const size_t full  = prompt.size() / bt * bt;
+        slot.exact_upto    = exact ? full : exportable && slot.kept ? std::min(slot.exact_upto, full) : 0;
+        slot.aligned       = false;
+        slot.kept          = false;
         slot.pending.clear();
         if (exact && slot.exact_upto > 0) {
             // exported by export_pending, once the first token is on its way (the copy of the

@@ -130,6 +130,7 @@ struct reservation {
 struct slot_kv {
     size_t       exact_upto = 0;      // leading cells known to equal a cold prefill (a block multiple)
     bool         aligned    = false;  // this prompt's prefill started at a block edge (import_prefix ran)
+    bool         kept       = false;  // import_prefix kept llama-server's own reuse past exact_upto (nothing exported)
     llama_tokens pending;             // a prompt whose blocks export_pending exports (empty: none)
 };
 

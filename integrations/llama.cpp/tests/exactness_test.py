@@ -15,7 +15,9 @@ the generated tokens stay in the follow-up exactly as they are in the cells); B 
 full block of the follow-up from the source by a hint, and its greedy text and top-5
 probabilities must equal those of C, a cold server. Before llama-server's paths told kvrelay
 (kvrelay_llama::on_cells_changed), each of these exported generated or shifted KV and B answered
-differently. Exit status 0 when every check passed.
+differently. Where no block would be exported, llama-server's own reuse is kept as it is
+(a repeated prompt evaluates only its last token), and a later prompt that adds whole blocks is
+prefilled from a block edge, its blocks exact. Exit status 0 when every check passed.
 """
 import argparse
 import os
@@ -71,7 +73,8 @@ def main():
         os.makedirs(slot_dir, exist_ok=True)
         S3 = start("S3-slot-restore", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--cache-ram", "0",
                                        "--slot-save-path", slot_dir])
-        eps = {s: endpoint(s) for s in (S1, S2, S3)}
+        S4 = start("S4-own-reuse", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--cache-ram", "0"])
+        eps = {s: endpoint(s) for s in (S1, S2, S3, S4)}
         B_args = ["--kv-hints-trusted", "--kv-fetch", "always", "--cache-ram", "0"]
         for ep in eps.values():
             B_args += ["--kv-trusted-endpoint", ep]
@@ -136,6 +139,30 @@ def main():
         q_ids = p_ids + gen + ids_of(S3, text(60, 43))[1:]
         complete(S3, q_ids)
         follow_up(S3, "slot restore", q_ids, "exact-3")
+
+        # 4. llama-server's own reuse is kept where no exported block depends on a cut at a block
+        # edge: a short prompt asked again, and a prompt of whole blocks plus a few tokens asked
+        # again, evaluate only their last token (as unpatched); then a prompt that adds whole
+        # blocks is prefilled from the block edge, and its exported blocks are exact
+        short = ids_of(S4, "Hello, how are you?")[:10]
+        complete(S4, short)
+        r = complete(S4, short)
+        check(r["timings"].get("cache_n", 0) == len(short) - 1 and r["timings"]["prompt_n"] == 1,
+              "own reuse: a repeated %d-token prompt evaluates its last token alone (cache_n as unpatched)" % len(short),
+              str(r["timings"]))
+        x_ids = ids_of(S4, text(80, 9))
+        x_ids = x_ids[:(len(x_ids) // BT) * BT + 5]
+        complete(S4, x_ids)
+        r = complete(S4, x_ids)
+        check(r["timings"].get("cache_n", 0) == len(x_ids) - 1 and r["timings"]["prompt_n"] == 1,
+              "own reuse: a repeated prompt of %d tokens (whole blocks and 5) evaluates its last token alone" % len(x_ids),
+              str(r["timings"]))
+        y_ids = x_ids + ids_of(C, " and then " + text(60, 10))[1:]
+        r = complete(S4, y_ids)
+        check(r["timings"]["prompt_n"] == len(y_ids) - (len(x_ids) // BT) * BT,
+              "own reuse: the longer prompt is prefilled from the last block edge of the exact prefix",
+              "prompt_n %d" % r["timings"]["prompt_n"])
+        follow_up(S4, "own reuse, then whole blocks added", y_ids, "exact-4")
 
         check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "B holds no block pinned after its requests")
     finally:

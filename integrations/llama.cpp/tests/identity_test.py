@@ -18,7 +18,6 @@ another GGUF of the same file name and size. Checks:
      seed (which is why the flag is the operator's promise, not a check).
 Exit status 0 when every check passed.
 """
-import argparse
 import hashlib
 import os
 import shutil
@@ -27,133 +26,110 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from identity_fixtures import write_control_vector, write_lora, write_twin_model  # noqa: E402
-from smoke_test import Server, check, failures  # noqa: E402
+from smoke_test import check, run_test  # noqa: E402
 from two_instance_test import BT, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--log-dir")
-    a = ap.parse_args()
-    log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvrelay-llama-identity-")
-    os.makedirs(log_dir, exist_ok=True)
-    print("logs in", log_dir)
-    fixtures = tempfile.mkdtemp(prefix="kvrelay-identity-fixtures-")
-    cache = os.path.join(log_dir, "cache")
+def body(a, start, fixtures, cache):
     env = {"KVRELAY_CACHE_DIR": cache}
-    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
-    servers = []
 
-    def start(name, args, model=None):
-        s = Server(a.server, model or a.model, exact + args, os.path.join(log_dir, name + ".log"), env=env,
-                   threads=a.threads)
-        servers.append(s)
-        return s
+    def start_env(name, args, model=None):
+        return start(name, args, env, model)
 
     def info(srv):
         st, r = srv.json("GET", "/v1/kv/info")
         assert st == 200, r
         return r
 
-    def stop(srv):
-        srv.stop()
-        servers.remove(srv)
+    cvec = os.path.join(fixtures, "steer.gguf")
+    write_control_vector(a.model, cvec)
+    lora = os.path.join(fixtures, "adapter.gguf")
+    write_lora(a.model, lora)
+    twin = write_twin_model(a.model, os.path.join(fixtures, "twin"))
+    check(os.path.basename(twin) == os.path.basename(a.model) and os.path.getsize(twin) == os.path.getsize(a.model),
+          "the twin GGUF has the model's file name and size", twin)
 
+    A = start_env("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
+    info_a = info(A)
+    ep_a, seed_a = info_a["source_control_endpoint"], info_a["naming_seed"]
+    P = text(120, 21)
+    complete(A, P)
+
+    # 1. the model by content, cached
+    with open(a.model, "rb") as f:
+        want = hashlib.sha256(f.read()).hexdigest()
+    entries = []
+    for root, _, files in os.walk(cache):
+        for n in files:
+            with open(os.path.join(root, n)) as f:
+                entries.append(f.read().split("\n", 1)[0])
+    check(want in entries, "A's model is named by the SHA-256 of its file, kept in the cache directory",
+          "%d cached digest(s)" % len(entries))
+
+    def fetch_from(srv, ep, mid):
+        # a hint with the fetching server's own names (what a router that indexed it sends)
+        st, look = srv.json("POST", "/v1/kv/lookup", {"prompt": P})
+        assert st == 200, look
+        before = metrics(srv)
+        complete(srv, P, {"kv_hints": envelope(ep, look["block_hashes"], mid)})
+        after = metrics(srv)
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        return fetch_outcomes(before, after), got
+
+    # 2. the control case
+    fetching = ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a]
+    B = start_env("B", fetching)
+    check(info(B)["naming_seed"] == seed_a, "B (A's settings) has A's seed")
+    outcomes, got = fetch_from(B, ep_a, "id-b")
+    check(outcomes == {'llamacpp_kv_fetch_total{outcome="fetched"}': 1} and got > 0,
+          "B fetched A's blocks", "%s, %d blocks" % (outcomes, got))
+    B.stop()
+
+    # 3. one setting changed at a time
+    refused = {'llamacpp_kv_fetch_total{outcome="fingerprint_mismatch"}': 1}
+    variants = [
+        ("a control vector", ["--control-vector-scaled", cvec + ":0.8"], None),
+        ("the RoPE base", ["--rope-freq-base", "20000"], None),
+        ("the RoPE scale", ["--rope-freq-scale", "0.5"], None),
+        ("an --override-kv", ["--override-kv", "llama.attention.layer_norm_rms_epsilon=float:0.0001"], None),
+        ("another GGUF of the same name and size", [], twin),
+    ]
+    for i, (what, args, model) in enumerate(variants):
+        V = start_env("V%d" % i, fetching + args, model)
+        seed_v = info(V)["naming_seed"]
+        outcomes, got = fetch_from(V, ep_a, "id-v%d" % i)
+        check(seed_v != seed_a and outcomes == refused and got == 0,
+              "%s: another seed, and A's blocks are refused (fingerprint mismatch)" % what,
+              "seed %s, %s, %d blocks" % (seed_v, outcomes, got))
+        V.stop()
+    L1 = start_env("L1", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--lora-scaled", lora + ":1.0"])
+    info_l1 = info(L1)
+    L2 = start_env("L2", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint",
+                      info_l1["source_control_endpoint"], "--lora-scaled", lora + ":0.5"])
+    seed_l2 = info(L2)["naming_seed"]
+    outcomes, got = fetch_from(L2, info_l1["source_control_endpoint"], "id-l2")
+    check(seed_l2 not in (seed_a, info_l1["naming_seed"]) and info_l1["naming_seed"] != seed_a
+          and outcomes == refused and got == 0,
+          "a LoRA scale: another seed, and the other scale's server is refused (fingerprint mismatch)",
+          "%s, %d blocks" % (outcomes, got))
+    L2.stop()
+    L1.stop()
+
+    # 4. the operator's word
+    W1 = start_env("W1", ["--kv-model-id", "vouched-model-1"])
+    W2 = start_env("W2", ["--kv-model-id", "vouched-model-1"], twin)
+    check(info(W1)["naming_seed"] == info(W2)["naming_seed"] != seed_a,
+          "--kv-model-id: the operator's id names the model, whatever the file holds")
+
+
+def main():
+    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    fixtures = tempfile.mkdtemp(prefix="kvrelay-identity-fixtures-")
     try:
-        cvec = os.path.join(fixtures, "steer.gguf")
-        write_control_vector(a.model, cvec)
-        lora = os.path.join(fixtures, "adapter.gguf")
-        write_lora(a.model, lora)
-        twin = write_twin_model(a.model, os.path.join(fixtures, "twin"))
-        check(os.path.basename(twin) == os.path.basename(a.model) and os.path.getsize(twin) == os.path.getsize(a.model),
-              "the twin GGUF has the model's file name and size", twin)
-
-        A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
-        info_a = info(A)
-        ep_a, seed_a = info_a["source_control_endpoint"], info_a["naming_seed"]
-        P = text(120, 21)
-        complete(A, P)
-
-        # 1. the model by content, cached
-        with open(a.model, "rb") as f:
-            want = hashlib.sha256(f.read()).hexdigest()
-        entries = []
-        for root, _, files in os.walk(cache):
-            for n in files:
-                with open(os.path.join(root, n)) as f:
-                    entries.append(f.read().split("\n", 1)[0])
-        check(want in entries, "A's model is named by the SHA-256 of its file, kept in the cache directory",
-              "%d cached digest(s)" % len(entries))
-
-        def fetch_from(srv, ep, mid):
-            # a hint with the fetching server's own names (what a router that indexed it sends)
-            st, look = srv.json("POST", "/v1/kv/lookup", {"prompt": P})
-            assert st == 200, look
-            before = metrics(srv)
-            complete(srv, P, {"kv_hints": envelope(ep, look["block_hashes"], mid)})
-            after = metrics(srv)
-            got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-            return fetch_outcomes(before, after), got
-
-        # 2. the control case
-        fetching = ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a]
-        B = start("B", fetching)
-        check(info(B)["naming_seed"] == seed_a, "B (A's settings) has A's seed")
-        outcomes, got = fetch_from(B, ep_a, "id-b")
-        check(outcomes == {'llamacpp_kv_fetch_total{outcome="fetched"}': 1} and got > 0,
-              "B fetched A's blocks", "%s, %d blocks" % (outcomes, got))
-        stop(B)
-
-        # 3. one setting changed at a time
-        refused = {'llamacpp_kv_fetch_total{outcome="fingerprint_mismatch"}': 1}
-        variants = [
-            ("a control vector", ["--control-vector-scaled", cvec + ":0.8"], None),
-            ("the RoPE base", ["--rope-freq-base", "20000"], None),
-            ("the RoPE scale", ["--rope-freq-scale", "0.5"], None),
-            ("an --override-kv", ["--override-kv", "llama.attention.layer_norm_rms_epsilon=float:0.0001"], None),
-            ("another GGUF of the same name and size", [], twin),
-        ]
-        for i, (what, args, model) in enumerate(variants):
-            V = start("V%d" % i, fetching + args, model)
-            seed_v = info(V)["naming_seed"]
-            outcomes, got = fetch_from(V, ep_a, "id-v%d" % i)
-            check(seed_v != seed_a and outcomes == refused and got == 0,
-                  "%s: another seed, and A's blocks are refused (fingerprint mismatch)" % what,
-                  "seed %s, %s, %d blocks" % (seed_v, outcomes, got))
-            stop(V)
-        L1 = start("L1", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--lora-scaled", lora + ":1.0"])
-        info_l1 = info(L1)
-        L2 = start("L2", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint",
-                          info_l1["source_control_endpoint"], "--lora-scaled", lora + ":0.5"])
-        seed_l2 = info(L2)["naming_seed"]
-        outcomes, got = fetch_from(L2, info_l1["source_control_endpoint"], "id-l2")
-        check(seed_l2 not in (seed_a, info_l1["naming_seed"]) and info_l1["naming_seed"] != seed_a
-              and outcomes == refused and got == 0,
-              "a LoRA scale: another seed, and the other scale's server is refused (fingerprint mismatch)",
-              "%s, %d blocks" % (outcomes, got))
-        stop(L2)
-        stop(L1)
-
-        # 4. the operator's word
-        W1 = start("W1", ["--kv-model-id", "vouched-model-1"])
-        W2 = start("W2", ["--kv-model-id", "vouched-model-1"], twin)
-        check(info(W1)["naming_seed"] == info(W2)["naming_seed"] != seed_a,
-              "--kv-model-id: the operator's id names the model, whatever the file holds")
+        return run_test("kvrelay-llama-identity-",
+                        lambda a, start: body(a, start, fixtures, os.path.join(a.log_dir, "cache")), exact)
     finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.stop()
-            else:
-                s.log.close()
         shutil.rmtree(fixtures, ignore_errors=True)
-    if failures:
-        print("%d check(s) failed: %s (logs in %s)" % (len(failures), ", ".join(failures), log_dir))
-        return 1
-    print("all checks passed")
-    return 0
 
 
 if __name__ == "__main__":

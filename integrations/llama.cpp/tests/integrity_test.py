@@ -18,117 +18,91 @@ reference. Checks:
      nothing pinned either;
 and no block stays pinned on B or N after their requests. Exit status 0 when every check passed.
 """
-import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from smoke_test import Server, check, failures  # noqa: E402
+from smoke_test import check, run_test  # noqa: E402
 from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--log-dir")
-    a = ap.parse_args()
-    log_dir = a.log_dir or tempfile.mkdtemp(prefix="kvrelay-llama-integrity-")
-    os.makedirs(log_dir, exist_ok=True)
-    print("logs in", log_dir)
-    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
-    key_file = os.path.join(log_dir, "kv.key")
+def body(a, start):
+    key_file = os.path.join(a.log_dir, "kv.key")
     with open(key_file, "w") as f:
         f.write("integrity-test-pre-shared-key-0123456789\n")
     os.chmod(key_file, 0o600)
-    servers = []
+    A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--kv-key-file", key_file])
+    st, info_a = A.json("GET", "/v1/kv/info")
+    ep_a = info_a["source_control_endpoint"]
+    check(st == 200 and info_a.get("kv_key_required") is True, "A's /v1/kv/info says its KV port needs a key")
+    U = start("U", ["--kv-listen", "127.0.0.1:0"])
+    B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a,
+                    "--kv-key-file", key_file])
+    N = start("N", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a])
+    C = start("C", [])
 
-    def start(name, args):
-        s = Server(a.server, a.model, exact + args, os.path.join(log_dir, name + ".log"), threads=a.threads)
-        servers.append(s)
-        return s
+    def cold(prompt):
+        return complete(C, prompt, {"cache_prompt": False})
 
-    try:
-        A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted", "--kv-key-file", key_file])
-        st, info_a = A.json("GET", "/v1/kv/info")
-        ep_a = info_a["source_control_endpoint"]
-        check(st == 200 and info_a.get("kv_key_required") is True, "A's /v1/kv/info says its KV port needs a key")
-        U = start("U", ["--kv-listen", "127.0.0.1:0"])
-        B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a,
-                        "--kv-key-file", key_file])
-        N = start("N", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a])
-        C = start("C", [])
+    # 1. no membership oracle where hints are not trusted
+    P = text(150, 51)
+    complete(U, P)
+    st1, seen = U.json("POST", "/v1/kv/lookup", {"prompt": P})
+    st2, unseen = U.json("POST", "/v1/kv/lookup", {"prompt": text(150, 52)})
+    check(st1 == st2 == 200 and "blocks_held" not in seen and sorted(seen) == sorted(unseen),
+          "untrusted /v1/kv/lookup: a prompt held and one never seen answer the same fields, no blocks_held",
+          ", ".join(sorted(seen)))
+    complete(A, P)
+    look = A.json("POST", "/v1/kv/lookup", {"prompt": P})[1]
+    check(look.get("blocks_held") == look["blocks_total"] > 0, "trusted /v1/kv/lookup answers blocks_held",
+          "%s of %d" % (look.get("blocks_held"), look["blocks_total"]))
 
-        def cold(prompt):
-            return complete(C, prompt, {"cache_prompt": False})
+    # 2. the key: B has it, N has not
+    want = cold(P)
+    hint = {"kv_hints": envelope(ep_a, look["block_hashes"], "integrity-2")}
+    before = metrics(B)
+    r = complete(B, P, hint)
+    after = metrics(B)
+    got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+    check(got == (look["n_tokens"] - 1) // BT and answer(r) == answer(want),
+          "with the key: B fetched A's blocks and answers as the cold server", "%d blocks" % got)
+    before = metrics(N)
+    r = complete(N, P, dict(hint, kv_hints=envelope(ep_a, look["block_hashes"], "integrity-3")))
+    after = metrics(N)
+    outcomes = fetch_outcomes(before, after)
+    check(after.get("llamacpp_kv_fetched_blocks_total", 0) == before.get("llamacpp_kv_fetched_blocks_total", 0)
+          and len(outcomes) == 1 and "fetched" not in list(outcomes)[0] and "partial" not in list(outcomes)[0],
+          "without the key: N's fetch is refused, counted by reason", str(outcomes))
+    check(answer(r) == answer(want), "without the key: N answers as the cold server")
 
-        # 1. no membership oracle where hints are not trusted
-        P = text(150, 51)
-        complete(U, P)
-        st1, seen = U.json("POST", "/v1/kv/lookup", {"prompt": P})
-        st2, unseen = U.json("POST", "/v1/kv/lookup", {"prompt": text(150, 52)})
-        check(st1 == st2 == 200 and "blocks_held" not in seen and sorted(seen) == sorted(unseen),
-              "untrusted /v1/kv/lookup: a prompt held and one never seen answer the same fields, no blocks_held",
-              ", ".join(sorted(seen)))
-        complete(A, P)
-        look = A.json("POST", "/v1/kv/lookup", {"prompt": P})[1]
-        check(look.get("blocks_held") == look["blocks_total"] > 0, "trusted /v1/kv/lookup answers blocks_held",
-              "%s of %d" % (look.get("blocks_held"), look["blocks_total"]))
+    # 3. a prompt longer than the context is not fetched for; nothing stays pinned after its
+    # error, nor after an empty hinted prompt
+    P2 = text(150, 53)
+    complete(A, P2)
+    look2 = A.json("POST", "/v1/kv/lookup", {"prompt": P2})[1]
+    long_prompt = P2 + " " + text(2300, 54)
+    before = metrics(B)
+    st, err = B.json("POST", "/completion", {"prompt": long_prompt, "n_predict": 4,
+                                             "kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-4")})
+    after = metrics(B)
+    check(st == 400 and fetch_outcomes(before, after) == {'llamacpp_kv_fetch_total{outcome="prompt_too_long"}': 1.0}
+          and after.get("llamacpp_kv_fetched_blocks_total") == before.get("llamacpp_kv_fetched_blocks_total"),
+          "a hinted prompt longer than the context: refused, nothing fetched (prompt_too_long)",
+          "%s %s" % (st, fetch_outcomes(before, after)))
+    check(after.get("llamacpp_kv_store_pinned_blocks") == 0, "nothing pinned after the over-long prompt's error")
+    st, _ = B.json("POST", "/completion", {"prompt": "", "n_predict": 4,
+                                           "kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-5")})
+    check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "nothing pinned after an empty hinted prompt",
+          "status %s" % st)
+    r = complete(B, P2, {"kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-6")})
+    check(answer(r) == answer(cold(P2)), "P2 with its hint afterwards: B answers as the cold server")
+    for name, srv in (("B", B), ("N", N)):
+        check(metrics(srv).get("llamacpp_kv_store_pinned_blocks") == 0, "%s holds no block pinned" % name)
 
-        # 2. the key: B has it, N has not
-        want = cold(P)
-        hint = {"kv_hints": envelope(ep_a, look["block_hashes"], "integrity-2")}
-        before = metrics(B)
-        r = complete(B, P, hint)
-        after = metrics(B)
-        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-        check(got == (look["n_tokens"] - 1) // BT and answer(r) == answer(want),
-              "with the key: B fetched A's blocks and answers as the cold server", "%d blocks" % got)
-        before = metrics(N)
-        r = complete(N, P, dict(hint, kv_hints=envelope(ep_a, look["block_hashes"], "integrity-3")))
-        after = metrics(N)
-        outcomes = fetch_outcomes(before, after)
-        check(after.get("llamacpp_kv_fetched_blocks_total", 0) == before.get("llamacpp_kv_fetched_blocks_total", 0)
-              and len(outcomes) == 1 and "fetched" not in list(outcomes)[0] and "partial" not in list(outcomes)[0],
-              "without the key: N's fetch is refused, counted by reason", str(outcomes))
-        check(answer(r) == answer(want), "without the key: N answers as the cold server")
 
-        # 3. a prompt longer than the context is not fetched for; nothing stays pinned after its
-        # error, nor after an empty hinted prompt
-        P2 = text(150, 53)
-        complete(A, P2)
-        look2 = A.json("POST", "/v1/kv/lookup", {"prompt": P2})[1]
-        long_prompt = P2 + " " + text(2300, 54)
-        before = metrics(B)
-        st, err = B.json("POST", "/completion", {"prompt": long_prompt, "n_predict": 4,
-                                                 "kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-4")})
-        after = metrics(B)
-        check(st == 400 and fetch_outcomes(before, after) == {'llamacpp_kv_fetch_total{outcome="prompt_too_long"}': 1.0}
-              and after.get("llamacpp_kv_fetched_blocks_total") == before.get("llamacpp_kv_fetched_blocks_total"),
-              "a hinted prompt longer than the context: refused, nothing fetched (prompt_too_long)",
-              "%s %s" % (st, fetch_outcomes(before, after)))
-        check(after.get("llamacpp_kv_store_pinned_blocks") == 0, "nothing pinned after the over-long prompt's error")
-        st, _ = B.json("POST", "/completion", {"prompt": "", "n_predict": 4,
-                                               "kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-5")})
-        check(metrics(B).get("llamacpp_kv_store_pinned_blocks") == 0, "nothing pinned after an empty hinted prompt",
-              "status %s" % st)
-        r = complete(B, P2, {"kv_hints": envelope(ep_a, look2["block_hashes"], "integrity-6")})
-        check(answer(r) == answer(cold(P2)), "P2 with its hint afterwards: B answers as the cold server")
-        for name, srv in (("B", B), ("N", N)):
-            check(metrics(srv).get("llamacpp_kv_store_pinned_blocks") == 0, "%s holds no block pinned" % name)
-    finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.stop()
-            else:
-                s.log.close()
-    if failures:
-        print("%d check(s) failed: %s (logs in %s)" % (len(failures), ", ".join(failures), log_dir))
-        return 1
-    print("all checks passed")
-    return 0
+def main():
+    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    return run_test("kvrelay-llama-integrity-", body, exact)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,47 @@ class Server:
         self.log.close()
 
 
+def run_test(prefix, body, settings=(), extra_options=None):
+    """The frame the integration's two-server tests share: parses --server, --model, --threads and
+    --log-dir (and what `extra_options(parser)` adds), makes the log folder, and calls
+    `body(a, start)` where `start(name, args, env=None, model=None)` starts a server with
+    `settings` before `args` and records it; every server is stopped however the body ends.
+    Returns the exit status: 0 when every check passed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--log-dir")
+    if extra_options:
+        extra_options(ap)
+    a = ap.parse_args()
+    log_dir = a.log_dir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(log_dir, exist_ok=True)
+    a.log_dir = log_dir
+    print("logs in", log_dir)
+    servers = []
+
+    def start(name, args, env=None, model=None):
+        s = Server(a.server, model or a.model, list(settings) + list(args), os.path.join(log_dir, name + ".log"),
+                   env=env, threads=a.threads)
+        servers.append(s)
+        return s
+
+    try:
+        body(a, start)
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop()
+            else:
+                s.log.close()
+    if failures:
+        print("%d check(s) failed: %s (logs in %s)" % (len(failures), ", ".join(failures), log_dir))
+        return 1
+    print("all checks passed")
+    return 0
+
+
 def chat(srv, extra):
     return srv.json("POST", "/v1/chat/completions", dict({"messages": MESSAGES, "max_tokens": 4}, **extra))
 
