@@ -348,6 +348,55 @@ fn a_stream_that_ends_inside_a_block_is_truncated() {
     assert_eq!(b.agent.stats().fetch_failed_truncated, 1);
 }
 
+/// A source that drips a block's bytes, then stalls: the fetch ends by its deadline (plus the
+/// read slack), not by the deadline plus the time that was left when the block's read began
+/// (before, each partial read could wait for the whole time left at its start: 5.5 s here).
+#[test]
+fn a_dripping_then_stalling_source_ends_by_the_fetch_deadline() {
+    use kvrelay::agent::wire;
+    let b = instance();
+    let bb = b.pool.block_bytes();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", l.local_addr().unwrap());
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let source = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let (_, len) = wire::read_header(&mut s, 1 << 20, end).unwrap();
+        wire::Conn::read_by(&mut s, &mut vec![0u8; len], end).unwrap();
+        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(1, bb as u64), end).unwrap();
+        let mut head = wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb).to_vec();
+        head.extend_from_slice(&NAMES[0].to_le_bytes());
+        head.extend_from_slice(&[0; 8 + wire::DIGEST_BYTES]);
+        s.write_all(&head).unwrap();
+        // then the block: one byte every 20 ms for 2.5 s (the fetch's deadline is 3 s), then nothing
+        let drip_end = Instant::now() + Duration::from_millis(2500);
+        while Instant::now() < drip_end {
+            if s.write_all(&[0]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // stalled, the connection open, until the fetch completed
+        let _ = done_rx.recv();
+    });
+    let req = FetchRequest {
+        endpoint: ep,
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0],
+        deadline: Duration::from_secs(3),
+        digests: Vec::new(),
+    };
+    let r = b.agent.submit(req, None).unwrap().wait(Duration::from_secs(60)).expect("the fetch completes");
+    done_tx.send(()).unwrap();
+    source.join().unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Timeout), 0), "{}", r.detail);
+    // the deadline, the read slack and a scheduling margin for a busy machine; well under the
+    // 5.5 s the old bound allowed
+    assert!(r.seconds < 4.5, "ended after {:.2} s for a 3 s deadline", r.seconds);
+}
+
 /// One fetch over several TCP streams (each a contiguous part of the run on its own
 /// connection): byte-exact, the leading run reported in prefix order when the source holds only
 /// part of it, and a corrupt block in a later part stops the count there.

@@ -180,20 +180,30 @@ fn remaining(deadline: Instant) -> io::Result<Duration> {
     }
 }
 
-/// The socket's timeout is set once per call (not before every `read`/`write`, a system call
-/// each), to the time left; between partial reads or writes the deadline is checked. So a call
-/// returns by its deadline plus at most the time that was left when it started (a peer dripping
-/// bytes cannot stretch it further).
+/// How late past its deadline a read or a write may end (see `impl Conn for TcpStream`).
+const DEADLINE_SLACK: Duration = Duration::from_millis(5);
+
+/// The socket's timeout (which bounds each `read`/`write` call) is set to the time left when a
+/// call starts, and set again before a later partial read or write once more than
+/// [`DEADLINE_SLACK`] has passed since it was set: each system call then waits at most for what
+/// is left, plus that slack. So a call returns by its deadline plus the slack however a peer
+/// drips its bytes, and a transfer at speed pays one more system call every few milliseconds,
+/// not one per partial read.
 impl Conn for TcpStream {
     fn read_by(&mut self, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
         self.set_read_timeout(Some(remaining(deadline)?))?;
+        let mut set_at = Instant::now();
         while !buf.is_empty() {
             match self.read(buf) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => {
                     buf = &mut buf[n..];
                     if !buf.is_empty() {
-                        remaining(deadline)?;
+                        let left = remaining(deadline)?;
+                        if set_at.elapsed() > DEADLINE_SLACK {
+                            self.set_read_timeout(Some(left))?;
+                            set_at = Instant::now();
+                        }
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -208,13 +218,18 @@ impl Conn for TcpStream {
 
     fn write_by(&mut self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
         self.set_write_timeout(Some(remaining(deadline)?))?;
+        let mut set_at = Instant::now();
         while !buf.is_empty() {
             match self.write(buf) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     buf = &buf[n..];
                     if !buf.is_empty() {
-                        remaining(deadline)?;
+                        let left = remaining(deadline)?;
+                        if set_at.elapsed() > DEADLINE_SLACK {
+                            self.set_write_timeout(Some(left))?;
+                            set_at = Instant::now();
+                        }
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
