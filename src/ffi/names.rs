@@ -107,35 +107,18 @@ pub unsafe extern "C" fn kvrelay_block_names(
     n_out: *mut usize,
 ) -> kvrelay_status {
     guard(|| {
-        let n_out = out_ptr(n_out)?;
         // SAFETY: forwarded contract.
-        let c = unsafe { read_sized(naming) }?;
-        c.check("kvrelay_naming")?;
-        let c = c.value;
-        if c.block_tokens == 0 {
-            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "block_tokens is 0"));
-        }
-        // SAFETY: forwarded contract.
-        let (salt, tokens) = unsafe { (bytes(c.salt, c.salt_len)?, array(tokens, n_tokens)?) };
-        if names.is_null() && cap != 0 {
-            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
-        }
-        let need = tokens.len() / c.block_tokens;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(n_out, need) };
-        if cap < need {
-            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
-        }
-        if need == 0 {
+        let Some((naming, tokens, need)) =
+            (unsafe { plan_blocks(naming, tokens, n_tokens, names.is_null(), cap, n_out, || Ok(())) })?
+        else {
             return Ok(());
-        }
+        };
         if !names.is_aligned() {
             return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "a misaligned names buffer"));
         }
         // SAFETY: non-NULL (cap >= need > 0), aligned, writable for `cap >= need` values per
         // the contract, and not overlapping the inputs the caller lent (distinct buffers).
         let out = unsafe { std::slice::from_raw_parts_mut(names, need) };
-        let naming = Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt };
         naming.names_into(parent, first_block, tokens, out);
         Ok(())
     })
@@ -187,38 +170,27 @@ pub unsafe extern "C" fn kvrelay_block_digests(
     n_out: *mut usize,
 ) -> kvrelay_status {
     guard(|| {
-        let n_out = out_ptr(n_out)?;
-        // SAFETY: forwarded contract.
-        let c = unsafe { read_sized(naming) }?;
-        c.check("kvrelay_naming")?;
-        let c = c.value;
-        if c.block_tokens == 0 {
-            return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "block_tokens is 0"));
-        }
-        // SAFETY: forwarded contract.
-        let (salt, identity, tokens) =
-            unsafe { (bytes(c.salt, c.salt_len)?, bytes(identity, identity_len)?, array(tokens, n_tokens)?) };
-        let parent = if first_block == 0 {
-            [0u8; BLOCK_DIGEST_BYTES]
-        } else if parent.is_null() {
-            return Err(with_detail(KVRELAY_ERR_NULL, "no parent digest for a first_block above 0"));
-        } else {
-            // SAFETY: non-NULL and readable for 32 bytes per the contract; `[u8; 32]` has
-            // alignment 1; copied out before the output is written (it may lie there).
-            unsafe { parent.cast::<[u8; BLOCK_DIGEST_BYTES]>().read() }
+        let (mut id, mut parent_digest) = (&[][..], [0u8; BLOCK_DIGEST_BYTES]);
+        let read_parent = || {
+            // SAFETY: forwarded contract.
+            id = unsafe { bytes(identity, identity_len) }?;
+            if first_block == 0 {
+                Ok(())
+            } else if parent.is_null() {
+                Err(with_detail(KVRELAY_ERR_NULL, "no parent digest for a first_block above 0"))
+            } else {
+                // SAFETY: non-NULL and readable for 32 bytes per the contract; `[u8; 32]` has
+                // alignment 1; copied out before the output is written (it may lie there).
+                parent_digest = unsafe { parent.cast::<[u8; BLOCK_DIGEST_BYTES]>().read() };
+                Ok(())
+            }
         };
-        if digests.is_null() && cap != 0 {
-            return Err(KVRELAY_ERR_INVALID_ARGUMENT);
-        }
-        let need = tokens.len() / c.block_tokens;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(n_out, need) };
-        if cap < need {
-            return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
-        }
-        if need == 0 {
+        // SAFETY: forwarded contract.
+        let Some((naming, tokens, need)) =
+            (unsafe { plan_blocks(naming, tokens, n_tokens, digests.is_null(), cap, n_out, read_parent) })?
+        else {
             return Ok(());
-        }
+        };
         // `from_raw_parts_mut` requires the slice to span at most isize::MAX bytes.
         if need.checked_mul(BLOCK_DIGEST_BYTES).is_none_or(|b| b > isize::MAX as usize) {
             return Err(KVRELAY_ERR_INVALID_ARGUMENT);
@@ -227,8 +199,55 @@ pub unsafe extern "C" fn kvrelay_block_digests(
         // `cap * 32 >= need * 32` bytes (within isize::MAX) per the contract, and not
         // overlapping the inputs the caller lent (distinct buffers; `parent` was copied).
         let out = unsafe { std::slice::from_raw_parts_mut(digests.cast::<[u8; BLOCK_DIGEST_BYTES]>(), need) };
-        let naming = Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt };
-        naming.digests_into(identity, &parent, first_block, tokens, out);
+        naming.digests_into(id, &parent_digest, first_block, tokens, out);
         Ok(())
     })
+}
+
+/// A request's blocks to write: the naming, the tokens and how many full blocks they hold.
+type Planned<'a> = (Naming<'a>, &'a [u32], usize);
+
+/// What `kvrelay_block_names` and `kvrelay_block_digests` check alike, in this order: `n_out`,
+/// the naming (a size some header declares, `block_tokens` above 0), its salt and the tokens
+/// readable, then `more` (the caller's own inputs), then the output (NULL only with `cap` 0)
+/// and the size query (`*n_out` = full blocks; `KVRELAY_ERR_BUFFER_TOO_SMALL` below it).
+/// `Some((naming, tokens, blocks))` when there are blocks to write, `None` when there are none.
+///
+/// # Safety
+/// As the two callers: `naming` NULL or readable for its size, its salt for `salt_len` bytes;
+/// `tokens` NULL with `n_tokens` 0 or readable for `n_tokens` values; `n_out` NULL or writable.
+#[allow(clippy::too_many_arguments)] // the C call's inputs, as they come
+unsafe fn plan_blocks<'a>(
+    naming: *const kvrelay_naming,
+    tokens: *const u32,
+    n_tokens: usize,
+    out_null: bool,
+    cap: usize,
+    n_out: *mut usize,
+    more: impl FnOnce() -> Result<(), kvrelay_status>,
+) -> Result<Option<Planned<'a>>, kvrelay_status> {
+    let n_out = out_ptr(n_out)?;
+    // SAFETY: forwarded contract.
+    let c = unsafe { read_sized(naming) }?;
+    c.check("kvrelay_naming")?;
+    let c = c.value;
+    if c.block_tokens == 0 {
+        return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, "block_tokens is 0"));
+    }
+    // SAFETY: forwarded contract.
+    let (salt, tokens) = unsafe { (bytes(c.salt, c.salt_len)?, array(tokens, n_tokens)?) };
+    more()?;
+    if out_null && cap != 0 {
+        return Err(KVRELAY_ERR_INVALID_ARGUMENT);
+    }
+    let need = tokens.len() / c.block_tokens;
+    // SAFETY: checked non-NULL; writable per the contract.
+    unsafe { put(n_out, need) };
+    if cap < need {
+        return Err(KVRELAY_ERR_BUFFER_TOO_SMALL);
+    }
+    if need == 0 {
+        return Ok(None);
+    }
+    Ok(Some((Naming { seed: c.seed, block_tokens: c.block_tokens, lora_id: c.lora_id, salt }, tokens, need)))
 }
