@@ -185,7 +185,7 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(5);
 
 /// The socket's timeout (which bounds each `read`/`write` call) is set to the time left when a
 /// call starts, and set again before a later partial read or write once more than
-/// [`DEADLINE_SLACK`] has passed since it was set: each system call then waits at most for what
+/// `DEADLINE_SLACK` (5 ms) has passed since it was set: each system call then waits at most for what
 /// is left, plus that slack. So a call returns by its deadline plus the slack however a peer
 /// drips its bytes, and a transfer at speed pays one more system call every few milliseconds,
 /// not one per partial read.
