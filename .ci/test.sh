@@ -129,6 +129,8 @@ mv "$b/prefix/lib/$soname.away" "$b/prefix/lib/$soname"
 grep -q "$soname" "$b/other-epoch.err" || { cat "$b/other-epoch.err" >&2; exit 1; }
 echo "SONAME $soname: a program built against this epoch loads only a library of it"
 
+# the servers' cache of model file digests stays in the build folder, not the user's home
+export KVRELAY_CACHE_DIR="$b/kvrelay-cache"
 echo "== llama.cpp's llama-server with kvrelay embedded (integrations/llama.cpp): the patch applies to the pinned tree without fuzz; both servers build from one tree against the installed package; the smoke test"
 bash integrations/llama.cpp/build.sh --check-patch
 # the integration's KV state and block store, on their own, under AddressSanitizer + UBSan

@@ -101,7 +101,7 @@ mod tests {
         let remote = |l: &[Segment], off: u64| -> Vec<(u64, u64, u64)> {
             l.iter().map(|g| (g.base + off, g.block_stride, g.bytes_per_block)).collect()
         };
-        let blocks: Vec<(u32, u64)> = (2..6).map(|i| (i, 0)).collect();
+        let blocks: Vec<crate::agent::wire::OfferedBlock> = (2..6).map(|i| (i, 0, [0; 32])).collect();
         let dst = [10u32, 11, 12, 13];
         let (mut a, mut b) = (Vec::new(), Vec::new());
         // block-major (two 256-byte segments per 512-byte block): one piece block by block,
