@@ -163,6 +163,9 @@ PYTHONPATH="$oa" timeout 600 python3 integrations/llama.cpp/tests/openai_client_
 echo "== Dynamo's KV router in front of two kvrelay llama-servers (KV events, SelectionService, the KvRouter runtime path)"
 PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 900 python3 integrations/llama.cpp/tests/dynamo_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== the KV events' sockets with a key: only a peer with the key's subscriber token reads them (ZMQ PLAIN), the others counted as refused"
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 integrations/llama.cpp/tests/events_key_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== llama-server's own pytest suite on the unpatched build and the kvrelay build with its KV path off and on (hints trusted), the same local model: the same tests must pass, fail and skip on all three"
 MODEL="$KVRELAY_MODEL_FILE" LLAMA_SERVER_OUT="$root/target/llama-server" bash integrations/llama.cpp/tests/upstream_suite.sh
 

@@ -418,6 +418,13 @@ enum kvrelay_kv_events_setting
   // Allow peers: `loopback`, an address or `ADDR/PREFIX`, comma-separated. The first call
   // replaces the default (loopback); later calls add.
   KVRELAY_KV_EVENTS_ALLOW_PEER = 4,
+  // A file holding a pre-shared key (16 to 4,096 bytes, surrounding whitespace trimmed):
+  // both sockets then take only peers that log in with ZMQ's PLAIN mechanism as user
+  // `kvrelay` with the key's subscriber token, the 64 lowercase hex digits of
+  // HMAC-SHA-256(key, `kvrelay-kv-events/v1 subscriber`). The token, not the key, crosses
+  // the network, in clear, and the events are not encrypted (this libzmq has no CURVE):
+  // it keeps out whoever reaches the port without the token, not whoever reads the traffic.
+  KVRELAY_KV_EVENTS_KEY_FILE = 5,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1684,8 +1691,9 @@ kvrelay_status kvrelay_kv_events_config_new(const char *endpoint,
 void kvrelay_kv_events_config_free(struct kvrelay_kv_events_config *config);
 
 // Change one text setting (UTF-8, `value` readable for `len` bytes). `KVRELAY_ERR_INVALID_CONFIG`
-// for an unknown `setting`, a medium other than `GPU` or `CPU`, or peers that do not parse
-// (nothing changes then).
+// for an unknown `setting`, a medium other than `GPU` or `CPU`, peers that do not parse or a
+// key file that holds no key; `KVRELAY_ERR_IO` for a key file that cannot be read (nothing
+// changes then; the key is never part of a detail).
 //
 // # Safety
 // `config` NULL or live; `value` readable for `len` bytes.

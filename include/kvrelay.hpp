@@ -907,9 +907,11 @@ class Naming {
 class KvEvents {
  public:
   /// Publish at `endpoint` (`tcp://HOST:PORT`, port 0: a free one) with `block_size` tokens per
-  /// block; `medium` "CPU" or "GPU"; `allow` peers ("" : loopback only).
+  /// block; `medium` "CPU" or "GPU"; `allow` peers ("" : loopback only); `key_file` a file
+  /// holding a pre-shared key that peers must log in with (ZMQ PLAIN, its subscriber token:
+  /// KVRELAY_KV_EVENTS_KEY_FILE says what that protects; "" : no key).
   KvEvents(std::string_view endpoint, std::size_t block_size, std::string_view medium = "CPU",
-           std::string_view allow = {}, std::string_view replay_endpoint = {}) {
+           std::string_view allow = {}, std::string_view replay_endpoint = {}, std::string_view key_file = {}) {
     detail::Handle<kvrelay_kv_events_config, kvrelay_kv_events_config_free> c;
     check(kvrelay_kv_events_config_new(endpoint.data(), endpoint.size(), block_size, c.out()));
     check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_MEDIUM, medium.data(), medium.size()));
@@ -918,6 +920,8 @@ class KvEvents {
     if (!replay_endpoint.empty())
       check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_REPLAY_ENDPOINT, replay_endpoint.data(),
                                          replay_endpoint.size()));
+    if (!key_file.empty())
+      check(kvrelay_kv_events_config_set(c.get(), KVRELAY_KV_EVENTS_KEY_FILE, key_file.data(), key_file.size()));
     check(kvrelay_kv_events_start(c.get(), h_.out()));
   }
   /// A block was committed under `name`; `parent` names the block before it (none: first).

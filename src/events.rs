@@ -49,6 +49,21 @@
 //! than [`MAX_INBOUND`] bytes per message (`ZMQ_MAXMSGSIZE`: a longer message ends that peer's
 //! connection); a replay request that is not exactly the shape above is ignored.
 //!
+//! **Keys.** With a pre-shared key ([`EventsConfig::key`]; llama-server's
+//! `--kv-events-key-file`, `KVRELAY_KV_EVENTS_KEY_FILE` in C), both sockets run ZMQ's PLAIN
+//! mechanism and the ZAP handler also requires user [`PLAIN_USERNAME`] with the password
+//! [`subscriber_token`]: HMAC-SHA-256 of `kvrelay-kv-events/v1 subscriber` under the key, in
+//! lowercase hex (Python: `hmac.new(key, b"kvrelay-kv-events/v1 subscriber", "sha256").hexdigest()`,
+//! the key's surrounding whitespace trimmed). A peer on the allowlist without the token gets
+//! nothing and is counted as refused. What this protects: the token ids of cached prompts
+//! from anyone who reaches the port without the token (another tenant's process on an
+//! allowed host). What it does not: the libzmq built here has no CURVE (it needs libsodium),
+//! so the token crosses the network in clear at each handshake and the batches are not
+//! encrypted; someone who can read the traffic can read the events and replay the token. The
+//! token is not the key: it cannot be turned into the key or into the KV agent's proofs, so a
+//! captured token opens the event sockets only. Keep the events on a network you trust; a
+//! router that cannot speak PLAIN (Dynamo's subscriber speaks NULL only) needs the key off.
+//!
 //! **Lifetime.** Dropping the [`Publisher`] stops and joins its threads (the publishing
 //! thread sends what was queued first) and closes both sockets; it takes as long as the last
 //! batch's send, never a timeout.
@@ -64,7 +79,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::agent::PeerAllow;
+use crate::agent::{PeerAllow, Psk};
 
 /// Events the queue between the runtime and the publishing thread holds.
 pub const QUEUE_EVENTS: usize = 1 << 16;
@@ -161,6 +176,10 @@ pub struct EventsConfig {
     pub medium: String,
     /// The peers either socket accepts.
     pub allow: PeerAllow,
+    /// With a key, both sockets take only peers that present its subscriber token
+    /// ([`subscriber_token`], ZMQ's PLAIN mechanism, user [`PLAIN_USERNAME`]); see the module
+    /// docs ("Keys") for what that protects and what it does not.
+    pub key: Option<Psk>,
 }
 
 impl EventsConfig {
@@ -174,6 +193,7 @@ impl EventsConfig {
             block_size,
             medium: "CPU".into(),
             allow: PeerAllow::loopback(),
+            key: None,
         }
     }
 }
@@ -393,10 +413,15 @@ impl Publisher {
         let mut stops = Vec::new();
         // the ZAP handler is bound before either socket: no handshake is ever made without it
         let (zap_stop, zap_stop_tx) = stop_pair(&ctx, "zap")?;
-        let zap = start_zap(&ctx, cfg.allow.clone(), counters.clone(), zap_stop)?;
+        let token = cfg.key.as_ref().map(subscriber_token);
+        let zap = start_zap(&ctx, cfg.allow.clone(), token, counters.clone(), zap_stop)?;
+        let keyed = cfg.key.is_some();
         let setup = |kind: zmq::SocketType, at: &str, what: &str| -> Result<zmq::Socket, String> {
             let s = ctx.socket(kind).map_err(|e| format!("{what}: {e}"))?;
             s.set_zap_domain(ZAP_DOMAIN).map_err(|e| format!("{what}: {e}"))?;
+            if keyed {
+                s.set_plain_server(true).map_err(|e| format!("{what}: {e}"))?;
+            }
             s.set_linger(0).map_err(|e| format!("{what}: {e}"))?;
             s.set_sndhwm(SEND_HWM).map_err(|e| format!("{what}: {e}"))?;
             s.set_maxmsgsize(MAX_INBOUND).map_err(|e| format!("{what}: {e}"))?;
@@ -489,15 +514,32 @@ struct PublishSide {
     counters: Arc<Counters>,
 }
 
+/// The PLAIN user name a keyed publisher requires.
+pub const PLAIN_USERNAME: &str = "kvrelay";
+
+/// What [`subscriber_token`] derives the token from.
+pub const TOKEN_LABEL: &[u8] = b"kvrelay-kv-events/v1 subscriber";
+
+/// The PLAIN password a publisher keyed with `key` requires (module docs, "Keys"): 64
+/// lowercase hex digits of HMAC-SHA-256 of [`TOKEN_LABEL`] under the key.
+pub fn subscriber_token(key: &Psk) -> String {
+    use std::fmt::Write as _;
+    key.derive(TOKEN_LABEL).iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
 /// The ZAP domain both sockets name (a NULL-mechanism socket asks ZAP only when it has one).
 const ZAP_DOMAIN: &str = "kvrelay-kv-events";
 
 /// Answer ZeroMQ's authentication requests (ZAP 1.0, `inproc://zeromq.zap.01` of `ctx`) from a
-/// thread of its own until `stop` is signalled: a peer whose address `allow` admits gets
-/// `200`, any other `400`.
+/// thread of its own until `stop` is signalled: a peer whose address `allow` admits and that
+/// presents `token` (when there is one) gets `200`, any other `400`.
 fn start_zap(
     ctx: &zmq::Context,
     allow: PeerAllow,
+    token: Option<String>,
     counters: Arc<Counters>,
     stop: zmq::Socket,
 ) -> Result<JoinHandle<()>, String> {
@@ -512,7 +554,7 @@ fn start_zap(
                     Err(zmq::Error::EINTR | zmq::Error::EAGAIN) => continue,
                     Err(_) => return,
                 };
-                let ok = zap_allows(&req, &allow);
+                let ok = zap_allows(&req, &allow, token.as_deref());
                 if !ok {
                     counters.refused.fetch_add(1, Ordering::Relaxed);
                 }
@@ -527,14 +569,30 @@ fn start_zap(
 }
 
 /// Whether a ZAP request `[version, request id, domain, address, identity, mechanism, ...]`
-/// comes from an address `allow` admits.
-pub fn zap_allows(req: &[Vec<u8>], allow: &PeerAllow) -> bool {
+/// comes from an address `allow` admits and, with a `token`, is a PLAIN handshake of user
+/// [`PLAIN_USERNAME`] and password `token` (compared in constant time); without one, a NULL
+/// handshake.
+pub fn zap_allows(req: &[Vec<u8>], allow: &PeerAllow, token: Option<&str>) -> bool {
     match req {
-        [version, _id, _domain, address, _identity, _mechanism, ..] if version == b"1.0" => {
-            std::str::from_utf8(address).ok().and_then(|a| a.parse().ok()).is_some_and(|ip| allow.allows(ip))
+        [version, _id, _domain, address, _identity, mechanism, credentials @ ..] if version == b"1.0" => {
+            let listed =
+                std::str::from_utf8(address).ok().and_then(|a| a.parse().ok()).is_some_and(|ip| allow.allows(ip));
+            let credentials_ok = match (token, credentials) {
+                (None, []) => mechanism == b"NULL",
+                (Some(t), [user, password]) => {
+                    mechanism == b"PLAIN" && user == PLAIN_USERNAME.as_bytes() && same_bytes(password, t.as_bytes())
+                }
+                _ => false,
+            };
+            listed && credentials_ok
         }
         _ => false,
     }
+}
+
+/// `a == b` in time that depends on the lengths only.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// Drain the queue into batches and publish them until the publisher is dropped (then what
@@ -749,12 +807,46 @@ mod tests {
         let req = |v: &[u8], addr: &str| {
             vec![v.to_vec(), b"1".to_vec(), b"d".to_vec(), addr.as_bytes().to_vec(), vec![], b"NULL".to_vec()]
         };
-        assert!(zap_allows(&req(b"1.0", "127.0.0.1"), &allow));
-        assert!(zap_allows(&req(b"1.0", "::1"), &allow));
-        assert!(!zap_allows(&req(b"1.0", "10.0.0.1"), &allow));
-        assert!(!zap_allows(&req(b"1.0", "not an address"), &allow));
-        assert!(!zap_allows(&req(b"2.0", "127.0.0.1"), &allow), "another ZAP version");
-        assert!(!zap_allows(&req(b"1.0", "127.0.0.1")[..5], &allow), "too few frames");
+        assert!(zap_allows(&req(b"1.0", "127.0.0.1"), &allow, None));
+        assert!(zap_allows(&req(b"1.0", "::1"), &allow, None));
+        assert!(!zap_allows(&req(b"1.0", "10.0.0.1"), &allow, None));
+        assert!(!zap_allows(&req(b"1.0", "not an address"), &allow, None));
+        assert!(!zap_allows(&req(b"2.0", "127.0.0.1"), &allow, None), "another ZAP version");
+        assert!(!zap_allows(&req(b"1.0", "127.0.0.1")[..5], &allow, None), "too few frames");
+    }
+
+    #[test]
+    fn a_keyed_zap_admits_only_the_token_over_plain_from_listed_addresses() {
+        let allow = PeerAllow::loopback();
+        let key = Psk::new(b"0123456789abcdef-events").unwrap();
+        let token = subscriber_token(&key);
+        assert_eq!(token.len(), 64);
+        assert_ne!(token, subscriber_token(&Psk::new(b"0123456789abcdef-eventz").unwrap()));
+        let plain = |addr: &str, user: &[u8], password: &[u8]| {
+            let mut r = vec![b"1.0".to_vec(), b"1".to_vec(), b"d".to_vec(), addr.as_bytes().to_vec(), vec![]];
+            r.extend([b"PLAIN".to_vec(), user.to_vec(), password.to_vec()]);
+            r
+        };
+        let t = Some(token.as_str());
+        assert!(zap_allows(&plain("127.0.0.1", b"kvrelay", token.as_bytes()), &allow, t));
+        assert!(!zap_allows(&plain("10.0.0.1", b"kvrelay", token.as_bytes()), &allow, t), "an unlisted address");
+        assert!(!zap_allows(&plain("127.0.0.1", b"other", token.as_bytes()), &allow, t), "another user");
+        let mut wrong = token.clone().into_bytes();
+        wrong[63] ^= 1;
+        assert!(!zap_allows(&plain("127.0.0.1", b"kvrelay", &wrong), &allow, t), "another password");
+        assert!(!zap_allows(&plain("127.0.0.1", b"kvrelay", &wrong[..63]), &allow, t), "a shorter password");
+        assert!(!zap_allows(&plain("127.0.0.1", b"kvrelay", b"0123456789abcdef-events"), &allow, t), "the key itself");
+        let null = vec![b"1.0".to_vec(), b"1".to_vec(), b"d".to_vec(), b"127.0.0.1".to_vec(), vec![], b"NULL".to_vec()];
+        assert!(!zap_allows(&null, &allow, t), "a NULL handshake to a keyed publisher");
+        assert!(
+            !zap_allows(&plain("127.0.0.1", b"kvrelay", token.as_bytes()), &allow, None),
+            "PLAIN to an unkeyed one"
+        );
+        // the token HMAC-SHA-256("kvrelay-kv-events/v1 subscriber") under the key, as Python's hmac computes it
+        assert_eq!(
+            subscriber_token(&Psk::new(b"0123456789abcdef").unwrap()),
+            "1a6590857e2953f4a03f2aaa66ad0bf7a9b16f28be313b68cc25826bcfb296f8"
+        );
     }
 
     #[test]

@@ -45,15 +45,28 @@ struct Router {
 
 impl Router {
     fn connect(s: &Server) -> Router {
+        Router::login(s, None)
+    }
+
+    /// Connect logging in with ZMQ PLAIN as `user` with `password` (`None`: NULL, no login).
+    fn login(s: &Server, plain: Option<(&str, &str)>) -> Router {
         let i = info(s);
         let ctx = zmq::Context::new();
+        let login = |z: &zmq::Socket| {
+            if let Some((user, password)) = plain {
+                z.set_plain_username(Some(user)).unwrap();
+                z.set_plain_password(Some(password)).unwrap();
+            }
+        };
         // linger 0: closing never waits for a message a refused peer could not take
         let sub = ctx.socket(zmq::SUB).unwrap();
+        login(&sub);
         sub.set_linger(0).unwrap();
         sub.set_rcvtimeo(20_000).unwrap();
         sub.set_subscribe(b"").unwrap();
         sub.connect(i["kv_events"]["endpoint"].as_str().unwrap()).unwrap();
         let dealer = ctx.socket(zmq::DEALER).unwrap();
+        login(&dealer);
         dealer.set_linger(0).unwrap();
         dealer.set_rcvtimeo(20_000).unwrap();
         dealer.set_sndtimeo(20_000).unwrap();
@@ -261,4 +274,39 @@ fn peers_off_the_allowlist_get_no_events() {
     let r = Router::connect(&ok);
     assert!(!r.replay(0).is_empty());
     assert_eq!(ok.metric("kvrelay_server_kv_events_refused_total"), 0.0);
+}
+
+#[test]
+fn a_keyed_publisher_sends_only_to_peers_with_its_token() {
+    let key_file = std::env::temp_dir().join(format!("kvrelay-events-key-{}", std::process::id()));
+    std::fs::write(&key_file, "kv-events-test-key-0123456789\n").unwrap();
+    let s = with_events(&["--kv-events-key-file", key_file.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&key_file);
+    assert_eq!(info(&s)["kv_events"]["key_required"], true);
+    let key = kvrelay::agent::Psk::new(b"kv-events-test-key-0123456789").unwrap();
+    let token = kvrelay::events::subscriber_token(&key);
+    let mut wrong = token.clone().into_bytes();
+    wrong[0] = if wrong[0] == b'0' { b'1' } else { b'0' };
+    let wrong = String::from_utf8(wrong).unwrap();
+    // the key itself, another token, no login (NULL: libzmq ends that handshake before ZAP)
+    let with_key = Router::login(&s, Some(("kvrelay", "kv-events-test-key-0123456789")));
+    let with_wrong = Router::login(&s, Some(("kvrelay", &wrong)));
+    let other_user = Router::login(&s, Some(("router", &token)));
+    let none = Router::connect(&s);
+    common::wait_until("six logins refused", || s.metric("kvrelay_server_kv_events_refused_total") >= 6.0);
+    let ok = Router::login(&s, Some(("kvrelay", &token)));
+    s.complete(json!({"prompt": prompt("keyed", 2), "max_tokens": 1}));
+    let want = expected(&s, &prompt("keyed", 2));
+    common::wait_until("the events published", || s.metric("kvrelay_server_kv_events_published_total") >= 3.0);
+    let all = ok.replay(0);
+    assert_eq!(stored(&all), want, "the peer with the token replays the prompt's blocks");
+    let live = ok.next();
+    assert!(live.seq > all.first().unwrap().seq, "and receives what is published live");
+    for (who, r) in
+        [("the key", &with_key), ("another token", &with_wrong), ("another user", &other_user), ("no login", &none)]
+    {
+        r.dealer.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], zmq::DONTWAIT).ok();
+        assert!(r.sub.recv_multipart(zmq::DONTWAIT).is_err(), "a subscriber with {who} got a batch");
+        assert!(r.dealer.recv_multipart(zmq::DONTWAIT).is_err(), "a peer with {who} got a replay");
+    }
 }

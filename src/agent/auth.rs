@@ -75,6 +75,15 @@ impl Psk {
         m
     }
 
+    /// A credential derived from the key for one purpose named by `label` (HMAC-SHA-256 of
+    /// `label` under the key): it grants what that purpose grants and reveals nothing of the key
+    /// or of a credential derived under another label.
+    pub fn derive(&self, label: &[u8]) -> [u8; NONCE] {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes any key length");
+        m.update(label);
+        m.finalize().into_bytes().into()
+    }
+
     /// What the server sends to prove it holds the key.
     pub fn server_proof(&self, client: &[u8; NONCE], server: &[u8; NONCE]) -> [u8; NONCE] {
         self.mac(b"kvrelay-agent/v1 server", client, server).finalize().into_bytes().into()

@@ -7,6 +7,7 @@ use std::ffi::c_char;
 use super::boundary::{fill, free_box, guard, input, input_mut, out_ptr, put, put_counters, text, with_detail};
 use super::copy::array;
 use super::status::kvrelay_status::{self, *};
+use crate::agent::Psk;
 use crate::events::{EventStats, EventsConfig, Publisher};
 
 /// Settings of a KV events publisher (an owned builder: `_new` / `_free`; not thread-safe).
@@ -72,11 +73,19 @@ pub enum kvrelay_kv_events_setting {
     /// Allow peers: `loopback`, an address or `ADDR/PREFIX`, comma-separated. The first call
     /// replaces the default (loopback); later calls add.
     KVRELAY_KV_EVENTS_ALLOW_PEER = 4,
+    /// A file holding a pre-shared key (16 to 4,096 bytes, surrounding whitespace trimmed):
+    /// both sockets then take only peers that log in with ZMQ's PLAIN mechanism as user
+    /// `kvrelay` with the key's subscriber token, the 64 lowercase hex digits of
+    /// HMAC-SHA-256(key, `kvrelay-kv-events/v1 subscriber`). The token, not the key, crosses
+    /// the network, in clear, and the events are not encrypted (this libzmq has no CURVE):
+    /// it keeps out whoever reaches the port without the token, not whoever reads the traffic.
+    KVRELAY_KV_EVENTS_KEY_FILE = 5,
 }
 
 /// Change one text setting (UTF-8, `value` readable for `len` bytes). `KVRELAY_ERR_INVALID_CONFIG`
-/// for an unknown `setting`, a medium other than `GPU` or `CPU`, or peers that do not parse
-/// (nothing changes then).
+/// for an unknown `setting`, a medium other than `GPU` or `CPU`, peers that do not parse or a
+/// key file that holds no key; `KVRELAY_ERR_IO` for a key file that cannot be read (nothing
+/// changes then; the key is never part of a detail).
 ///
 /// # Safety
 /// `config` NULL or live; `value` readable for `len` bytes.
@@ -99,6 +108,13 @@ pub unsafe extern "C" fn kvrelay_kv_events_config_set(
                 c.inner.allow =
                     c.inner.allow.with(!c.allow_touched, v).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?;
                 c.allow_touched = true;
+            }
+            5 => {
+                let p = std::path::Path::new(v);
+                if std::fs::metadata(p).is_err() {
+                    return Err(with_detail(KVRELAY_ERR_IO, "the key file cannot be read"));
+                }
+                c.inner.key = Some(Psk::from_file(p).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?);
             }
             s => return Err(with_detail(KVRELAY_ERR_INVALID_CONFIG, format!("no setting {s}"))),
         }

@@ -4,8 +4,10 @@
  * publisher starts on loopback, counts what it publishes and stops. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "expect.h"
 #include "kvrelay.h"
@@ -133,6 +135,17 @@ static void test_events(void) {
   EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_MEDIUM, "GPU", 3) == KVRELAY_OK);
   EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_ALLOW_PEER, "not an address", 14) == KVRELAY_ERR_INVALID_CONFIG);
   EXPECT(kvrelay_kv_events_config_set(c, 99, "x", 1) == KVRELAY_ERR_INVALID_CONFIG);
+  /* a key file: one that cannot be read, one too short to be a key, one that is */
+  EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, "/nonexistent/kvrelay-key", 24) == KVRELAY_ERR_IO);
+  char key_path[] = "/tmp/kvrelay-events-key-XXXXXX";
+  int fd = mkstemp(key_path);
+  EXPECT(fd >= 0);
+  EXPECT(write(fd, "short\n", 6) == 6);
+  EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, key_path, strlen(key_path)) == KVRELAY_ERR_INVALID_CONFIG);
+  EXPECT(write(fd, "-but-now-long-enough\n", 21) == 21);
+  EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, key_path, strlen(key_path)) == KVRELAY_OK);
+  close(fd);
+  unlink(key_path);
   kvrelay_kv_events *ev = NULL;
   EXPECT(kvrelay_kv_events_start(c, &ev) == KVRELAY_OK && ev != NULL);
   kvrelay_kv_events_config_free(c);

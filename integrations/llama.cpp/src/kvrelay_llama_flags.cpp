@@ -54,7 +54,11 @@ void print_usage() {
            "                                        equal weights), instead of the SHA-256 of its file, computed at start and\n"
            "                                        cached (env: LLAMA_ARG_KV_MODEL_ID)\n");
     printf("--kv-events tcp://HOST:PORT             publish KV events (the blocks served, and evicted) there for a router such as\n"
-           "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n\n");
+           "                                        Dynamo's (port 0: a free one; needs --kv-listen) (env: LLAMA_ARG_KV_EVENTS)\n");
+    printf("--kv-events-key-file PATH               a pre-shared key for the events' sockets: subscribers log in with ZMQ PLAIN\n"
+           "                                        as kvrelay with the key's token, HMAC-SHA-256(key, 'kvrelay-kv-events/v1\n"
+           "                                        subscriber') in hex; the token and the events cross the network in clear\n"
+           "                                        (default: none) (env: LLAMA_ARG_KV_EVENTS_KEY_FILE)\n\n");
 }
 
 void split_list(const std::string & text, std::vector<std::string> & out) {
@@ -120,6 +124,9 @@ bool consume_args(int & argc, char ** argv) {
     if (const char * env = std::getenv("LLAMA_ARG_KV_KEY_FILE"); env != nullptr) {
         s.key_file = env;
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_EVENTS_KEY_FILE"); env != nullptr) {
+        s.events_key_file = env;
+    }
     if (const char * env = std::getenv("LLAMA_ARG_KV_MODEL_ID"); env != nullptr) {
         s.model_id = env;
     }
@@ -170,7 +177,8 @@ bool consume_args(int & argc, char ** argv) {
         // the flags with a value: a flag given names its value, replacing the variable's
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
                                                "--kv-pool-mib", "--kv-fetch", "--kv-events",
-                                               "--kv-load-failure-policy", "--kv-key-file", "--kv-model-id" };
+                                               "--kv-load-failure-policy", "--kv-key-file", "--kv-model-id",
+                                               "--kv-events-key-file" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -185,6 +193,8 @@ bool consume_args(int & argc, char ** argv) {
                 s.listen = value;
             } else if (arg == "--kv-key-file") {
                 s.key_file = value;
+            } else if (arg == "--kv-events-key-file") {
+                s.events_key_file = value;
             } else if (arg == "--kv-model-id") {
                 s.model_id = value;
             } else if (arg == "--kv-events") {

@@ -106,6 +106,7 @@ json kv_info(const std::string & model_name) {
             { "topic",           ""             },
             { "block_size",      s.block_tokens },
             { "medium",          "CPU"          },
+            { "key_required",    !s.events_key_file.empty() },
             { "published",       st.published   },
             { "dropped",         st.dropped     },
         };

@@ -327,7 +327,8 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
             for (const std::string & p : s.allow_peers) {
                 allow += (allow.empty() ? "" : ",") + p;
             }
-            kv->events = std::make_unique<kvrelay::KvEvents>(s.events, s.block_tokens, "CPU", allow);
+            kv->events = std::make_unique<kvrelay::KvEvents>(s.events, s.block_tokens, "CPU", allow, "",
+                                                             s.events_key_file);
             SRV_INF("kvrelay: KV events at %s (replay %s)\n", kv->events->endpoint().c_str(),
                     kv->events->endpoint(true).c_str());
         }

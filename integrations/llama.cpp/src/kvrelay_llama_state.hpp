@@ -52,6 +52,7 @@ struct settings {
     bool                     fail_on_load = false;  // --kv-load-failure-policy fail
     std::string              events;  // KV events publisher endpoint ("" : none)
     std::string              key_file;  // the KV port's pre-shared key ("" : none)
+    std::string              events_key_file;  // the KV events sockets' pre-shared key ("" : none)
     std::string              model_id;  // --kv-model-id: the operator vouches for the model ("" : its SHA-256)
     size_t                   n_ctx_slot = 0;  // a slot's context (0: unknown); longer prompts are refused
 

@@ -196,6 +196,7 @@ class KvEventsSetting(CEnum):
     TOPIC = ("topic", 2)
     MEDIUM = ("medium", 3)
     ALLOW_PEER = ("allow_peer", 4)
+    KEY_FILE = ("key_file", 5)
 
 
 # every enumerator as an int, for the calls
@@ -289,6 +290,7 @@ KVRELAY_KV_EVENTS_REPLAY_ENDPOINT = 1
 KVRELAY_KV_EVENTS_TOPIC = 2
 KVRELAY_KV_EVENTS_MEDIUM = 3
 KVRELAY_KV_EVENTS_ALLOW_PEER = 4
+KVRELAY_KV_EVENTS_KEY_FILE = 5
 
 
 # --- structs (in header order: what one uses is defined before it)

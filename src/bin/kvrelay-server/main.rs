@@ -181,6 +181,13 @@ pub struct ServeArgs {
     /// host, a free port).
     #[arg(long, env = "KVRELAY_KV_EVENTS_REPLAY_ENDPOINT", requires = "kv_events_endpoint")]
     pub kv_events_replay_endpoint: Option<String>,
+    /// A file holding a pre-shared key for the KV events' sockets: subscribers and replay
+    /// peers then log in with ZMQ PLAIN as `kvrelay` with the key's subscriber token
+    /// (HMAC-SHA-256 of `kvrelay-kv-events/v1 subscriber`, hex). The token crosses the network
+    /// in clear and the events are not encrypted: it keeps out peers without the token, not
+    /// readers of the traffic.
+    #[arg(long, env = "KVRELAY_KV_EVENTS_KEY_FILE", requires = "kv_events_endpoint")]
+    pub kv_events_key_file: Option<String>,
 }
 
 /// The environment variable that turns hint trust on (off by default).
@@ -319,6 +326,7 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
                 block_size: shape.block_tokens,
                 medium: if store.region().device.is_some() { "GPU" } else { "CPU" },
                 allow: &args.kv_peer_allow,
+                key_file: args.kv_events_key_file.as_deref(),
             };
             let e = Arc::new(abi::KvEvents::start(&cfg).map_err(|e| format!("--kv-events-endpoint: {e}"))?);
             (Some(e.clone()), Some(e as Arc<dyn cache::EventSink>))

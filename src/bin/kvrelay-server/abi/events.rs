@@ -14,6 +14,8 @@ pub struct KvEvents {
     pub block_size: usize,
     /// `"GPU"` or `"CPU"`.
     pub medium: &'static str,
+    /// Whether peers must present the key's subscriber token (`--kv-events-key-file`).
+    pub key_required: bool,
 }
 
 // SAFETY: the header documents every function on a publisher as thread-safe.
@@ -33,6 +35,8 @@ pub struct EventsSettings<'a> {
     pub medium: &'static str,
     /// The peers allowed (`--kv-peer-allow`; empty: loopback).
     pub allow: &'a [String],
+    /// A file holding the events' pre-shared key (`--kv-events-key-file`; `None`: no key).
+    pub key_file: Option<&'a str>,
 }
 
 /// A failing call's status with this thread's last error (the detail that says why).
@@ -64,6 +68,7 @@ impl KvEvents {
         let mut settings = vec![(kvrelay_kv_events_setting::KVRELAY_KV_EVENTS_MEDIUM, s.medium)];
         settings.extend(s.replay_endpoint.map(|r| (kvrelay_kv_events_setting::KVRELAY_KV_EVENTS_REPLAY_ENDPOINT, r)));
         settings.extend(s.allow.iter().map(|a| (kvrelay_kv_events_setting::KVRELAY_KV_EVENTS_ALLOW_PEER, a.as_str())));
+        settings.extend(s.key_file.map(|k| (kvrelay_kv_events_setting::KVRELAY_KV_EVENTS_KEY_FILE, k)));
         for (k, v) in settings {
             // SAFETY: the live config and a live string.
             let st = unsafe { kvrelay_kv_events_config_set(c.0, k as i32, v.as_ptr().cast(), v.len()) };
@@ -84,6 +89,7 @@ impl KvEvents {
             replay_endpoint: String::new(),
             block_size: s.block_size,
             medium: s.medium,
+            key_required: s.key_file.is_some(),
         };
         ev.endpoint = ev.endpoint_of(false);
         ev.replay_endpoint = ev.endpoint_of(true);
@@ -149,6 +155,7 @@ impl KvEvents {
             "topic": "",
             "block_size": self.block_size,
             "medium": self.medium,
+            "key_required": self.key_required,
             "published": s.published,
             "dropped": s.dropped,
         })
