@@ -145,6 +145,9 @@ timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/t
 echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source)"
 timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== a frozen trusted source costs a hinted request at most the prefill it would save, once (late), then is skipped for a growing period (backoff)"
+timeout 600 python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== a slot exports only KV a cold prefill gives: the prompt cache, --cache-reuse and slot restore change cells, a server that fetches them answers as a cold one"
 timeout 600 python3 integrations/llama.cpp/tests/exactness_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -3,6 +3,7 @@
 #include "kvrelay_llama_state.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -28,6 +29,7 @@ struct fetch_call {
     bool                          settled    = false;    // its result was taken (dst.handed set)
     double                        estimate_s = 0;
     double                        local_s    = 0;
+    double                        budget_s   = 0;        // the wait worth it (0: the transfer deadline only)
     std::string                   outcome;               // why the provider refused
 
     fetch_call() = default;
@@ -65,7 +67,7 @@ class provider final : public kvrelay::Provider {
   public:
     // provider codes (kvrelay_decision::provider_code)
     enum : int { BAD_VERSION = 1, BAD_PAYLOAD = 2, BAD_HASHES = 3, BAD_ENDPOINT = 4, NO_CONTEXT = 5,
-                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13 };
+                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13, BACKOFF = 14 };
 
     int validate(const kvrelay_fetch_request & r) override {
         std::vector<uint64_t> hashes;
@@ -124,12 +126,22 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->outcome = "nothing_to_fetch";
         return NOTHING;
     }
+    if (!S().fetch_always && kv.backoff.skipping(call->endpoint)) {
+        // its last fetch failed, and the period since is not over
+        call->outcome = "backoff";
+        return BACKOFF;
+    }
     call->estimate_s  = kv.agent->estimate(call->endpoint, run);
     const double spt  = kv.sec_per_token.load(std::memory_order_relaxed);
     call->local_s     = spt > 0 ? spt * double(run * S().block_tokens) : -1;
     if (!S().fetch_always && spt > 0 && call->local_s < call->estimate_s) {
         call->outcome = "not_worth_it";
         return NOT_WORTH_IT;
+    }
+    // --kv-fetch faster waits only as long as the fetch can still pay: twice its estimate, or the
+    // local prefill of the same tokens where that is longer; past it, prefilling is quicker
+    if (!S().fetch_always && spt > 0) {
+        call->budget_s = std::max(2 * call->estimate_s, call->local_s);
     }
     call->dst = reservation(*kv.store, run, publish_removed(kv));
     if (call->dst.ids.empty()) {
@@ -263,10 +275,26 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
             }
             return nullptr;
         }
-        // wait on this request's thread, cancelling when the client goes away
+        // wait on this request's thread, cancelling when the client goes away or, under --kv-fetch
+        // faster, once waiting longer cannot beat prefilling (late)
         std::optional<kvrelay_fetch_result> r;
-        bool                                gone = false;
-        while (!(r = call.fetch.wait(WAIT_SLICE_MS))) {
+        bool                                gone  = false;
+        bool                                late  = false;
+        const auto                          since = std::chrono::steady_clock::now();
+        for (;;) {
+            uint32_t slice = WAIT_SLICE_MS;
+            if (call.budget_s > 0 && !late && !gone) {
+                const double left = call.budget_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+                if (left <= 0) {
+                    late = true;
+                    call.fetch.cancel();
+                } else {
+                    slice = uint32_t(std::clamp(left * 1000.0 + 1, 1.0, double(WAIT_SLICE_MS)));
+                }
+            }
+            if ((r = call.fetch.wait(slice))) {
+                break;
+            }
             if (!gone && should_stop && should_stop()) {
                 gone = true;
                 call.fetch.cancel();
@@ -283,6 +311,8 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                          publish_stored(kv, names, tokens, call.held));
         kv.counts.fetched_blocks += ok;
         const std::string outcome = gone ? "client_gone"
+                                    // cancelled by this thread once waiting longer could not pay
+                                    : late && r->failure == KVRELAY_FETCH_CANCELLED ? "late"
                                     // the source holds another content under a name: a collision
                                     : r->failure == KVRELAY_FETCH_DIGEST_MISMATCH ? "name_collision"
                                     : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
@@ -290,10 +320,19 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                                                                     : "fetched";
         kv.counts.count(outcome);
         const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();
-        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s)%s%s\n",
-                outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s,
+        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s, waited at most %.4f s)%s%s\n",
+                outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s, call.budget_s,
                 why.empty() ? "" : ": ", why.c_str());
-        if (S().fail_on_load && !gone && r->failure != KVRELAY_FETCH_OK) {
+        // the source's record: a failure (late included) skips it for a while, a success ends that;
+        // a client gone says nothing about the source
+        if (!gone) {
+            if (r->failure != KVRELAY_FETCH_OK) {
+                kv.backoff.failed(call.endpoint);
+            } else if (ok > 0) {
+                kv.backoff.succeeded(call.endpoint);
+            }
+        }
+        if (S().fail_on_load && !gone && outcome != "late" && r->failure != KVRELAY_FETCH_OK) {
             load_failure = outcome;  // thrown below, past this function's own catch
         } else if (ok > 0) {
             // the prefix the slot imports stays pinned until it does: taken while call's pins

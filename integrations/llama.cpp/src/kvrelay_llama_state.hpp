@@ -15,6 +15,7 @@
 #include "kvrelay_llama.hpp"
 #include "kvrelay_llama_kv.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -34,6 +35,10 @@ inline constexpr size_t       MAX_BLOCK_TOKENS     = 65536;
 inline constexpr const char * METRIC_PREFIX        = "llamacpp_kv_hints";
 inline constexpr size_t       MAX_HINT_HASHES      = 65536;
 inline constexpr uint32_t     WAIT_SLICE_MS        = 20;
+// A source whose fetch failed is skipped (outcome `backoff`) for BACKOFF_FIRST_S, twice as long
+// after each further failure in a row, at most BACKOFF_MAX_S; its first success ends that.
+inline constexpr double       BACKOFF_FIRST_S      = 1.0;
+inline constexpr double       BACKOFF_MAX_S        = 60.0;
 
 // Process-wide settings: written by consume_args and on_model_loaded on the main thread before
 // the HTTP server is marked ready, read by request threads afterwards.
@@ -84,6 +89,38 @@ struct kv_counters {
     void count(const std::string & outcome) {
         std::lock_guard<std::mutex> g(mu);
         fetch[outcome]++;
+    }
+};
+
+// Sources whose last fetches failed, by endpoint (the trusted registry's spelling; at most one
+// entry per trusted endpoint, so the map is bounded by the operator's list).
+struct source_backoff {
+    using clock = std::chrono::steady_clock;
+    struct entry {
+        uint32_t          failures = 0;
+        clock::time_point until;
+    };
+    std::mutex                   mu;
+    std::map<std::string, entry> by_endpoint;
+
+    // whether `endpoint` is being skipped now
+    bool skipping(const std::string & endpoint) {
+        std::lock_guard<std::mutex> g(mu);
+        const auto                  it = by_endpoint.find(endpoint);
+        return it != by_endpoint.end() && clock::now() < it->second.until;
+    }
+    // a fetch from `endpoint` failed: skip it for the next period
+    void failed(const std::string & endpoint) {
+        std::lock_guard<std::mutex> g(mu);
+        entry &                     e = by_endpoint[endpoint];
+        e.failures                    = std::min<uint32_t>(e.failures + 1, 32);
+        const double period           = std::min(BACKOFF_MAX_S, BACKOFF_FIRST_S * double(1ull << std::min<uint32_t>(e.failures - 1, 20)));
+        e.until = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(period));
+    }
+    // a fetch from `endpoint` succeeded: no more skipping
+    void succeeded(const std::string & endpoint) {
+        std::lock_guard<std::mutex> g(mu);
+        by_endpoint.erase(endpoint);
     }
 };
 
@@ -176,6 +213,7 @@ struct kv_runtime {
     bool                                   warmed = false;      // a prompt was timed (the first is not folded)
     loop_work                              work;                // main loop only
     kv_counters                            counts;
+    source_backoff                         backoff;         // --kv-fetch faster only
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
     std::vector<slot_kv>                   slots;            // by sequence id, main loop only

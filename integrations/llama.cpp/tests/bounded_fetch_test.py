@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""A frozen trusted source costs a hinted request at most what the fetch could save, once, and
+then almost nothing: under --kv-fetch faster the wait is bounded by the prefill it would save
+(cancelled past it, counted late) and a source that failed is skipped for a growing period
+(counted backoff).
+
+    python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server target/llama-server/bin/llama-server-kvrelay \
+        --model MODEL.gguf [--threads 1] [--log-dir DIR]
+
+Standard library only. A frozen source: a loopback listener that accepts and never answers. B
+trusts hints and that endpoint, fetches with the default --kv-fetch faster; C is the cold
+reference. Checks:
+  1. B measured its prefill (two unhinted prompts), so a fetch has a bound;
+  2. 20 hinted prompts in a row naming the frozen source: none waits for the transfer deadline
+     (no `timeout`), the first is cancelled as `late`, most of the rest are skipped (`backoff`),
+     every one is counted once, and a retry happens only after a skip period (a few `late` at
+     most);
+  3. every answer equals the cold server's;
+  4. nothing stays pinned on B.
+Exit status 0 when every check passed.
+"""
+import os
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from smoke_test import check, run_test  # noqa: E402
+from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text, wait_for  # noqa: E402
+
+N = 20
+
+
+def body(a, start):
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(64)
+    ep = "tcp://127.0.0.1:%d" % frozen.getsockname()[1]
+    held = []
+    stop = threading.Event()
+
+    def accept_and_hold():
+        # bounded: at most 2 * N connections are accepted and held open, never answered
+        frozen.settimeout(0.5)
+        while not stop.is_set() and len(held) < 2 * N:
+            try:
+                held.append(frozen.accept()[0])
+            except OSError:
+                pass
+
+    acceptor = threading.Thread(target=accept_and_hold, daemon=True)
+    acceptor.start()
+    try:
+        B = start("B", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep])
+        C = start("C", [])
+
+        # 1. two unhinted prompts: B's prefill speed measured (the first prompt is not folded)
+        complete(B, text(120, 901))
+        complete(B, text(120, 902))
+        spt = lambda: metrics(B).get("llamacpp_kv_prefill_seconds_per_token", 0)  # noqa: E731
+        check(wait_for(lambda: spt() > 0), "1. B measured its prefill", "%s s a token" % spt())
+
+        # 2. and 3. hinted prompts naming the frozen source
+        before = metrics(B)
+        began = time.monotonic()
+        differ = []
+        for i in range(N):
+            p = text(140, 1000 + i)
+            hashes = B.json("POST", "/v1/kv/lookup", {"prompt": p})[1]["block_hashes"]
+            r = complete(B, p, {"kv_hints": envelope(ep, hashes, "frozen-%d" % i)})
+            if answer(r) != answer(complete(C, p, {"cache_prompt": False})):
+                differ.append(i)
+        after = metrics(B)
+        elapsed = time.monotonic() - began
+        got = fetch_outcomes(before, after)
+        by = {k.split('outcome="')[1].rstrip('"}'): v for k, v in got.items()}
+        late, skipped = by.get("late", 0), by.get("backoff", 0)
+        # a retry only once a skip period ended: periods of 1, 2, 4, ... s (60 s at most) after each
+        # failure, so in `elapsed` seconds at most this many attempts
+        attempts, span, k = 1, 0.0, 0
+        while True:
+            span += min(2.0 ** k, 60.0)
+            if span > elapsed:
+                break
+            attempts, k = attempts + 1, k + 1
+        check(by.get("timeout", 0) == 0 and 1 <= late <= attempts and skipped == N - late and set(by) <= {"late", "backoff"},
+              "2. the frozen source: cancelled as late, then skipped (backoff) but for a retry per skip period; "
+              "never waited for the transfer deadline", "%s in %.1f s (at most %d attempts)" % (by, elapsed, attempts))
+        check(not differ, "3. every answer equals the cold server's", "differ: %s" % differ)
+        check(after.get("llamacpp_kv_store_pinned_blocks", -1) == 0, "4. nothing stays pinned on B")
+    finally:
+        stop.set()
+        acceptor.join()
+        for c in held:
+            c.close()
+        frozen.close()
+
+
+if __name__ == "__main__":
+    # the bit-exact settings of two_instance_test.py: B's answers after reuse equal C's cold ones
+    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    sys.exit(run_test("kvrelay-bounded-fetch-", body, exact))
