@@ -787,7 +787,8 @@ typedef struct kvrelay_kv_events_stats {
   uint64_t send_errors;
   // Batches queued for replay peers.
   uint64_t replay_batches;
-  // Replays cut short because the peer's queue was full (a peer not reading).
+  // Replays cut short: the peer took nothing for 5 s, asked again before the end, or its
+  // replay gave way to a newer one (16 run at once).
   uint64_t replays_cut;
 } kvrelay_kv_events_stats;
 

@@ -501,7 +501,7 @@ class kvrelay_kv_events_stats(Structure):
         ("refused", c_uint64),  # Connections refused: the peer is not on the allowlist.
         ("send_errors", c_uint64),  # Batches ZMQ refused to send (they are still kept for replay).
         ("replay_batches", c_uint64),  # Batches queued for replay peers.
-        ("replays_cut", c_uint64),  # Replays cut short because the peer's queue was full (a peer not reading).
+        ("replays_cut", c_uint64),  # Replays cut short: the peer took nothing for 5 s, asked again before the end, or its replay gave way to a newer one (16 run at once).
     ]
 
 

@@ -22,16 +22,18 @@
 //! already seen (a router drops batches it takes for stale, the restart's
 //! `AllBlocksCleared` included).
 //!
-//! **Replay**: a ZMQ ROUTER socket. A DEALER sends `[b"", start_seq as u64 big-endian]`; it
+//! **Replay**: a ZMQ ROUTER. A DEALER sends `[b"", start_seq as u64 big-endian]`; it
 //! gets `[b"", seq, payload]` for each kept batch from `start_seq` on, then
 //! `[b"", -1 as i64 big-endian, b""]`. A router that subscribes late (PUB/SUB drops what was
 //! sent before it connected) sees a first sequence number above what it expected and asks for
 //! the rest. The last [`REPLAY_KEEP_BYTES`] of batches are kept; what is older is gone (a
-//! router then never names those blocks: no wrong fetch, only a missed one). A replay sends
-//! what the peer's queue takes ([`REPLAY_PEER_HWM`] batches of at most about [`BATCH_BYTES`])
-//! and is cut where it is full (counted): a peer that asks again and again without reading
-//! never makes this process hold more for it, and one that reads asks again from the last
-//! sequence number it got.
+//! router then never names those blocks: no wrong fetch, only a missed one). A replay is paced
+//! by the peer's socket: the replay thread sends what the peer's queue takes
+//! ([`REPLAY_PEER_HWM`] batches of at most about [`BATCH_BYTES`]), and goes on from there as
+//! the peer reads, however long the history, until the end marker. A peer that takes nothing
+//! for [`REPLAY_STALL`] is cut (counted) and holds no more than its queue; at most
+//! [`REPLAY_CURSORS`] replays run at once (a further request cuts the one idle longest), and a
+//! peer that asks again restarts its replay from the new start instead of adding one.
 //!
 //! **Never blocking the runtime.** [`Publisher::stored`] and the others put the event into a
 //! bounded queue of [`QUEUE_EVENTS`] with a non-blocking send (one allocation for a stored
@@ -72,14 +74,24 @@
 //! heartbeats (`PING`/`PONG`) Dynamo's subscriber sends every few seconds and drops a
 //! publisher that does not answer.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::agent::{PeerAllow, Psk};
+
+mod auth;
+mod publish;
+mod replay;
+
+use auth::{start_zap, ZAP_DOMAIN};
+pub use auth::{subscriber_token, zap_allows, PLAIN_USERNAME, TOKEN_LABEL};
+pub use publish::encode_batch;
+use publish::{publish_loop, PublishSide};
+pub use replay::replay_start;
+use replay::{replay_loop, Kept};
 
 /// Events the queue between the runtime and the publishing thread holds.
 pub const QUEUE_EVENTS: usize = 1 << 16;
@@ -93,6 +105,11 @@ pub const BATCH_BYTES: usize = 256 << 10;
 /// asks and never reads holds at most this many batches (8 MiB) in this process, however many
 /// requests it sends.
 pub const REPLAY_PEER_HWM: i32 = 32;
+/// Replays in progress at once; a further request cuts the one whose peer took nothing for
+/// longest.
+pub const REPLAY_CURSORS: usize = 16;
+/// A replay whose peer took no batch for this long is cut (counted in `replays_cut`).
+pub const REPLAY_STALL: Duration = Duration::from_secs(5);
 /// Bytes of published batches kept for replay.
 pub const REPLAY_KEEP_BYTES: usize = 64 << 20;
 /// Batches queued for one subscriber before ZMQ drops for it (16 MiB at most: a subscriber
@@ -157,7 +174,8 @@ pub struct EventStats {
     pub send_errors: u64,
     /// Batches queued for replay peers.
     pub replay_batches: u64,
-    /// Replays cut short because the peer's queue was full (a peer not reading).
+    /// Replays cut short: the peer took nothing for 5 s, asked again before the end, or its
+    /// replay gave way to a newer one (16 run at once).
     pub replays_cut: u64,
 }
 
@@ -304,7 +322,11 @@ impl Publisher {
             ("kv_events_refused_total", "KV events connections refused: the peer is not on the allowlist.", s.refused),
             ("kv_event_send_errors_total", "KV event batches the PUB socket refused (kept for replay).", s.send_errors),
             ("kv_event_replay_batches_total", "KV event batches queued for replay peers.", s.replay_batches),
-            ("kv_event_replays_cut_total", "KV event replays cut short: the peer's queue was full.", s.replays_cut),
+            (
+                "kv_event_replays_cut_total",
+                "KV event replays cut short: the peer stopped reading, asked again or gave way.",
+                s.replays_cut,
+            ),
         ] {
             let _ = writeln!(out, "# HELP {prefix}_{name} {help}\n# TYPE {prefix}_{name} counter\n{prefix}_{name} {v}");
         }
@@ -327,32 +349,8 @@ impl Drop for Publisher {
     }
 }
 
-/// Replayable batches: `(seq, payload)` in order, at most [`REPLAY_KEEP_BYTES`] of payloads.
-#[derive(Default)]
-struct Kept {
-    batches: VecDeque<(u64, Arc<[u8]>)>,
-    bytes: usize,
-}
-
-impl Kept {
-    fn push(&mut self, seq: u64, payload: Arc<[u8]>, keep_bytes: usize) {
-        self.bytes += payload.len();
-        self.batches.push_back((seq, payload));
-        while self.bytes > keep_bytes && self.batches.len() > 1 {
-            let (_, old) = self.batches.pop_front().expect("more than one batch");
-            self.bytes -= old.len();
-        }
-    }
-
-    /// The kept batches from `start` on (cheap clones of the payloads).
-    fn since(&self, start: u64) -> Vec<(u64, Arc<[u8]>)> {
-        let first = self.batches.partition_point(|(s, _)| *s < start);
-        self.batches.iter().skip(first).cloned().collect()
-    }
-}
-
 /// `tcp://HOST:PORT` with port 0 written the way libzmq binds an ephemeral port (`*`).
-fn zmq_bind_address(endpoint: &str) -> Result<String, String> {
+pub(crate) fn zmq_bind_address(endpoint: &str) -> Result<String, String> {
     let rest = endpoint.strip_prefix("tcp://").ok_or_else(|| format!("`{endpoint}`: expected tcp://HOST:PORT"))?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("`{endpoint}`: expected tcp://HOST:PORT"))?;
     if host.is_empty() {
@@ -506,224 +504,6 @@ impl Publisher {
     }
 }
 
-/// What the publishing thread needs of its publisher.
-struct PublishSide {
-    topic: String,
-    block_size: usize,
-    medium: String,
-    counters: Arc<Counters>,
-}
-
-/// The PLAIN user name a keyed publisher requires.
-pub const PLAIN_USERNAME: &str = "kvrelay";
-
-/// What [`subscriber_token`] derives the token from.
-pub const TOKEN_LABEL: &[u8] = b"kvrelay-kv-events/v1 subscriber";
-
-/// The PLAIN password a publisher keyed with `key` requires (module docs, "Keys"): 64
-/// lowercase hex digits of HMAC-SHA-256 of [`TOKEN_LABEL`] under the key.
-pub fn subscriber_token(key: &Psk) -> String {
-    use std::fmt::Write as _;
-    key.derive(TOKEN_LABEL).iter().fold(String::with_capacity(64), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
-}
-
-/// The ZAP domain both sockets name (a NULL-mechanism socket asks ZAP only when it has one).
-const ZAP_DOMAIN: &str = "kvrelay-kv-events";
-
-/// Answer ZeroMQ's authentication requests (ZAP 1.0, `inproc://zeromq.zap.01` of `ctx`) from a
-/// thread of its own until `stop` is signalled: a peer whose address `allow` admits and that
-/// presents `token` (when there is one) gets `200`, any other `400`.
-fn start_zap(
-    ctx: &zmq::Context,
-    allow: PeerAllow,
-    token: Option<String>,
-    counters: Arc<Counters>,
-    stop: zmq::Socket,
-) -> Result<JoinHandle<()>, String> {
-    let s = ctx.socket(zmq::REP).map_err(|e| format!("KV events' ZAP handler: {e}"))?;
-    s.bind("inproc://zeromq.zap.01").map_err(|e| format!("KV events' ZAP handler: {e}"))?;
-    std::thread::Builder::new()
-        .name("kv-events-zap".into())
-        .spawn(move || {
-            while wait_readable(&s, &stop) {
-                let req = match s.recv_multipart(zmq::DONTWAIT) {
-                    Ok(r) => r,
-                    Err(zmq::Error::EINTR | zmq::Error::EAGAIN) => continue,
-                    Err(_) => return,
-                };
-                let ok = zap_allows(&req, &allow, token.as_deref());
-                if !ok {
-                    counters.refused.fetch_add(1, Ordering::Relaxed);
-                }
-                let id = req.get(1).map_or(&[][..], |v| &v[..]);
-                let (code, text): (&[u8], &[u8]) = if ok { (b"200", b"OK") } else { (b"400", b"peer not allowed") };
-                if s.send_multipart([&b"1.0"[..], id, code, text, b"", b""], 0).is_err() {
-                    return;
-                }
-            }
-        })
-        .map_err(|e| format!("starting the KV events' ZAP thread: {e}"))
-}
-
-/// Whether a ZAP request `[version, request id, domain, address, identity, mechanism, ...]`
-/// comes from an address `allow` admits and, with a `token`, is a PLAIN handshake of user
-/// [`PLAIN_USERNAME`] and password `token` (compared in constant time); without one, a NULL
-/// handshake.
-pub fn zap_allows(req: &[Vec<u8>], allow: &PeerAllow, token: Option<&str>) -> bool {
-    match req {
-        [version, _id, _domain, address, _identity, mechanism, credentials @ ..] if version == b"1.0" => {
-            let listed =
-                std::str::from_utf8(address).ok().and_then(|a| a.parse().ok()).is_some_and(|ip| allow.allows(ip));
-            let credentials_ok = match (token, credentials) {
-                (None, []) => mechanism == b"NULL",
-                (Some(t), [user, password]) => {
-                    mechanism == b"PLAIN" && user == PLAIN_USERNAME.as_bytes() && same_bytes(password, t.as_bytes())
-                }
-                _ => false,
-            };
-            listed && credentials_ok
-        }
-        _ => false,
-    }
-}
-
-/// `a == b` in time that depends on the lengths only.
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
-}
-
-/// Drain the queue into batches and publish them until the publisher is dropped (then what
-/// was queued is sent first); an idle publisher sends an empty batch every [`IDLE_BATCH`].
-fn publish_loop(ev: &PublishSide, s: zmq::Socket, rx: Receiver<Event>, kept: &Mutex<Kept>) {
-    let (_, mut seq) = now();
-    let mut batch = Vec::with_capacity(BATCH_EVENTS);
-    loop {
-        batch.clear();
-        match rx.recv_timeout(IDLE_BATCH) {
-            Ok(first) => batch.push(first),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
-        }
-        let mut bytes = batch.first().map_or(0, encoded_estimate);
-        while !batch.is_empty() && batch.len() < BATCH_EVENTS && bytes < BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(e) => {
-                    bytes += encoded_estimate(&e);
-                    batch.push(e);
-                }
-                Err(_) => break,
-            }
-        }
-        let (ts, _) = now();
-        let payload: Arc<[u8]> = encode_batch(ts, &batch, ev.block_size, Some(&ev.medium), 0).into();
-        if s.send_multipart([ev.topic.as_bytes(), &seq.to_be_bytes()[..], &payload[..]], 0).is_err() {
-            ev.counters.send_errors.fetch_add(1, Ordering::Relaxed);
-        }
-        // counted before it can be replayed: a batch a replay returns is always counted
-        ev.counters.published.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        ev.counters.batches.fetch_add(1, Ordering::Relaxed);
-        kept.lock().unwrap_or_else(|e| e.into_inner()).push(seq, payload, REPLAY_KEEP_BYTES);
-        seq += 1;
-    }
-}
-
-/// A generous estimate of an event's msgpack encoding (a token id is at most 5 bytes).
-fn encoded_estimate(e: &Event) -> usize {
-    match e {
-        Event::Stored { tokens, .. } => 48 + 5 * tokens.len(),
-        Event::Removed(_) | Event::Cleared => 32,
-    }
-}
-
-/// Answer replay requests until `stop` is signalled or the socket fails. A replay sends the kept
-/// batches from its start while the peer's queue takes them, then the end marker; where the
-/// queue is full it is cut (the peer gets no end marker then: it was not reading).
-fn replay_loop(s: zmq::Socket, stop: zmq::Socket, kept: &Mutex<Kept>, counters: &Counters) {
-    while wait_readable(&s, &stop) {
-        let msg = match s.recv_multipart(zmq::DONTWAIT) {
-            Ok(m) => m,
-            Err(zmq::Error::EINTR | zmq::Error::EAGAIN) => continue,
-            Err(_) => return,
-        };
-        let Some(start) = replay_start(&msg) else { continue };
-        let id = &msg[0];
-        let batches = kept.lock().unwrap_or_else(|e| e.into_inner()).since(start);
-        let mut cut = false;
-        for (seq, payload) in &batches {
-            if s.send_multipart([&id[..], b"", &seq.to_be_bytes()[..], &payload[..]], zmq::DONTWAIT).is_err() {
-                cut = true;
-                break;
-            }
-            counters.replay_batches.fetch_add(1, Ordering::Relaxed);
-        }
-        if cut || s.send_multipart([&id[..], b"", &END_SEQ[..], b""], zmq::DONTWAIT).is_err() {
-            counters.replays_cut.fetch_add(1, Ordering::Relaxed);
-        }
-        counters.replays.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// The start sequence number of a replay request `[id, b"", seq BE]` (anything else: `None`).
-pub fn replay_start(msg: &[Vec<u8>]) -> Option<u64> {
-    match msg {
-        [_id, empty, seq] if empty.is_empty() && seq.len() == 8 => {
-            Some(u64::from_be_bytes(seq[..].try_into().expect("8 bytes")))
-        }
-        _ => None,
-    }
-}
-
-/// The msgpack payload of one batch: `[ts, [event, ...], dp_rank]`.
-pub fn encode_batch(ts: f64, events: &[Event], block_size: usize, medium: Option<&str>, dp_rank: u32) -> Vec<u8> {
-    use rmp::encode::{write_array_len, write_f64, write_nil, write_str, write_uint};
-    let mut b = Vec::with_capacity(16 + events.len() * 64);
-    // writes into a Vec cannot fail
-    let _ = write_array_len(&mut b, 3);
-    let _ = write_f64(&mut b, ts);
-    let _ = write_array_len(&mut b, events.len() as u32);
-    let medium_of = |b: &mut Vec<u8>| match medium {
-        Some(m) => drop(write_str(b, m)),
-        None => drop(write_nil(b)),
-    };
-    for e in events {
-        match e {
-            Event::Stored { name, parent, tokens } => {
-                let _ = write_array_len(&mut b, 7);
-                let _ = write_str(&mut b, "BlockStored");
-                let _ = write_array_len(&mut b, 1);
-                let _ = write_uint(&mut b, *name);
-                match parent {
-                    Some(p) => drop(write_uint(&mut b, *p)),
-                    None => drop(write_nil(&mut b)),
-                }
-                let _ = write_array_len(&mut b, tokens.len() as u32);
-                for &t in tokens {
-                    let _ = write_uint(&mut b, t.into());
-                }
-                let _ = write_uint(&mut b, block_size as u64);
-                let _ = write_nil(&mut b);
-                medium_of(&mut b);
-            }
-            Event::Removed(name) => {
-                let _ = write_array_len(&mut b, 3);
-                let _ = write_str(&mut b, "BlockRemoved");
-                let _ = write_array_len(&mut b, 1);
-                let _ = write_uint(&mut b, *name);
-                medium_of(&mut b);
-            }
-            Event::Cleared => {
-                let _ = write_array_len(&mut b, 1);
-                let _ = write_str(&mut b, "AllBlocksCleared");
-            }
-        }
-    }
-    let _ = write_uint(&mut b, dp_rank.into());
-    b
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -772,23 +552,6 @@ mod tests {
         // the medium is a string when known
         let m = hex(&encode_batch(0.0, &[Event::Removed(7)], 2, Some("GPU"), 0));
         assert!(m.ends_with("9107a347505500"), "{m}");
-    }
-
-    #[test]
-    fn replay_keeps_the_newest_bytes_and_answers_from_a_sequence_number() {
-        let mut k = Kept::default();
-        for seq in 10..20u64 {
-            k.push(seq, vec![0u8; 100].into(), 350);
-        }
-        let seqs: Vec<u64> = k.since(0).iter().map(|(s, _)| *s).collect();
-        assert_eq!(seqs, [17, 18, 19], "the oldest batches went first");
-        assert_eq!(k.bytes, 300);
-        let seqs: Vec<u64> = k.since(19).iter().map(|(s, _)| *s).collect();
-        assert_eq!(seqs, [19]);
-        assert!(k.since(20).is_empty());
-        // one batch larger than the budget is still kept (the newest)
-        k.push(20, vec![0u8; 1000].into(), 350);
-        assert_eq!(k.since(0).len(), 1);
     }
 
     #[test]
@@ -917,7 +680,51 @@ mod tests {
         // what this process took for the peer: its queue (REPLAY_PEER_HWM) and what the
         // kernel's socket buffers and the peer's one-message queue hold, never five full replays
         assert!(s.replay_batches < 2 * s.batches, "{s:?}");
-        assert!(s.replays_cut >= 4, "{s:?}");
+        assert!(s.replays_cut >= 4, "each request again restarts the replay: {s:?}");
+        // the last one is cut once the peer took nothing for REPLAY_STALL
+        let s = until(&p, "the silent replay cut", |s| s.replays_cut >= 5);
+        assert!(s.replay_batches < 2 * s.batches, "{s:?}");
         drop(peer);
+    }
+
+    #[test]
+    fn a_slow_reader_replays_a_long_history_to_its_end() {
+        let p = Publisher::start(&EventsConfig::new("tcp://127.0.0.1:0", 1_000)).unwrap();
+        // 1,200 batches of about 5 KB (6 MB, more than the peer's queue and socket buffers take
+        // at once): one block each, the next sent once the last was published
+        let tokens: Vec<u32> = (0..1_000).map(|i| 70_000 + i).collect();
+        for name in 0..1_200u64 {
+            p.stored(name, None, &tokens);
+            until(&p, "the batch published", |s| s.published == name + 2);
+        }
+        let batches = p.stats().batches;
+        assert!(batches >= 1_200, "{batches} batches");
+        let ctx = zmq::Context::new();
+        let reader = ctx.socket(zmq::DEALER).unwrap();
+        reader.set_rcvhwm(8).unwrap();
+        reader.set_rcvbuf(4096).unwrap();
+        reader.set_rcvtimeo(20_000).unwrap();
+        reader.connect(p.replay_endpoint()).unwrap();
+        reader.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], 0).unwrap();
+        // read slowly: a pause every 50 batches lets the replay fill this peer's queue again
+        // and again, where before it was cut at the first full queue
+        let (mut seqs, mut stored) = (Vec::new(), 0u64);
+        loop {
+            let m = reader.recv_multipart(0).expect("a replay answer within 20 s");
+            assert_eq!(m.len(), 3);
+            if m[1] == END_SEQ {
+                break;
+            }
+            seqs.push(u64::from_be_bytes(m[1][..].try_into().unwrap()));
+            stored += m[2].windows(11).filter(|w| w == b"BlockStored").count() as u64;
+            if seqs.len() % 50 == 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        assert!(seqs.len() as u64 >= batches, "{} of {batches} batches", seqs.len());
+        assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "in order, none missing");
+        assert_eq!(stored, 1_200, "every block of the history");
+        let s = p.stats();
+        assert_eq!((s.replays, s.replays_cut), (1, 0), "{s:?}");
     }
 }
