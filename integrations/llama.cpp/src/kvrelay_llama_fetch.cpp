@@ -22,6 +22,7 @@ struct fetch_call {
     const block_keys *            keys       = nullptr;  // the prompt's blocks, up to the last fetchable
     std::string                   endpoint;
     size_t                        held       = 0;        // leading blocks the store holds
+    size_t                        run        = 0;        // blocks after them the hint names, to fetch
     std::unique_ptr<pin_guard>    held_pins;             // ... pinned until the fetch is committed
     reservation                   dst;                   // reserved store blocks the fetch writes
     kvrelay::Fetch                fetch;                 // destroyed first: settles the fetch
@@ -126,6 +127,7 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->outcome = "nothing_to_fetch";
         return NOTHING;
     }
+    call->run = run;
     if (!S().fetch_always && kv.backoff.skipping(call->endpoint)) {
         // its last fetch failed, and the period since is not over
         call->outcome = "backoff";
@@ -316,7 +318,8 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                                     // the source holds another content under a name: a collision
                                     : r->failure == KVRELAY_FETCH_DIGEST_MISMATCH ? "name_collision"
                                     : r->failure != KVRELAY_FETCH_OK ? std::string(kvrelay_fetch_failure_name(r->failure))
-                                    : ok < n_dst                    ? "partial"
+                                    // fewer than the hint's run: the source's or the store's room ran out
+                                    : ok < call.run                 ? "partial"
                                                                     : "fetched";
         kv.counts.count(outcome);
         const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();

@@ -86,6 +86,25 @@ struct kv_counters {
     std::atomic<uint64_t>           import_refused{ 0 };
     std::atomic<uint64_t>           cells_changed{ 0 };  // on_cells_changed / on_cells_copied calls
 
+    // every outcome's series is there from the start, at zero: this integration's own, then the
+    // agent's failure names (KVRELAY_FETCH_CONNECT and on, up to the first it does not name)
+    kv_counters() {
+        for (const char * o : { "fetched", "partial", "late", "backoff", "not_worth_it", "no_room", "nothing_to_fetch",
+                                "busy", "client_gone", "cache_prompt_off", "multimodal", "prompt_too_long",
+                                "name_collision", "internal" }) {
+            fetch[o] = 0;
+        }
+        for (int32_t f = KVRELAY_FETCH_CONNECT; f < 64; f++) {
+            const std::string name = kvrelay_fetch_failure_name(f);
+            if (name == "unknown") {
+                break;
+            }
+            if (f != KVRELAY_FETCH_DIGEST_MISMATCH) {  // counted as name_collision
+                fetch[name] = 0;
+            }
+        }
+    }
+
     void count(const std::string & outcome) {
         std::lock_guard<std::mutex> g(mu);
         fetch[outcome]++;

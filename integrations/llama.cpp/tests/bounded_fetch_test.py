@@ -10,6 +10,7 @@ then almost nothing: under --kv-fetch faster the wait is bounded by the prefill 
 Standard library only. A frozen source: a loopback listener that accepts and never answers. B
 trusts hints and that endpoint, fetches with the default --kv-fetch faster; C is the cold
 reference. Checks:
+  0. every fetch outcome's series is in /metrics at zero before any request;
   1. B measured its prefill (two unhinted prompts), so a fetch has a bound;
   2. 20 hinted prompts in a row naming the frozen source: none waits for the transfer deadline
      (no `timeout`), the first is cancelled as `late`, most of the rest are skipped (`backoff`),
@@ -54,6 +55,12 @@ def body(a, start):
     try:
         B = start("B", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep])
         C = start("C", [])
+
+        # 0. every outcome's series is there from the start, at zero
+        m0 = metrics(B)
+        missing = [o for o in ("fetched", "partial", "late", "backoff", "no_room", "timeout", "connect", "name_collision")
+                   if m0.get('llamacpp_kv_fetch_total{outcome="%s"}' % o) != 0]
+        check(not missing, "0. the fetch outcomes' series are present at zero from the start", "missing: %s" % missing)
 
         # 1. two unhinted prompts: B's prefill speed measured (the first prompt is not folded)
         complete(B, text(120, 901))

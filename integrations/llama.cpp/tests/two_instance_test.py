@@ -421,7 +421,9 @@ def main():
 
         ty = threading.Thread(target=ask, args=("Y", P9, look9, "two-9"), daemon=True)
         ty.start()
-        check(wait_for(lambda: fetches(D, "fetched") == 1), "Y fetched while D's slot is busy")
+        # as many of P9's blocks as D's store holds: fewer than the hint's run, so `partial`
+        check(wait_for(lambda: fetches(D, "partial") == 1) and fetches(D, "fetched") == 0,
+              "Y fetched while D's slot is busy (what D's store holds: partial)")
         tz = threading.Thread(target=ask, args=("Z", P10, look10, "two-10"), daemon=True)
         tz.start()
         check(wait_for(lambda: fetches(D, "no_room") == 1), "Z's fetch finds no room: Y's waiting blocks are not evicted")
