@@ -297,6 +297,21 @@ impl CudaIpc {
         if let Some(v) = &e.vmm {
             keys.extend(v.ranges.iter().map(|(b, sizes)| (e.host, e.pid, vmm_key(*b, sizes.iter().sum(), &v.token))));
         }
+        // a source's quota is not the offer's to raise: more than it may have mapped at all is
+        // refused before anything of it is opened
+        if table::over_quota(keys.len(), e.bytes()) {
+            return Err((
+                FailReason::Refused,
+                format!(
+                    "CUDA IPC: the offer names {} ranges of {} bytes, more than one source may have mapped ({} \
+                     ranges, {} bytes)",
+                    keys.len(),
+                    e.bytes(),
+                    table::SOURCE_RANGES,
+                    table::SOURCE_BYTES
+                ),
+            ));
+        }
         // what is mapped already (held from here), under the lock
         let mut have: Vec<Option<Arc<Mapping>>> = {
             let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
@@ -399,10 +414,9 @@ impl CudaIpc {
         // after it, when its last holder lets go
         let mut gone = Vec::new();
         let (at, new): (Vec<usize>, Vec<table::New<Mapping>>) = new.into_iter().unzip();
-        let offer_bytes = e.bytes();
         let (kept, evicted) = {
             let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-            let r = m.admit(new, (keys.len(), offer_bytes), &mut gone);
+            let r = m.admit(new, &mut gone);
             self.count(cx, &m);
             r
         };

@@ -12,11 +12,17 @@ use std::sync::Arc;
 
 /// Most source allocations (and virtual-memory ranges) one destination keeps mapped.
 pub(super) const MAX_MAPPED: usize = 1024;
-/// Most of them from one source process (or as many as one offer of it names, when more).
+/// Most of them from one source process. An offer that names more is refused before anything
+/// of it is opened ([`over_quota`]): a source cannot raise its own quota.
 pub(super) const SOURCE_RANGES: usize = 128;
-/// Most bytes mapped from one source process (address space here, not memory; or as many as
-/// one offer of it names, when more).
+/// Most bytes mapped from one source process (address space here, not memory), likewise.
 pub(super) const SOURCE_BYTES: u64 = 1 << 40;
+
+/// Whether one offer of `ranges` ranges and `bytes` bytes is more than a source may have
+/// mapped at all: refused whole, before any of it is opened.
+pub(super) fn over_quota(ranges: usize, bytes: u64) -> bool {
+    ranges > SOURCE_RANGES || bytes > SOURCE_BYTES
+}
 
 /// A source process (its host's boot id and its pid) and one of its allocations: a CUDA IPC
 /// handle, or the key of a virtual-memory range.
@@ -112,17 +118,11 @@ impl<V> Table<V> {
     /// to use: its own, or one another fetch kept for the same key meanwhile (its own then goes
     /// to `gone`). Mappings evicted to make room go to `gone` too; drop `gone` after the lock.
     /// Refused when the room can only come from mappings fetches hold: the new mappings not
-    /// kept yet go to `gone`, and the count of evictions so far is in the second field.
-    /// `offer`: the ranges and bytes of the whole offer these come from (its mappings kept
-    /// already included): a source's quota is never below one offer of it, so that a pool of
-    /// more than [`SOURCE_RANGES`] allocations is still fetched (within [`MAX_MAPPED`]).
-    pub(super) fn admit(
-        &mut self,
-        new: Vec<New<V>>,
-        offer: (usize, u64),
-        gone: &mut Vec<Arc<V>>,
-    ) -> (Result<Vec<Arc<V>>, Full>, usize) {
-        let (quota, quota_bytes) = (SOURCE_RANGES.max(offer.0), SOURCE_BYTES.max(offer.1));
+    /// kept yet go to `gone`, and the count of evictions so far is in the second field. The
+    /// quota is [`SOURCE_RANGES`] and [`SOURCE_BYTES`] whatever the offer says (the caller
+    /// refused an offer [`over_quota`] before opening it).
+    pub(super) fn admit(&mut self, new: Vec<New<V>>, gone: &mut Vec<Arc<V>>) -> (Result<Vec<Arc<V>>, Full>, usize) {
+        let (quota, quota_bytes) = (SOURCE_RANGES, SOURCE_BYTES);
         let mut out = Vec::with_capacity(new.len());
         let mut evicted = 0;
         let mut new = new.into_iter();
@@ -210,30 +210,34 @@ mod tests {
         let mut gone = Vec::new();
         // a source that offers ever new allocations stays within its quota: its oldest go
         for i in 0..SOURCE_RANGES + 10 {
-            let (r, _) = t.admit(vec![new(1, i as u8, 1 << 20)], (1, 1 << 20), &mut gone);
+            let (r, _) = t.admit(vec![new(1, i as u8, 1 << 20)], &mut gone);
             assert!(r.is_ok());
         }
         assert_eq!(t.of(&[7; 16], 1).0, SOURCE_RANGES);
         assert_eq!(gone.len(), 10, "its ten oldest were let go");
         assert!(!t.contains(&key(1, 9)) && t.contains(&key(1, 10)));
         // another source still gets its mappings
-        let (r, evicted) = t.admit(vec![new(2, 1, 1 << 20)], (1, 1 << 20), &mut gone);
+        let (r, evicted) = t.admit(vec![new(2, 1, 1 << 20)], &mut gone);
         assert!(r.is_ok());
         assert_eq!(evicted, 0, "room without touching the first source");
         drop(r);
         // bytes are a quota too (the fetch that mapped it let go)
-        let (r, _) = t.admit(vec![new(3, 1, SOURCE_BYTES)], (1, SOURCE_BYTES), &mut gone);
+        let (r, _) = t.admit(vec![new(3, 1, SOURCE_BYTES)], &mut gone);
         assert!(r.is_ok());
         drop(r);
         let before = gone.len();
-        let (r, evicted) = t.admit(vec![new(3, 2, 1)], (1, 1), &mut gone);
+        let (r, evicted) = t.admit(vec![new(3, 2, 1)], &mut gone);
         assert!(r.is_ok());
         assert_eq!((evicted, gone.len()), (1, before + 1), "the older of source 3 went");
         assert!(!t.contains(&key(3, 1)) && t.contains(&key(3, 2)));
     }
 
     #[test]
-    fn one_offer_of_more_ranges_than_the_quota_is_kept_whole() {
+    fn an_offer_cannot_raise_its_source_quota() {
+        assert!(!over_quota(SOURCE_RANGES, SOURCE_BYTES));
+        assert!(over_quota(SOURCE_RANGES + 1, 1), "more ranges than a source may have mapped");
+        assert!(over_quota(1, SOURCE_BYTES + 1), "more bytes");
+        // and the table keeps to the quota whatever a caller hands it
         let mut t = Table::default();
         let mut gone = Vec::new();
         let n = SOURCE_RANGES + 32;
@@ -244,9 +248,10 @@ mod tests {
                 New { key: k, v: Arc::new(0), bytes: 1, watched: true }
             })
             .collect();
-        let (r, evicted) = t.admit(new, (n, n as u64), &mut gone);
-        assert_eq!((r.map(|v| v.len()), evicted), (Ok(n), 0), "a pool of {n} allocations, all held by its fetch");
-        assert!(gone.is_empty());
+        let (r, _) = t.admit(new, &mut gone);
+        assert_eq!(r.map(|v| v.len()), Err(Full::Source), "{n} ranges of one source, all held by one fetch");
+        assert_eq!(t.of(&[7; 16], 5).0, SOURCE_RANGES, "the source keeps no more than its quota");
+        assert_eq!(gone.len(), n - SOURCE_RANGES, "the rest was let go");
     }
 
     #[test]
@@ -255,11 +260,11 @@ mod tests {
         let mut gone = Vec::new();
         let mut held = Vec::new();
         for i in 0..SOURCE_RANGES {
-            let (r, _) = t.admit(vec![new(1, i as u8, 1)], (1, 1), &mut gone);
+            let (r, _) = t.admit(vec![new(1, i as u8, 1)], &mut gone);
             held.extend(r.unwrap());
         }
         // every one held by a fetch: the next is refused, and nothing was let go
-        let (r, evicted) = t.admit(vec![new(1, 200, 1), new(1, 201, 1)], (2, 2), &mut gone);
+        let (r, evicted) = t.admit(vec![new(1, 200, 1), new(1, 201, 1)], &mut gone);
         assert_eq!((r.err(), evicted), (Some(Full::Source), 0));
         assert_eq!(gone.len(), 2, "both new mappings are handed back to be unmapped");
         assert_eq!(t.len(), SOURCE_RANGES);
@@ -267,7 +272,7 @@ mod tests {
         drop(held.drain(..2));
         assert!(t.get(&key(1, 0)).is_some()); // block 0 used again
         gone.clear();
-        let (r, evicted) = t.admit(vec![new(1, 200, 1)], (1, 1), &mut gone);
+        let (r, evicted) = t.admit(vec![new(1, 200, 1)], &mut gone);
         assert!(r.is_ok());
         assert_eq!(evicted, 1);
         assert!(t.contains(&key(1, 0)) && !t.contains(&key(1, 1)));
@@ -288,16 +293,15 @@ mod tests {
                 bytes: 1,
                 watched: pid % 2 == 0,
             });
-            assert!(t.admit(n.collect(), (SOURCE_RANGES, SOURCE_RANGES as u64), &mut gone).0.is_ok());
+            assert!(t.admit(n.collect(), &mut gone).0.is_ok());
         }
         assert_eq!(t.len(), MAX_MAPPED);
-        let (r, evicted) = t.admit(vec![new(999, 1, 1)], (1, 1), &mut gone);
+        let (r, evicted) = t.admit(vec![new(999, 1, 1)], &mut gone);
         assert!(r.is_ok());
         assert_eq!((evicted, t.len()), (1, MAX_MAPPED));
         // the same key made by two fetches: the second's own goes, the first's is used
         gone.clear();
-        let (r, _) =
-            t.admit(vec![New { key: key(999, 1), v: Arc::new(77), bytes: 1, watched: true }], (1, 1), &mut gone);
+        let (r, _) = t.admit(vec![New { key: key(999, 1), v: Arc::new(77), bytes: 1, watched: true }], &mut gone);
         assert_eq!(*r.unwrap()[0], 1);
         assert_eq!(gone.iter().map(|g| **g).collect::<Vec<_>>(), [77]);
         // a sweep lets go of the watched mappings of ended processes only
