@@ -285,9 +285,10 @@ fn send_batch(s: &UnixStream, batch: &[OwnedFd]) -> io::Result<()> {
 }
 
 /// A connection to the abstract socket `name` by `deadline`: a connect that does not wait
-/// (a listener whose backlog is full answers "try again", retried every millisecond), then the
-/// stream made blocking for its timed reads and writes.
-fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
+/// (a listener whose backlog is full answers "try again", retried every millisecond, with
+/// `stop` asked before each retry: `Interrupted` once it says so), then the stream made
+/// blocking for its timed reads and writes.
+fn connect_by(name: &[u8], deadline: Instant, stop: &dyn Fn() -> bool) -> io::Result<UnixStream> {
     // SAFETY: a plain zeroed sockaddr_un is valid; the name fits (checked) after the leading 0
     // byte of an abstract address.
     let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -314,6 +315,9 @@ fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
         }
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EINTR) if stop() => {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "stopped while connecting"))
+            }
             Some(libc::EAGAIN) | Some(libc::EINTR) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -367,8 +371,10 @@ pub(crate) fn receive(
     stop: &dyn Fn() -> bool,
     mut each: impl FnMut(OwnedFd) -> Result<(), String>,
 ) -> Result<(), ReceiveError> {
-    let mut s = connect_by(name, deadline)
-        .map_err(|e| format!("connecting to the source's descriptor socket (another network namespace?): {e}"))?;
+    let mut s = connect_by(name, deadline, stop).map_err(|e| match e.kind() {
+        io::ErrorKind::Interrupted => ReceiveError::Stopped,
+        _ => format!("connecting to the source's descriptor socket (another network namespace?): {e}").into(),
+    })?;
     let remaining = || left(deadline).map_err(|_| "the source's descriptors ran past the deadline".to_string());
     // the next wait: a slice of what is left, or the stop
     let slice = || -> Result<Duration, ReceiveError> {
@@ -544,8 +550,39 @@ mod tests {
         assert!(matches!(e, ReceiveError::Stopped), "{e}");
     }
 
+    /// A source whose listening socket's backlog is full (listen(0) and one connection pending,
+    /// never accepted): the connect itself waits, and a stop ends it there.
+    #[test]
+    fn a_stop_ends_a_connect_to_a_full_backlog() {
+        let name = format!("kvrelay-test-full-{}", std::process::id());
+        // SAFETY: a new socket, owned right away; a zeroed sockaddr_un with an abstract name
+        // that fits; bind and listen on the descriptor just opened.
+        let listener = unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let owned = OwnedFd::from_raw_fd(fd);
+            let mut sa: libc::sockaddr_un = std::mem::zeroed();
+            sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (o, &b) in sa.sun_path[1..].iter_mut().zip(name.as_bytes()) {
+                *o = b as libc::c_char;
+            }
+            let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+            assert_eq!(libc::bind(fd, (&sa as *const libc::sockaddr_un).cast(), len), 0);
+            assert_eq!(libc::listen(fd, 0), 0);
+            owned
+        };
+        let _pending = connect(name.as_bytes());
+        let asked = std::sync::atomic::AtomicU32::new(0);
+        // stops once it was asked three times: the connect was retrying, and looked again
+        let stop = || asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 3;
+        let by = Instant::now() + Duration::from_secs(30);
+        let e = receive(name.as_bytes(), &[0; TOKEN], 1, by, &stop, |_| Ok(())).unwrap_err();
+        assert!(matches!(e, ReceiveError::Stopped), "{e}");
+        drop(listener);
+    }
+
     fn connect(name: &[u8]) -> UnixStream {
-        connect_by(name, Instant::now() + Duration::from_secs(30)).unwrap()
+        connect_by(name, Instant::now() + Duration::from_secs(30), &|| false).unwrap()
     }
 
     /// Silent local connections, as many as there are handlers, do not keep a destination out:
