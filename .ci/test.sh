@@ -148,6 +148,9 @@ timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "
 echo "== a frozen trusted source costs a hinted request at most the prefill it would save, once (late), then is skipped for a growing period (backoff)"
 timeout 600 python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== concurrent requests for one new prefix share one fetch (single flight): the source sends the blocks once"
+timeout 600 python3 integrations/llama.cpp/tests/single_flight_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== a slot exports only KV a cold prefill gives: the prompt cache, --cache-reuse and slot restore change cells, a server that fetches them answers as a cold one"
 timeout 600 python3 integrations/llama.cpp/tests/exactness_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -17,8 +17,41 @@ namespace kvrelay_llama {
 using namespace detail;
 namespace {
 
+// The fetch a request started, for the requests that join it: finished (its waiters woken, its
+// entry gone) when the fetch's blocks were committed, or whenever its request ends otherwise.
+struct flight_owner {
+    kv_runtime *            kv = nullptr;
+    std::string             key;
+    std::shared_ptr<flight> f;
+
+    void finish() {
+        if (!f) {
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> g(kv->flights_mu);
+            const auto                  it = kv->flights.find(key);
+            if (it != kv->flights.end() && it->second == f) {
+                kv->flights.erase(it);
+            }
+        }
+        {
+            std::lock_guard<std::mutex> g(f->mu);
+            f->done = true;
+        }
+        f->cv.notify_all();
+        f.reset();
+    }
+    flight_owner()                                 = default;
+    flight_owner(const flight_owner &)             = delete;
+    flight_owner & operator=(const flight_owner &) = delete;
+    ~flight_owner() { finish(); }
+};
+
 // What the provider leaves for the request thread that asked (kvrelay_fetch_request::call_context).
 struct fetch_call {
+    flight_owner                  owner;                 // destroyed last: after the fetch settled
+    std::shared_ptr<flight>       joined;                // another request's fetch of these blocks
     const block_keys *            keys       = nullptr;  // the prompt's blocks, up to the last fetchable
     std::string                   endpoint;
     size_t                        held       = 0;        // leading blocks the store holds
@@ -68,7 +101,7 @@ class provider final : public kvrelay::Provider {
   public:
     // provider codes (kvrelay_decision::provider_code)
     enum : int { BAD_VERSION = 1, BAD_PAYLOAD = 2, BAD_HASHES = 3, BAD_ENDPOINT = 4, NO_CONTEXT = 5,
-                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13, BACKOFF = 14 };
+                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13, BACKOFF = 14, JOINED = 15 };
 
     int validate(const kvrelay_fetch_request & r) override {
         std::vector<uint64_t> hashes;
@@ -144,6 +177,20 @@ int provider::fetch(const kvrelay_fetch_request & r) {
     // local prefill of the same tokens where that is longer; past it, prefilling is quicker
     if (!S().fetch_always && spt > 0) {
         call->budget_s = std::max(2 * call->estimate_s, call->local_s);
+    }
+    // one fetch per source and first missing block: a request that finds one in flight waits for it
+    {
+        const std::string           key = call->endpoint + "/" + hex64(names[call->held]);
+        std::lock_guard<std::mutex> g(kv.flights_mu);
+        if (const auto it = kv.flights.find(key); it != kv.flights.end()) {
+            call->joined  = it->second;
+            call->outcome = "joined";
+            return JOINED;
+        }
+        call->owner.kv  = &kv;
+        call->owner.key = key;
+        call->owner.f   = std::make_shared<flight>();
+        kv.flights.emplace(key, call->owner.f);
     }
     call->dst = reservation(*kv.store, run, publish_removed(kv));
     if (call->dst.ids.empty()) {
@@ -266,6 +313,24 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         info.generation_only = true;
         info.lora_adapter    = lora;
         const kvrelay::Decision d = kv.orch->decide(info, *hint, &call);
+        if (call.joined) {
+            // another request is fetching these blocks: wait for it (as long as this request's own
+            // fetch would have waited), then pin what it committed
+            kv.counts.count("joined");
+            const auto since = std::chrono::steady_clock::now();
+            std::unique_lock<std::mutex> lk(call.joined->mu);
+            while (!call.joined->done) {
+                call.joined->cv.wait_for(lk, std::chrono::milliseconds(WAIT_SLICE_MS));
+                const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+                if ((should_stop && should_stop()) || (call.budget_s > 0 && waited > call.budget_s)) {
+                    return nullptr;  // the client went away, or waiting longer cannot pay: prefill
+                }
+            }
+            lk.unlock();
+            auto pins = std::make_shared<pin_guard>(*kv.store, names.data(), keys.digests.data(), names.size());
+            SRV_DBG("kvrelay: joined a fetch in flight: %zu blocks held after it (%zu before)\n", pins->n, call.held);
+            return pins->n > call.held ? pins : nullptr;
+        }
         if (!call.submitted) {
             if (!call.outcome.empty()) {
                 kv.counts.count(call.outcome);
@@ -311,6 +376,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         call.settled                   = true;
         kv.store->commit(call.dst.ids.data(), names.data() + call.held, keys.digests.data() + call.held, ok,
                          publish_stored(kv, names, tokens, call.held));
+        call.owner.finish();  // the requests that joined this fetch find its blocks committed
         kv.counts.fetched_blocks += ok;
         const std::string outcome = gone ? "client_gone"
                                     // cancelled by this thread once waiting longer could not pay

@@ -19,6 +19,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <cstdint>
 #include <map>
@@ -89,7 +90,7 @@ struct kv_counters {
     // every outcome's series is there from the start, at zero: this integration's own, then the
     // agent's failure names (KVRELAY_FETCH_CONNECT and on, up to the first it does not name)
     kv_counters() {
-        for (const char * o : { "fetched", "partial", "late", "backoff", "not_worth_it", "no_room", "nothing_to_fetch",
+        for (const char * o : { "fetched", "partial", "joined", "late", "backoff", "not_worth_it", "no_room", "nothing_to_fetch",
                                 "busy", "client_gone", "cache_prompt_off", "multimodal", "prompt_too_long",
                                 "name_collision", "internal" }) {
             fetch[o] = 0;
@@ -141,6 +142,14 @@ struct source_backoff {
         std::lock_guard<std::mutex> g(mu);
         by_endpoint.erase(endpoint);
     }
+};
+
+// A fetch in flight: a later request whose first missing block, from the same source, is the
+// one this fetch starts at waits for it (outcome `joined`) instead of fetching the blocks again.
+struct flight {
+    std::mutex              mu;
+    std::condition_variable cv;
+    bool                    done = false;
 };
 
 // Pins held through a scope: unpinned when it ends, however it ends. Only blocks whose content
@@ -233,6 +242,8 @@ struct kv_runtime {
     loop_work                              work;                // main loop only
     kv_counters                            counts;
     source_backoff                         backoff;         // --kv-fetch faster only
+    std::mutex                             flights_mu;
+    std::map<std::string, std::shared_ptr<flight>> flights;  // by source and first block fetched
     std::vector<uint8_t>                   blob;             // main loop only
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
     std::vector<slot_kv>                   slots;            // by sequence id, main loop only

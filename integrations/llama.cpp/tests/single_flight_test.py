@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Concurrent requests for the same new prefix from one source share one fetch (single flight):
+the source sends the blocks once, every answer equals a cold server's.
+
+    python3 integrations/llama.cpp/tests/single_flight_test.py --server target/llama-server/bin/llama-server-kvrelay \
+        --model MODEL.gguf [--threads 1] [--log-dir DIR]
+
+Standard library only. A serves; B (four slots) trusts hints and fetches from A through a gated
+relay, which holds A's answers back until either every request opened a connection of its own
+(no single flight) or all but one joined the first fetch, so that the requests overlap however
+fast the machine; C is the cold reference. Checks:
+  1. eight hinted requests at once for one new prompt of about 28 blocks: one of them fetches
+     (A sends the prompt's blocks once, over the streams of that one fetch), the others join it
+     (`joined`) or, arriving after it, find the blocks held (`nothing_to_fetch`);
+  2. every answer equals the cold server's;
+  3. nothing stays pinned on B.
+Exit status 0 when every check passed.
+"""
+import os
+import socket
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from smoke_test import check, run_test  # noqa: E402
+from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, fetches, metrics, text, wait_for  # noqa: E402
+
+N = 8
+
+
+class GatedRelay:
+    """A TCP relay to `target_port` on loopback that passes the client's bytes at once and the
+    target's only once `gate` is set; counts the connections it accepted."""
+
+    def __init__(self, target_port):
+        self.target_port = target_port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4 * N)
+        self.port = self.sock.getsockname()[1]
+        self.gate = threading.Event()
+        self.connections = 0
+        self.socks = []
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        # bounded: at most 4 * N connections are relayed
+        while self.connections < 4 * N:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            t = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks += [c, t]
+            threading.Thread(target=self.pump, args=(c, t, False), daemon=True).start()
+            threading.Thread(target=self.pump, args=(t, c, True), daemon=True).start()
+
+    def pump(self, src, dst, gated):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if gated:
+                    self.gate.wait(120)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.gate.set()
+        self.sock.close()
+        for s in self.socks:
+            s.close()
+
+
+def sent_blocks(srv):
+    m = metrics(srv)
+    return sum(v for k, v in m.items() if k.startswith("kvrelay_kv_agent_blocks") and 'direction="sent"' in k)
+
+
+def body(a, start):
+    A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"])
+    ep_a = A.json("GET", "/v1/kv/info")[1]["source_control_endpoint"]
+    relay = GatedRelay(int(ep_a.rsplit(":", 1)[1]))
+    ep = "tcp://127.0.0.1:%d" % relay.port
+    B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep,
+                    "-np", "4", "-c", "4096"])
+    C = start("C", [])
+    try:
+        P = text(480, 77)
+        complete(A, P)
+        look = A.json("POST", "/v1/kv/lookup", {"prompt": P})[1]
+        fetchable = (look["n_tokens"] - 1) // BT
+        check(look["blocks_held"] >= fetchable >= 10, "A holds the prompt's blocks", "%d blocks" % fetchable)
+        want = complete(C, P, {"cache_prompt": False})
+
+        before, sent_before = metrics(B), sent_blocks(A)
+        results = {}
+
+        def ask(i):
+            try:
+                results[i] = complete(B, P, {"kv_hints": envelope(ep, look["block_hashes"], "flight-%d" % i)})
+            except Exception as e:  # noqa: BLE001 (reported by the checks below)
+                results[i] = e
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(N)]
+        for t in threads:
+            t.start()
+        # the requests overlap: A's answers are held back until all but the first joined it, or
+        # (without single flight) every request opened its own connection
+        joined_now = lambda: fetches(B, "joined") - before.get('llamacpp_kv_fetch_total{outcome="joined"}', 0)  # noqa: E731
+        wait_for(lambda: joined_now() >= N - 1 or relay.connections >= N)
+        relay.gate.set()
+        for t in threads:
+            t.join(300)
+        after = metrics(B)
+        by = {k.split('outcome="')[1].rstrip('"}'): v for k, v in fetch_outcomes(before, after).items()}
+        sent = sent_blocks(A) - sent_before
+        check(sent == fetchable and by.get("fetched", 0) == 1
+              and by.get("joined", 0) + by.get("nothing_to_fetch", 0) == N - 1,
+              "1. %d requests at once for one new prefix: one fetch, the blocks sent once" % N,
+              "%d connections, %d of %d blocks sent, %s" % (relay.connections, sent, fetchable, by))
+        bad = [i for i in range(N) if not isinstance(results.get(i), dict) or answer(results[i]) != answer(want)]
+        check(not bad, "2. every answer equals the cold server's", "differ: %s" % bad)
+        check(wait_for(lambda: metrics(B).get("llamacpp_kv_store_pinned_blocks", -1) == 0), "3. nothing stays pinned on B")
+    finally:
+        relay.close()
+
+
+if __name__ == "__main__":
+    # the bit-exact settings of two_instance_test.py
+    exact = ["-fa", "off", "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    sys.exit(run_test("kvrelay-single-flight-", body, exact))
