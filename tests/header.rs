@@ -294,3 +294,127 @@ fn structs_are_frozen_within_an_epoch_or_grow_with_their_size() {
     }
     assert!(bad.is_empty(), "ABI changes within an epoch: {bad:?}");
 }
+
+/// `(struct, field)` of every field of every struct of the header, in order: the lines between
+/// `typedef struct NAME {` and its `}`, comments left out; a function pointer's field is the
+/// name in `(*name)`, any other the last word before `;` (an array's bounds left out).
+fn header_fields(h: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut lines = h.lines();
+    while let Some(l) = lines.next() {
+        let Some(name) = l.strip_prefix("typedef struct ").and_then(|r| r.strip_suffix(" {")) else { continue };
+        let mut decl = String::new();
+        for l in lines.by_ref() {
+            if l.starts_with('}') {
+                break;
+            }
+            let t = l.trim();
+            if t.is_empty() || t.starts_with("//") {
+                continue;
+            }
+            decl.push(' ');
+            decl.push_str(t);
+            if !decl.ends_with(';') {
+                continue;
+            }
+            let field = match decl.find("(*") {
+                Some(at) => decl[at + 2..].split(')').next().unwrap().to_string(),
+                None => {
+                    let bare = decl.split('[').next().unwrap().trim_end_matches(';');
+                    bare.split_whitespace().last().unwrap().trim_start_matches('*').to_string()
+                }
+            };
+            out.push((name.to_string(), field));
+            decl.clear();
+        }
+    }
+    out
+}
+
+/// Every field of every struct of the header sits at the offset `tests/data/abi_offsets.txt`
+/// records for this version (the C compiler's `offsetof`), and within an ABI epoch a field of
+/// any recorded version keeps its offset in every later one: a field moved, retyped to another
+/// size, removed or put before another fails here, even where the struct's size stays the same.
+/// `KVRELAY_BLESS=1` prints the rows of the current header.
+#[test]
+fn field_offsets_change_only_with_the_version_and_never_within_an_epoch() {
+    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
+    let fields = header_fields(&h);
+    assert!(fields.len() >= 100, "{} fields", fields.len());
+    assert!(fields.contains(&("kvrelay_block_holder".into(), "returned".into())), "function pointers are fields");
+    assert!(fields.contains(&("kvrelay_outcome".into(), "detail".into())), "arrays are fields");
+    let dir = std::env::temp_dir().join(format!("kvrelay-abi-offsets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut prog = String::from("#include <stddef.h>\n#include <stdio.h>\n#include \"kvrelay.h\"\nint main(void) {\n");
+    for (s, f) in &fields {
+        prog.push_str(&format!("  printf(\"{s} {f} %zu\\n\", offsetof(struct {s}, {f}));\n"));
+    }
+    prog.push_str("  return 0;\n}\n");
+    std::fs::write(dir.join("offsets.c"), prog).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc)
+        .args(["-std=c11", "-I"])
+        .arg(root().join("include"))
+        .arg(dir.join("offsets.c"))
+        .arg("-o")
+        .arg(dir.join("offsets"))
+        .status()
+        .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC): {e}"));
+    assert!(built.success(), "compiling the offset table's program failed");
+    let out = std::process::Command::new(dir.join("offsets")).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let version = env!("CARGO_PKG_VERSION");
+    let now: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(|l| format!("{version} {l}")).collect();
+    if std::env::var_os("KVRELAY_BLESS").is_some() {
+        println!("{}", now.join("\n"));
+    }
+    let table = std::fs::read_to_string(root().join("tests/data/abi_offsets.txt")).unwrap();
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 4, "row `{l}`");
+            f
+        })
+        .collect();
+    let mut want: Vec<String> = rows.iter().filter(|r| r[0] == version).map(|r| r.join(" ")).collect();
+    assert!(
+        !want.is_empty(),
+        "tests/data/abi_offsets.txt has no rows for version {version}: add them (KVRELAY_BLESS=1 prints them)"
+    );
+    let mut got = now.clone();
+    want.sort_unstable();
+    got.sort_unstable();
+    let only_now: Vec<&String> = got.iter().filter(|r| !want.contains(r)).collect();
+    let only_recorded: Vec<&String> = want.iter().filter(|r| !got.contains(r)).collect();
+    assert!(
+        only_now.is_empty() && only_recorded.is_empty(),
+        "field offsets differ from those recorded for {version}: a layout may change only with a new version \
+         (bump it in Cargo.toml and add its rows; never edit the rows of a released version); now {only_now:?}, \
+         recorded {only_recorded:?}"
+    );
+    // within an epoch, every field of an earlier version is where it was
+    let key = |v: &str| v.split('.').map(|p| p.parse::<u32>().unwrap()).collect::<Vec<_>>();
+    let epoch = |v: &str| v.rsplit_once('.').map(|(e, _)| e.to_string()).unwrap();
+    let mut versions: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    versions.sort_by_key(|v| key(v));
+    versions.dedup();
+    let mut bad = Vec::new();
+    for pair in versions.windows(2) {
+        let (old, new) = (pair[0], pair[1]);
+        if epoch(old) != epoch(new) {
+            continue;
+        }
+        for r in rows.iter().filter(|r| r[0] == old) {
+            match rows.iter().find(|n| n[0] == new && n[1] == r[1] && n[2] == r[2]) {
+                None => bad.push(format!("{}.{} of {old} is gone in {new}", r[1], r[2])),
+                Some(n) if n[3] != r[3] => {
+                    bad.push(format!("{}.{} moved from {} to {} in {new}", r[1], r[2], r[3], n[3]))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    assert!(bad.is_empty(), "field layouts changed within an epoch: {bad:?}");
+}
