@@ -14,7 +14,11 @@
  *  - no function lets a panic escape (KVRELAY_ERR_PANIC) and every pointer is checked for NULL;
  *  - a failing call records why on the calling thread: kvrelay_last_error_message();
  *  - CUDA: every entry point makes the device's primary context current for its own duration
- *    only and restores the caller's (none included); it never changes a thread's context.
+ *    only and restores the caller's (none included); it never changes a thread's context;
+ *  - enums: the values of an enum the library returns or writes (a status, a fetch failure, a
+ *    decision's kind or discard, an outcome's reason) only grow within an ABI epoch; keep a
+ *    default branch for a value your build does not know (kvrelay_status_message() and the
+ *    _name() functions render any value). Values are never renumbered or reused.
  */
 
 #ifndef KVRELAY_KVRELAY_H
