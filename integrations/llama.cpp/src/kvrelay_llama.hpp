@@ -98,6 +98,20 @@ class kv_load_failed : public std::runtime_error {
 held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt, const hint_ptr & hint,
                       const std::function<bool()> & should_stop);
 
+/// One prompt of a request, for fetch_prefixes.
+struct fetch_input {
+    const server_tokens * prompt       = nullptr;
+    bool                  lora         = false;
+    bool                  cache_prompt = true;
+    hint_ptr              hint;
+};
+
+/// fetch_prefix for every prompt of one request: out[i] for in[i]. Where more than one prompt is
+/// hinted, their fetches run at once, each on a thread of its own (a batched /completion waits
+/// for the slowest fetch, not for their sum); `should_stop` is then asked under a lock. Throws
+/// kv_load_failed, the first prompt's in order, once every fetch ended.
+std::vector<held_ptr> fetch_prefixes(const std::vector<fetch_input> & in, const std::function<bool()> & should_stop);
+
 /// The slot's cached-prefix logic (main loop, SLOT_STATE_STARTED) once `n_past` is final:
 /// imports the prompt's leading blocks that the block store holds past `n_past` (fetched for
 /// this request, or computed here by an earlier prompt) into sequence `seq_id`, which llama.cpp

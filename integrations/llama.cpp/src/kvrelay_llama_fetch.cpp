@@ -6,10 +6,13 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <future>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -420,6 +423,59 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                              ") and --kv-load-failure-policy is fail");
     }
     return nullptr;
+}
+
+std::vector<held_ptr> fetch_prefixes(const std::vector<fetch_input> & in, const std::function<bool()> & should_stop) {
+    std::vector<held_ptr> out(in.size());
+    size_t                hinted = 0;
+    for (const fetch_input & f : in) {
+        hinted += f.hint != nullptr ? 1 : 0;
+    }
+    if (hinted <= 1) {
+        for (size_t i = 0; i < in.size(); i++) {
+            if (in[i].hint) {
+                out[i] = fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, should_stop);
+            }
+        }
+        return out;
+    }
+    // several hinted prompts: one thread each, `should_stop` (the request's connection) asked by one at a time
+    std::mutex                   ask;
+    const std::function<bool()>  stop = [&]() {
+        std::lock_guard<std::mutex> g(ask);
+        return should_stop && should_stop();
+    };
+    std::vector<std::future<held_ptr>> running(in.size());
+    for (size_t i = 0; i < in.size(); i++) {
+        if (!in[i].hint) {
+            continue;
+        }
+        try {
+            running[i] = std::async(std::launch::async, [&in, i, &stop]() {
+                return fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, stop);
+            });
+        } catch (const std::system_error &) {
+            // no thread to be had: this prompt fetches on the request's own thread, afterwards
+        }
+    }
+    std::exception_ptr failed;
+    for (size_t i = 0; i < in.size(); i++) {
+        if (!in[i].hint) {
+            continue;
+        }
+        try {
+            out[i] = running[i].valid() ? running[i].get()
+                                        : fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, stop);
+        } catch (...) {
+            if (!failed) {
+                failed = std::current_exception();  // kv_load_failed: rethrown once every fetch ended
+            }
+        }
+    }
+    if (failed) {
+        std::rethrow_exception(failed);
+    }
+    return out;
 }
 
 }  // namespace kvrelay_llama

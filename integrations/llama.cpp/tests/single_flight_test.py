@@ -8,12 +8,15 @@ the source sends the blocks once, every answer equals a cold server's.
 Standard library only. A serves; B (four slots) trusts hints and fetches from A through a gated
 relay, which holds A's answers back until either every request opened a connection of its own
 (no single flight) or all but one joined the first fetch, so that the requests overlap however
-fast the machine; C is the cold reference. Checks:
+fast the machine (B has HTTP threads to spare, so that /metrics answers while eight requests
+wait on fetches); C is the cold reference. Checks:
   1. eight hinted requests at once for one new prompt of about 28 blocks: one of them fetches
      (A sends the prompt's blocks once, over the streams of that one fetch), the others join it
      (`joined`) or, arriving after it, find the blocks held (`nothing_to_fetch`);
   2. every answer equals the cold server's;
-  3. nothing stays pinned on B.
+  3. nothing stays pinned on B (after 4);
+  4. one batched /completion of three hinted prompts: the three fetches run at once (the relay
+     holds the source's answers until all three connected), each answer equals the cold one.
 Exit status 0 when every check passed.
 """
 import os
@@ -23,7 +26,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, fetches, metrics, text, wait_for  # noqa: E402
+from two_instance_test import BT, answer, complete, completion_body, envelope, fetch_outcomes, fetches, metrics, text, wait_for  # noqa: E402
 
 N = 8
 
@@ -91,7 +94,7 @@ def body(a, start):
     relay = GatedRelay(int(ep_a.rsplit(":", 1)[1]))
     ep = "tcp://127.0.0.1:%d" % relay.port
     B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep,
-                    "-np", "4", "-c", "4096"])
+                    "-np", "4", "-c", "4096", "--threads-http", "32"])
     C = start("C", [])
     try:
         P = text(480, 77)
@@ -129,6 +132,36 @@ def body(a, start):
               "%d connections, %d of %d blocks sent, %s" % (relay.connections, sent, fetchable, by))
         bad = [i for i in range(N) if not isinstance(results.get(i), dict) or answer(results[i]) != answer(want)]
         check(not bad, "2. every answer equals the cold server's", "differ: %s" % bad)
+
+        # 4. one batched request of three hinted prompts: their fetches run at once (the relay holds
+        # the source's answers until all three connected; one after another, the first would wait
+        # for its deadline behind the closed gate and end as a timeout)
+        relay.gate.clear()
+        Ps = [text(160, 780 + k) for k in range(3)]
+        looks = []
+        for p in Ps:
+            complete(A, p)
+            looks.append(A.json("POST", "/v1/kv/lookup", {"prompt": p})[1])
+        wants = [complete(C, p, {"cache_prompt": False}) for p in Ps]
+        before, conns = metrics(B), relay.connections
+        out = {}
+
+        def batched():
+            out["r"] = B.json("POST", "/completion", dict(
+                completion_body(Ps), kv_hints=[envelope(ep, lk["block_hashes"], "batch-%d" % k) for k, lk in enumerate(looks)]))
+
+        t = threading.Thread(target=batched, daemon=True)
+        t.start()
+        wait_for(lambda: relay.connections - conns >= 3)
+        relay.gate.set()
+        t.join(300)
+        by = {k.split('outcome="')[1].rstrip('"}'): v for k, v in fetch_outcomes(before, metrics(B)).items()}
+        st, rs = out.get("r", (None, None))
+        check(st == 200 and by == {"fetched": 3}, "4. a batched request's three hinted prompts fetch at once",
+              "%s, %s" % (st, by))
+        got = sorted(rs, key=lambda r: r.get("index", 0)) if isinstance(rs, list) else []
+        check(len(got) == 3 and all(answer(g) == answer(w) for g, w in zip(got, wants)),
+              "4. each of the batch's answers equals the cold server's")
         check(wait_for(lambda: metrics(B).get("llamacpp_kv_store_pinned_blocks", -1) == 0), "3. nothing stays pinned on B")
     finally:
         relay.close()
