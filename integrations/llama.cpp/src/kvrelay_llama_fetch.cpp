@@ -392,9 +392,17 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                                                                     : "fetched";
         kv.counts.count(outcome);
         const std::string why = r->failure != KVRELAY_FETCH_OK ? call.fetch.detail() : std::string();
-        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (estimate %.4f s, local prefill %.4f s, waited at most %.4f s)%s%s\n",
-                outcome.c_str(), ok, n_dst, call.held, r->seconds, call.estimate_s, call.local_s, call.budget_s,
-                why.empty() ? "" : ": ", why.c_str());
+        // what the decision weighed: before this server timed a prompt, --kv-fetch faster has no
+        // local prefill to compare with and fetches (its prior: a fetch beats an unmeasured prefill)
+        const std::string weighed =
+            S().fetch_always ? string_format("estimate %.4f s, --kv-fetch always", call.estimate_s)
+            : call.local_s < 0
+                ? string_format("estimate %.4f s, local prefill not measured yet: fetched by the prior that a fetch beats it, "
+                                "waiting up to the transfer deadline", call.estimate_s)
+                : string_format("estimate %.4f s, local prefill %.4f s, waited at most %.4f s", call.estimate_s,
+                                call.local_s, call.budget_s);
+        SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (%s)%s%s\n", outcome.c_str(), ok, n_dst,
+                call.held, r->seconds, weighed.c_str(), why.empty() ? "" : ": ", why.c_str());
         // the source's record: a failure (late included) skips it for a while, a success ends that;
         // a client gone says nothing about the source
         if (!gone) {
