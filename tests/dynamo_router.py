@@ -17,7 +17,8 @@ Checks:
   b. B holds the first third of a longer prompt; the hinted request fetches only the rest (B's
      fetched tokens and A's sent blocks grow by the missing blocks alone).
   c. A2 evicts a prompt; the router, subscribed, stops naming A2 for it, and B prefills.
-  d. A router started after A answered still learns what A holds (the replay socket).
+  d. A router started after A answered still learns what A holds (the replay socket), with the
+     reference engine after A published over 1,000 batches (the replay runs to its end).
   e. R's blocks for the same token ids: the router names R, B fetches nothing, answers cold.
   f. Dynamo's runtime: scripts/dynamo_worker.py registers A and B with a DistributedRuntime
      (file discovery in a private folder, TCP requests, ZMQ events); KvRouter.generate sent to
@@ -279,7 +280,18 @@ async def run(binary, flags):
         same_answer(got, coldx, "c: B after the eviction")
         report["c"] = {"blocks": nx, "fillers": fillers}
 
-        # d. a router started after A answered learns it from A's replay socket
+        # d. a router started after A answered learns it from A's replay socket, however long A's
+        # history: with the reference engine (answers in milliseconds), A first publishes over
+        # 1,000 batches (bounded: at most 5,000 requests), so the replay runs far past what a
+        # peer's queue takes at once (Dynamo's subscriber reads fast enough on loopback that this
+        # passed with the replay cut at a full queue too; src/events/ holds the slow-reader test
+        # that tells the two apart)
+        batches = "kvrelay_server_kv_event_batches_total"
+        history = 0
+        while not llama and A.metric(batches) < 1_100 and history < 5_000:
+            A.complete(story("history-%d" % history, 24), max_tokens=1)
+            history += 1
+        assert llama or A.metric(batches) >= 1_100, f"A published {A.metric(batches)} batches"
         p4 = story("late", 90)
         A.complete(p4)
         look4 = A.lookup(p4)
@@ -299,7 +311,7 @@ async def run(binary, flags):
         got = B.complete(p4, hint)
         assert B.metric(FETCHED) - f0 == n4 * bt, f"B fetched {B.metric(FETCHED) - f0}, want {n4 * bt}"
         same_answer(got, cold4, "d: B with the late router's hint")
-        report["d"] = {"blocks": n4}
+        report["d"] = {"blocks": n4, "history_batches": A.metric(batches)}
 
         # e. another model's blocks for the same token ids: named, fetched as nothing, cold
         p5 = story("other", 90)
