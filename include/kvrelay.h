@@ -1490,6 +1490,20 @@ uint32_t kvrelay_fetch_deadline_ms(uint64_t bytes);
 // `"unknown"` for other values). Static, NUL-terminated, never NULL.
 const char *kvrelay_fetch_failure_name(int32_t failure);
 
+// What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
+// message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
+// configuration refused, ...). It never contains bytes of a hint. A provider's refusal inside
+// `kvrelay_orchestrate` is recorded too (that call succeeds: the request keeps its paired
+// path). Other calls that succeed leave it as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
+// the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
+// size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
+//
+// # Safety
+// `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+kvrelay_status kvrelay_last_error_message(char *buf,
+                                          size_t cap,
+                                          size_t *len_out);
+
 // Validate a segment table for `num_blocks` blocks (see the Rust `KvLayout::new`): bases,
 // strides and sizes non-zero multiples of 16, no two segments able to touch one byte, every
 // segment inside one of `pools` (pass `(NULL, 0)` to skip the bounds check).
@@ -2144,20 +2158,6 @@ bool kvrelay_debug_checks(void);
 // The library's version as a static NUL-terminated string, e.g. `"0.2.0"`. Compare it with the
 // `KVRELAY_VERSION_*` macros to detect a header/library mismatch.
 const char *kvrelay_version(void);
-
-// What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
-// message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
-// configuration refused, ...). It never contains bytes of a hint. A provider's refusal inside
-// `kvrelay_orchestrate` is recorded too (that call succeeds: the request keeps its paired
-// path). Other calls that succeed leave it as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
-// the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
-// size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
-//
-// # Safety
-// `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
-kvrelay_status kvrelay_last_error_message(char *buf,
-                                          size_t cap,
-                                          size_t *len_out);
 
 // A static NUL-terminated English message for any status value, including values kvrelay
 // never returns (those get "unknown kvrelay status"). Never NULL; never free it.

@@ -4,9 +4,9 @@ use std::ffi::c_char;
 use std::ptr;
 
 use kvrelay::ffi::admission::*;
+use kvrelay::ffi::boundary::kvrelay_last_error_message;
 use kvrelay::ffi::copy::*;
 use kvrelay::ffi::kvrelay_status::*;
-use kvrelay::ffi::status::kvrelay_last_error_message;
 
 fn last() -> String {
     let mut need = 0usize;

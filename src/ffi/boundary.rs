@@ -2,7 +2,7 @@
 //! of C arguments.
 
 use std::cell::RefCell;
-use std::ffi::CStr;
+use std::ffi::{c_char, CStr};
 use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -304,6 +304,36 @@ pub(crate) unsafe fn put_counters<T>(out: *mut T, size: usize, value: &T) -> Res
         std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
     }
     Ok(())
+}
+
+/// What the last failing kvrelay call **on this thread** said, NUL-terminated: the status's
+/// message and, where kvrelay knows more, why (the driver call and its `CUresult`, the value a
+/// configuration refused, ...). It never contains bytes of a hint. A provider's refusal inside
+/// `kvrelay_orchestrate` is recorded too (that call succeeds: the request keeps its paired
+/// path). Other calls that succeed leave it as it was, and so does `KVRELAY_ERR_BUFFER_TOO_SMALL` (the size query's answer); empty before
+/// the first failure. Size-query convention of `kvrelay_snapshot_decode`: `*len_out` gets the
+/// size needed, NUL included; a smaller buffer gets nothing. Reading it does not change it.
+///
+/// # Safety
+/// `buf` NULL or writable for `cap` bytes; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_last_error_message(
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> kvrelay_status {
+    let r = std::panic::catch_unwind(|| {
+        last_error(|text| {
+            let pieces: [&[u8]; 2] = [text.as_bytes(), b"\0"];
+            // SAFETY: forwarded contract; the text is copied before anything else runs.
+            unsafe { fill_pieces(&pieces, buf.cast(), cap, len_out) }
+        })
+    });
+    match r {
+        Ok(Ok(())) => kvrelay_status::KVRELAY_OK,
+        Ok(Err(s)) => s,
+        Err(_) => kvrelay_status::KVRELAY_ERR_PANIC,
+    }
 }
 
 #[cfg(test)]

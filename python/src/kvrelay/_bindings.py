@@ -680,6 +680,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_fetch_run_length": (c_int32, [("names", POINTER(c_uint64)), ("n", c_size_t), ("held", c_size_t), ("hashes", POINTER(c_uint64)), ("m", c_size_t), ("out", POINTER(c_size_t))]),
     "kvrelay_fetch_deadline_ms": (c_uint32, [("bytes", c_uint64)]),
     "kvrelay_fetch_failure_name": (c_char_p, [("failure", c_int32)]),
+    "kvrelay_last_error_message": (c_int32, [("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_kv_layout_new": (c_int32, [("num_blocks", c_uint32), ("segments", POINTER(kvrelay_kv_segment)), ("n_segments", c_size_t), ("pools", POINTER(kvrelay_kv_extent)), ("n_pools", c_size_t), ("out", POINTER(c_void_p))]),
     "kvrelay_kv_layout_per_layer_kv_first": (c_int32, [("layer_pools", POINTER(c_uint64)), ("layers", c_size_t), ("num_blocks", c_uint32), ("kv_block_bytes", c_uint64), ("out", POINTER(c_void_p))]),
     "kvrelay_kv_layout_per_layer_block_first": (c_int32, [("layer_pools", POINTER(c_uint64)), ("layers", c_size_t), ("num_blocks", c_uint32), ("kv_block_bytes", c_uint64), ("out", POINTER(c_void_p))]),
@@ -747,7 +748,6 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_snapshot_action_envelope": (c_int32, [("snapshot", c_void_p), ("index", c_size_t), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_debug_checks": (c_bool, []),
     "kvrelay_version": (c_char_p, []),
-    "kvrelay_last_error_message": (c_int32, [("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_status_message": (c_char_p, [("status", c_int32)]),
     "kvrelay_reason_name": (c_char_p, [("reason", c_int32)]),
 }

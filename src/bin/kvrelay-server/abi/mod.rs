@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use kvrelay::ffi::admission::*;
 use kvrelay::ffi::agent::*;
+use kvrelay::ffi::boundary::kvrelay_last_error_message;
 use kvrelay::ffi::copy::*;
 use kvrelay::ffi::kvrelay_status;
 use kvrelay::ffi::policy::*;
