@@ -592,6 +592,35 @@ fn a_cancel_touches_only_its_own_connections() {
     assert!(carried, "the second fetch never carried on over the connection the first one pooled");
 }
 
+/// A source that accepts and never sends stops looking fast: a fetch from it that times out (or
+/// that the runtime cancels) with no block folds its whole wait into the source's setup time,
+/// so the next decision weighs it; a connect refused at once changes nothing.
+#[test]
+fn a_source_that_sends_nothing_stops_looking_fast() {
+    let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ep = format!("tcp://{}", stall.local_addr().unwrap());
+    let b = instance();
+    let before = b.agent.estimate(&ep, 1);
+    let req = FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0],
+        deadline: Duration::from_millis(300),
+        digests: Vec::new(),
+    };
+    let r = b.agent.submit(req, None).unwrap().wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(r.failure, Some(FailReason::Timeout), "{}", r.detail);
+    let after = b.agent.estimate(&ep, 1);
+    // a quarter of at least 300 ms folded into a 2 ms default
+    assert!(before < 0.01 && after > 0.07, "{before} s before, {after} s after");
+    let closed = "tcp://127.0.0.1:1";
+    let e0 = b.agent.estimate(closed, 1);
+    assert_eq!(b.fetch(closed, &NAMES, 0, vec![0]).failure, Some(FailReason::Connect));
+    assert_eq!(b.agent.estimate(closed, 1), e0, "a refused connect says nothing of the source's speed");
+    drop(stall);
+}
+
 /// The estimate takes any block count: the byte count saturates (it overflowed before).
 #[test]
 fn estimates_saturate_instead_of_overflowing() {

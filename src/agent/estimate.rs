@@ -1,5 +1,7 @@
 //! What a fetch from a source is expected to cost: setup latency and throughput per source,
-//! exponential moving averages (weight 1/4 for each new transfer), and a documented default
+//! exponential moving averages (weight 1/4 for each new transfer; a fetch that ended by its
+//! deadline or a cancel before any block counts its whole wait as setup, a lower bound of the
+//! real one, so a frozen source stops looking fast), and a documented default
 //! per transport before the first transfer; and what the runtime reports its own import of
 //! fetched blocks costs ([`ImportCost`]), which a fetch must pay for too.
 

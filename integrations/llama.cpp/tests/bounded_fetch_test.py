@@ -13,7 +13,8 @@ reference. Checks:
   0. every fetch outcome's series is in /metrics at zero before any request;
   1. B measured its prefill (two unhinted prompts), so a fetch has a bound;
   2. 20 hinted prompts in a row naming the frozen source: none waits for the transfer deadline
-     (no `timeout`), the first is cancelled as `late`, most of the rest are skipped (`backoff`),
+     (no `timeout`), the first is cancelled as `late`, the rest are skipped (`backoff`, or
+     `not_worth_it` once the agent's estimate took in the waits that brought no block),
      every one is counted once, and a retry happens only after a skip period (a few `late` at
      most);
   3. every answer equals the cold server's;
@@ -82,7 +83,9 @@ def body(a, start):
         elapsed = time.monotonic() - began
         got = fetch_outcomes(before, after)
         by = {k.split('outcome="')[1].rstrip('"}'): v for k, v in got.items()}
-        late, skipped = by.get("late", 0), by.get("backoff", 0)
+        # skipped: by the backoff, or because the agent's estimate, which took in each wait that
+        # brought no block, no longer beats the local prefill (not_worth_it)
+        late, skipped = by.get("late", 0), by.get("backoff", 0) + by.get("not_worth_it", 0)
         # a retry only once a skip period ended: periods of 1, 2, 4, ... s (60 s at most) after each
         # failure, so in `elapsed` seconds at most this many attempts
         attempts, span, k = 1, 0.0, 0
@@ -91,7 +94,8 @@ def body(a, start):
             if span > elapsed:
                 break
             attempts, k = attempts + 1, k + 1
-        check(by.get("timeout", 0) == 0 and 1 <= late <= attempts and skipped == N - late and set(by) <= {"late", "backoff"},
+        check(by.get("timeout", 0) == 0 and 1 <= late <= attempts and skipped == N - late
+              and by.get("backoff", 0) >= 1 and set(by) <= {"late", "backoff", "not_worth_it"},
               "2. the frozen source: cancelled as late, then skipped (backoff) but for a retry per skip period; "
               "never waited for the transfer deadline", "%s in %.1f s (at most %d attempts)" % (by, elapsed, attempts))
         check(not differ, "3. every answer equals the cold server's", "differ: %s" % differ)

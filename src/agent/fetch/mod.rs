@@ -174,13 +174,21 @@ fn run(inner: &Inner, req: &FetchRequest, state: &FetchState, w: &mut Worker) ->
         r = Err(shutting_down());
     }
     let bytes = (blocks * inner.block_bytes) as u64;
-    if r.is_ok() {
-        if let Some(first) = first {
+    match (&r, first) {
+        (_, Some(first)) => {
+            // what arrived, failure or not: the first block's bytes count in the setup, the rest
+            // in the throughput
             let setup = first.saturating_duration_since(start);
             let data = Instant::now().saturating_duration_since(first);
-            // the first block's bytes count in the setup; the rest in the throughput
             inner.estimator.record(&req.endpoint, setup, bytes - inner.block_bytes as u64, data);
         }
+        (Err((FailReason::Timeout | FailReason::Cancelled, _)), None) => {
+            // no block after all this wait (the deadline, or the runtime gave up): the source's
+            // setup is at least that long, so a frozen source stops looking fast. A failure that
+            // ends at once (a refused connect, a refusal) says nothing of its speed.
+            inner.estimator.record(&req.endpoint, start.elapsed(), 0, std::time::Duration::ZERO);
+        }
+        _ => {}
     }
     let (failure, detail) = match r {
         Ok(()) => (None, String::new()),
