@@ -33,6 +33,12 @@
 // Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
 #define KVRELAY_BLOCK_DIGEST_BYTES 32
 
+// Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth
+// it, another request already fetching the same blocks) rather than failed: the decision's
+// discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED`
+// (counted apart); `provider_code` keeps the whole answer.
+#define KVRELAY_PROVIDER_DECLINED 1073741824
+
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,
 // `KVRELAY_DISCARD_NONE`, stays 0).
 #define KVRELAY_DISCARD_SLOTS 16
@@ -221,6 +227,9 @@ enum kvrelay_discard
   KVRELAY_DISCARD_PROVIDER_REJECTED = 13,
   // The provider accepted but the fetch submission failed.
   KVRELAY_DISCARD_FETCH_FAILED = 14,
+  // The provider chose not to fetch, nothing being wrong: its `fetch` code has
+  // `KVRELAY_PROVIDER_DECLINED` set.
+  KVRELAY_DISCARD_PROVIDER_DECLINED = 15,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -900,8 +909,9 @@ typedef struct kvrelay_decision {
   struct kvrelay_str binding_id;
   // For NAMED_FETCH: the action's position in the snapshot.
   size_t action_index;
-  // For `KVRELAY_DISCARD_PROVIDER_REJECTED` and `KVRELAY_DISCARD_FETCH_FAILED`: what the
-  // provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
+  // For `KVRELAY_DISCARD_PROVIDER_REJECTED`, `KVRELAY_DISCARD_FETCH_FAILED` and
+  // `KVRELAY_DISCARD_PROVIDER_DECLINED`: what the provider answered (its own non-zero code,
+  // -1 for a NULL callback). 0 otherwise.
   int32_t provider_code;
 } kvrelay_decision;
 

@@ -14,6 +14,7 @@ struct Mock {
     submissions: AtomicUsize,
     reject_validate: bool,
     reject_fetch: bool,
+    decline_fetch: bool,
     seen: Mutex<Vec<(String, String)>>, // (binding, endpoint)
 }
 
@@ -31,6 +32,8 @@ impl Provider for Mock {
         self.submissions.fetch_add(1, Ordering::SeqCst);
         if self.reject_fetch {
             Err(ProviderError { code: 9 })
+        } else if self.decline_fetch {
+            Err(ProviderError { code: 11 | kvrelay::policy::PROVIDER_DECLINED })
         } else {
             Ok(())
         }
@@ -291,6 +294,20 @@ fn rejection_never_selects_another_candidate_family_or_binding() {
     let o = orch(vec![named("n", "nixl")], &[good], &flaky);
     assert_eq!(o.decide(&GEN, Some(&both_good)).discard(), Some(Discard::FetchFailed));
     assert_eq!(flaky.contacts(), (1, 1));
+    // a provider that declines by choice (its code marked) is a decline, not a failed fetch,
+    // and counted apart; its whole code is the answer
+    let choosy = Arc::new(Mock { decline_fetch: true, ..Default::default() });
+    let o = orch(vec![named("n", "nixl")], &[good], &choosy);
+    let (d, answer) = o.decide_with_answer(&GEN, Some(&both_good));
+    assert_eq!(d.discard(), Some(Discard::ProviderDeclined));
+    assert_eq!(answer.map(|a| a.code), Some(11 | kvrelay::policy::PROVIDER_DECLINED));
+    assert_eq!(choosy.contacts(), (1, 1));
+    let c = o.counters();
+    assert_eq!(
+        (c.discarded[Discard::ProviderDeclined as usize], c.discarded[Discard::FetchFailed as usize]),
+        (1, 0),
+        "{c:?}"
+    );
 }
 
 #[test]

@@ -59,9 +59,11 @@ struct PolicyConfig {
   std::optional<std::string> metric_prefix;  ///< empty: the library's default (`kvrelay_kv_policy`)
 };
 
-/// A consumer's provider: return 0 to accept, anything else to refuse. Called from any thread
-/// that calls Orchestrator::decide. An exception thrown here counts as a refusal (-1); it never
-/// crosses into kvrelay.
+/// A consumer's provider: return 0 to accept, anything else to refuse. A `fetch` that declines
+/// by choice (nothing to fetch, not worth it) sets KVRELAY_PROVIDER_DECLINED in its code: the
+/// decision is then a decline (KVRELAY_DISCARD_PROVIDER_DECLINED), counted apart from failed
+/// fetches. Called from any thread that calls Orchestrator::decide. An exception thrown here
+/// counts as a refusal (-1); it never crosses into kvrelay.
 class Provider {
  public:
   virtual ~Provider() = default;

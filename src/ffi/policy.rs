@@ -533,7 +533,17 @@ pub enum kvrelay_discard {
     KVRELAY_DISCARD_PROVIDER_REJECTED = 13,
     /// The provider accepted but the fetch submission failed.
     KVRELAY_DISCARD_FETCH_FAILED = 14,
+    /// The provider chose not to fetch, nothing being wrong: its `fetch` code has
+    /// `KVRELAY_PROVIDER_DECLINED` set.
+    KVRELAY_DISCARD_PROVIDER_DECLINED = 15,
 }
+
+/// Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth
+/// it, another request already fetching the same blocks) rather than failed: the decision's
+/// discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED`
+/// (counted apart); `provider_code` keeps the whole answer.
+pub const KVRELAY_PROVIDER_DECLINED: i32 = 0x4000_0000;
+const _: () = assert!(KVRELAY_PROVIDER_DECLINED == crate::policy::PROVIDER_DECLINED);
 
 /// `kvrelay_decision.kind`.
 #[repr(i32)]
@@ -558,8 +568,9 @@ pub struct kvrelay_decision {
     pub binding_id: kvrelay_str,
     /// For NAMED_FETCH: the action's position in the snapshot.
     pub action_index: usize,
-    /// For `KVRELAY_DISCARD_PROVIDER_REJECTED` and `KVRELAY_DISCARD_FETCH_FAILED`: what the
-    /// provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
+    /// For `KVRELAY_DISCARD_PROVIDER_REJECTED`, `KVRELAY_DISCARD_FETCH_FAILED` and
+    /// `KVRELAY_DISCARD_PROVIDER_DECLINED`: what the provider answered (its own non-zero code,
+    /// -1 for a NULL callback). 0 otherwise.
     pub provider_code: i32,
 }
 
@@ -739,7 +750,7 @@ mod tests {
             assert_eq!(n.to_str().unwrap(), d.as_str());
         }
         // SAFETY: as above.
-        let n = unsafe { std::ffi::CStr::from_ptr(kvrelay_discard_name(15)) };
+        let n = unsafe { std::ffi::CStr::from_ptr(kvrelay_discard_name(16)) };
         assert_eq!(n.to_str().unwrap(), "unknown");
     }
 }

@@ -16,6 +16,6 @@ pub use caps::{Capabilities, CapabilitiesBuilder, CapabilitiesError, FamilyId, F
 pub use endpoint::{normalize_endpoint, normalize_endpoint_into, EndpointBuf, EndpointError, EndpointRegistry};
 pub use orchestrate::{
     Addressing, BindingSpec, Decision, Discard, FetchRequest, Orchestrator, PolicyConfig, PolicyCounterValues,
-    PolicyError, Provider, ProviderError, RequestInfo, DEFAULT_POLICY_METRIC_PREFIX,
+    PolicyError, Provider, ProviderError, RequestInfo, DEFAULT_POLICY_METRIC_PREFIX, PROVIDER_DECLINED,
 };
 pub use payload::member as payload_member;

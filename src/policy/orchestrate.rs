@@ -93,8 +93,16 @@ crate::labels::labelled_enum! {
         ProviderRejected = 13 => "provider_rejected",
         /// The provider accepted but the fetch submission failed.
         FetchFailed = 14 => "fetch_failed",
+        /// The provider chose not to fetch, nothing being wrong (nothing to fetch, not worth it,
+        /// another request fetching the same blocks): its code has [`PROVIDER_DECLINED`] set.
+        ProviderDeclined = 15 => "provider_declined",
     }
 }
+
+/// Set in a provider's `fetch` code to say it declined by choice rather than failed: the
+/// decision is then [`Discard::ProviderDeclined`], not [`Discard::FetchFailed`] (the code is
+/// kept whole in the answer). Provider codes are the provider's own otherwise.
+pub const PROVIDER_DECLINED: i32 = 0x4000_0000;
 
 /// What the provider is asked to validate, then to fetch.
 #[derive(Debug)]
@@ -324,7 +332,7 @@ impl Orchestrator {
     }
 
     /// [`decide`](Self::decide), also returning what the provider answered when it refused
-    /// (`ProviderRejected` or `FetchFailed`): its own code.
+    /// (`ProviderRejected`, `FetchFailed` or `ProviderDeclined`): its own code.
     pub fn decide_with_answer(
         &self,
         req: &RequestInfo,
@@ -435,7 +443,11 @@ impl Orchestrator {
         }
         if let Err(e) = self.provider.fetch(&fr) {
             *answer = Some(e);
-            return Keep(Discard::FetchFailed);
+            return Keep(if e.code & PROVIDER_DECLINED != 0 {
+                Discard::ProviderDeclined
+            } else {
+                Discard::FetchFailed
+            });
         }
         Decision::NamedFetch { binding: binding.id.clone(), envelope }
     }

@@ -103,8 +103,11 @@ struct fetch_call {
 class provider final : public kvrelay::Provider {
   public:
     // provider codes (kvrelay_decision::provider_code)
+    // (a choice not to fetch, nothing being wrong, carries KVRELAY_PROVIDER_DECLINED: the policy
+    // counts it as provider_declined, not fetch_failed)
     enum : int { BAD_VERSION = 1, BAD_PAYLOAD = 2, BAD_HASHES = 3, BAD_ENDPOINT = 4, NO_CONTEXT = 5,
-                 NOTHING = 10, NOT_WORTH_IT = 11, NO_ROOM = 12, BUSY = 13, BACKOFF = 14, JOINED = 15 };
+                 NOTHING = 10 | KVRELAY_PROVIDER_DECLINED, NOT_WORTH_IT = 11 | KVRELAY_PROVIDER_DECLINED, NO_ROOM = 12,
+                 BUSY = 13, BACKOFF = 14 | KVRELAY_PROVIDER_DECLINED, JOINED = 15 | KVRELAY_PROVIDER_DECLINED };
 
     int validate(const kvrelay_fetch_request & r) override {
         std::vector<uint64_t> hashes;

@@ -98,6 +98,11 @@ def body(a, start):
               and by.get("backoff", 0) >= 1 and set(by) <= {"late", "backoff", "not_worth_it"},
               "2. the frozen source: cancelled as late, then skipped (backoff) but for a retry per skip period; "
               "never waited for the transfer deadline", "%s in %.1f s (at most %d attempts)" % (by, elapsed, attempts))
+        policy = lambda reason: after.get('llamacpp_kv_policy_discarded_total{reason="%s"}' % reason, 0) - \
+            before.get('llamacpp_kv_policy_discarded_total{reason="%s"}' % reason, 0)  # noqa: E731
+        check(policy("provider_declined") == skipped and policy("fetch_failed") == 0,
+              "2. the policy counts each skip once, as a decline by the provider, not as a failed fetch",
+              "declined %d, fetch_failed %d" % (policy("provider_declined"), policy("fetch_failed")))
         check(not differ, "3. every answer equals the cold server's", "differ: %s" % differ)
         check(after.get("llamacpp_kv_store_pinned_blocks", -1) == 0, "4. nothing stays pinned on B")
     finally:

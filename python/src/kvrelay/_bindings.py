@@ -13,6 +13,7 @@ from typing import Any, Optional, TypeVar
 # --- constants
 
 KVRELAY_BLOCK_DIGEST_BYTES = 32  # Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
+KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth it, another request already fetching the same blocks) rather than failed: the decision's discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart); `provider_code` keeps the whole answer.
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
@@ -125,6 +126,7 @@ class Discard(CEnum):
     ENDPOINT_NOT_TRUSTED = ("endpoint_not_trusted", 12)
     PROVIDER_REJECTED = ("provider_rejected", 13)
     FETCH_FAILED = ("fetch_failed", 14)
+    PROVIDER_DECLINED = ("provider_declined", 15)
 
 
 class DecisionKind(CEnum):
@@ -249,6 +251,7 @@ KVRELAY_DISCARD_ENDPOINT_INVALID = 11
 KVRELAY_DISCARD_ENDPOINT_NOT_TRUSTED = 12
 KVRELAY_DISCARD_PROVIDER_REJECTED = 13
 KVRELAY_DISCARD_FETCH_FAILED = 14
+KVRELAY_DISCARD_PROVIDER_DECLINED = 15
 KVRELAY_DECISION_NAMED_FETCH = 1
 KVRELAY_DECISION_KEEP_PAIRED_PATH = 2
 KVRELAY_ADDRESSING_NAMED = 0
@@ -595,7 +598,7 @@ class kvrelay_decision(Structure):
         ("discard", c_int32),  # For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name` renders it. `KVRELAY_DISCARD_NONE` (0) for NAMED_FETCH.
         ("binding_id", kvrelay_str),  # For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
         ("action_index", c_size_t),  # For NAMED_FETCH: the action's position in the snapshot.
-        ("provider_code", c_int32),  # For `KVRELAY_DISCARD_PROVIDER_REJECTED` and `KVRELAY_DISCARD_FETCH_FAILED`: what the provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
+        ("provider_code", c_int32),  # For `KVRELAY_DISCARD_PROVIDER_REJECTED`, `KVRELAY_DISCARD_FETCH_FAILED` and `KVRELAY_DISCARD_PROVIDER_DECLINED`: what the provider answered (its own non-zero code, -1 for a NULL callback). 0 otherwise.
     ]
 
 
