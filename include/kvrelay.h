@@ -33,10 +33,11 @@
 // Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
 #define KVRELAY_BLOCK_DIGEST_BYTES 32
 
-// Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth
-// it, another request already fetching the same blocks) rather than failed: the decision's
-// discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED`
-// (counted apart); `provider_code` keeps the whole answer.
+// Set in a provider's positive `fetch` answer (a negative one is never a decline) to say it
+// declined by choice (nothing to fetch, not worth it, another request already fetching the
+// same blocks) rather than failed: the decision's discard is then
+// `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart);
+// `provider_code` keeps the whole answer.
 #define KVRELAY_PROVIDER_DECLINED 1073741824
 
 // Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0,

@@ -538,10 +538,11 @@ pub enum kvrelay_discard {
     KVRELAY_DISCARD_PROVIDER_DECLINED = 15,
 }
 
-/// Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth
-/// it, another request already fetching the same blocks) rather than failed: the decision's
-/// discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED`
-/// (counted apart); `provider_code` keeps the whole answer.
+/// Set in a provider's positive `fetch` answer (a negative one is never a decline) to say it
+/// declined by choice (nothing to fetch, not worth it, another request already fetching the
+/// same blocks) rather than failed: the decision's discard is then
+/// `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart);
+/// `provider_code` keeps the whole answer.
 pub const KVRELAY_PROVIDER_DECLINED: i32 = 0x4000_0000;
 const _: () = assert!(KVRELAY_PROVIDER_DECLINED == crate::policy::PROVIDER_DECLINED);
 

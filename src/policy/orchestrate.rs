@@ -99,9 +99,10 @@ crate::labels::labelled_enum! {
     }
 }
 
-/// Set in a provider's `fetch` code to say it declined by choice rather than failed: the
-/// decision is then [`Discard::ProviderDeclined`], not [`Discard::FetchFailed`] (the code is
-/// kept whole in the answer). Provider codes are the provider's own otherwise.
+/// Set in a provider's positive `fetch` code to say it declined by choice rather than failed:
+/// the decision is then [`Discard::ProviderDeclined`], not [`Discard::FetchFailed`] (the code is
+/// kept whole in the answer). A negative code is never a decline. Provider codes are the
+/// provider's own otherwise.
 pub const PROVIDER_DECLINED: i32 = 0x4000_0000;
 
 /// What the provider is asked to validate, then to fetch.
@@ -443,7 +444,7 @@ impl Orchestrator {
         }
         if let Err(e) = self.provider.fetch(&fr) {
             *answer = Some(e);
-            return Keep(if e.code & PROVIDER_DECLINED != 0 {
+            return Keep(if e.code > 0 && e.code & PROVIDER_DECLINED != 0 {
                 Discard::ProviderDeclined
             } else {
                 Discard::FetchFailed

@@ -13,7 +13,7 @@ from typing import Any, Optional, TypeVar
 # --- constants
 
 KVRELAY_BLOCK_DIGEST_BYTES = 32  # Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
-KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's `fetch` answer to say it declined by choice (nothing to fetch, not worth it, another request already fetching the same blocks) rather than failed: the decision's discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart); `provider_code` keeps the whole answer.
+KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` answer (a negative one is never a decline) to say it declined by choice (nothing to fetch, not worth it, another request already fetching the same blocks) rather than failed: the decision's discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart); `provider_code` keeps the whole answer.
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
