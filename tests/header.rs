@@ -179,6 +179,31 @@ fn agent_enums_agree_with_their_tables() {
     assert!(readme.contains(&format!("the test server's: {list})")), "README's fetch failures differ from {list}");
 }
 
+/// What a C program of `lines` (statements of `main`, including the header) prints, one row a
+/// line: compiled by the C compiler (`CC`, else `cc`) against `include/`, run, its folder
+/// removed. `what` names the program and its folder.
+fn abi_rows(what: &str, lines: &[String]) -> Vec<String> {
+    let dir = std::env::temp_dir().join(format!("kvrelay-abi-{what}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut prog = String::from("#include <stddef.h>\n#include <stdio.h>\n#include \"kvrelay.h\"\nint main(void) {\n");
+    lines.iter().for_each(|l| prog.push_str(l));
+    prog.push_str("  return 0;\n}\n");
+    std::fs::write(dir.join(format!("{what}.c")), prog).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc)
+        .args(["-std=c11", "-I"])
+        .arg(root().join("include"))
+        .arg(dir.join(format!("{what}.c")))
+        .arg("-o")
+        .arg(dir.join(what))
+        .status()
+        .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC): {e}"));
+    assert!(built.success(), "compiling the {what} table's program failed");
+    let out = std::process::Command::new(dir.join(what)).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+}
+
 /// Every struct of the header, compiled by the C compiler, has the size `tests/data/abi_sizes.txt`
 /// records for this version. A struct whose size changes (or a new struct) fails here until the
 /// version in Cargo.toml changes and rows for the new version are added: an executor built
@@ -190,28 +215,9 @@ fn struct_sizes_change_only_with_the_version() {
     let names: Vec<&str> =
         h.lines().filter_map(|l| l.strip_prefix("typedef struct ")).filter_map(|r| r.strip_suffix(" {")).collect();
     assert!(names.len() >= 10, "{names:?}");
-    let dir = std::env::temp_dir().join(format!("kvrelay-abi-sizes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut prog = String::from("#include <stdio.h>\n#include \"kvrelay.h\"\nint main(void) {\n");
-    for n in &names {
-        prog.push_str(&format!("  printf(\"{n} %zu\\n\", sizeof(struct {n}));\n"));
-    }
-    prog.push_str("  return 0;\n}\n");
-    std::fs::write(dir.join("sizes.c"), prog).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let built = std::process::Command::new(&cc)
-        .args(["-std=c11", "-I"])
-        .arg(root().join("include"))
-        .arg(dir.join("sizes.c"))
-        .arg("-o")
-        .arg(dir.join("sizes"))
-        .status()
-        .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC): {e}"));
-    assert!(built.success(), "compiling the size table's program failed");
-    let out = std::process::Command::new(dir.join("sizes")).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let lines: Vec<String> = names.iter().map(|n| format!("  printf(\"{n} %zu\\n\", sizeof(struct {n}));\n")).collect();
     let version = env!("CARGO_PKG_VERSION");
-    let now: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(|l| format!("{version} {l}")).collect();
+    let now: Vec<String> = abi_rows("sizes", &lines).into_iter().map(|l| format!("{version} {l}")).collect();
     if std::env::var_os("KVRELAY_BLESS").is_some() {
         println!("{}", now.join("\n"));
     }
@@ -343,28 +349,10 @@ fn field_offsets_change_only_with_the_version_and_never_within_an_epoch() {
     assert!(fields.len() >= 100, "{} fields", fields.len());
     assert!(fields.contains(&("kvrelay_block_holder".into(), "returned".into())), "function pointers are fields");
     assert!(fields.contains(&("kvrelay_outcome".into(), "detail".into())), "arrays are fields");
-    let dir = std::env::temp_dir().join(format!("kvrelay-abi-offsets-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut prog = String::from("#include <stddef.h>\n#include <stdio.h>\n#include \"kvrelay.h\"\nint main(void) {\n");
-    for (s, f) in &fields {
-        prog.push_str(&format!("  printf(\"{s} {f} %zu\\n\", offsetof(struct {s}, {f}));\n"));
-    }
-    prog.push_str("  return 0;\n}\n");
-    std::fs::write(dir.join("offsets.c"), prog).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let built = std::process::Command::new(&cc)
-        .args(["-std=c11", "-I"])
-        .arg(root().join("include"))
-        .arg(dir.join("offsets.c"))
-        .arg("-o")
-        .arg(dir.join("offsets"))
-        .status()
-        .unwrap_or_else(|e| panic!("the C compiler `{cc}` (set CC): {e}"));
-    assert!(built.success(), "compiling the offset table's program failed");
-    let out = std::process::Command::new(dir.join("offsets")).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let lines: Vec<String> =
+        fields.iter().map(|(s, f)| format!("  printf(\"{s} {f} %zu\\n\", offsetof(struct {s}, {f}));\n")).collect();
     let version = env!("CARGO_PKG_VERSION");
-    let now: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(|l| format!("{version} {l}")).collect();
+    let now: Vec<String> = abi_rows("offsets", &lines).into_iter().map(|l| format!("{version} {l}")).collect();
     if std::env::var_os("KVRELAY_BLESS").is_some() {
         println!("{}", now.join("\n"));
     }
