@@ -142,9 +142,18 @@ g++ -std=c++17 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -
 LLAMA_SERVER_OUT="$root/target/llama-server" KVRELAY_PREFIX="$b/prefix" KVRELAY_TEST_HOOKS=1 JOBS=2 bash integrations/llama.cpp/build.sh
 timeout 900 python3 integrations/llama.cpp/tests/smoke_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --unpatched "$root/target/llama-server/bin/llama-server-unpatched" --model "$KVRELAY_MODEL_FILE" --threads 1
-echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source)"
-timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
-  --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== libllama's position-range KV API (llama-kv-range.patch) on SmolLM2, under AddressSanitizer + UBSan: imported positions give the source's logits exactly (V transposed and not), refusals change nothing"
+LLAMA_SERVER_OUT="$root/target/llama-server" bash integrations/llama.cpp/tests/range_api_test.sh "$KVRELAY_MODEL_FILE"
+echo "== only new KV leaves a slot, only missing KV enters one: a 30-turn conversation exports its blocks once, a slot of 60 blocks imports the one fetched block (flash attention off and on)"
+for fa in off on; do
+  timeout 600 python3 integrations/llama.cpp/tests/range_kv_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+    --model "$KVRELAY_MODEL_FILE" --threads 1 --flash-attn "$fa"
+done
+echo "== two kvrelay llama-servers: B fetches A's KV by a hint and answers exactly as a cold server (partial prefix, untrusted endpoint, foreign names, killed source), flash attention off and on"
+for fa in off on; do
+  timeout 900 python3 integrations/llama.cpp/tests/two_instance_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+    --model "$KVRELAY_MODEL_FILE" --threads 1 --flash-attn "$fa"
+done
 echo "== a frozen trusted source costs a hinted request at most the prefill it would save, once (late), then is skipped for a growing period (backoff)"
 timeout 600 python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server twice from one pinned tree: as it is, and with kvrelay embedded
-# (kvrelay.patch plus src/kvrelay_llama*.{hpp,cpp}). From a clone of kvrelay:
+# (llama-kv-range.patch: libllama's position-range KV API; kvrelay.patch: the server's hooks; plus
+# src/kvrelay_llama*.{hpp,cpp}). From a clone of kvrelay:
 #
 #   bash integrations/llama.cpp/build.sh                  # both servers into target/llama-server/bin
-#   bash integrations/llama.cpp/build.sh --check-patch    # only: does kvrelay.patch apply, without fuzz?
-#   bash integrations/llama.cpp/build.sh --regen-patch    # rewrite kvrelay.patch from the working copy
+#   bash integrations/llama.cpp/build.sh --check-patch    # only: do both patches apply, without fuzz?
+#   bash integrations/llama.cpp/build.sh --regen-patch    # rewrite both patches from the working copy
 #
 # Steps: (1) fetch-llama-cpp.sh fetches the pinned tree (pristine, never modified here) and it is
 # copied once into OUT/llama.cpp, the working copy; (2) kvrelay is built with CMake (cargo on
-# PATH) and installed into OUT/kvrelay-prefix, unless KVRELAY_PREFIX names an install; (3) the
-# working copy is configured once in OUT/build and the unpatched llama-server is built and copied
-# to OUT/bin/llama-server-unpatched; (4) kvrelay.patch is applied (checked first: it must apply
-# without fuzz; skipped when it is applied already), the integration's sources are copied into
+# PATH) and installed into OUT/kvrelay-prefix, unless KVRELAY_PREFIX names an install; (3)
+# llama-kv-range.patch is applied (libllama gains functions the unpatched server never calls, so
+# libllama is built once for both servers), the working copy is configured once in OUT/build and
+# the unpatched llama-server (the server's code as upstream ships it) is built and copied to
+# OUT/bin/llama-server-unpatched; (4) kvrelay.patch is applied (each patch is checked first: it
+# must apply without fuzz; skipped when applied already), the integration's sources are copied into
 # tools/server/, the build is reconfigured with kvrelay_DIR, and llama-server is rebuilt (only the
 # server's objects recompile) and copied to OUT/bin/llama-server-kvrelay. Both binaries link
 # ggml, llama and kvrelay statically (BUILD_SHARED_LIBS=OFF), so each is one self-contained file.
@@ -37,7 +40,9 @@ set -euo pipefail
 me="build.sh"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-patch_file="$here/kvrelay.patch"
+# applied in this order: libllama's range API (include/, src/), then the server's hooks
+# (tools/server/, common/)
+patches=("$here/llama-kv-range.patch" "$here/kvrelay.patch")
 sources=(kvrelay_llama.hpp kvrelay_llama_state.hpp kvrelay_llama_flags.cpp kvrelay_llama_start.cpp
   kvrelay_llama_fetch.cpp kvrelay_llama_slots.cpp kvrelay_llama_routes.cpp kvrelay_llama_kv.hpp kvrelay_llama_kv.cpp)
 out="${LLAMA_SERVER_OUT:-$root/target/llama-server}"
@@ -98,11 +103,12 @@ pristine_tree() {
 
 # --- the patch ----------------------------------------------------------------------------------
 
-# run_patch TREE ARGS...: patch(1) with the integration's patch, or git apply where patch is missing.
-# Never fuzz (-F0; git apply has none): context must match exactly, only line offsets are allowed.
+# run_patch TREE PATCH ARGS...: patch(1) with one of the integration's patches, or git apply where
+# patch is missing. Never fuzz (-F0; git apply has none): context must match exactly, only line
+# offsets are allowed.
 run_patch() {
-  local tree="$1"
-  shift
+  local tree="$1" patch_file="$2"
+  shift 2
   if command -v patch >/dev/null 2>&1; then
     (cd "$tree" && patch -p1 -F0 -f --no-backup-if-mismatch "$@" -i "$patch_file")
   elif command -v git >/dev/null 2>&1; then
@@ -121,36 +127,42 @@ run_patch() {
   fi
 }
 
-patch_applies() { run_patch "$1" --dry-run -s >/dev/null 2>&1; }
-patch_applied() { run_patch "$1" -R --dry-run -s >/dev/null 2>&1; }
+# one_applies TREE PATCH / one_applied TREE PATCH
+one_applies() { run_patch "$1" "$2" --dry-run -s >/dev/null 2>&1; }
+one_applied() { run_patch "$1" "$2" -R --dry-run -s >/dev/null 2>&1; }
+# patch_applied TREE: every patch is applied in TREE
+patch_applied() {
+  local p
+  for p in "${patches[@]}"; do one_applied "$1" "$p" || return 1; done
+}
 
-# check_patch TREE: succeeds when the patch applies to TREE without fuzz; else says why, loudly.
+# check_patch TREE PATCH: succeeds when PATCH applies to TREE without fuzz; else says why, loudly.
 check_patch() {
-  local tree="$1" report
-  if report="$(run_patch "$tree" --dry-run 2>&1)"; then
-    log "kvrelay.patch applies to $tree without fuzz"
+  local tree="$1" p="$2" report
+  if report="$(run_patch "$tree" "$p" --dry-run 2>&1)"; then
+    log "$(basename "$p") applies to $tree without fuzz"
     if grep -q offset <<<"$report"; then
       log "(with line offsets: $(grep -c offset <<<"$report") hunk(s) moved; regenerate the patch to silence this)"
     fi
     return 0
   fi
   echo "$report" >&2
-  echo "$me: error: kvrelay.patch does not apply to $tree without fuzz (see above)." >&2
+  echo "$me: error: $(basename "$p") does not apply to $tree without fuzz (see above)." >&2
   echo "$me: to move it to this tree: integrations/llama.cpp/README.md, \"A newer llama.cpp\"." >&2
   return 1
 }
 
 if [ "$mode" = check ]; then
   tree="$(pristine_tree)"
-  if patch_applies "$tree"; then
-    check_patch "$tree"
-    exit 0
-  fi
-  if patch_applied "$tree"; then
-    log "$tree is patched already; kvrelay.patch reverses from it exactly, so it applies to the pristine tree"
-    exit 0
-  fi
-  check_patch "$tree" || exit 1
+  for p in "${patches[@]}"; do
+    if one_applies "$tree" "$p"; then
+      check_patch "$tree" "$p"
+    elif one_applied "$tree" "$p"; then
+      log "$tree is patched already; $(basename "$p") reverses from it exactly, so it applies to the pristine tree"
+    else
+      check_patch "$tree" "$p" || exit 1
+    fi
+  done
   exit 0
 fi
 
@@ -165,19 +177,27 @@ if [ "$mode" = regen ]; then
   ln -s "$work" "$tmp/b"
   excludes=(--exclude='*.orig' --exclude='*.rej')
   for f in "${sources[@]}"; do excludes+=(--exclude="$f"); done
-  set +e
-  (cd "$tmp" && LC_ALL=C diff -ruN "${excludes[@]}" a/tools/server b/tools/server) >"$tmp/new.patch"
-  rc1=$?
-  (cd "$tmp" && LC_ALL=C diff -ruN "${excludes[@]}" a/common b/common) >>"$tmp/new.patch"
-  rc2=$?
-  set -e
-  [ "$rc1" -le 1 ] && [ "$rc2" -le 1 ] || die "diff failed"
-  # diff names its options in each file's first line: keep the plain "diff -ruN a/F b/F"
-  # and no timestamps, so that regenerating an unchanged patch gives the same bytes
-  sed -i -E -e 's|^diff -ruN .* (a/[^ ]+) (b/[^ ]+)$|diff -ruN \1 \2|' -e 's/^(---|\+\+\+) ([^\t]+)\t.*$/\1 \2/' "$tmp/new.patch"
-  [ -s "$tmp/new.patch" ] || die "the working copy does not differ from $pristine"
-  cp "$tmp/new.patch" "$patch_file"
-  log "wrote $patch_file ($(grep -c '^@@' "$patch_file") hunks)"
+  # regen PATCH DIRS...: the working copy's changes to DIRS, as PATCH
+  regen() {
+    local patch_file="$1" d rc
+    shift
+    : >"$tmp/new.patch"
+    for d in "$@"; do
+      set +e
+      (cd "$tmp" && LC_ALL=C diff -ruN "${excludes[@]}" "a/$d" "b/$d") >>"$tmp/new.patch"
+      rc=$?
+      set -e
+      [ "$rc" -le 1 ] || die "diff failed"
+    done
+    # diff names its options in each file's first line: keep the plain "diff -ruN a/F b/F"
+    # and no timestamps, so that regenerating an unchanged patch gives the same bytes
+    sed -i -E -e 's|^diff -ruN .* (a/[^ ]+) (b/[^ ]+)$|diff -ruN \1 \2|' -e 's/^(---|\+\+\+) ([^\t]+)\t.*$/\1 \2/' "$tmp/new.patch"
+    [ -s "$tmp/new.patch" ] || die "the working copy's $* do not differ from $pristine"
+    cp "$tmp/new.patch" "$patch_file"
+    log "wrote $patch_file ($(grep -c '^@@' "$patch_file") hunks)"
+  }
+  regen "${patches[0]}" include src
+  regen "${patches[1]}" tools/server common
   exit 0
 fi
 
@@ -256,13 +276,25 @@ build_server() { # build_server NAME
 }
 
 t0=$SECONDS
+# apply PATCH: applies it to the working copy unless it is applied already
+apply() {
+  if one_applied "$work" "$1"; then
+    log "$(basename "$1") is applied in $work already"
+  else
+    check_patch "$work" "$1" || exit 1
+    run_patch "$work" "$1" -s
+    log "applied $(basename "$1")"
+  fi
+}
+
 if patch_applied "$work" && [ -x "$out/bin/llama-server-unpatched" ]; then
   log "the working copy is patched and $out/bin/llama-server-unpatched exists: not rebuilding it"
 else
-  if patch_applied "$work"; then
-    log "reverting kvrelay.patch in the working copy to build the unpatched server"
-    run_patch "$work" -R -s
+  if one_applied "$work" "${patches[1]}"; then
+    log "reverting $(basename "${patches[1]}") in the working copy to build the unpatched server"
+    run_patch "$work" "${patches[1]}" -R -s
   fi
+  apply "${patches[0]}"
   cmake -S "$work" -B "$build" "${generator[@]}" "${llama_args[@]}"
   build_server llama-server-unpatched
 fi
@@ -271,13 +303,7 @@ t_unpatched=$((SECONDS - t0))
 # --- (4) llama.cpp with kvrelay ------------------------------------------------------------------
 
 t0=$SECONDS
-if patch_applied "$work"; then
-  log "kvrelay.patch is applied in $work already"
-else
-  check_patch "$work" || exit 1
-  run_patch "$work" -s
-  log "applied kvrelay.patch"
-fi
+for p in "${patches[@]}"; do apply "$p"; done
 for f in "${sources[@]}"; do
   if ! cmp -s "$here/src/$f" "$work/tools/server/$f"; then
     cp "$here/src/$f" "$work/tools/server/$f"

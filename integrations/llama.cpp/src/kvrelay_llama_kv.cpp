@@ -1,9 +1,7 @@
-// kvrelay_llama_kv.cpp: llama.cpp's sequence state as kvrelay blocks, and the block store
-// (see kvrelay_llama_kv.hpp). The blob format is llama.cpp's (src/llama-kv-cache.cpp,
-// state_write_meta / state_write_data of the pinned tree): magic, seq id, n_stream, then per
-// stream a cell count and, when non-zero, the cells ({pos, n_seq_id, seq ids}) and the data
-// (v_trans, n_layer, every layer's K {type, row size, rows}, every layer's V {type, row size,
-// rows} or, transposed, {type, element size, n_embd_v, n_embd_v runs of one element per cell}).
+// kvrelay_llama_kv.cpp: the layout of llama.cpp's KV blocks, and the block store (see
+// kvrelay_llama_kv.hpp). The descriptor format is llama_kv_range_desc's (llama-kv-range.patch,
+// include/llama.h): magic "KVRG", version, layer count, V transposed, then per layer K and V
+// types, K and V bytes of one position, and (transposed V) element bytes and elements.
 #include "kvrelay_llama_kv.hpp"
 
 #include <algorithm>
@@ -16,8 +14,9 @@
 namespace kvrelay_llama {
 namespace {
 
-constexpr uint32_t STATE_MAGIC = 0xaf143cd8;
-constexpr uint32_t MAX_LAYERS  = 4096;
+constexpr uint32_t DESC_MAGIC   = 0x4752564b;  // "KVRG"
+constexpr uint32_t DESC_VERSION = 1;           // LLAMA_KV_RANGE_VERSION of llama-kv-range.patch
+constexpr uint32_t MAX_LAYERS   = 4096;
 
 struct reader {
     const uint8_t * p;
@@ -43,20 +42,6 @@ struct reader {
     }
 };
 
-template <typename T> void put(std::vector<uint8_t> & out, T v) {
-    const size_t at = out.size();
-    out.resize(at + sizeof(T));
-    std::memcpy(out.data() + at, &v, sizeof(T));
-}
-
-bool mul_ok(size_t a, size_t b, size_t & r) {
-    if (a != 0 && b > std::numeric_limits<size_t>::max() / a) {
-        return false;
-    }
-    r = a * b;
-    return true;
-}
-
 }  // namespace
 
 size_t kv_schema::token_bytes() const {
@@ -67,233 +52,66 @@ size_t kv_schema::token_bytes() const {
     return n;
 }
 
-bool parse_state(const uint8_t * blob, size_t len, kv_parsed & out, std::string & err) {
-    reader r{ blob, len };
-    out = kv_parsed{};
-    if (r.get<uint32_t>() != STATE_MAGIC || !r.ok) {
-        err = "the KV state blob has an unknown magic number (another llama.cpp build?)";
+bool parse_desc(const uint8_t * desc, size_t len, kv_schema & out, std::string & err) {
+    reader r{ desc, len };
+    const uint32_t magic   = r.get<uint32_t>();
+    const uint32_t version = r.get<uint32_t>();
+    const uint32_t n_layer = r.get<uint32_t>();
+    const uint32_t trans   = r.get<uint32_t>();
+    if (!r.ok || magic != DESC_MAGIC) {
+        err = "the KV range descriptor is not one (bad magic or too short)";
         return false;
     }
-    (void) r.get<int32_t>();  // the sequence it came from
-    const uint32_t n_stream = r.get<uint32_t>();
-    if (!r.ok || n_stream == 0 || n_stream > 4096) {
-        err = "the KV state blob names no stream";
+    if (version != DESC_VERSION) {
+        err = "the KV range descriptor has version " + std::to_string(version) + ", this build reads " +
+              std::to_string(DESC_VERSION);
         return false;
     }
-    out.schema.n_stream = n_stream;
-    bool seen           = false;
-    for (uint32_t s = 0; s < n_stream; s++) {
-        const uint32_t cells = r.get<uint32_t>();
-        if (!r.ok) {
-            err = "the KV state blob ends early";
-            return false;
-        }
-        if (cells == 0) {
-            continue;
-        }
-        if (seen) {
-            err = "the KV state holds cells in more than one stream";
-            return false;
-        }
-        seen      = true;
-        out.cells = cells;
-        // 12 bytes a cell follow: check before allocating for a count the blob cannot hold
-        if (r.left / 12 < cells) {
-            err = "the KV state blob ends early";
-            return false;
-        }
-        std::vector<int32_t> pos(cells);
-        for (uint32_t c = 0; c < cells; c++) {
-            pos[c]                  = r.get<int32_t>();
-            const uint32_t n_seq_id = r.get<uint32_t>();
-            if (!r.ok || n_seq_id != 1) {
-                err = "a KV cell of the state is not one sequence's (or carries an extension this integration does not read)";
-                return false;
-            }
-            (void) r.get<int32_t>();
-        }
-        // position -> cell, for the leading run of positions 0, 1, ...
-        std::vector<uint32_t> cell_of(cells, UINT32_MAX);
-        for (uint32_t c = 0; c < cells; c++) {
-            if (pos[c] >= 0 && uint32_t(pos[c]) < cells) {
-                if (cell_of[pos[c]] != UINT32_MAX) {
-                    err = "two KV cells of the state hold the same position";
-                    return false;
-                }
-                cell_of[pos[c]] = c;
-            }
-        }
-        size_t lead = 0;
-        while (lead < cells && cell_of[lead] != UINT32_MAX) {
-            lead++;
-        }
-        cell_of.resize(lead);
-        out.cell_of = std::move(cell_of);
-
-        const uint32_t v_trans = r.get<uint32_t>();
-        const uint32_t n_layer = r.get<uint32_t>();
-        if (!r.ok || v_trans > 1 || n_layer == 0 || n_layer > MAX_LAYERS) {
-            err = "the KV state's layer header is not one this integration reads";
-            return false;
-        }
-        out.schema.v_trans = v_trans == 1;
-        out.schema.layers.resize(n_layer);
-        for (kv_layer & l : out.schema.layers) {
-            l.k_type = r.get<int32_t>();
-            l.k_row  = r.get<uint64_t>();
-            size_t n = 0;
-            if (!r.ok || l.k_row == 0 || !mul_ok(cells, l.k_row, n)) {
-                err = "a K row size of the state overflows";
-                return false;
-            }
-            out.k.push_back(r.take(n));
-        }
-        for (kv_layer & l : out.schema.layers) {
-            l.v_type = r.get<int32_t>();
-            size_t n = 0;
-            bool   fits;
-            if (out.schema.v_trans) {
-                l.v_el     = r.get<uint32_t>();
-                l.n_embd_v = r.get<uint32_t>();
-                size_t row = 0;
-                fits       = l.v_el != 0 && l.n_embd_v != 0 && mul_ok(l.v_el, l.n_embd_v, row) && mul_ok(cells, row, n);
-            } else {
-                l.v_row = r.get<uint64_t>();
-                fits    = l.v_row != 0 && mul_ok(cells, l.v_row, n);
-            }
-            if (!r.ok || !fits) {
-                err = "a V size of the state overflows";
-                return false;
-            }
-            out.v.push_back(r.take(n));
-        }
-        if (!r.ok) {
-            err = "the KV state blob ends early";
-            return false;
-        }
-    }
-    if (!seen) {
-        err = "the KV state holds no cell";
+    if (n_layer == 0 || n_layer > MAX_LAYERS || trans > 1) {
+        err = "the KV range descriptor names " + std::to_string(n_layer) + " layers (transposed " + std::to_string(trans) +
+              ")";
         return false;
+    }
+    kv_schema s;
+    s.v_trans = trans == 1;
+    s.layers.resize(n_layer);
+    for (kv_layer & l : s.layers) {
+        l.k_type             = r.get<int32_t>();
+        l.v_type             = r.get<int32_t>();
+        l.k_row              = r.get<uint64_t>();
+        const uint64_t v_row = r.get<uint64_t>();
+        l.v_el               = r.get<uint32_t>();
+        l.n_embd_v           = r.get<uint32_t>();
+        l.v_row              = s.v_trans ? 0 : v_row;
+        const bool sane      = l.k_row > 0 && l.k_row < (1u << 24) && v_row > 0 && v_row < (1u << 24) &&
+                          (s.v_trans ? uint64_t(l.v_el) * l.n_embd_v == v_row && l.v_el > 0
+                                     : l.v_el == 0 && l.n_embd_v == 0);
+        if (!r.ok || !sane) {
+            err = r.ok ? "the KV range descriptor has a layer with impossible row sizes"
+                       : "the KV range descriptor ends early";
+            return false;
+        }
     }
     if (r.left != 0) {
-        err = "bytes follow the KV state's last layer (a memory this integration does not read: SWA, recurrent, hybrid)";
+        err = "bytes follow the KV range descriptor";
         return false;
     }
+    s.desc.assign(desc, desc + len);
+    out = std::move(s);
     return true;
 }
 
-void cut_blocks(const kv_schema & s, const kv_parsed & p, size_t from, size_t to, uint8_t * const * dst) {
-    const size_t bt = s.block_tokens;
-    for (size_t b = from; b < to; b++) {
-        uint8_t *       o    = dst[b - from];
-        const uint32_t  c0   = p.cell_of[b * bt];
-        // the block's cells lie one after another in the blob (the usual case): runs, not cells
-        bool            runs = true;
-        for (size_t t = 1; t < bt && runs; t++) {
-            runs = p.cell_of[b * bt + t] == c0 + t;
-        }
-        for (size_t l = 0; l < s.layers.size(); l++) {
-            const size_t row = s.layers[l].k_row;
-            if (runs) {
-                std::memcpy(o, p.k[l] + size_t(c0) * row, bt * row);
-            } else {
-                for (size_t t = 0; t < bt; t++) {
-                    std::memcpy(o + t * row, p.k[l] + size_t(p.cell_of[b * bt + t]) * row, row);
-                }
-            }
-            o += bt * row;
-        }
-        for (size_t l = 0; l < s.layers.size(); l++) {
-            const kv_layer & L = s.layers[l];
-            if (!s.v_trans) {
-                const size_t row = L.v_row;
-                if (runs) {
-                    std::memcpy(o, p.v[l] + size_t(c0) * row, bt * row);
-                } else {
-                    for (size_t t = 0; t < bt; t++) {
-                        std::memcpy(o + t * row, p.v[l] + size_t(p.cell_of[b * bt + t]) * row, row);
-                    }
-                }
-                o += bt * row;
-                continue;
-            }
-            // transposed: element j of every cell lies in row j of p.cells elements
-            const size_t el = L.v_el;
-            for (size_t j = 0; j < L.n_embd_v; j++) {
-                const uint8_t * rowp = p.v[l] + j * size_t(p.cells) * el;
-                if (runs) {
-                    std::memcpy(o, rowp + size_t(c0) * el, bt * el);
-                } else {
-                    for (size_t t = 0; t < bt; t++) {
-                        std::memcpy(o + t * el, rowp + size_t(p.cell_of[b * bt + t]) * el, el);
-                    }
-                }
-                o += bt * el;
-            }
-        }
-    }
-}
 
-void build_import(const kv_schema & s, const uint8_t * const * src, size_t n, int32_t seq_id, std::vector<uint8_t> & out) {
-    const size_t   bt    = s.block_tokens;
-    const uint32_t cells = uint32_t(n * bt);
-    out.clear();
-    out.reserve(16 + size_t(cells) * 12 + 8 + s.layers.size() * 24 + n * s.block_bytes() + 4 * s.n_stream);
-    put<uint32_t>(out, STATE_MAGIC);
-    put<int32_t>(out, seq_id);
-    put<uint32_t>(out, s.n_stream);
-    // the cells in stream 0 (llama.cpp puts a sequence's cells into that sequence's stream)
-    put<uint32_t>(out, cells);
-    for (uint32_t c = 0; c < cells; c++) {
-        put<int32_t>(out, int32_t(c));
-        put<uint32_t>(out, 1);
-        put<int32_t>(out, seq_id);
-    }
-    put<uint32_t>(out, s.v_trans ? 1 : 0);
-    put<uint32_t>(out, uint32_t(s.layers.size()));
-    size_t off = 0;  // of the layer's part within a block
-    for (const kv_layer & l : s.layers) {
-        put<int32_t>(out, l.k_type);
-        put<uint64_t>(out, l.k_row);
-        const size_t run = bt * l.k_row;
-        for (size_t b = 0; b < n; b++) {
-            out.insert(out.end(), src[b] + off, src[b] + off + run);
-        }
-        off += run;
-    }
-    for (const kv_layer & l : s.layers) {
-        put<int32_t>(out, l.v_type);
-        if (!s.v_trans) {
-            put<uint64_t>(out, l.v_row);
-            const size_t run = bt * l.v_row;
-            for (size_t b = 0; b < n; b++) {
-                out.insert(out.end(), src[b] + off, src[b] + off + run);
-            }
-            off += run;
-            continue;
-        }
-        put<uint32_t>(out, l.v_el);
-        put<uint32_t>(out, l.n_embd_v);
-        const size_t run = bt * l.v_el;
-        for (size_t j = 0; j < l.n_embd_v; j++) {
-            for (size_t b = 0; b < n; b++) {
-                out.insert(out.end(), src[b] + off + j * run, src[b] + off + (j + 1) * run);
-            }
-        }
-        off += size_t(l.n_embd_v) * run;
-    }
-    for (uint32_t st = 1; st < s.n_stream; st++) {
-        put<uint32_t>(out, 0);  // the other streams: no cell
-    }
-}
-
-block_store::block_store(size_t capacity, size_t block_bytes) : capacity_(capacity), block_bytes_(block_bytes) {
+block_store::block_store(size_t capacity, size_t block_bytes, uint8_t * pool) :
+    capacity_(capacity),
+    block_bytes_(block_bytes) {
     if (capacity == 0 || block_bytes == 0 || capacity > UINT32_MAX || block_bytes > SIZE_MAX / capacity) {
         throw std::invalid_argument("kvrelay: the KV block pool's size is out of range");
     }
     // 4 KiB aligned: the agent copies whole blocks, and a page-aligned pool suits every transport
-    pool_ = static_cast<uint8_t *>(std::aligned_alloc(4096, ((capacity * block_bytes + 4095) / 4096) * 4096));
+    owned_ = pool == nullptr;
+    pool_  = pool != nullptr ? pool
+                             : static_cast<uint8_t *>(std::aligned_alloc(4096, ((capacity * block_bytes + 4095) / 4096) * 4096));
     if (pool_ == nullptr) {
         throw std::bad_alloc();
     }
@@ -306,7 +124,9 @@ block_store::block_store(size_t capacity, size_t block_bytes) : capacity_(capaci
 }
 
 block_store::~block_store() {
-    std::free(pool_);
+    if (owned_) {
+        std::free(pool_);
+    }
 }
 
 size_t block_store::held(const uint64_t * names, const digest * digests, size_t n) const {

@@ -1,8 +1,8 @@
 // kvrelay_llama_kv.hpp: the KV side of kvrelay inside llama-server (see kvrelay_llama.hpp).
 //
 // Two pieces with no llama.cpp types in them, so that they build and test on their own:
-// - kv_state: llama.cpp's sequence-state blob (LLAMA_STATE_SEQ_VERSION 3 of the pinned tree,
-//   `llama_state_seq_get_data_ext` with flags 0) read and written as kvrelay blocks;
+// - kv_schema: the layout of a block, read off libllama's KV range descriptor
+//   (llama_kv_range_desc, llama-kv-range.patch), which every range copy hands back;
 // - block_store: the server's reuse cache of named blocks in one host pool, which the KV agent
 //   serves from (kvrelay::BlockHolder) and fetches into.
 #pragma once
@@ -20,7 +20,7 @@
 
 namespace kvrelay_llama {
 
-/// One layer's rows in the state blob.
+/// One layer's rows in a block.
 struct kv_layer {
     int32_t  k_type   = 0;
     uint64_t k_row    = 0;  // bytes of one cell's K
@@ -34,47 +34,26 @@ struct kv_layer {
     }
 };
 
-/// The state layout of one context (read off its first export). A block is `block_tokens`
-/// cells, stored as every layer's K (block_tokens rows each), then every layer's V (its
-/// block_tokens rows, or, transposed, n_embd_v runs of block_tokens elements).
+/// The KV layout of one context (llama_kv_range_desc, read at start). A block is
+/// `block_tokens` positions, stored as llama_kv_range_get writes one: every layer's K
+/// (block_tokens rows each), then every layer's V (its block_tokens rows, or, transposed,
+/// n_embd_v runs of block_tokens elements).
 struct kv_schema {
-    uint32_t              n_stream     = 1;
     bool                  v_trans      = false;
     std::vector<kv_layer> layers;
     size_t                block_tokens = 0;
+    std::vector<uint8_t>  desc;  // the descriptor itself, handed to every range call
 
     bool   empty() const { return layers.empty(); }
     size_t v_token_bytes(const kv_layer & l) const { return v_trans ? size_t(l.n_embd_v) * l.v_el : size_t(l.v_row); }
     size_t token_bytes() const;
     size_t block_bytes() const { return token_bytes() * block_tokens; }
-    bool   same_layout(const kv_schema & o) const {
-        return n_stream == o.n_stream && v_trans == o.v_trans && layers == o.layers;
-    }
 };
 
-/// A parsed sequence-state blob: its one non-empty stream's cells and where each layer's K and V
-/// lie. Views into the blob (valid while it lives).
-struct kv_parsed {
-    kv_schema                    schema;  // block_tokens left 0
-    uint32_t                     cells = 0;
-    std::vector<uint32_t>        cell_of;  // cell_of[p]: the blob cell at position p (positions 0..n)
-    std::vector<const uint8_t *> k, v;     // per layer
-};
-
-/// Parse a blob llama.cpp exported for one sequence. Accepts cells in any order; `cell_of`
-/// covers the leading positions 0, 1, ... that are present (stops at the first gap). Returns
-/// false with `err` for anything else than one plain KV cache of this format (several caches,
-/// cells of several sequences, M-RoPE cell extensions, trailing bytes). O(cells + layers).
-bool parse_state(const uint8_t * blob, size_t len, kv_parsed & out, std::string & err);
-
-/// Cut blocks [from, to) of `p` into `dst[i]` (one pointer per block, block_bytes each), laid
-/// out as `schema` says. The caller checked that p's layout is schema's and that p.cell_of
-/// covers to * block_tokens positions. O(bytes).
-void cut_blocks(const kv_schema & schema, const kv_parsed & p, size_t from, size_t to, uint8_t * const * dst);
-
-/// Build a blob of `n` blocks (`src[i]`, in prefix order) that llama_state_seq_set_data_ext
-/// imports into a sequence: cells at positions 0 .. n * block_tokens. O(bytes); `out` is reused.
-void build_import(const kv_schema & schema, const uint8_t * const * src, size_t n, int32_t seq_id, std::vector<uint8_t> & out);
+/// Parse a descriptor llama_kv_range_desc wrote (version 1). Returns false with `err` for a
+/// descriptor of another version, one that ends early or has bytes after it, and impossible
+/// layer counts or row sizes. `out.block_tokens` is left 0. O(layers).
+bool parse_desc(const uint8_t * desc, size_t len, kv_schema & out, std::string & err);
 
 /// The server's reuse cache: `capacity` blocks of `block_bytes` in one host pool, each free,
 /// reserved (being written: a fetch or an export), or committed under its name (readable,
@@ -86,7 +65,10 @@ class block_store : public kvrelay::BlockHolder {
     /// A block's content digest (kvrelay::Naming::digests over the tokens whose KV it holds).
     using digest = kvrelay::BlockDigest;
 
-    block_store(size_t capacity, size_t block_bytes);
+    /// `pool`: capacity * block_bytes bytes the caller allocated (pinned host memory where the
+    /// KV lives on a GPU) and keeps alive for the store's life; null: the store allocates its own
+    /// (4 KiB aligned host memory, freed with it).
+    block_store(size_t capacity, size_t block_bytes, uint8_t * pool = nullptr);
     ~block_store() override;
     block_store(const block_store &)             = delete;
     block_store & operator=(const block_store &) = delete;
@@ -152,6 +134,7 @@ class block_store : public kvrelay::BlockHolder {
     size_t                                 capacity_;
     size_t                                 block_bytes_;
     uint8_t *                              pool_ = nullptr;
+    bool                                   owned_ = true;  // pool_ is the store's own allocation
     mutable std::mutex                     mu_;
     std::vector<entry>                     blocks_;
     std::vector<uint32_t>                  free_;

@@ -44,6 +44,10 @@ std::string prometheus() noexcept {
             { "imported_tokens_total", kv.counts.imported_tokens.load() },
             { "recomputed_tokens_total", kv.counts.recomputed_tokens.load() },
             { "import_refused_total", kv.counts.import_refused.load() },
+            // bytes moved between llama.cpp's KV cache and the store, counted where they move
+            // (llama_kv_range_get / llama_kv_range_set): exactly the new blocks, the missing blocks
+            { "export_bytes_total", kv.counts.export_bytes.load() },
+            { "import_bytes_total", kv.counts.import_bytes.load() },
             { "slot_cells_changed_total", kv.counts.cells_changed.load() },
             { "store_evicted_total", c.evicted },
             { "store_misuse_unpin_unheld_total", c.unpin_unheld },
@@ -95,6 +99,10 @@ json kv_info(const std::string & model_name) {
         { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
         { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
         { "kv_key_required",  KV != nullptr && !s.key_file.empty() },
+        // how blocks move between llama.cpp's KV cache and the store: only the positions asked
+        // for (libllama's position-range KV API), into host memory
+        { "kv_path",          KV != nullptr ? "position_range" : "off" },
+        { "store_memory",     KV != nullptr ? KV->store_memory : std::string() },
     };
     if (KV != nullptr && KV->events) {
         const kvrelay::KvEvents &     ev = *KV->events;

@@ -6,12 +6,43 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace kvrelay_llama {
 using namespace detail;
+
+namespace {
+
+// Calls f(i0, i1) for each maximal run of ids[i0 .. i1) that lie one after another in the pool
+// (their blocks are one contiguous span: one range call moves them all). O(n).
+template <typename F> void for_runs(const uint32_t * ids, size_t n, F && f) {
+    size_t i0 = 0;
+    while (i0 < n) {
+        size_t i1 = i0 + 1;
+        while (i1 < n && ids[i1] == ids[i1 - 1] + 1) {
+            i1++;
+        }
+        f(i0, i1);
+        i0 = i1;
+    }
+}
+
+const char * range_status(int32_t st) {
+    switch (st) {
+        case LLAMA_KV_RANGE_UNSUPPORTED: return "the KV memory has no position-range access";
+        case LLAMA_KV_RANGE_MISMATCH:    return "the KV layout is not the one read at start";
+        case LLAMA_KV_RANGE_INVALID:     return "a bad range or size";
+        case LLAMA_KV_RANGE_MISSING:     return "the slot lacks a position of the range";
+        case LLAMA_KV_RANGE_NO_ROOM:     return "the KV cache has no free cells for it";
+        case LLAMA_KV_RANGE_FAILED:      return "the backend failed";
+        default:                         return "an unknown status";
+    }
+}
+
+}  // namespace
 
 void on_task_launched(int id_slot, int id_task, const hint_ptr & hint) noexcept {
     try {
@@ -81,22 +112,13 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
         // (imported, or prefilled from a block edge; never generated ones), whole blocks only
         const size_t n_exact = std::min({ size_t(n_past), slot.exact_upto, n_max * bt }) / bt * bt;
         size_t       n_new   = n_exact;
-        size_t       k       = 0;
-        std::chrono::steady_clock::time_point t0;
+        // blocks whose name and content digest are those of this slot's own tokens, pinned until
+        // they are in the slot
+        std::unique_ptr<pin_guard> pins;
         if (n_max * bt > n_exact) {
-            // blocks whose name and content digest are those of this slot's own tokens
             const block_keys keys = keys_of(kv, tokens.data(), n_max * bt);
-            pin_guard        pins(*kv.store, keys.names.data(), keys.digests.data(), keys.names.size());
-            k = pins.n;
-            if (k * bt > n_exact) {
-                t0 = std::chrono::steady_clock::now();
-                std::vector<const uint8_t *> src(k);
-                for (size_t i = 0; i < k; i++) {
-                    src[i] = kv.store->block(pins.ids[i]);
-                }
-                build_import(kv.schema, src.data(), k, seq_id, kv.blob);
-                n_new = k * bt;
-            }
+            pins = std::make_unique<pin_guard>(*kv.store, keys.names.data(), keys.digests.data(), keys.names.size());
+            n_new = std::max(n_new, pins->n * bt);
         }
         // llama-server's own reuse reaches past the exact prefix (a prompt asked again, a turn
         // that adds less than a block): cutting it back to a block edge only makes sense when a
@@ -111,26 +133,46 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             return n_past;
         }
         if (n_new > n_exact) {
-            const size_t got = llama_state_seq_set_data_ext(ctx, kv.blob.data(), kv.blob.size(), seq_id, 0);
-            if (got != kv.blob.size()) {
-                llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1);
+            // only the missing positions [n_exact, n_new) enter the slot, one range call per run
+            // of blocks that lie one after another in the store; the slot's cells below n_exact
+            // and every other slot stay as they are. A refused call leaves the slot as it was
+            // (libllama checks everything first): the prompt is prefilled from where the
+            // imported run ends
+            const auto     t0   = std::chrono::steady_clock::now();
+            const size_t   b0   = n_exact / bt;
+            const size_t   bb   = kv.store->block_bytes();
+            size_t         done = b0;
+            int32_t        st   = LLAMA_KV_RANGE_OK;
+            for_runs(pins->ids.data() + b0, n_new / bt - b0, [&](size_t i0, size_t i1) {
+                if (st != LLAMA_KV_RANGE_OK) {
+                    return;
+                }
+                st = llama_kv_range_set(ctx, seq_id, llama_pos((b0 + i0) * bt), llama_pos((b0 + i1) * bt), uint32_t(bt),
+                                        kv.schema.desc.data(), kv.schema.desc.size(), kv.store->block(pins->ids[b0 + i0]),
+                                        (i1 - i0) * bb);
+                if (st == LLAMA_KV_RANGE_OK) {
+                    done = b0 + i1;
+                    kv.counts.import_bytes += (i1 - i0) * bb;
+                }
+            });
+            if (st != LLAMA_KV_RANGE_OK) {
                 kv.counts.import_refused++;
-                slot.exact_upto = 0;
-                slot.aligned    = true;  // the prompt is prefilled from token 0
-                SRV_WRN("kvrelay: llama.cpp refused the imported KV of %zu blocks; slot %d prefills its whole prompt\n", k,
-                        seq_id);
-                return 0;
+                SRV_WRN("kvrelay: llama.cpp refused the KV of blocks %zu..%zu for slot %d (%s); it prefills from token %zu\n",
+                        done, n_new / bt, seq_id, range_status(st), done * bt);
             }
+            n_new = done * bt;
             kv.counts.imported_tokens += n_new - std::min(n_new, size_t(n_past));
             // what a fetch costs past its transfer: the agent's estimate counts it from now on
-            // (llama.cpp imports a whole sequence: flash attention off, V transposed row by row)
             const double took = kv.work.add(t0);
-            try {
-                kv.agent->record_import(k, took);
-            } catch (...) {
-                // the import stands whatever the estimate makes of it
+            if (done > b0) {
+                try {
+                    kv.agent->record_import(done - b0, took);
+                } catch (...) {
+                    // the import stands whatever the estimate makes of it
+                }
             }
-            SRV_DBG("kvrelay: slot %d: imported %zu blocks (the slot kept %zu tokens, had %d)\n", seq_id, k, n_exact, n_past);
+            SRV_DBG("kvrelay: slot %d: imported %zu blocks after the %zu tokens it kept (had %d)\n", seq_id, done - b0,
+                    n_exact, n_past);
         } else if (n_new < size_t(n_past)) {
             kv.counts.recomputed_tokens += size_t(n_past) - n_new;
         }
@@ -220,30 +262,28 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
         if (from == names.size()) {
             return;
         }
-        const size_t size = llama_state_seq_get_size_ext(ctx, seq_id, 0);
-        kv.blob.resize(size);
-        const size_t got = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, kv.blob.data(), size, seq_id, 0);
-        kv_parsed    p;
-        std::string  err;
-        if (got != size || size == 0) {
-            err = "llama.cpp exported no KV state";
-        } else if (parse_state(kv.blob.data(), kv.blob.size(), p, err) && !p.schema.same_layout(kv.schema)) {
-            err = "the exported KV state does not have the layout probed at load";
-        } else if (err.empty() && p.cell_of.size() < names.size() * bt) {
-            err = "the exported KV state lacks some of the prompt's positions";
-        }
-        if (!err.empty()) {
-            kv.counts.export_failed++;
-            SRV_WRN("kvrelay: slot %d: its blocks are not served: %s\n", seq_id, err.c_str());
-            return;
-        }
+        // only the new blocks leave the KV cache, straight into their store blocks: one range
+        // call per run of blocks that lie one after another in the store
         reservation                   res(*kv.store, names.size() - from, publish_removed(kv));
         const std::vector<uint32_t> & ids = res.ids;
-        std::vector<uint8_t *>        dst(ids.size());
-        for (size_t i = 0; i < ids.size(); i++) {
-            dst[i] = kv.store->block(ids[i]);
+        const size_t                  bb  = kv.store->block_bytes();
+        int32_t                       st  = LLAMA_KV_RANGE_OK;
+        for_runs(ids.data(), ids.size(), [&](size_t i0, size_t i1) {
+            if (st == LLAMA_KV_RANGE_OK) {
+                st = llama_kv_range_get(ctx, seq_id, llama_pos((from + i0) * bt), llama_pos((from + i1) * bt),
+                                        uint32_t(bt), kv.schema.desc.data(), kv.schema.desc.size(),
+                                        kv.store->block(ids[i0]), (i1 - i0) * bb);
+                if (st == LLAMA_KV_RANGE_OK) {
+                    kv.counts.export_bytes += (i1 - i0) * bb;
+                }
+            }
+        });
+        if (st != LLAMA_KV_RANGE_OK) {
+            // the reservation frees every block: none of this prompt's new blocks is served
+            kv.counts.export_failed++;
+            SRV_WRN("kvrelay: slot %d: its blocks are not served: llama.cpp: %s\n", seq_id, range_status(st));
+            return;
         }
-        cut_blocks(kv.schema, p, from, from + ids.size(), dst.data());
         // recorded before the blocks can be pinned by name: each is served with its checksum and
         // its content digest, which a fetching server compares with its own tokens' digest
         kv.agent->record_checksums(ids);

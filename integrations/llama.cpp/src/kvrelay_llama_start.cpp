@@ -85,42 +85,26 @@ using namespace detail;
 
 namespace {
 
-// Read the context's state layout off a one-token probe in sequence 0, then clear the memory.
+// Read the context's KV layout (libllama's range descriptor). Memory the range API does not
+// serve (recurrent, hybrid, sliding-window, M-RoPE cells) has none: the KV path stays off.
 bool probe_schema(llama_context * ctx, kv_schema & out, std::string & err) {
-    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
-    llama_token         tok   = llama_vocab_bos(vocab);
-    if (tok < 0) {
-        tok = 0;
-    }
-    llama_memory_t mem = llama_get_memory(ctx);
-    if (mem == nullptr) {
-        err = "the context has no KV memory";
+    const size_t len = llama_kv_range_desc(ctx, nullptr, 0);
+    if (len == 0) {
+        err = "the context's memory is not a plain KV cache (recurrent, hybrid, sliding-window or M-RoPE "
+              "memory has no position-range KV)";
         return false;
     }
-    llama_memory_clear(mem, true);
-    llama_batch batch = llama_batch_get_one(&tok, 1);
-    if (llama_decode(ctx, batch) != 0) {
-        llama_memory_clear(mem, true);
-        err = "the probe decode failed";
+    std::vector<uint8_t> desc(len);
+    if (llama_kv_range_desc(ctx, desc.data(), desc.size()) != len || !parse_desc(desc.data(), desc.size(), out, err)) {
+        if (err.empty()) {
+            err = "libllama's KV range descriptor changed while it was read";
+        }
         return false;
     }
-    const size_t         size = llama_state_seq_get_size_ext(ctx, 0, 0);
-    std::vector<uint8_t> blob(size);
-    const size_t         got = size == 0 ? 0 : llama_state_seq_get_data_ext(ctx, blob.data(), size, 0, 0);
-    llama_memory_clear(mem, true);
-    if (got != size || size == 0) {
-        err = "llama.cpp exported no KV state";
+    if (out.token_bytes() != llama_kv_range_token_size(ctx)) {
+        err = "libllama's KV range descriptor does not add up to its bytes per position";
         return false;
     }
-    kv_parsed p;
-    if (!parse_state(blob.data(), blob.size(), p, err)) {
-        return false;
-    }
-    if (p.cells != 1 || p.cell_of.size() != 1) {
-        err = "the probe's KV state does not hold its one token";
-        return false;
-    }
-    out              = p.schema;
     out.block_tokens = S().block_tokens;
     return true;
 }
@@ -286,7 +270,26 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
         return;
     }
     const size_t blocks = std::max<size_t>(1, (s.pool_mib << 20) / bb);
-    kv->store           = std::make_unique<block_store>(blocks, bb);
+    // Where the KV lives on a GPU, the store is pinned host memory (the host buffer type of the
+    // first GPU device, as llama.cpp pins its own host buffers): every copy between it and the
+    // KV cache is a direct DMA, not a pass through the driver's bounce buffers. Without a GPU,
+    // or with no layer offloaded (the KV then stays in host memory), plain host memory.
+    uint8_t * pool = nullptr;
+    kv->store_memory = "host";
+    if (ggml_backend_dev_t gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        gpu != nullptr && params.n_gpu_layers != 0) {
+        if (ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(gpu)) {
+            // never freed: the store, like the runtime, lives until exit (agent threads read it)
+            if (ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, blocks * bb)) {
+                pool             = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf));
+                kv->store_memory = std::string("pinned host (") + ggml_backend_buft_name(buft) + ")";
+            } else {
+                SRV_WRN("kvrelay: no pinned host memory for the KV block store (%zu MiB): it uses plain host memory\n",
+                        (blocks * bb) >> 20);
+            }
+        }
+    }
+    kv->store = std::make_unique<block_store>(blocks, bb, pool);
     kv->naming          = kvrelay::Naming(s.seed, s.block_tokens, 0, {});
 
     const llama_model *       model = llama_get_model(ctx);
@@ -375,7 +378,7 @@ void on_model_loaded(const common_params & params, llama_context * ctx) {
     } catch (const std::exception & e) {
         SRV_ERR("kvrelay: the KV path is off: the engine's identity: %s\n", e.what());
     }
-    // With the KV path on, the context's state layout is read off a probe, and whether V is
+    // With the KV path on, the context's KV layout is read (libllama's range descriptor), and whether V is
     // stored transposed (flash attention resolved off) joins the identity: "auto" resolves per
     // device, and blocks computed with and without flash attention differ.
     kv_schema schema;

@@ -85,6 +85,8 @@ struct kv_counters {
     std::atomic<uint64_t>           imported_tokens{ 0 };
     std::atomic<uint64_t>           recomputed_tokens{ 0 };
     std::atomic<uint64_t>           import_refused{ 0 };
+    std::atomic<uint64_t>           export_bytes{ 0 };  // KV cache -> store (llama_kv_range_get)
+    std::atomic<uint64_t>           import_bytes{ 0 };  // store -> KV cache (llama_kv_range_set)
     std::atomic<uint64_t>           cells_changed{ 0 };  // on_cells_changed / on_cells_copied calls
 
     // every outcome's series is there from the start, at zero: this integration's own, then the
@@ -244,7 +246,7 @@ struct kv_runtime {
     source_backoff                         backoff;         // --kv-fetch faster only
     std::mutex                             flights_mu;
     std::map<std::string, std::shared_ptr<flight>> flights;  // by source and first block fetched
-    std::vector<uint8_t>                   blob;             // main loop only
+    std::string                            store_memory;     // what the store's pool is ("host", "pinned host")
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
     std::vector<slot_kv>                   slots;            // by sequence id, main loop only
 

@@ -1,5 +1,5 @@
-// Unit tests of kvrelay_llama_kv (no llama.cpp, no model): the sequence-state blob read and
-// written as blocks, and the block store.
+// Unit tests of kvrelay_llama_kv (no llama.cpp, no model): libllama's KV range descriptor read
+// as a block layout, and the block store. (The range API itself: range_api_test.cpp.)
 //
 //   g++ -std=c++17 -Wall -Wextra -Werror -Iinclude -Iintegrations/llama.cpp/src
 //       integrations/llama.cpp/tests/kv_unit_test.cpp integrations/llama.cpp/src/kvrelay_llama_kv.cpp
@@ -52,142 +52,67 @@ template <typename T> static void put(std::vector<uint8_t> & o, T v) {
     std::memcpy(o.data() + at, &v, sizeof v);
 }
 
-// A blob as llama.cpp writes it for cells in `order` (order[c] = the position of blob cell c),
-// each cell's bytes taken from the blocks `blocks` (position p lies in block p / bt).
-static std::vector<uint8_t> blob_in_order(const kv_schema & s, const std::vector<uint8_t> & blocks,
-                                          const std::vector<uint32_t> & order, uint32_t n_stream = 1) {
-    const size_t bt = s.block_tokens, bb = s.block_bytes();
+// A descriptor as llama_kv_range_desc writes one (llama-kv-range.patch) for schema `s`.
+static std::vector<uint8_t> desc_of(const kv_schema & s, uint32_t version = 1) {
     std::vector<uint8_t> o;
-    put<uint32_t>(o, 0xaf143cd8);
-    put<int32_t>(o, 0);
-    put<uint32_t>(o, n_stream);
-    put<uint32_t>(o, uint32_t(order.size()));
-    for (uint32_t p : order) {
-        put<int32_t>(o, int32_t(p));
-        put<uint32_t>(o, 1);
-        put<int32_t>(o, 0);
-    }
-    put<uint32_t>(o, s.v_trans ? 1 : 0);
+    put<uint32_t>(o, 0x4752564b);
+    put<uint32_t>(o, version);
     put<uint32_t>(o, uint32_t(s.layers.size()));
-    size_t off = 0;
+    put<uint32_t>(o, s.v_trans ? 1 : 0);
     for (const kv_layer & l : s.layers) {
         put<int32_t>(o, l.k_type);
-        put<uint64_t>(o, l.k_row);
-        for (uint32_t p : order) {
-            const uint8_t * b = blocks.data() + (p / bt) * bb + off + (p % bt) * l.k_row;
-            o.insert(o.end(), b, b + l.k_row);
-        }
-        off += bt * l.k_row;
-    }
-    for (const kv_layer & l : s.layers) {
         put<int32_t>(o, l.v_type);
-        if (!s.v_trans) {
-            put<uint64_t>(o, l.v_row);
-            for (uint32_t p : order) {
-                const uint8_t * b = blocks.data() + (p / bt) * bb + off + (p % bt) * l.v_row;
-                o.insert(o.end(), b, b + l.v_row);
-            }
-            off += bt * l.v_row;
-            continue;
-        }
+        put<uint64_t>(o, l.k_row);
+        put<uint64_t>(o, s.v_trans ? uint64_t(l.v_el) * l.n_embd_v : l.v_row);
         put<uint32_t>(o, l.v_el);
         put<uint32_t>(o, l.n_embd_v);
-        for (size_t j = 0; j < l.n_embd_v; j++) {
-            for (uint32_t p : order) {
-                const uint8_t * b = blocks.data() + (p / bt) * bb + off + j * bt * l.v_el + (p % bt) * l.v_el;
-                o.insert(o.end(), b, b + l.v_el);
-            }
-        }
-        off += size_t(l.n_embd_v) * bt * l.v_el;
-    }
-    for (uint32_t st = 1; st < n_stream; st++) {
-        put<uint32_t>(o, 0);
     }
     return o;
 }
 
-static std::vector<uint8_t> cut(const kv_schema & s, const kv_parsed & p, size_t from, size_t to) {
-    std::vector<uint8_t>   out((to - from) * s.block_bytes());
-    std::vector<uint8_t *> dst;
-    for (size_t i = 0; i < to - from; i++) {
-        dst.push_back(out.data() + i * s.block_bytes());
-    }
-    cut_blocks(s, p, from, to, dst.data());
-    return out;
-}
-
-static void state_round_trips(bool v_trans) {
-    const kv_schema s  = schema(v_trans);
-    const size_t    n  = 3, bb = s.block_bytes();
-    CHECK(bb == 2 * 3 * (8 + 8));
-    std::vector<uint8_t> blocks(n * bb);
-    for (size_t i = 0; i < blocks.size(); i++) {
-        blocks[i] = uint8_t(i * 7 + 3);
-    }
-    std::vector<const uint8_t *> src;
-    for (size_t b = 0; b < n; b++) {
-        src.push_back(blocks.data() + b * bb);
-    }
-    // build_import writes what llama.cpp writes for cells in position order
-    std::vector<uint8_t> blob;
-    build_import(s, src.data(), n, 5, blob);
-    std::vector<uint32_t> in_order(n * s.block_tokens);
-    std::iota(in_order.begin(), in_order.end(), 0);
-    std::vector<uint8_t> want = blob_in_order(s, blocks, in_order);
-    std::memcpy(want.data() + 4, blob.data() + 4, 4);  // the seq id
-    for (size_t c = 0; c < in_order.size(); c++) {
-        std::memcpy(want.data() + 16 + c * 12 + 8, blob.data() + 16 + c * 12 + 8, 4);
-    }
-    CHECK(blob == want);
-
-    kv_parsed   p;
-    std::string err;
-    CHECK(parse_state(blob.data(), blob.size(), p, err));
-    CHECK(p.cells == n * s.block_tokens && p.cell_of.size() == n * s.block_tokens);
-    kv_schema got = p.schema;
+static void desc_parses(bool v_trans) {
+    const kv_schema            s = schema(v_trans);
+    const std::vector<uint8_t> d = desc_of(s);
+    kv_schema                  got;
+    std::string                err;
+    CHECK(parse_desc(d.data(), d.size(), got, err));
+    CHECK(got.v_trans == v_trans && got.layers == s.layers && got.desc == d && got.block_tokens == 0);
     got.block_tokens = s.block_tokens;
-    CHECK(got.same_layout(s));
-    CHECK(cut(s, p, 0, n) == blocks);
-    CHECK(cut(s, p, 1, n) == std::vector<uint8_t>(blocks.begin() + bb, blocks.end()));
-
-    // cells out of order (llama.cpp places them wherever cells are free): cut by position
-    std::vector<uint32_t> shuffled = { 3, 0, 5, 1, 4, 2 };
-    std::vector<uint8_t>  blob2    = blob_in_order(s, blocks, shuffled);
-    CHECK(parse_state(blob2.data(), blob2.size(), p, err));
-    CHECK(cut(s, p, 0, n) == blocks);
-
-    // several streams, one of them holding the cells
-    std::vector<uint8_t> blob3 = blob_in_order(s, blocks, in_order, 4);
-    CHECK(parse_state(blob3.data(), blob3.size(), p, err) && p.schema.n_stream == 4);
-    CHECK(cut(s, p, 0, n) == blocks);
-
-    // a gap in the positions: cell_of stops before it
-    std::vector<uint32_t> gap = { 0, 1, 2, 4, 5, 6 };
-    std::vector<uint8_t>  b4  = blob_in_order(s, std::vector<uint8_t>(4 * bb), gap);
-    CHECK(parse_state(b4.data(), b4.size(), p, err) && p.cell_of.size() == 3);
-
-    // refused: truncated, trailing bytes, another magic, two positions alike, nothing
-    CHECK(!parse_state(blob.data(), blob.size() - 1, p, err));
-    std::vector<uint8_t> longer = blob;
+    CHECK(got.block_bytes() == s.block_bytes() && got.token_bytes() == 3 * (8 + 8));
+    // each way a descriptor can be wrong is refused, with a reason
+    const std::vector<uint8_t> v2 = desc_of(s, 2);
+    CHECK(!parse_desc(v2.data(), v2.size(), got, err) && err.find("version 2") != std::string::npos);
+    CHECK(!parse_desc(d.data(), d.size() - 1, got, err) && err.find("early") != std::string::npos);
+    std::vector<uint8_t> longer = d;
     longer.push_back(0);
-    CHECK(!parse_state(longer.data(), longer.size(), p, err) && err.find("follow") != std::string::npos);
-    std::vector<uint8_t> magic = blob;
+    CHECK(!parse_desc(longer.data(), longer.size(), got, err) && err.find("follow") != std::string::npos);
+    std::vector<uint8_t> magic = d;
     magic[0] ^= 1;
-    CHECK(!parse_state(magic.data(), magic.size(), p, err));
-    std::vector<uint32_t> twice = { 0, 1, 1, 3, 4, 5 };
-    std::vector<uint8_t>  b5    = blob_in_order(s, blocks, twice);
-    CHECK(!parse_state(b5.data(), b5.size(), p, err));
-    CHECK(!parse_state(nullptr, 0, p, err));
-    // a cell count the blob cannot hold is refused before anything is allocated for it
-    std::vector<uint8_t> huge;
-    put<uint32_t>(huge, 0xaf143cd8);
-    put<int32_t>(huge, 0);
-    put<uint32_t>(huge, 1);
-    put<uint32_t>(huge, 0xffffffffu);
-    CHECK(!parse_state(huge.data(), huge.size(), p, err) && err.find("early") != std::string::npos);
+    CHECK(!parse_desc(magic.data(), magic.size(), got, err) && err.find("magic") != std::string::npos);
+    CHECK(!parse_desc(nullptr, 0, got, err));
+    kv_schema none = s;
+    none.layers.clear();
+    const std::vector<uint8_t> zero = desc_of(none);
+    CHECK(!parse_desc(zero.data(), zero.size(), got, err) && err.find("0 layers") != std::string::npos);
+    // a V row that does not match the element size times the elements (transposed), or element
+    // fields set for plain V
+    kv_schema odd = s;
+    if (v_trans) {
+        odd.layers[1].v_el = 0;
+    } else {
+        odd.layers[1].v_el = 2;
+    }
+    std::vector<uint8_t> bad = desc_of(odd);
+    if (v_trans) {  // the row field still says 8 bytes
+        const uint64_t row = 8;
+        std::memcpy(bad.data() + 16 + 32 + 16, &row, sizeof row);
+    }
+    CHECK(!parse_desc(bad.data(), bad.size(), got, err) && err.find("impossible") != std::string::npos);
+    // a failed parse leaves `out` as it was
+    kv_schema kept = s;
+    CHECK(!parse_desc(v2.data(), v2.size(), kept, err) && kept.layers == s.layers && kept.desc.empty());
 }
 
-// A stand-in content digest: one per name (a block's tokens), another for a collision.
 static block_store::digest dig(uint64_t name, uint8_t tenant = 0) {
     block_store::digest d{};
     std::memcpy(d.data(), &name, sizeof name);
@@ -307,8 +232,8 @@ static void store_events_follow_the_store() {
 }
 
 int main() {
-    state_round_trips(true);
-    state_round_trips(false);
+    desc_parses(true);
+    desc_parses(false);
     store_works();
     store_events_follow_the_store();
     if (failures != 0) {
