@@ -10,6 +10,9 @@
 #   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
 #   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
 #   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
+#   bash benches/llama_server/h200.sh --range          # range_api_test (-ngl 99), range_kv_test (fa off, on)
+#   FA=on SIZES=1024,4096,16384 bash benches/llama_server/h200.sh 32   # ttft.py with -fa on, those sizes
+#   MODEL_ARGS="--layers 32 --embd 4096 --heads 32 --heads-kv 8 --ff 14336" MODEL_NAME=random-8b ...  # the 8B shape
 #   KV_FETCH=faster STREAM=1 bash benches/llama_server/h200.sh 32   # B decides; streamed requests
 # Writes ttft-ub<N>.log per ubatch size, and the build's and the servers' tails, into $OUT.
 set -euo pipefail
@@ -29,10 +32,27 @@ if [ ! -x "$w/build/bin/llama-server" ]; then
   cmake --build "$w/build" --target llama-server -j "$(nproc)" >"$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
   echo "h200.sh: llama-server built with CUDA in $(( $(date +%s) - t0 )) s"
 fi
-model="$w/random-1b.gguf"
-[ -f "$model" ] || python3 benches/llama_server/random_gguf.py "$model"
+if [ ! -x "$w/range_api_test" ]; then
+  # libllama's position-range KV API test, linked against the CUDA build's static libraries
+  mapfile -t libs < <(find "$w/build/src" "$w/build/ggml" -name 'lib*.a' | sort)
+  g++ -std=c++17 -O2 -I"$w/llama.cpp/include" -I"$w/llama.cpp/ggml/include" \
+    integrations/llama.cpp/tests/range_api_test.cpp -o "$w/range_api_test" -Wl,--start-group "${libs[@]}" -Wl,--end-group \
+    -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -ldl -lpthread -lm -lrt
+fi
+model="$w/${MODEL_NAME:-random-1b}.gguf"
+# shellcheck disable=SC2086
+[ -f "$model" ] || python3 benches/llama_server/random_gguf.py "$model" ${MODEL_ARGS:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "${1:-}" = "--build-only" ] && exit 0
+if [ "${1:-}" = "--range" ]; then
+  # the range API with the KV cache on the GPU (ggml-cuda's 2-D copies), then the server's byte counters
+  "$w/range_api_test" "$model" 99 2>&1 | tee "$out/range-api.log"
+  for fa in off on; do
+    python3 integrations/llama.cpp/tests/range_kv_test.py --server "$w/build/bin/llama-server" --model "$model" \
+      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" 2>&1 | tee -a "$out/range-kv.log"
+  done
+  exit 0
+fi
 if [ "${1:-}" = "--two-instance" ]; then
   for fa in off on; do
     echo "## --flash-attn $fa" | tee -a "$out/two-instance.log"
@@ -42,9 +62,10 @@ if [ "${1:-}" = "--two-instance" ]; then
   exit 0
 fi
 for ub in "${@:-32}"; do
-  echo "# benches/llama_server/ttft.py, H200 (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), random 1B-shaped model, ubatch $ub" \
-    | tee "$out/ttft-ub$ub.log"
+  echo "# benches/llama_server/ttft.py, H200 (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), ${MODEL_NAME:-random-1b} model, ubatch $ub, -fa ${FA:-off}" \
+    | tee "$out/ttft-ub$ub-fa${FA:-off}-${MODEL_NAME:-random-1b}.log"
   python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
-    --sizes 256,1024,2048,4096 --rounds 6 --ubatch "$ub" --server-args "-ngl 99 ${SERVER_ARGS:-}" \
-    --kv-fetch "${KV_FETCH:-always}" ${STREAM:+--stream} 2>&1 | tee -a "$out/ttft-ub$ub.log"
+    --sizes "${SIZES:-256,1024,2048,4096}" --rounds "${ROUNDS:-6}" --ubatch "$ub" --flash-attn "${FA:-off}" \
+    --server-args "-ngl 99 ${SERVER_ARGS:-}" \
+    --kv-fetch "${KV_FETCH:-always}" ${STREAM:+--stream} 2>&1 | tee -a "$out/ttft-ub$ub-fa${FA:-off}-${MODEL_NAME:-random-1b}.log"
 done

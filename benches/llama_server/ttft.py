@@ -3,14 +3,16 @@
 fetched by a hint, against the same server prefilling a prompt of the same length cold.
 
 Two kvrelay builds of llama-server run at once on loopback with the bit-exact settings
-(`-np 1 -fa off -ub 32 --cache-ram 0`, 32-token blocks, the same threads): A serves its blocks
+(`-np 1 -fa off -ub 32 --cache-ram 0`, `--flash-attn on` for `-fa on`, 32-token blocks, the same threads): A serves its blocks
 (--kv-listen), B trusts hints from A (--kv-trusted-endpoint, --kv-fetch always). Each round takes
 a fresh prompt for every size (its first token differs from every earlier prompt's, so neither
 server holds any of its blocks): A prefills it (not timed), A's /v1/kv/lookup names its blocks,
 then B answers it with a `kv.fetch` hint naming A's blocks (fetched: the time covers the policy,
 the fetch of every full block but the last token's, the import and the prefill of the rest), and
 B answers another fresh prompt of the same length without a hint and with `cache_prompt` off
-(cold, the anchor: a whole prefill). The two alternate in an order that flips every round. Each
+(cold, the anchor: a whole prefill). Right after each fetched request, B answers the floor: the
+same prompt with its tail (the tokens after the last fetched block) replaced by other tokens, so
+the blocks are in B's slot already and only the tail is computed: what a free fetch would give. The two alternate in an order that flips every round. Each
 request generates one token, so its time is the time to first token. The noise beside the ratio
 is how far the cold runs' two halves differ (the ratio of their medians).
 
@@ -98,6 +100,7 @@ def main():
     ap.add_argument("--sizes", default="256,1024,2048,4096", help="prompt lengths in tokens")
     ap.add_argument("--rounds", type=int, default=6, help="fetched and cold requests per size (bounded)")
     ap.add_argument("--ubatch", type=int, default=BT, help="-ub of both servers (32: the bit-exact setting)")
+    ap.add_argument("--flash-attn", choices=["off", "on"], default="off", help="-fa of both servers")
     ap.add_argument("--server-args", default="", help="more flags for both servers, space-separated")
     ap.add_argument("--kv-fetch", choices=["always", "faster"], default="always", help="B's fetch decision")
     ap.add_argument("--stream", action="store_true",
@@ -108,7 +111,7 @@ def main():
     sizes = [int(s) for s in a.sizes.split(",")]
     logs = a.log_dir or tempfile.mkdtemp(prefix="llama-ttft-")
     os.makedirs(logs, exist_ok=True)
-    exact = ["-c", str(max(sizes) + 64), "-fa", "off", "-ub", str(a.ubatch), "--cache-ram", "0", "--no-warmup",
+    exact = ["-c", str(max(sizes) + 64), "-fa", a.flash_attn, "-ub", str(a.ubatch), "--cache-ram", "0", "--no-warmup",
              "--kv-block-tokens", str(BT)] + a.server_args.split()
     servers = []
     try:
@@ -133,7 +136,7 @@ def main():
         rows = []
         for n in sizes:
             post(B, "/completion", {"prompt": prompt(n), "n_predict": 1, "cache_prompt": False})  # warm
-            times = {"fetched": [], "cold": []}
+            times = {"fetched": [], "cold": [], "floor": []}
             fetched_rounds = 0
             for r in range(a.rounds):
                 p = prompt(n)
@@ -148,6 +151,14 @@ def main():
                         fetched_rounds += out["timings"]["prompt_n"] <= BT
                         if a.kv_fetch == "always" and out["timings"]["prompt_n"] > BT:
                             raise RuntimeError("the fetched request prefilled %d tokens" % out["timings"]["prompt_n"])
+                        # the floor: the same blocks, now in B's slot, and a tail of the same length
+                        # but other tokens: only the tail is computed (what a free fetch would give)
+                        tail = n - (n - 1) // BT * BT
+                        pf = p[:n - tail] + [(t + 1) % span + 100 for t in p[n - tail:]]
+                        took_f, out_f = send(B, "/completion", {"prompt": pf, "n_predict": n_predict, "temperature": 0})
+                        if out_f["timings"]["prompt_n"] != tail:
+                            raise RuntimeError("the floor request prefilled %d tokens, not %d" % (out_f["timings"]["prompt_n"], tail))
+                        times["floor"].append(took_f)
                     else:
                         took, out = send(B, "/completion", {"prompt": prompt(n), "n_predict": n_predict, "temperature": 0,
                                                             "cache_prompt": False})
@@ -159,17 +170,19 @@ def main():
             c = times["cold"]
             noise = abs(statistics.median(c[:half]) / statistics.median(c[half:]) - 1) if half else float("nan")
             row = {"prompt_tokens": n, "rounds": a.rounds, "threads": a.threads, "ubatch": a.ubatch, "stream": a.stream,
-                   "kv_fetch": a.kv_fetch, "fetched_rounds": fetched_rounds, "fetched_ms": round(med["fetched"] * 1e3, 1), "cold_ms": round(med["cold"] * 1e3, 1),
-                   "ratio": round(med["fetched"] / med["cold"], 4), "noise": round(noise, 4)}
+                   "flash_attn": a.flash_attn, "kv_fetch": a.kv_fetch, "fetched_rounds": fetched_rounds,
+                   "fetched_ms": round(med["fetched"] * 1e3, 1), "cold_ms": round(med["cold"] * 1e3, 1),
+                   "floor_ms": round(med["floor"] * 1e3, 1), "ratio": round(med["fetched"] / med["cold"], 4),
+                   "ratio_floor": round(med["fetched"] / med["floor"], 4), "noise": round(noise, 4)}
             rows.append(row)
             print(json.dumps(row), flush=True)
         print()
-        print("| prompt tokens | hinted (median; rounds that fetched) | cold prefill (median, the anchor) | ratio hinted/cold | noise (cold, half against half) |")
-        print("|---|---|---|---|---|")
+        print("| prompt tokens | -fa | hinted (median; rounds that fetched) | floor (the tail only) | cold prefill (median, the anchor) | hinted/cold | hinted/floor | noise (cold, half against half) |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print("| %d | %.1f ms (%d of %d) | %.1f ms | %.4f | %.2f%% |" % (
-                r["prompt_tokens"], r["fetched_ms"], r["fetched_rounds"], r["rounds"], r["cold_ms"], r["ratio"],
-                100 * r["noise"]))
+            print("| %d | %s | %.1f ms (%d of %d) | %.1f ms | %.1f ms | %.4f | %.3f | %.2f%% |" % (
+                r["prompt_tokens"], r["flash_attn"], r["fetched_ms"], r["fetched_rounds"], r["rounds"], r["floor_ms"],
+                r["cold_ms"], r["ratio"], r["ratio_floor"], 100 * r["noise"]))
         m = metrics_text(B)
         print("\nB's decision terms at the end: " + ", ".join(
             l for l in m.splitlines() if l.startswith(("llamacpp_kv_prefill_", "llamacpp_kv_import_", "llamacpp_kv_fetch_total"))))

@@ -8,12 +8,14 @@
 // - every refusal (descriptor of another layout or version, bad range, block size or payload size,
 //   positions the sequence lacks, a gap before p0, no room) returns its status and changes nothing.
 //
-//   range_api_test MODEL.gguf
+//   range_api_test MODEL.gguf [N_GPU_LAYERS]   (default 0: the CPU; 99 on a GPU build: the KV
+//                                              cache on the device, the copies the backend's)
 #include "llama.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -238,14 +240,14 @@ void run(llama_model * model, const std::vector<llama_token> & tokens, bool fa) 
 }  // namespace
 
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        std::fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
+    if (argc != 2 && argc != 3) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf [N_GPU_LAYERS]\n", argv[0]);
         return 2;
     }
     llama_log_set(quiet, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers       = 0;
+    mp.n_gpu_layers       = argc == 3 ? std::atoi(argv[2]) : 0;
     mp.progress_callback  = [](float, void *) { return true; };  // no progress dots
     llama_model * model   = llama_model_load_from_file(argv[1], mp);
     if (model == nullptr) {

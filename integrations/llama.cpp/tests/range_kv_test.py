@@ -2,7 +2,7 @@
 """Only new KV leaves a slot, only missing KV enters one (libllama's position-range KV API).
 
     python3 integrations/llama.cpp/tests/range_kv_test.py --server target/llama-server/bin/llama-server-kvrelay \
-        --model MODEL.gguf [--threads 1] [--log-dir DIR] [--flash-attn off|on]
+        --model MODEL.gguf [--threads 1] [--log-dir DIR] [--flash-attn off|on] [--server-args "-ngl 99"]
 
 Standard library only. Servers with the bit-exact settings of two_instance_test.py and 16-token
 blocks: A serves its blocks, B trusts hints and fetches from A, C is the cold reference. Checks,
@@ -15,7 +15,10 @@ llamacpp_kv_import_bytes_total count what moves between llama.cpp's KV cache and
      whole conversation every turn);
   3. B's slot holds 60 blocks of a prompt; the prompt one block longer, hinted at A, makes B
      fetch that one block, and the import moves exactly one block into the slot (not 61); B's
-     answer (greedy text and top-5 probabilities) equals C's.
+     answer (greedy text and top-5 probabilities) equals C's;
+  4. F, whose KV type differs (F32), hinted at A's blocks: its names differ (the identity binds the
+     KV types), so nothing is fetched or written, counted nothing_to_fetch; it answers as a cold
+     server of its own settings (the range API itself refuses another layout: range_api_test).
 Exit status 0 when every check passed.
 """
 import os
@@ -95,14 +98,35 @@ def body(a, start):
           "prompt_n %s" % r["timings"]["prompt_n"])
     check(answer(r) == answer(want), "B's greedy text and top-5 probabilities equal the cold server's", repr(r["content"]))
 
+    # 4. a server whose KV type differs (F32) is hinted at A's F16 blocks: its identity differs, so
+    #    A's names are not its prompt's and nothing is fetched or written (counted nothing_to_fetch,
+    #    declined); it answers as a cold server of its own settings
+    F = start("F", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a, "-ctk", "f32", "-ctv", "f32"])
+    CF = start("CF", ["-ctk", "f32", "-ctv", "f32"])
+    info_f = F.json("GET", "/v1/kv/info")[1]
+    check(info_f["naming_seed"] != info["naming_seed"] and int(info_f["block_bytes"]) == 2 * bb,
+          "F (F32 KV) names blocks under another seed, and its blocks are twice the size")
+    want = complete(CF, P1, {"cache_prompt": False})
+    before = metrics(F)
+    r = complete(F, P1, {"kv_hints": envelope(ep_a, look["block_hashes"], "range-2")})
+    after = metrics(F)
+    check(delta(before, after, 'llamacpp_kv_fetch_total{outcome="nothing_to_fetch"}') == 1
+          and delta(before, after, "llamacpp_kv_fetched_blocks_total") == 0
+          and delta(before, after, "llamacpp_kv_import_bytes_total") == 0,
+          "F fetched and imported nothing of A's, counted nothing_to_fetch")
+    check(answer(r) == answer(want), "F's answer equals its own cold server's", repr(r["content"]))
+
 
 def main():
-    fa = "off"
-    if "--flash-attn" in sys.argv:
-        i = sys.argv.index("--flash-attn")
-        fa = sys.argv[i + 1]
-        del sys.argv[i:i + 2]
-    exact = ["-fa", fa, "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)]
+    # --flash-attn off|on and --server-args "..." (a CUDA build: -ngl 99), taken before run_test's own
+    opts = {"--flash-attn": "off", "--server-args": ""}
+    for k in opts:
+        if k in sys.argv:
+            i = sys.argv.index(k)
+            opts[k] = sys.argv[i + 1]
+            del sys.argv[i:i + 2]
+    exact = ["-fa", opts["--flash-attn"], "-ub", str(BT), "--cache-ram", "0", "--kv-block-tokens", str(BT)] + \
+        opts["--server-args"].split()
     return run_test("kvrelay-llama-range-", body, exact)
 
 
