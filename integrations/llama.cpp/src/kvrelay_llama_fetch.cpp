@@ -198,7 +198,10 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->owner.f   = std::make_shared<flight>();
         kv.flights.emplace(key, call->owner.f);
     }
-    call->dst = reservation(*kv.store, run, publish_removed(kv));
+    // a fetch evicts at most a quarter of the store (free blocks first): a stale or wrong hint,
+    // which reserves before the source says what it has, cannot flush what this server holds;
+    // a longer run is fetched in part (counted partial)
+    call->dst = reservation(*kv.store, run, publish_removed(kv), std::max<size_t>(1, kv.store->capacity() / 4));
     if (call->dst.ids.empty()) {
         call->outcome = "no_room";
         return NO_ROOM;

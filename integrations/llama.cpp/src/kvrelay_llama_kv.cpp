@@ -190,7 +190,7 @@ void block_store::unpin(const uint32_t * ids, size_t n) {
 }
 
 std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evicted,
-                                          const std::function<void(uint64_t)> & on_evict) {
+                                          const std::function<void(uint64_t)> & on_evict, size_t max_evict) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<uint32_t>       out;
     out.reserve(std::min(n, capacity_));
@@ -206,7 +206,7 @@ std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evi
                 lru.emplace_back(blocks_[i].used, i);
             }
         }
-        const size_t want = std::min(n - out.size(), lru.size());
+        const size_t want = std::min({ n - out.size(), lru.size(), max_evict });
         std::partial_sort(lru.begin(), lru.begin() + want, lru.end());
         for (size_t i = 0; i < want; i++) {
             entry & e = blocks_[lru[i].second];

@@ -94,9 +94,11 @@ class block_store : public kvrelay::BlockHolder {
     /// committed ones, whose names are dropped and, when `evicted` is given, appended to it).
     /// Fewer when everything else is pinned or reserved. `on_evict`, when given, is called
     /// with each evicted name under the store's lock: in the store's own order with every
-    /// other commit and eviction (KV events published there never invert).
+    /// other commit and eviction (KV events published there never invert). At most `max_evict`
+    /// committed blocks are evicted (a fetch's bounded share of the store).
     std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr,
-                                  const std::function<void(uint64_t)> & on_evict = nullptr);
+                                  const std::function<void(uint64_t)> & on_evict = nullptr,
+                                  size_t max_evict = SIZE_MAX);
     /// Commit reserved `ids[i]` under `names[i]` with content digest `digests[i]`; a name already
     /// committed keeps its block (and its digest) and the new one is freed. Every block is checked reserved; one that is not is left alone
     /// and counted (misuse). Returns the positions `i` committed under a new name, in order;

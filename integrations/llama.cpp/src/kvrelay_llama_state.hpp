@@ -177,9 +177,10 @@ struct reservation {
     std::vector<uint32_t> ids;
     size_t                handed = 0;
     reservation() = default;
-    reservation(block_store & st, size_t n, const std::function<void(uint64_t)> & on_evict) :
+    reservation(block_store & st, size_t n, const std::function<void(uint64_t)> & on_evict,
+                size_t max_evict = SIZE_MAX) :
         store(&st),
-        ids(st.reserve(n, nullptr, on_evict)) {}
+        ids(st.reserve(n, nullptr, on_evict, max_evict)) {}
     reservation(reservation && o) noexcept : store(o.store), ids(std::move(o.ids)), handed(o.handed) { o.store = nullptr; }
     reservation & operator=(reservation && o) noexcept {
         std::swap(store, o.store);

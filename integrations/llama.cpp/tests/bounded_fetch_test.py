@@ -18,7 +18,10 @@ reference. Checks:
      every one is counted once, and a retry happens only after a skip period (a few `late` at
      most);
   3. every answer equals the cold server's;
-  4. nothing stays pinned on B.
+  4. nothing stays pinned on B;
+  5. E, whose small store is full, gets a hint naming a source S that lacks the blocks: the fetch
+     evicts at most a quarter of the store (a stale router hint cannot flush it; before, it
+     evicted every unpinned block), and E then answers the prompt as the cold server.
 Exit status 0 when every check passed.
 """
 import os
@@ -105,6 +108,35 @@ def body(a, start):
               "declined %d, fetch_failed %d" % (policy("provider_declined"), policy("fetch_failed")))
         check(not differ, "3. every answer equals the cold server's", "differ: %s" % differ)
         check(after.get("llamacpp_kv_store_pinned_blocks", -1) == 0, "4. nothing stays pinned on B")
+
+        # 5. a full store and a hint to a live source that lacks the blocks: the fetch reserves
+        #    before the source says what it has, so it may evict, but never more than a quarter
+        #    of the store (free blocks first); E's other blocks stay held. E fails a request whose
+        #    fetch failed (--kv-load-failure-policy fail), so nothing of it is prefilled or
+        #    exported and the store's counters show the fetch's evictions alone
+        S = start("S", ["--kv-listen", "127.0.0.1:0"])
+        ep_s = S.json("GET", "/v1/kv/info")[1]["source_control_endpoint"]
+        E = start("E", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_s, "--kv-pool-mib", "8",
+                        "--kv-load-failure-policy", "fail"])
+        cap = int(E.json("GET", "/v1/kv/info")[1]["store_blocks"])
+        for i in range(6):
+            complete(E, text(150, 2000 + i))
+        m1 = metrics(E)
+        q = text(400, 2100)
+        hashes = E.json("POST", "/v1/kv/lookup", {"prompt": q})[1]["block_hashes"]
+        st, _ = E.json("POST", "/completion", {"prompt": q, "n_predict": 4, "kv_hints": envelope(ep_s, hashes, "stale-1")})
+        m2 = metrics(E)
+        evicted = m2.get("llamacpp_kv_store_evicted_total", 0) - m1.get("llamacpp_kv_store_evicted_total", 0)
+        check(m1.get("llamacpp_kv_store_blocks") == cap and len(hashes) > cap // 4 and st == 502
+              and fetch_outcomes(m1, m2) == {'llamacpp_kv_fetch_total{outcome="source_miss"}': 1},
+              "5. E's store is full, the hint names more blocks than a quarter of it, S lacks them (source_miss)",
+              "%s of %d blocks, %d named, status %s, %s" % (m1.get("llamacpp_kv_store_blocks"), cap, len(hashes), st,
+                                                          fetch_outcomes(m1, m2)))
+        check(evicted <= max(1, cap // 4) and m2.get("llamacpp_kv_store_blocks", 0) >= cap - max(1, cap // 4),
+              "5. the stale hint evicted at most a quarter of E's store",
+              "%d evicted, %s of %d held" % (evicted, m2.get("llamacpp_kv_store_blocks"), cap))
+        check(answer(complete(E, q)) == answer(complete(C, q, {"cache_prompt": False})),
+              "5. E then answers the prompt as the cold server")
     finally:
         stop.set()
         acceptor.join()

@@ -186,6 +186,22 @@ static void store_works() {
         threw = true;
     }
     CHECK(threw);
+    // a bounded share: a reservation evicts at most max_evict committed blocks (free ones first)
+    block_store                 full(8, 64);
+    std::vector<uint32_t>       all = full.reserve(8);
+    std::vector<uint64_t>       names8(8);
+    std::vector<block_store::digest> digs8(8);
+    for (uint64_t i = 0; i < 8; i++) {
+        names8[i] = 100 + i;
+        digs8[i]  = dig(100 + i);
+    }
+    CHECK(full.commit(all.data(), names8.data(), digs8.data(), 8).size() == 8);
+    std::vector<uint64_t> gone;
+    std::vector<uint32_t> two = full.reserve(5, &gone, nullptr, 2);
+    CHECK(two.size() == 2 && gone.size() == 2 && full.read_counts().committed == 6);
+    full.release(two.data(), two.size());
+    std::vector<uint32_t> back = full.reserve(5, &gone, nullptr, 0);  // the 2 free ones, no eviction
+    CHECK(back.size() == 2 && gone.size() == 2 && full.read_counts().committed == 6);
 }
 
 // Commits and evictions racing on two threads: the events the store reports (under its own
