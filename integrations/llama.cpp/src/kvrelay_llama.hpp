@@ -114,11 +114,14 @@ std::vector<held_ptr> fetch_prefixes(const std::vector<fetch_input> & in, const 
 
 /// The slot's cached-prefix logic (main loop, SLOT_STATE_STARTED) once `n_past` is final:
 /// imports the prompt's leading blocks that the block store holds past `n_past` (fetched for
-/// this request, or computed here by an earlier prompt) into sequence `seq_id`, which llama.cpp
-/// replaces whole. Returns the new n_past: a block multiple above `n_past` after an import,
-/// `n_past` when nothing is imported, 0 when llama.cpp refused the blob (the sequence was
-/// emptied). At least one prompt token is always left to evaluate. Cost: O(imported bytes),
-/// one copy into a reused buffer.
+/// this request, or computed here by an earlier prompt) into sequence `seq_id`: only the
+/// positions the slot lacks (from the exact prefix it keeps to the last held block), one
+/// llama_kv_range_set per run of blocks that lie one after another in the store; the slot's
+/// cells below and every other sequence stay as they are. Returns the new n_past: a block
+/// multiple above `n_past` after an import, `n_past` when nothing is imported, the end of the
+/// imported blocks when llama.cpp refused one (it changes nothing before refusing). At least one
+/// prompt token is always left to evaluate. Cost: O(the bytes that enter the slot), straight
+/// from the store, no other buffer.
 int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt, int n_past) noexcept;
 
 /// post_decode (main loop) when a slot's prompt is evaluated, before its first token is sampled:
@@ -135,12 +138,10 @@ void on_prompt_done(llama_context * ctx, int seq_id, const server_tokens & promp
 /// first token is on its way to the client, and not in the KV yet), or before the final
 /// response when that token ends the request (so that a client holding the answer finds the
 /// blocks served): commits the full blocks of the prompt on_prompt_done left,
-/// that the store lacks (the sequence exported with llama_state_seq_get_data_ext, cut into
-/// blocks, checksums recorded), so that peers can fetch them. Once per prompt; O(1) for every
-/// later token, and when nothing is left. Cost: O(the sequence's KV bytes) when the prompt has
-/// new full blocks (llama.cpp exports no range; with flash attention off on a GPU, its row-by-row
-/// copy of transposed V is most of it), one naming pass otherwise; the export buffer keeps its
-/// largest size. Kept out of a streamed request's time to first token this way.
+/// that the store lacks (copied by llama_kv_range_get straight into reserved store blocks,
+/// checksums recorded), so that peers can fetch them. Once per prompt; O(1) for every later
+/// token, and when nothing is left. Cost: O(the new blocks' bytes), one naming pass otherwise;
+/// no buffer of the sequence's size. Kept out of a streamed request's time to first token.
 void export_pending(llama_context * ctx, int seq_id) noexcept;
 
 /// launch_slot_with_task (main loop): a new task starts on the slot: what the integration

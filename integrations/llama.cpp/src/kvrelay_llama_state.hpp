@@ -8,7 +8,7 @@
 //   kvrelay_llama_fetch.cpp   admission of a request's hints and the fetch path (HTTP threads)
 //   kvrelay_llama_slots.cpp   the slot hooks: import, prompt done, export (main loop)
 //   kvrelay_llama_routes.cpp  /metrics, /v1/kv/info, /v1/kv/lookup
-//   kvrelay_llama_kv.cpp      llama.cpp's state blob cut into blocks, and the block store
+//   kvrelay_llama_kv.cpp      the block layout (libllama's KV range descriptor), and the block store
 #pragma once
 
 #include "kvrelay.hpp"
