@@ -51,7 +51,7 @@
 #define KVRELAY_VERSION_MINOR 3
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 3
+#define KVRELAY_VERSION_PATCH 4
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -804,6 +804,12 @@ typedef struct kvrelay_kv_events_stats {
   // Replays cut short: the peer took nothing for 5 s, asked again before the end, or its
   // replay gave way to a newer one (16 run at once).
   uint64_t replays_cut;
+  // Replay connections open now (a gauge): at most 16, of which at most 4 from one address.
+  // Since 0.3.4.
+  uint64_t replay_peers;
+  // Replay connections refused because those limits were reached (not counted in `refused`).
+  // Since 0.3.4.
+  uint64_t replay_peers_refused;
 } kvrelay_kv_events_stats;
 
 // What a chain of block names depends on besides the tokens. `size` is

@@ -310,3 +310,31 @@ fn a_keyed_publisher_sends_only_to_peers_with_its_token() {
         assert!(r.dealer.recv_multipart(zmq::DONTWAIT).is_err(), "a peer with {who} got a replay");
     }
 }
+
+#[test]
+fn replay_connections_from_one_address_are_bounded() {
+    let s = with_events(&[]);
+    let per = kvrelay::events::REPLAY_PEERS_PER_ADDRESS;
+    // as many replay connections as one address may hold: each replays
+    let mut routers: Vec<Router> = (0..per).map(|_| Router::connect(&s)).collect();
+    for r in &routers {
+        assert!(!r.replay(0).is_empty(), "a replay within the bound");
+    }
+    assert_eq!(s.metric("kvrelay_server_kv_event_replay_peers"), per as f64);
+    // one more from the same address: its replay handshake is refused and counted, and it gets
+    // nothing, while the others stay open
+    let extra = Router::connect(&s);
+    common::wait_until("the extra replay connection refused", || {
+        s.metric("kvrelay_server_kv_event_replay_peers_refused_total") >= 1.0
+    });
+    extra.dealer.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], zmq::DONTWAIT).ok();
+    assert!(extra.dealer.recv_multipart(zmq::DONTWAIT).is_err(), "a peer past the bound got a replay");
+    assert_eq!(s.metric("kvrelay_server_kv_events_refused_total"), 0.0, "not an allowlist refusal");
+    drop(extra);
+    // one closes: a new connection gets its room and replays
+    drop(routers.pop());
+    common::wait_until("the closed connection's room freed", || {
+        s.metric("kvrelay_server_kv_event_replay_peers") < per as f64
+    });
+    assert!(!Router::connect(&s).replay(0).is_empty(), "room made by a closed connection is taken");
+}

@@ -33,7 +33,11 @@
 //! the peer reads, however long the history, until the end marker. A peer that takes nothing
 //! for [`REPLAY_STALL`] is cut (counted) and holds no more than its queue; at most
 //! [`REPLAY_CURSORS`] replays run at once (a further request cuts the one idle longest), and a
-//! peer that asks again restarts its replay from the new start instead of adding one.
+//! peer that asks again restarts its replay from the new start instead of adding one. The
+//! replay socket holds at most [`REPLAY_PEERS`] connections, [`REPLAY_PEERS_PER_ADDRESS`] of
+//! them from one address: the ZAP handler refuses a further handshake (counted), keeping count
+//! through the socket's monitor (accepted, closed), so the queues replays can leave in this
+//! process are bounded as a whole, however many connections peers open.
 //!
 //! **Never blocking the runtime.** [`Publisher::stored`] and the others put the event into a
 //! bounded queue of [`QUEUE_EVENTS`] with a non-blocking send (one allocation for a stored
@@ -86,8 +90,10 @@ mod auth;
 mod publish;
 mod replay;
 
-use auth::{start_zap, ZAP_DOMAIN};
-pub use auth::{subscriber_token, zap_allows, PLAIN_USERNAME, TOKEN_LABEL};
+use auth::{start_zap, REPLAY_MONITOR, ZAP_DOMAIN, ZAP_DOMAIN_REPLAY};
+pub use auth::{
+    subscriber_token, zap_allows, ReplayPeers, PLAIN_USERNAME, REPLAY_PEERS, REPLAY_PEERS_PER_ADDRESS, TOKEN_LABEL,
+};
 pub use publish::encode_batch;
 use publish::{publish_loop, PublishSide};
 pub use replay::replay_start;
@@ -153,6 +159,8 @@ struct Counters {
     send_errors: AtomicU64,
     replay_batches: AtomicU64,
     replays_cut: AtomicU64,
+    replay_peers: AtomicU64,
+    replay_peers_refused: AtomicU64,
 }
 
 /// A publisher's counters (`kvrelay_kv_events_read_stats`). Fields are only ever appended,
@@ -177,6 +185,12 @@ pub struct EventStats {
     /// Replays cut short: the peer took nothing for 5 s, asked again before the end, or its
     /// replay gave way to a newer one (16 run at once).
     pub replays_cut: u64,
+    /// Replay connections open now (a gauge): at most 16, of which at most 4 from one address.
+    /// Since 0.3.4.
+    pub replay_peers: u64,
+    /// Replay connections refused because those limits were reached (not counted in `refused`).
+    /// Since 0.3.4.
+    pub replay_peers_refused: u64,
 }
 
 /// Settings of [`Publisher::start`].
@@ -304,12 +318,16 @@ impl Publisher {
             send_errors: l(&c.send_errors),
             replay_batches: l(&c.replay_batches),
             replays_cut: l(&c.replays_cut),
+            replay_peers: l(&c.replay_peers),
+            replay_peers_refused: l(&c.replay_peers_refused),
         }
     }
 
     /// The counters as Prometheus text (format 0.0.4): `{prefix}_kv_events_published_total`,
     /// `_kv_events_dropped_total`, `_kv_event_batches_total`, `_kv_event_replays_total`,
-    /// `_kv_events_refused_total`, `_kv_event_send_errors_total`.
+    /// `_kv_events_refused_total`, `_kv_event_send_errors_total`, `_kv_event_replay_batches_total`,
+    /// `_kv_event_replays_cut_total`, `_kv_event_replay_peers_refused_total` and the gauge
+    /// `_kv_event_replay_peers`.
     pub fn prometheus(&self, prefix: &str) -> String {
         use std::fmt::Write as _;
         let s = self.stats();
@@ -330,6 +348,19 @@ impl Publisher {
         ] {
             let _ = writeln!(out, "# HELP {prefix}_{name} {help}\n# TYPE {prefix}_{name} counter\n{prefix}_{name} {v}");
         }
+        let _ = writeln!(
+            out,
+            "# HELP {prefix}_kv_event_replay_peers_refused_total KV event replay connections refused: {REPLAY_PEERS} open in \
+             all, or {REPLAY_PEERS_PER_ADDRESS} from one address.\n# TYPE {prefix}_kv_event_replay_peers_refused_total \
+             counter\n{prefix}_kv_event_replay_peers_refused_total {}",
+            s.replay_peers_refused
+        );
+        let _ = writeln!(
+            out,
+            "# HELP {prefix}_kv_event_replay_peers KV event replay connections open.\n# TYPE {prefix}_kv_event_replay_peers \
+             gauge\n{prefix}_kv_event_replay_peers {}",
+            s.replay_peers
+        );
         out
     }
 }
@@ -387,19 +418,6 @@ fn stop_pair(ctx: &zmq::Context, name: &str) -> Result<(zmq::Socket, zmq::Socket
     Ok((rx, tx))
 }
 
-/// Wait until `s` has a message (`true`) or `stop` was signalled or polling failed (`false`).
-fn wait_readable(s: &zmq::Socket, stop: &zmq::Socket) -> bool {
-    loop {
-        let mut items = [s.as_poll_item(zmq::POLLIN), stop.as_poll_item(zmq::POLLIN)];
-        match zmq::poll(&mut items, -1) {
-            Ok(_) if items[1].is_readable() => return false,
-            Ok(_) if items[0].is_readable() => return true,
-            Ok(_) | Err(zmq::Error::EINTR) => continue,
-            Err(_) => return false,
-        }
-    }
-}
-
 impl Publisher {
     /// Bind both sockets and start the publishing, replay and ZAP threads. The first batch is
     /// `AllBlocksCleared`. Fails (saying why) for an endpoint that is not `tcp://HOST:PORT`, an
@@ -414,9 +432,17 @@ impl Publisher {
         let token = cfg.key.as_ref().map(subscriber_token);
         let zap = start_zap(&ctx, cfg.allow.clone(), token, counters.clone(), zap_stop)?;
         let keyed = cfg.key.is_some();
+        // the replay socket names a ZAP domain of its own and is monitored (its connections are
+        // counted against REPLAY_PEERS by the ZAP handler), both before it binds
         let setup = |kind: zmq::SocketType, at: &str, what: &str| -> Result<zmq::Socket, String> {
             let s = ctx.socket(kind).map_err(|e| format!("{what}: {e}"))?;
-            s.set_zap_domain(ZAP_DOMAIN).map_err(|e| format!("{what}: {e}"))?;
+            let replay = kind == zmq::ROUTER;
+            s.set_zap_domain(if replay { ZAP_DOMAIN_REPLAY } else { ZAP_DOMAIN })
+                .map_err(|e| format!("{what}: {e}"))?;
+            if replay {
+                let events = (zmq::SocketEvent::ACCEPTED as i32) | (zmq::SocketEvent::DISCONNECTED as i32);
+                s.monitor(REPLAY_MONITOR, events).map_err(|e| format!("{what}'s monitor: {e}"))?;
+            }
             if keyed {
                 s.set_plain_server(true).map_err(|e| format!("{what}: {e}"))?;
             }
@@ -510,6 +536,49 @@ mod tests {
 
     fn hex(b: &[u8]) -> String {
         b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    #[test]
+    fn replay_peers_are_bounded_per_address_and_in_all() {
+        use std::net::IpAddr;
+        let ip = |i: u8| IpAddr::from([10, 0, 0, i]);
+        let mut p = ReplayPeers::default();
+        let mut fd = 0;
+        let mut connect = |p: &mut ReplayPeers, a: IpAddr| {
+            fd += 1;
+            p.accepted(fd);
+            (fd, p.admit(a))
+        };
+        // one address: REPLAY_PEERS_PER_ADDRESS connections, then no more
+        let mut first = 0;
+        for i in 0..REPLAY_PEERS_PER_ADDRESS {
+            let (f, ok) = connect(&mut p, ip(1));
+            assert!(ok, "connection {i} of one address");
+            if i == 0 {
+                first = f;
+            }
+        }
+        let (refused, ok) = connect(&mut p, ip(1));
+        assert!(!ok, "a further connection from one address");
+        p.disconnected(refused);
+        // other addresses still get in, up to REPLAY_PEERS in all
+        let mut other = 2;
+        while p.held() < REPLAY_PEERS {
+            assert!(connect(&mut p, ip(other / 4 + 2)).1, "room for another address");
+            other += 1;
+        }
+        assert!(!connect(&mut p, ip(200)).1, "a new address once every connection is taken");
+        // a closed connection makes room, for its own address too
+        p.disconnected(first);
+        assert!(connect(&mut p, ip(1)).1);
+        assert!(!connect(&mut p, ip(201)).1, "the room was taken again");
+        // a connection accepted and never handshaken takes no room; a handshake with no
+        // accepted connection behind it is refused; unknown closes are harmless
+        p.accepted(5000);
+        p.disconnected(5000);
+        assert!(!p.admit(ip(202)));
+        p.disconnected(9999);
+        assert_eq!(p.held(), REPLAY_PEERS);
     }
 
     #[test]

@@ -17,7 +17,7 @@ KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` a
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 3  # Minor version.
-KVRELAY_VERSION_PATCH = 3  # Patch version.
+KVRELAY_VERSION_PATCH = 4  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -505,6 +505,8 @@ class kvrelay_kv_events_stats(Structure):
         ("send_errors", c_uint64),  # Batches ZMQ refused to send (they are still kept for replay).
         ("replay_batches", c_uint64),  # Batches queued for replay peers.
         ("replays_cut", c_uint64),  # Replays cut short: the peer took nothing for 5 s, asked again before the end, or its replay gave way to a newer one (16 run at once).
+        ("replay_peers", c_uint64),  # Replay connections open now (a gauge): at most 16, of which at most 4 from one address. Since 0.3.4.
+        ("replay_peers_refused", c_uint64),  # Replay connections refused because those limits were reached (not counted in `refused`). Since 0.3.4.
     ]
 
 
