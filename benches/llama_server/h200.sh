@@ -6,7 +6,8 @@
 #   mkdir -p .gpu && (cd target/llama-server && tar --exclude=llama.cpp/models --exclude=llama.cpp/docs \
 #     --exclude=llama.cpp/tools/server/webui --exclude=llama.cpp/tools/server/tests -cJf ../../.gpu/llama.tar.xz llama.cpp \
 #     && tar -cJf ../../.gpu/kvrelay-prefix.tar.xz kvrelay-prefix)
-# On the device (one call, carrying .gpu; the build stays in .gpu/work while the machine is warm):
+# On the device (the first call carries .gpu; the build stays in .gpu/work while the machine is
+# warm, for later calls that do not carry .gpu: carrying it again replaces the folder, build and all):
 #   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
 #   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
 #   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
@@ -37,7 +38,8 @@ if [ ! -x "$w/range_api_test" ]; then
   mapfile -t libs < <(find "$w/build/src" "$w/build/ggml" -name 'lib*.a' | sort)
   g++ -std=c++17 -O2 -I"$w/llama.cpp/include" -I"$w/llama.cpp/ggml/include" \
     integrations/llama.cpp/tests/range_api_test.cpp -o "$w/range_api_test" -Wl,--start-group "${libs[@]}" -Wl,--end-group \
-    -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -ldl -lpthread -lm -lrt
+    -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lcublas -lcublasLt -lcuda $(ldconfig -p | grep -q libnccl && echo -lnccl) \
+    -fopenmp -ldl -lpthread -lm -lrt
 fi
 model="$w/${MODEL_NAME:-random-1b}.gguf"
 # shellcheck disable=SC2086
@@ -46,20 +48,26 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "${1:-}" = "--build-only" ] && exit 0
 if [ "${1:-}" = "--range" ]; then
   # the range API with the KV cache on the GPU (ggml-cuda's 2-D copies), then the server's byte counters
-  "$w/range_api_test" "$model" 99 2>&1 | tee "$out/range-api.log"
+  # every part runs whatever an earlier one gave; the status says whether all passed
+  rc=0
+  "$w/range_api_test" "$model" 99 >"$out/range-api.log" 2>&1 || rc=1
+  tail -5 "$out/range-api.log"
   for fa in off on; do
     python3 integrations/llama.cpp/tests/range_kv_test.py --server "$w/build/bin/llama-server" --model "$model" \
-      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" 2>&1 | tee -a "$out/range-kv.log"
+      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" >>"$out/range-kv.log" 2>&1 || rc=1
   done
-  exit 0
+  grep -E "^FAIL|all checks passed|failed" "$out/range-kv.log" || true
+  exit $rc
 fi
 if [ "${1:-}" = "--two-instance" ]; then
+  rc=0
   for fa in off on; do
-    echo "## --flash-attn $fa" | tee -a "$out/two-instance.log"
+    echo "## --flash-attn $fa" >>"$out/two-instance.log"
     python3 integrations/llama.cpp/tests/two_instance_test.py --server "$w/build/bin/llama-server" --model "$model" \
-      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" 2>&1 | tee -a "$out/two-instance.log"
+      --threads 4 --flash-attn "$fa" --server-args "-ngl 99 -c 4096" >>"$out/two-instance.log" 2>&1 || rc=1
   done
-  exit 0
+  grep -E "^## |^FAIL|all checks passed|check\(s\) failed" "$out/two-instance.log" || true
+  exit $rc
 fi
 for ub in "${@:-32}"; do
   echo "# benches/llama_server/ttft.py, H200 (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), ${MODEL_NAME:-random-1b} model, ubatch $ub, -fa ${FA:-off}" \

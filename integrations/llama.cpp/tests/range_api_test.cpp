@@ -260,8 +260,12 @@ int main(int argc, char ** argv) {
         text += "The quick brown fox " + std::to_string(i * 7919 % 1000) + " jumps over the lazy dog. ";
     }
     std::vector<llama_token> tokens(text.size() + 8);
-    const int32_t nt = llama_tokenize(llama_model_get_vocab(model), text.c_str(), int32_t(text.size()), tokens.data(),
-                                      int32_t(tokens.size()), true, false);
+    const llama_vocab *      vocab = llama_model_get_vocab(model);
+    int32_t nt = llama_tokenize(vocab, text.c_str(), int32_t(text.size()), tokens.data(), int32_t(tokens.size()), true, false);
+    if (nt < 0) {  // more tokens than bytes (a byte-level vocabulary): -nt is how many
+        tokens.resize(size_t(-nt));
+        nt = llama_tokenize(vocab, text.c_str(), int32_t(text.size()), tokens.data(), int32_t(tokens.size()), true, false);
+    }
     CHECK(nt >= int32_t(5 * BT));
     tokens.resize(size_t(std::max(0, std::min(nt, int32_t(5 * BT)))));
     if (tokens.size() == 5 * BT) {
