@@ -100,7 +100,10 @@ def body(a, start):
 
         got = []
         for who, (s, d) in bad.items():
-            d.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK) if d.poll(0, zmq.POLLOUT) else None
+            try:
+                d.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no pipe to send on: libzmq tears a refused peer's down between its attempts
             for sock, what in ((s, "a batch"), (d, "a replay")):
                 try:
                     sock.recv_multipart(zmq.NOBLOCK)
