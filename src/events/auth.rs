@@ -32,7 +32,7 @@ pub fn subscriber_token(key: &Psk) -> String {
 pub(super) const ZAP_DOMAIN: &str = "kvrelay-kv-events";
 /// The ZAP domain the replay socket names: its handshakes are also held to [`REPLAY_PEERS`].
 pub(super) const ZAP_DOMAIN_REPLAY: &str = "kvrelay-kv-events-replay";
-/// Where the replay socket's monitor publishes its connections' handshakes and disconnections
+/// Where the replay socket's monitor publishes its connections' accepts and closes
 /// (in-process, per publisher: each has a ZMQ context of its own).
 pub(super) const REPLAY_MONITOR: &str = "inproc://kvrelay-kv-events-replay-monitor";
 
