@@ -18,7 +18,21 @@
  *  - enums: the values of an enum the library returns or writes (a status, a fetch failure, a
  *    decision's kind or discard, an outcome's reason) only grow within an ABI epoch; keep a
  *    default branch for a value your build does not know (kvrelay_status_message() and the
- *    _name() functions render any value). Values are never renumbered or reused.
+ *    _name() functions render any value). Values are never renumbered or reused;
+ *  - structs (ABI epoch 0.4): a struct that may grow starts with `size_t size`, which the
+ *    caller sets to sizeof(struct) as its header declares it, for inputs and for outputs alike
+ *    (`kvrelay_outcome o = {.size = sizeof o};`). Fields are only appended. The library reads
+ *    no byte of an input past its size (fields an older header lacks read as zero) and refuses
+ *    a newer header's field it does not know while that field is set; it writes no byte of an
+ *    output past its size and zeroes a newer header's fields it does not know. A struct the
+ *    library hands to a callback carries the library's own size: read no field past it. The
+ *    statistics read with a size argument (_read_stats) follow the same rule. Views and
+ *    geometry (kvrelay_str, kvrelay_bytes, kvrelay_kv_segment, kvrelay_kv_extent,
+ *    kvrelay_candidate, kvrelay_source_speed) have no size and never change;
+ *  - epochs: the shared library's SONAME names its epoch (libkvrelay.so.0.4); an executor
+ *    built against another epoch does not load. Within an epoch every exported function
+ *    carries the version node of the release that added it (KVRELAY_0.4.0, ...), so an
+ *    executor that calls a function its library lacks fails at load, not at the call.
  */
 
 #ifndef KVRELAY_KVRELAY_H
@@ -48,10 +62,10 @@
 #define KVRELAY_VERSION_MAJOR 0
 
 // Minor version.
-#define KVRELAY_VERSION_MINOR 3
+#define KVRELAY_VERSION_MINOR 4
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 4
+#define KVRELAY_VERSION_PATCH 0
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -505,6 +519,9 @@ typedef struct kvrelay_snapshot kvrelay_snapshot;
 
 // The outcome of admitting (or decoding) one hint. Plain data; nothing to free.
 typedef struct kvrelay_outcome {
+  // `sizeof(kvrelay_outcome)` as the caller's header declares it (set by the caller before the call;
+  // the library writes only the fields that size covers).
+  size_t size;
   // A `kvrelay_outcome_kind` value.
   int32_t kind;
   // A `kvrelay_reason` value.
@@ -516,6 +533,9 @@ typedef struct kvrelay_outcome {
 
 // A copy of an admission edge's counters.
 typedef struct kvrelay_counters {
+  // `sizeof(kvrelay_counters)` as the caller's header declares it (set by the caller before the call;
+  // the library writes only the fields that size covers).
+  size_t size;
   // `admitted_total`
   uint64_t admitted;
   // `ignored_total{reason="untrusted"}`
@@ -544,6 +564,9 @@ typedef struct kvrelay_counters {
 //   them any more. Runs on a fetch worker, or in `kvrelay_agent_free`. Without it withheld
 //   blocks stay out of the runtime's pool for good (counted in `blocks_withheld`).
 typedef struct kvrelay_block_holder {
+  // `sizeof(kvrelay_block_holder)` as the caller's header declares it (callbacks of a newer
+  // header are refused while set, absent ones of an older header are NULL).
+  size_t size;
   // Passed back to every callback.
   void *user_data;
   // Pin the leading held run of `names`.
@@ -662,6 +685,8 @@ typedef struct kvrelay_agent_stats {
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
 typedef struct kvrelay_agent_fingerprint {
+  // `sizeof(kvrelay_agent_fingerprint)` as the caller's header declares it.
+  size_t size;
   // Tokens per block.
   uint32_t block_tokens;
   // Layers.
@@ -687,6 +712,8 @@ typedef struct kvrelay_str {
 
 // One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`.
 typedef struct kvrelay_fetch_params {
+  // `sizeof(kvrelay_fetch_params)` as the caller's header declares it.
+  size_t size;
   // The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
   // (`kvrelay_fetch_request.endpoint`).
   struct kvrelay_str endpoint;
@@ -707,6 +734,10 @@ typedef struct kvrelay_fetch_params {
 
 // How a fetch ended.
 typedef struct kvrelay_fetch_result {
+  // `sizeof(kvrelay_fetch_result)`: set by the caller of `kvrelay_fetch_poll` / `_wait`
+  // (the library writes only the fields it covers); in a completion callback, the library's
+  // own (read no field past it).
+  size_t size;
   // A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
   // may still have offered fewer blocks than asked: its leading run).
   int32_t failure;
@@ -772,6 +803,8 @@ typedef struct kvrelay_kv_extent {
 // Options of `kvrelay_cuda_engine_new` (pass NULL for the defaults: kernel, 16 CTAs of 512
 // threads, 1024 blocks per batch call, 256 MiB of scratch for the staged method).
 typedef struct kvrelay_cuda_engine_options {
+  // `sizeof(kvrelay_cuda_engine_options)` as the caller's header declares it.
+  size_t size;
   // A `kvrelay_copy_method` value.
   int32_t method;
   // Kernel CTA budget, 1..=1024.
@@ -841,6 +874,9 @@ typedef struct kvrelay_candidate {
 
 // Counts of one candidate collection.
 typedef struct kvrelay_candidate_counts {
+  // `sizeof(kvrelay_candidate_counts)` as the caller's header declares it (the library writes only the fields it
+  // covers).
+  size_t size;
   // Actions whose type no family lists.
   uint32_t unknown_type;
   // `kv.fetch` actions whose version no family supports.
@@ -857,6 +893,9 @@ typedef struct kvrelay_bytes {
 
 // What a provider is asked to validate, then to fetch. Views valid during the call only.
 typedef struct kvrelay_fetch_request {
+  // The library's `sizeof(kvrelay_fetch_request)`: a provider built against a newer header
+  // reads no field past it.
+  size_t size;
   // The resolved binding's id.
   struct kvrelay_str binding_id;
   // Its family's name.
@@ -887,6 +926,8 @@ typedef struct kvrelay_fetch_request {
 // and must not keep the request's views after returning. `destroy` (may be NULL) is called once
 // with `user_data` when the orchestrator is freed (or when `kvrelay_orchestrator_new` fails).
 typedef struct kvrelay_provider {
+  // `sizeof(kvrelay_provider)` as the caller's header declares it.
+  size_t size;
   // Passed back to every callback.
   void *user_data;
   // Validate action version, payload and destination on the provider's own terms.
@@ -899,6 +940,8 @@ typedef struct kvrelay_provider {
 
 // The request facts eligibility needs.
 typedef struct kvrelay_request_info {
+  // `sizeof(kvrelay_request_info)` as the caller's header declares it.
+  size_t size;
   // A generation-only request.
   bool generation_only;
   // The request uses a LoRA adapter.
@@ -907,6 +950,9 @@ typedef struct kvrelay_request_info {
 
 // The decision for one request.
 typedef struct kvrelay_decision {
+  // `sizeof(kvrelay_decision)` as the caller's header declares it (the library writes only the fields it
+  // covers).
+  size_t size;
   // A `kvrelay_decision_kind` value.
   int32_t kind;
   // For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name`
@@ -924,6 +970,9 @@ typedef struct kvrelay_decision {
 
 // A copy of an orchestrator's counters.
 typedef struct kvrelay_policy_counters {
+  // `sizeof(kvrelay_policy_counters)` as the caller's header declares it (the library writes only the fields it
+  // covers).
+  size_t size;
   // Optional named fetches validated and submitted.
   uint64_t named_fetch;
   // Requests that kept the paired path, by `kvrelay_discard` value.
@@ -937,6 +986,9 @@ typedef struct kvrelay_policy_counters {
 
 // One action of a snapshot, as borrowed views.
 typedef struct kvrelay_action {
+  // `sizeof(kvrelay_action)` as the caller's header declares it (set by the caller before the call;
+  // the library writes only the fields that size covers).
+  size_t size;
   // Position in the envelope's `actions` array.
   size_t index;
   // `action_id`, decoded.

@@ -23,8 +23,15 @@ unsafe extern "C" fn unpin(_: *mut c_void, _: *const u32, _: usize) {}
 /// A fetch-only agent over a small host pool (the pool is leaked: the agent is freed by the test).
 fn agent() -> *mut kvrelay_agent {
     let pool: &'static mut [u64] = Box::leak(vec![0u64; 4 * 1024].into_boxed_slice());
-    let fp =
-        kvrelay_agent_fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 64, dtype_bytes: 2, naming: 7 };
+    let fp = kvrelay_agent_fingerprint {
+        size: size_of::<kvrelay_agent_fingerprint>(),
+        block_tokens: 16,
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 64,
+        dtype_bytes: 2,
+        naming: 7,
+    };
     let (mut cfg, mut layout, mut a) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
     // SAFETY: live out-pointers and inputs; the pool outlives the agent (leaked).
     unsafe {
@@ -35,6 +42,7 @@ fn agent() -> *mut kvrelay_agent {
             KVRELAY_OK
         );
         let h = kvrelay_block_holder {
+            size: size_of::<kvrelay_block_holder>(),
             user_data: ptr::null_mut(),
             pin: Some(pin),
             unpin: Some(unpin),
@@ -50,8 +58,15 @@ fn agent() -> *mut kvrelay_agent {
 
 #[test]
 fn limits_are_set_by_name_and_never_wrap() {
-    let fp =
-        kvrelay_agent_fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 64, dtype_bytes: 2, naming: 7 };
+    let fp = kvrelay_agent_fingerprint {
+        size: size_of::<kvrelay_agent_fingerprint>(),
+        block_tokens: 16,
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 64,
+        dtype_bytes: 2,
+        naming: 7,
+    };
     let mut cfg = ptr::null_mut();
     let mut v = 0u64;
     let streams = kvrelay_agent_limit::KVRELAY_LIMIT_STREAMS as i32;
@@ -94,8 +109,15 @@ fn limits_are_set_by_name_and_never_wrap() {
 /// preference; anything else refused, naming what is taken.
 #[test]
 fn transports_are_set_by_name_one_or_a_preference() {
-    let fp =
-        kvrelay_agent_fingerprint { block_tokens: 16, layers: 1, kv_heads: 1, head_dim: 64, dtype_bytes: 2, naming: 7 };
+    let fp = kvrelay_agent_fingerprint {
+        size: size_of::<kvrelay_agent_fingerprint>(),
+        block_tokens: 16,
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 64,
+        dtype_bytes: 2,
+        naming: 7,
+    };
     let mut cfg = ptr::null_mut();
     let set = |cfg: *mut kvrelay_agent_config, t: &str| {
         // SAFETY: a live config; the name readable for its length; no library folder.
@@ -198,6 +220,7 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
     let names = [1u64, 2];
     let dst = [0u32];
     let params = |dst_len: usize| kvrelay_fetch_params {
+        size: size_of::<kvrelay_fetch_params>(),
         endpoint: kvrelay_str { ptr: ep.as_ptr().cast(), len: ep.len() },
         names: names.as_ptr(),
         names_len: names.len(),
@@ -217,7 +240,14 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
     // before the result is published
     let seen = Seen::default();
     let mut f = ptr::null_mut();
-    let mut r = kvrelay_fetch_result { failure: -1, blocks: 9, bytes: 9, seconds: 0.0, withheld: 9 };
+    let mut r = kvrelay_fetch_result {
+        size: size_of::<kvrelay_fetch_result>(),
+        failure: -1,
+        blocks: 9,
+        bytes: 9,
+        seconds: 0.0,
+        withheld: 9,
+    };
     // SAFETY: live agent, parameters and callbacks; `seen` outlives the fetch (waited for below).
     unsafe {
         assert_eq!(kvrelay_agent_submit(a, &params(1), &callbacks(&seen, full), &mut f), KVRELAY_OK);

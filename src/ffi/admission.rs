@@ -2,11 +2,16 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{bytes, fill, free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
+use super::boundary::{
+    bytes, fill, free_box, guard, input, input_mut, out_ptr, output_size, put, put_sized, put_sized_at, text,
+    with_detail,
+};
 use super::snapshot::{export, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_counters, kvrelay_outcome};
 use crate::hints::{Admission, AdmissionConfig, BatchOutcome, Outcome, DEFAULT_TRUST_ENV};
+
+symbol_versions!("admission");
 
 /// Admission settings being built. Owned: `_new` / `_free`. Starts at the defaults: trust off,
 /// `max_bytes` 65,536, `max_depth` 128, `max_raw_bytes` 1 MiB, metric prefix
@@ -196,11 +201,12 @@ pub unsafe extern "C" fn kvrelay_admission_free(admission: *mut kvrelay_admissio
     unsafe { free_box(admission) }
 }
 
-/// Write an outcome and its snapshot (NULL unless admitted) to the out-pointers.
+/// Write an outcome (into the caller's struct of `size` bytes, checked by `output_size`) and
+/// its snapshot (NULL unless admitted) to the out-pointers.
 ///
 /// # Safety
-/// Both pointers checked non-NULL and writable.
-unsafe fn emit(o: Outcome, out: *mut kvrelay_outcome, snap: *mut *mut kvrelay_snapshot) {
+/// Both pointers checked non-NULL and writable, `out` for `size` bytes.
+unsafe fn emit(o: Outcome, out: *mut kvrelay_outcome, size: usize, snap: *mut *mut kvrelay_snapshot) {
     let c = kvrelay_outcome::of(&o);
     let s = match o {
         Outcome::Admitted(s) => export(s),
@@ -208,9 +214,36 @@ unsafe fn emit(o: Outcome, out: *mut kvrelay_outcome, snap: *mut *mut kvrelay_sn
     };
     // SAFETY: forwarded contract.
     unsafe {
-        put(out, c);
+        put_sized_at(out, size, c);
         put(snap, s);
     }
+}
+
+/// The stride of the caller's `outcomes[0..n]`: every element's `size`, which must be the same
+/// (checked before anything is admitted or written).
+///
+/// # Safety
+/// `outcomes` non-NULL, each of the `n` elements readable for the `size` it declares.
+unsafe fn outcome_stride(outcomes: *const kvrelay_outcome, n: usize) -> Result<usize, kvrelay_status> {
+    if n == 0 {
+        return Ok(std::mem::size_of::<kvrelay_outcome>());
+    }
+    // SAFETY: forwarded contract.
+    let stride = unsafe { output_size(outcomes, "kvrelay_outcome") }?;
+    for i in 1..n {
+        // SAFETY: element `i` starts `i * stride` bytes in (the array's stride is its elements'
+        // size), readable for its `size`; `stride` is a multiple of the alignment.
+        let e = unsafe { outcomes.cast::<u8>().add(i * stride).cast::<kvrelay_outcome>() };
+        // SAFETY: as above.
+        let size = unsafe { e.cast::<usize>().read() };
+        if size != stride {
+            return Err(with_detail(
+                KVRELAY_ERR_INVALID_ARGUMENT,
+                format!("outcomes[{i}].size is {size}, outcomes[0].size {stride}: set every element's to sizeof(kvrelay_outcome)"),
+            ));
+        }
+    }
+    Ok(stride)
 }
 
 /// Admit one hint value: the raw JSON text found under `kv_hints` (`(NULL, 0)` when the
@@ -234,10 +267,11 @@ pub unsafe extern "C" fn kvrelay_admit(
     guard(|| {
         let (outcome, snapshot) = (out_ptr(outcome)?, out_ptr(snapshot)?);
         // SAFETY: forwarded contract.
-        let (a, raw) = unsafe { (input(admission)?, bytes(json, len)?) };
+        let (a, raw, size) =
+            unsafe { (input(admission)?, bytes(json, len)?, output_size(outcome, "kvrelay_outcome")?) };
         let o = a.inner.admit(Some(raw));
         // SAFETY: both checked non-NULL, writable per the contract.
-        unsafe { emit(o, outcome, snapshot) };
+        unsafe { emit(o, outcome, size, snapshot) };
         Ok(())
     })
 }
@@ -266,7 +300,7 @@ pub unsafe extern "C" fn kvrelay_admit_batch(
     guard(|| {
         let (outcomes, snapshots) = (out_ptr(outcomes)?, out_ptr(snapshots)?);
         // SAFETY: forwarded contract.
-        let (a, raw) = unsafe { (input(admission)?, bytes(json, len)?) };
+        let (a, raw, stride) = unsafe { (input(admission)?, bytes(json, len)?, outcome_stride(outcomes, prompts)?) };
         let raw = if raw.is_empty() { None } else { Some(raw) };
         let b = a.inner.admit_batch(raw, prompts).map_err(|_| KVRELAY_ERR_BATCH_LENGTH_MISMATCH)?;
         let is_shared = matches!(b, BatchOutcome::Shared(_));
@@ -275,8 +309,9 @@ pub unsafe extern "C" fn kvrelay_admit_batch(
             BatchOutcome::PerPrompt(v) => v,
         };
         for (i, o) in per.into_iter().enumerate() {
-            // SAFETY: `i < prompts`; both arrays hold `prompts` writable elements.
-            unsafe { emit(o, outcomes.add(i), snapshots.add(i)) };
+            // SAFETY: `i < prompts`; both arrays hold `prompts` writable elements, the outcomes
+            // `stride` bytes apart (each of that size, checked).
+            unsafe { emit(o, outcomes.cast::<u8>().add(i * stride).cast(), stride, snapshots.add(i)) };
         }
         if !shared.is_null() {
             // SAFETY: non-NULL and writable per the contract.
@@ -303,13 +338,14 @@ pub unsafe extern "C" fn kvrelay_admission_decode_msgpack(
     guard(|| {
         let (outcome, snapshot) = (out_ptr(outcome)?, out_ptr(snapshot)?);
         // SAFETY: forwarded contract.
-        let (a, raw) = unsafe { (input(admission)?, bytes(msgpack, len)?) };
+        let (a, raw, size) =
+            unsafe { (input(admission)?, bytes(msgpack, len)?, output_size(outcome, "kvrelay_outcome")?) };
         let o = match a.inner.decode_msgpack(raw) {
             Ok(s) => Outcome::Admitted(s),
             Err(i) => Outcome::Ignored(i),
         };
         // SAFETY: both checked non-NULL, writable per the contract.
-        unsafe { emit(o, outcome, snapshot) };
+        unsafe { emit(o, outcome, size, snapshot) };
         Ok(())
     })
 }
@@ -324,12 +360,10 @@ pub unsafe extern "C" fn kvrelay_admission_counters(
     out: *mut kvrelay_counters,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
         let a = unsafe { input(admission) }?;
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, a.inner.counters().values().into()) };
-        Ok(())
+        // SAFETY: `out` NULL or writable for the size it declares (checked there).
+        unsafe { put_sized(out, a.inner.counters().values().into(), "kvrelay_counters") }
     })
 }
 

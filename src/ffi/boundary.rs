@@ -9,6 +9,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use super::status::kvrelay_status::{self, *};
 use super::status::kvrelay_status_message;
 
+symbol_versions!("boundary");
+
 thread_local! {
     /// What the last failing call on this thread said (NUL-free text; see
     /// `kvrelay_last_error_message`).
@@ -282,6 +284,98 @@ pub(crate) unsafe fn read_sized<T: SizedStruct>(p: *const T) -> Result<SizedCopy
     // the caller's own valid fields.
     let value = unsafe { value.assume_init() };
     Ok(SizedCopy { value, size, unknown_fields })
+}
+
+/// The largest `size` a caller may declare for a sized struct: far above any version's, and a
+/// bound on the bytes the library zeroes or checks past its own struct.
+pub(crate) const MAX_SIZED: usize = 4096;
+
+/// Implement [`SizedStruct`] for structs whose first version is the one of this ABI epoch
+/// (0.4.0): their first size is their size here until a field is appended.
+macro_rules! sized_since_epoch {
+    ($($t:ty),* $(,)?) => {$(
+        // SAFETY: `#[repr(C)]` with `size: usize` first; all-zero bytes are a valid value
+        // (integers, NULL pointers, `None` callbacks, `false`).
+        unsafe impl $crate::ffi::boundary::SizedStruct for $t {
+            const FIRST_SIZE: usize = std::mem::size_of::<$t>();
+        }
+    )*};
+}
+pub(crate) use sized_since_epoch;
+
+/// The `size` a sized struct of the library's own carries: `sizeof` here.
+pub(crate) const fn own_size<T: SizedStruct>() -> usize {
+    std::mem::size_of::<T>()
+}
+
+/// The caller's `size` of the sized output struct at `out`, checked: at least the first
+/// version's, a multiple of the struct's alignment, at most [`MAX_SIZED`].
+///
+/// # Safety
+/// A non-NULL `out` must be aligned and readable for its first field.
+pub(crate) unsafe fn output_size<T: SizedStruct>(out: *const T, what: &str) -> Result<usize, kvrelay_status> {
+    if out.is_null() {
+        return Err(KVRELAY_ERR_NULL);
+    }
+    if !out.is_aligned() {
+        return Err(with_detail(KVRELAY_ERR_INVALID_ARGUMENT, format!("a misaligned {what}")));
+    }
+    // SAFETY: non-NULL, aligned, and every sized struct starts with its `size_t size`.
+    let size = unsafe { out.cast::<usize>().read() };
+    if size < T::FIRST_SIZE || size % std::mem::align_of::<T>() != 0 || size > MAX_SIZED {
+        return Err(with_detail(
+            KVRELAY_ERR_INVALID_ARGUMENT,
+            format!(
+                "{what}.size is {size}: set it to sizeof({what}) (this library's is {}, its first version's {})",
+                std::mem::size_of::<T>(),
+                T::FIRST_SIZE
+            ),
+        ));
+    }
+    Ok(size)
+}
+
+/// Write the sized output `value` into the caller's struct at `out`, of `size` bytes (its
+/// `size` field, checked by [`output_size`]): the fields the caller's header has, its `size`
+/// kept, zeros for fields of a newer header that this library lacks, nothing past `size`.
+///
+/// # Safety
+/// `out` as for [`output_size`], which returned `size`, and writable for `size` bytes.
+pub(crate) unsafe fn put_sized_at<T: SizedStruct>(out: *mut T, size: usize, mut value: T) {
+    let mine = std::mem::size_of::<T>();
+    let n = size.min(mine);
+    // SAFETY: the first field of a sized struct is its `usize` size.
+    unsafe { (&mut value as *mut T).cast::<usize>().write(size) };
+    // SAFETY: `out` is writable for `size >= n` bytes, `value` is a live `T` of `mine >= n`
+    // bytes, and they do not overlap (ours is a local); bytes past `n` lie within `size`.
+    unsafe {
+        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), n);
+        std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n);
+    }
+}
+
+/// [`output_size`] then [`put_sized_at`]: write one sized output.
+///
+/// # Safety
+/// `out` NULL, or aligned and writable for the `size` it declares.
+pub(crate) unsafe fn put_sized<T: SizedStruct>(out: *mut T, value: T, what: &str) -> Result<(), kvrelay_status> {
+    // SAFETY: forwarded contract.
+    let size = unsafe { output_size(out, what) }?;
+    // SAFETY: as checked.
+    unsafe { put_sized_at(out, size, value) };
+    Ok(())
+}
+
+/// Read and check a sized input (`read_sized` then `check`), for structs without anything to
+/// release on refusal.
+///
+/// # Safety
+/// As [`read_sized`].
+pub(crate) unsafe fn input_sized<T: SizedStruct>(p: *const T, what: &str) -> Result<T, kvrelay_status> {
+    // SAFETY: forwarded contract.
+    let c = unsafe { read_sized(p) }?;
+    c.check(what)?;
+    Ok(c.value)
 }
 
 /// Copy a counters struct of `u64` fields into the caller's `out`, of which the caller knows

@@ -4,12 +4,14 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::boundary::{free_box, guard, input, input_mut, out_ptr, put, with_detail};
+use super::boundary::{free_box, guard, input, input_mut, input_sized, out_ptr, put, with_detail};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
     CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer,
     Segment,
 };
+
+symbol_versions!("copy");
 
 /// A validated KV pool layout. Owned: `_free`.
 pub struct kvrelay_kv_layout {
@@ -74,6 +76,8 @@ pub enum kvrelay_copy_method {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_cuda_engine_options {
+    /// `sizeof(kvrelay_cuda_engine_options)` as the caller's header declares it.
+    pub size: usize,
     /// A `kvrelay_copy_method` value.
     pub method: i32,
     /// Kernel CTA budget, 1..=1024.
@@ -85,6 +89,8 @@ pub struct kvrelay_cuda_engine_options {
     /// Device scratch of the staged method, bytes.
     pub scratch_bytes: usize,
 }
+
+super::boundary::sized_since_epoch!(kvrelay_cuda_engine_options);
 
 pub(crate) fn status_of(e: CopyError) -> kvrelay_status {
     let s = match e {
@@ -420,8 +426,13 @@ pub unsafe extern "C" fn kvrelay_cuda_engine_new(
         // SAFETY: forwarded contract.
         let l = unsafe { input(layout) }?;
         let mut opts = EngineOptions::default();
-        // SAFETY: forwarded contract.
-        if let Some(o) = unsafe { options.as_ref() } {
+        // SAFETY: forwarded contract (NULL, or readable for the size it declares).
+        let options = if options.is_null() {
+            None
+        } else {
+            Some(unsafe { input_sized(options, "kvrelay_cuda_engine_options") }?)
+        };
+        if let Some(o) = options {
             opts.method = match o.method {
                 0 => CopyMethod::Kernel,
                 1 => CopyMethod::Batch,

@@ -4,7 +4,10 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
-use super::boundary::{fill, free_box, guard, input, input_mut, note_last_error, out_ptr, put, text, with_detail};
+use super::boundary::{
+    fill, free_box, guard, input, input_mut, input_sized, note_last_error, out_ptr, output_size, own_size, put,
+    put_sized, put_sized_at, read_sized, sized_since_epoch, text, with_detail,
+};
 use super::snapshot::{borrow, kvrelay_snapshot};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_bytes, kvrelay_str};
@@ -12,6 +15,8 @@ use crate::policy::{
     for_each_candidate, Addressing, BindingSpec, Capabilities, CapabilitiesBuilder, Decision, Discard, FetchRequest,
     Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
 };
+
+symbol_versions!("policy");
 
 /// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
 pub struct kvrelay_capabilities_builder {
@@ -46,8 +51,11 @@ pub struct kvrelay_candidate {
 
 /// Counts of one candidate collection.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct kvrelay_candidate_counts {
+    /// `sizeof(kvrelay_candidate_counts)` as the caller's header declares it (the library writes only the fields it
+    /// covers).
+    pub size: usize,
     /// Actions whose type no family lists.
     pub unknown_type: u32,
     /// `kv.fetch` actions whose version no family supports.
@@ -68,6 +76,8 @@ pub enum kvrelay_addressing {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_request_info {
+    /// `sizeof(kvrelay_request_info)` as the caller's header declares it.
+    pub size: usize,
     /// A generation-only request.
     pub generation_only: bool,
     /// The request uses a LoRA adapter.
@@ -78,6 +88,9 @@ pub struct kvrelay_request_info {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_fetch_request {
+    /// The library's `sizeof(kvrelay_fetch_request)`: a provider built against a newer header
+    /// reads no field past it.
+    pub size: usize,
     /// The resolved binding's id.
     pub binding_id: kvrelay_str,
     /// Its family's name.
@@ -118,6 +131,8 @@ unsafe impl Send for CallContext {}
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct kvrelay_provider {
+    /// `sizeof(kvrelay_provider)` as the caller's header declares it.
+    pub size: usize,
     /// Passed back to every callback.
     pub user_data: *mut c_void,
     /// Validate action version, payload and destination on the provider's own terms.
@@ -127,6 +142,15 @@ pub struct kvrelay_provider {
     /// Release `user_data`.
     pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
 }
+
+sized_since_epoch!(
+    kvrelay_candidate_counts,
+    kvrelay_request_info,
+    kvrelay_fetch_request,
+    kvrelay_provider,
+    kvrelay_decision,
+    kvrelay_policy_counters
+);
 
 struct CProvider(kvrelay_provider);
 
@@ -153,6 +177,7 @@ impl CProvider {
     ) -> Result<(), ProviderError> {
         let envelope = r.envelope.to_canonical();
         let req = kvrelay_fetch_request {
+            size: own_size::<kvrelay_fetch_request>(),
             binding_id: kvrelay_str::of(r.binding_id),
             family: kvrelay_str::of(r.family),
             action_index: r.action.index(),
@@ -295,6 +320,10 @@ pub unsafe extern "C" fn kvrelay_collect_candidates(
         let count_out = out_ptr(count_out)?;
         // SAFETY: forwarded contract.
         let (s, c) = unsafe { (borrow(snapshot)?, input(caps)?) };
+        // SAFETY: forwarded contract: NULL, or writable for the size it declares (checked
+        // before anything is written).
+        let counts_size =
+            if counts.is_null() { 0 } else { unsafe { output_size(counts, "kvrelay_candidate_counts") }? };
         if out.is_null() && cap != 0 {
             return Err(KVRELAY_ERR_INVALID_ARGUMENT);
         }
@@ -315,10 +344,13 @@ pub unsafe extern "C" fn kvrelay_collect_candidates(
             i += 1;
         });
         if !counts.is_null() {
-            let v =
-                kvrelay_candidate_counts { unknown_type: n.unknown_type, no_matching_version: n.no_matching_version };
-            // SAFETY: non-NULL and writable per the contract.
-            unsafe { put(counts, v) };
+            let v = kvrelay_candidate_counts {
+                size: counts_size,
+                unknown_type: n.unknown_type,
+                no_matching_version: n.no_matching_version,
+            };
+            // SAFETY: checked by `output_size`; writable for that size per the contract.
+            unsafe { put_sized_at(counts, counts_size, v) };
         }
         Ok(())
     })
@@ -477,7 +509,10 @@ pub unsafe extern "C" fn kvrelay_orchestrator_new(
     guard(|| {
         let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
-        let p = CProvider(*unsafe { input(provider) }?);
+        let p = unsafe { read_sized(provider) }?;
+        // owned from here: a refused struct's destroy still runs, where the caller's has one
+        let (p, ok) = (CProvider(p.value), p.check("kvrelay_provider"));
+        ok?;
         // SAFETY: forwarded contract.
         let (c, cfg) = unsafe { (input(caps)?, input(config)?) };
         let o = Orchestrator::new(c.inner.clone(), cfg.inner.clone(), Box::new(p))
@@ -560,6 +595,9 @@ pub enum kvrelay_decision_kind {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_decision {
+    /// `sizeof(kvrelay_decision)` as the caller's header declares it (the library writes only the fields it
+    /// covers).
+    pub size: usize,
     /// A `kvrelay_decision_kind` value.
     pub kind: i32,
     /// For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name`
@@ -611,9 +649,11 @@ pub unsafe extern "C" fn kvrelay_orchestrate_with_context(
     out: *mut kvrelay_decision,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let (o, r) = unsafe { (input(orchestrator)?, input(request)?) };
+        // SAFETY: forwarded contract (sized structs readable / writable for the size they declare;
+        // the output's is checked before anything is decided or counted).
+        let (o, r, size) = unsafe {
+            (input(orchestrator)?, input_sized(request, "kvrelay_request_info")?, output_size(out, "kvrelay_decision")?)
+        };
         let snap = if snapshot.is_null() {
             None
         } else {
@@ -632,6 +672,7 @@ pub unsafe extern "C" fn kvrelay_orchestrate_with_context(
                 // point at the orchestrator's own copy of the id so the view outlives `d`
                 let id = o.inner.binding_id(&binding).expect("decided binding exists");
                 kvrelay_decision {
+                    size,
                     kind: kvrelay_decision_kind::KVRELAY_DECISION_NAMED_FETCH as i32,
                     discard: 0,
                     binding_id: kvrelay_str::of(id),
@@ -640,6 +681,7 @@ pub unsafe extern "C" fn kvrelay_orchestrate_with_context(
                 }
             }
             Decision::KeepPairedPath(r) => kvrelay_decision {
+                size,
                 kind: kvrelay_decision_kind::KVRELAY_DECISION_KEEP_PAIRED_PATH as i32,
                 discard: r as i32,
                 binding_id: kvrelay_str::of(""),
@@ -647,8 +689,8 @@ pub unsafe extern "C" fn kvrelay_orchestrate_with_context(
                 provider_code,
             },
         };
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, c) };
+        // SAFETY: checked by `output_size`; writable for that size per the contract.
+        unsafe { put_sized_at(out, size, c) };
         Ok(())
     })
 }
@@ -673,8 +715,11 @@ const _: () = assert!(Discard::ALL.len() < KVRELAY_DISCARD_SLOTS);
 
 /// A copy of an orchestrator's counters.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct kvrelay_policy_counters {
+    /// `sizeof(kvrelay_policy_counters)` as the caller's header declares it (the library writes only the fields it
+    /// covers).
+    pub size: usize,
     /// Optional named fetches validated and submitted.
     pub named_fetch: u64,
     /// Requests that kept the paired path, by `kvrelay_discard` value.
@@ -696,22 +741,21 @@ pub unsafe extern "C" fn kvrelay_orchestrator_counters(
     out: *mut kvrelay_policy_counters,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
         let o = unsafe { input(orchestrator) }?;
         let v = o.inner.counters();
         let mut c = kvrelay_policy_counters {
+            size: own_size::<kvrelay_policy_counters>(),
             named_fetch: v.named_fetch,
+            discarded: [0; KVRELAY_DISCARD_SLOTS],
             unknown_type: v.unknown_type,
             no_matching_version: v.no_matching_version,
-            ..Default::default()
         };
         for d in Discard::ALL {
             c.discarded[d as usize] = v.discarded(d);
         }
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, c) };
-        Ok(())
+        // SAFETY: `out` NULL or writable for the size it declares (checked there).
+        unsafe { put_sized(out, c, "kvrelay_policy_counters") }
     })
 }
 

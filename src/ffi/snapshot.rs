@@ -6,10 +6,12 @@
 //! reported (`KVRELAY_ERR_INVALID_HANDLE`, and a message on stderr from `_release`) instead of
 //! corrupting memory; release builds do not pay for that check.
 
-use super::boundary::{fill, fill_pieces, guard, guard_void, out_ptr, put};
+use super::boundary::{fill, fill_pieces, guard, guard_void, out_ptr, output_size, put, put_sized_at};
 use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_action, kvrelay_bytes, kvrelay_str};
 use crate::hints::Snapshot;
+
+symbol_versions!("snapshot");
 
 /// An admitted envelope, frozen. Opaque; obtained from `kvrelay_admit` and friends.
 pub struct kvrelay_snapshot {
@@ -192,11 +194,11 @@ pub unsafe extern "C" fn kvrelay_snapshot_action(
     out: *mut kvrelay_action,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
-        let s = unsafe { borrow(snapshot) }?;
+        let (s, size) = unsafe { (borrow(snapshot)?, output_size(out, "kvrelay_action")?) };
         let a = s.action(index).ok_or(KVRELAY_ERR_OUT_OF_RANGE)?;
         let v = kvrelay_action {
+            size,
             index,
             id: kvrelay_str::of(a.id()),
             action_type: kvrelay_str::of(a.action_type()),
@@ -204,8 +206,8 @@ pub unsafe extern "C" fn kvrelay_snapshot_action(
             payload: kvrelay_bytes::of(a.payload()),
             canonical: kvrelay_bytes::of(a.canonical()),
         };
-        // SAFETY: checked non-NULL; caller promises writable.
-        unsafe { put(out, v) };
+        // SAFETY: checked by `output_size`; writable for that size per the contract.
+        unsafe { put_sized_at(out, size, v) };
         Ok(())
     })
 }

@@ -57,9 +57,9 @@ pub enum kvrelay_status {
 /// Major version of the library the header belongs to (checked against the crate version).
 pub const KVRELAY_VERSION_MAJOR: u32 = 0;
 /// Minor version.
-pub const KVRELAY_VERSION_MINOR: u32 = 3;
+pub const KVRELAY_VERSION_MINOR: u32 = 4;
 /// Patch version.
-pub const KVRELAY_VERSION_PATCH: u32 = 4;
+pub const KVRELAY_VERSION_PATCH: u32 = 0;
 
 const VERSION: &[u8] = concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes();
 
@@ -102,6 +102,8 @@ pub extern "C" fn kvrelay_status_message(status: i32) -> *const c_char {
 
 #[cfg(test)]
 use kvrelay_status::*;
+
+symbol_versions!("status");
 
 #[cfg(test)]
 impl kvrelay_status {

@@ -6,6 +6,12 @@ use std::fmt::Write as _;
 use crate::hints::CounterValues;
 use crate::hints::{Ignored, Outcome, Reason};
 
+use super::boundary::{own_size, sized_since_epoch};
+
+symbol_versions!("types");
+
+sized_since_epoch!(kvrelay_action, kvrelay_outcome, kvrelay_counters);
+
 /// A borrowed byte view. Valid while the snapshot it came from is held.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -43,6 +49,9 @@ impl kvrelay_str {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_action {
+    /// `sizeof(kvrelay_action)` as the caller's header declares it (set by the caller before the call;
+    /// the library writes only the fields that size covers).
+    pub size: usize,
     /// Position in the envelope's `actions` array.
     pub index: usize,
     /// `action_id`, decoded.
@@ -92,6 +101,9 @@ pub const KVRELAY_DETAIL_CAPACITY: usize = 128;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_outcome {
+    /// `sizeof(kvrelay_outcome)` as the caller's header declares it (set by the caller before the call;
+    /// the library writes only the fields that size covers).
+    pub size: usize,
     /// A `kvrelay_outcome_kind` value.
     pub kind: i32,
     /// A `kvrelay_reason` value.
@@ -113,6 +125,7 @@ pub(crate) fn reason_code(r: Reason) -> kvrelay_reason {
 impl kvrelay_outcome {
     pub(crate) fn absent() -> kvrelay_outcome {
         kvrelay_outcome {
+            size: own_size::<kvrelay_outcome>(),
             kind: kvrelay_outcome_kind::KVRELAY_OUTCOME_ABSENT as i32,
             reason: kvrelay_reason::KVRELAY_REASON_NONE as i32,
             detail: [0; KVRELAY_DETAIL_CAPACITY],
@@ -156,8 +169,11 @@ impl kvrelay_outcome {
 
 /// A copy of an admission edge's counters.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct kvrelay_counters {
+    /// `sizeof(kvrelay_counters)` as the caller's header declares it (set by the caller before the call;
+    /// the library writes only the fields that size covers).
+    pub size: usize,
     /// `admitted_total`
     pub admitted: u64,
     /// `ignored_total{reason="untrusted"}`
@@ -173,6 +189,7 @@ pub struct kvrelay_counters {
 impl From<CounterValues> for kvrelay_counters {
     fn from(v: CounterValues) -> Self {
         kvrelay_counters {
+            size: own_size::<kvrelay_counters>(),
             admitted: v.admitted,
             untrusted: v.untrusted,
             unknown_version: v.unknown_version,

@@ -4,13 +4,17 @@
 use std::ffi::c_char;
 
 use crate::agent::{AgentConfig, Fingerprint, LimitKey, Psk, Transport};
-use crate::ffi::boundary::{free_box, guard, input, input_mut, out_ptr, put, text, with_detail};
+use crate::ffi::boundary::{free_box, guard, input, input_mut, input_sized, out_ptr, put, text, with_detail};
 use crate::ffi::status::kvrelay_status::{self, *};
+
+symbol_versions!("agent_config");
 
 /// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_agent_fingerprint {
+    /// `sizeof(kvrelay_agent_fingerprint)` as the caller's header declares it.
+    pub size: usize,
     /// Tokens per block.
     pub block_tokens: u32,
     /// Layers.
@@ -24,6 +28,8 @@ pub struct kvrelay_agent_fingerprint {
     /// The runtime's naming-scheme id: equal ids must mean equal block names for equal KV.
     pub naming: u64,
 }
+
+crate::ffi::boundary::sized_since_epoch!(kvrelay_agent_fingerprint);
 
 /// One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by
 /// name, so that limits can be added without changing a struct a caller compiled in). Fixed
@@ -106,8 +112,8 @@ pub unsafe extern "C" fn kvrelay_agent_config_new(
 ) -> kvrelay_status {
     guard(|| {
         let out = out_ptr(out)?;
-        // SAFETY: forwarded contract.
-        let f = unsafe { input(fingerprint) }?;
+        // SAFETY: forwarded contract (readable for the size it declares).
+        let f = unsafe { input_sized(fingerprint, "kvrelay_agent_fingerprint") }?;
         let fp = Fingerprint {
             block_tokens: f.block_tokens,
             layers: f.layers,

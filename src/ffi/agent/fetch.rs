@@ -5,12 +5,17 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use crate::agent::{FailReason, Fetch, FetchRequest, FetchResult};
-use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, read_sized, text, SizedStruct};
+use crate::ffi::boundary::{
+    fill, free_box, guard, input, input_sized, out_ptr, output_size, own_size, put, put_sized_at, read_sized,
+    sized_since_epoch, text, SizedStruct,
+};
 use crate::ffi::copy::array;
 use crate::ffi::status::kvrelay_status::{self, *};
 use crate::ffi::types::kvrelay_str;
 
 use super::{agent_err, kvrelay_agent};
+
+symbol_versions!("agent_fetch");
 
 /// A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
 /// completion callback). Thread-safe.
@@ -57,6 +62,10 @@ pub enum kvrelay_fetch_failure {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_fetch_result {
+    /// `sizeof(kvrelay_fetch_result)`: set by the caller of `kvrelay_fetch_poll` / `_wait`
+    /// (the library writes only the fields it covers); in a completion callback, the library's
+    /// own (read no field past it).
+    pub size: usize,
     /// A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source
     /// may still have offered fewer blocks than asked: its leading run).
     pub failure: i32,
@@ -76,6 +85,7 @@ pub struct kvrelay_fetch_result {
 impl From<&FetchResult> for kvrelay_fetch_result {
     fn from(r: &FetchResult) -> Self {
         kvrelay_fetch_result {
+            size: own_size::<kvrelay_fetch_result>(),
             failure: r.failure.map_or(0, |f| f as i32),
             blocks: r.blocks,
             bytes: r.bytes,
@@ -89,6 +99,8 @@ impl From<&FetchResult> for kvrelay_fetch_result {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_fetch_params {
+    /// `sizeof(kvrelay_fetch_params)` as the caller's header declares it.
+    pub size: usize,
     /// The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it
     /// (`kvrelay_fetch_request.endpoint`).
     pub endpoint: kvrelay_str,
@@ -177,6 +189,8 @@ pub struct kvrelay_fetch_callbacks {
     /// Releases `user_data`.
     pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
 }
+
+sized_since_epoch!(kvrelay_fetch_result, kvrelay_fetch_params);
 
 // SAFETY: repr(C), `size` first, and all-zero bytes are no user data and no callbacks.
 unsafe impl SizedStruct for kvrelay_fetch_callbacks {
@@ -301,8 +315,8 @@ unsafe fn submit(
     out: *mut *mut kvrelay_fetch,
 ) -> Result<(), kvrelay_status> {
     let out = out_ptr(out)?;
-    // SAFETY: forwarded contract.
-    let (a, p) = unsafe { (input(agent)?, input(params)?) };
+    // SAFETY: forwarded contract (readable for the size it declares).
+    let (a, p) = unsafe { (input(agent)?, input_sized(params, "kvrelay_fetch_params")?) };
     // SAFETY: forwarded contract.
     let (endpoint, names, dst) = unsafe {
         (text(p.endpoint.ptr.cast(), p.endpoint.len)?, array(p.names, p.names_len)?, array(p.dst_blocks, p.dst_len)?)
@@ -359,14 +373,13 @@ pub unsafe extern "C" fn kvrelay_fetch_wait(
     out: *mut kvrelay_fetch_result,
 ) -> kvrelay_status {
     guard(|| {
-        let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
-        let f = unsafe { input(fetch) }?;
+        let (f, size) = unsafe { (input(fetch)?, output_size(out, "kvrelay_fetch_result")?) };
         let r =
             if timeout_ms == 0 { f.inner.poll() } else { f.inner.wait(Duration::from_millis(u64::from(timeout_ms))) };
         let r = r.ok_or(KVRELAY_ERR_PENDING)?;
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put(out, kvrelay_fetch_result::from(&r)) };
+        // SAFETY: checked by `output_size`; writable for that size per the contract.
+        unsafe { put_sized_at(out, size, kvrelay_fetch_result::from(&r)) };
         Ok(())
     })
 }

@@ -23,6 +23,9 @@ use crate::agent::BlockHolder;
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct kvrelay_block_holder {
+    /// `sizeof(kvrelay_block_holder)` as the caller's header declares it (callbacks of a newer
+    /// header are refused while set, absent ones of an older header are NULL).
+    pub size: usize,
     /// Passed back to every callback.
     pub user_data: *mut c_void,
     /// Pin the leading held run of `names`.
@@ -35,6 +38,8 @@ pub struct kvrelay_block_holder {
     /// Withheld destination blocks are free again.
     pub returned: Option<unsafe extern "C" fn(user_data: *mut c_void, ids: *const u32, n: usize)>,
 }
+
+crate::ffi::boundary::sized_since_epoch!(kvrelay_block_holder);
 
 pub(super) struct CHolder(pub(super) kvrelay_block_holder);
 

@@ -16,9 +16,11 @@ pub use holder::*;
 use std::ffi::c_char;
 
 use crate::agent::{Agent, AgentError, AgentStats};
-use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, put_counters, text, with_detail};
+use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, put_counters, read_sized, text, with_detail};
 use crate::ffi::copy::{array, kvrelay_kv_layout, layout_of};
 use crate::ffi::status::kvrelay_status::{self, *};
+
+symbol_versions!("agent_mod");
 
 /// A running KV agent. Owned: `_free`. Every function on it is thread-safe.
 pub struct kvrelay_agent {
@@ -68,10 +70,12 @@ pub unsafe extern "C" fn kvrelay_agent_new(
     out: *mut *mut kvrelay_agent,
 ) -> kvrelay_status {
     guard(|| {
-        // SAFETY: forwarded contract.
-        let h = unsafe { input(holder) }?;
-        // from here on the holder is owned: its destroy runs on every path
-        let h = CHolder(*h);
+        // SAFETY: forwarded contract (readable for the size it declares).
+        let h = unsafe { read_sized(holder) }?;
+        // from here on the holder is owned: its destroy runs on every path (a refused struct's
+        // too, where the caller's has one)
+        let (h, ok) = (CHolder(h.value), h.check("kvrelay_block_holder"));
+        ok?;
         let out = out_ptr(out)?;
         // SAFETY: forwarded contract.
         let (c, l) = unsafe { (input(config)?, input(layout)?) };

@@ -149,7 +149,14 @@ impl Admission {
 
     /// A copy of the edge's counters.
     pub fn counters(&self) -> kvrelay_counters {
-        let mut c = kvrelay_counters::default();
+        let mut c = kvrelay_counters {
+            size: size_of::<kvrelay_counters>(),
+            admitted: 0,
+            untrusted: 0,
+            unknown_version: 0,
+            oversized: 0,
+            malformed: 0,
+        };
         // SAFETY: the edge is live; `c` is writable.
         let _ = unsafe { kvrelay_admission_counters(self.0.as_ptr(), &mut c) };
         c
@@ -164,7 +171,7 @@ impl Drop for Admission {
 }
 
 fn empty_outcome() -> kvrelay_outcome {
-    kvrelay_outcome { kind: 0, reason: 0, detail: [0; KVRELAY_DETAIL_CAPACITY] }
+    kvrelay_outcome { size: size_of::<kvrelay_outcome>(), kind: 0, reason: 0, detail: [0; KVRELAY_DETAIL_CAPACITY] }
 }
 
 /// A reference to an admitted snapshot: `Clone` retains, `Drop` releases. Its `Debug` never
@@ -241,7 +248,15 @@ impl Snapshot {
     pub fn action(&self, i: usize) -> Option<ActionView<'_>> {
         let e = kvrelay_str { ptr: ptr::null(), len: 0 };
         let b = kvrelay_bytes { ptr: ptr::null(), len: 0 };
-        let mut a = kvrelay_action { index: 0, id: e, action_type: e, version: e, payload: b, canonical: b };
+        let mut a = kvrelay_action {
+            size: size_of::<kvrelay_action>(),
+            index: 0,
+            id: e,
+            action_type: e,
+            version: e,
+            payload: b,
+            canonical: b,
+        };
         // SAFETY: live handle; `a` writable.
         if unsafe { kvrelay_snapshot_action(self.0.as_ptr(), i, &mut a) } != kvrelay_status::KVRELAY_OK {
             return None;

@@ -156,7 +156,14 @@ impl PendingFetch {
             // the callback always runs before destroy drops the sender: a dropped sender
             // means the agent is gone
             Err(_) => (
-                kvrelay_fetch_result { failure: 10, blocks: 0, bytes: 0, seconds: 0.0, withheld: 0 },
+                kvrelay_fetch_result {
+                    size: size_of::<kvrelay_fetch_result>(),
+                    failure: 10,
+                    blocks: 0,
+                    bytes: 0,
+                    seconds: 0.0,
+                    withheld: 0,
+                },
                 "the agent went away".into(),
             ),
         }
@@ -222,6 +229,7 @@ impl KvAgent {
         })?;
         let ud = Box::into_raw(Box::new(holder)) as *mut c_void;
         let h = kvrelay_block_holder {
+            size: size_of::<kvrelay_block_holder>(),
             user_data: ud,
             pin: Some(holder_pin),
             unpin: Some(holder_unpin),
@@ -267,6 +275,7 @@ impl KvAgent {
             destroy: Some(fetch_destroy),
         };
         let p = kvrelay_fetch_params {
+            size: size_of::<kvrelay_fetch_params>(),
             endpoint: kvrelay_str { ptr: endpoint.as_ptr().cast(), len: endpoint.len() },
             names: names.as_ptr(),
             names_len: names.len(),

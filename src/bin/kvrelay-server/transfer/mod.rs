@@ -27,6 +27,7 @@ use crate::engine::{Engine, Shape};
 /// `naming` ([`Engine::naming`]: the model's identity is part of it).
 pub fn fingerprint(s: Shape, naming: &str) -> kvrelay_agent_fingerprint {
     kvrelay_agent_fingerprint {
+        size: size_of::<kvrelay_agent_fingerprint>(),
         block_tokens: s.block_tokens as u32,
         layers: s.layers as u32,
         kv_heads: s.kv_heads as u32,
