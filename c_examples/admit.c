@@ -87,6 +87,7 @@ int main(int argc, char **argv) {
   kvrelay_admission *untrusted = edge(false);
   kvrelay_admission *trusted = edge(true);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *snap = NULL;
   int failures = 0;
 
@@ -109,6 +110,7 @@ int main(int argc, char **argv) {
     CHECK(kvrelay_snapshot_action_count(snap, &n));
     for (size_t i = 0; i < n; i++) {
       kvrelay_action a;
+      a.size = sizeof a;
       CHECK(kvrelay_snapshot_action(snap, i, &a));
       printf("  action %zu: id=%.*s type=%.*s version=%.*s payload=%.*s\n", a.index, (int)a.id.len, a.id.ptr,
              (int)a.action_type.len, a.action_type.ptr, (int)a.version.len, a.version.ptr, (int)a.payload.len,

@@ -186,7 +186,7 @@ static int cache_pinned(cache *c) {
 }
 
 static kvrelay_agent_fingerprint fingerprint(uint64_t naming) {
-  kvrelay_agent_fingerprint f = {32, LAYERS, 2, 64, 2, naming};
+  kvrelay_agent_fingerprint f = {sizeof(kvrelay_agent_fingerprint), 32, LAYERS, 2, 64, 2, naming};
   return f;
 }
 
@@ -202,7 +202,7 @@ static kvrelay_agent *agent_new(pool *p, cache *c, const char *listen, const cha
   if (key) CHECK(kvrelay_agent_config_set_key(cfg, (const uint8_t *)key, strlen(key)) == KVRELAY_OK);
   CHECK(kvrelay_agent_config_set_device(cfg, device) == KVRELAY_OK);
   /* returned: only a NIXL agent withholds blocks; this one moves them over TCP */
-  kvrelay_block_holder h = {c, cache_pin, cache_unpin, cache_destroy, NULL};
+  kvrelay_block_holder h = {sizeof(kvrelay_block_holder), c, cache_pin, cache_unpin, cache_destroy, NULL};
   kvrelay_status st = kvrelay_agent_new(cfg, p->layout, &h, &a);
   if (st != KVRELAY_OK) {
     char msg[256];
@@ -307,9 +307,10 @@ static void on_done(void *ud, const kvrelay_fetch_result *r) {
 
 static int32_t fetch_failure(kvrelay_agent *b, const char *ep, const uint64_t *nm, size_t n, size_t held,
                              const uint32_t *dst, size_t ndst, size_t *blocks) {
-  kvrelay_fetch_params fp = {{ep, strlen(ep)}, nm, n, held, dst, ndst, 10000};
+  kvrelay_fetch_params fp = {sizeof(kvrelay_fetch_params), {ep, strlen(ep)}, nm, n, held, dst, ndst, 10000};
   kvrelay_fetch *f = NULL;
   kvrelay_fetch_result r;
+  r.size = sizeof r;
   if (kvrelay_agent_fetch(b, &fp, on_done, &callbacks, &f) != KVRELAY_OK) return -1;
   kvrelay_status st = kvrelay_fetch_wait(f, 20000, &r);
   kvrelay_fetch_free(f);
@@ -362,6 +363,7 @@ static int run_destination(int in_fd) {
                     ea, (unsigned long long)names[0], (unsigned long long)names[1], (unsigned long long)names[2],
                     (unsigned long long)names[3], (unsigned long long)names[4], (unsigned long long)names[5]);
   kvrelay_outcome out;
+  out.size = sizeof out;
   kvrelay_snapshot *snap = NULL;
   CHECK(kvrelay_admit(adm, (const uint8_t *)hint, (size_t)hn, &out, &snap) == KVRELAY_OK);
   CHECK(out.kind == KVRELAY_OUTCOME_ADMITTED);
@@ -378,10 +380,11 @@ static int run_destination(int in_fd) {
   kvrelay_policy_config_add_binding(pc, "kv-agent", 8, "agent", 5, KVRELAY_ADDRESSING_NAMED, true);
   kvrelay_policy_config_binding_support(pc, "kv-agent", 8, "kv.fetch", 8, "1.0", 3);
   CHECK(kvrelay_policy_config_add_endpoint(pc, ea, strlen(ea)) == KVRELAY_OK);
-  kvrelay_provider prov = {NULL, provider_validate, provider_fetch, NULL};
+  kvrelay_provider prov = {sizeof(kvrelay_provider), NULL, provider_validate, provider_fetch, NULL};
   CHECK(kvrelay_orchestrator_new(caps, pc, &prov, &orch) == KVRELAY_OK);
-  kvrelay_request_info ri = {true, false};
+  kvrelay_request_info ri = {sizeof(kvrelay_request_info), true, false};
   kvrelay_decision d;
+  d.size = sizeof d;
   plan pl = {{0}, 0};
   CHECK(kvrelay_orchestrate_with_context(orch, &ri, snap, &pl, &d) == KVRELAY_OK);
   CHECK(d.kind == KVRELAY_DECISION_NAMED_FETCH && pl.accepted && strcmp(pl.endpoint, ea) == 0);
@@ -444,7 +447,7 @@ static int run_destination(int in_fd) {
   /* bad arguments are refused before anything runs */
   kvrelay_fetch *f = NULL;
   const uint32_t dup[2] = {1, 1};
-  kvrelay_fetch_params bad = {{ea, strlen(ea)}, names, NAMES, 0, dup, 2, 1000};
+  kvrelay_fetch_params bad = {sizeof(kvrelay_fetch_params), {ea, strlen(ea)}, names, NAMES, 0, dup, 2, 1000};
   CHECK(kvrelay_agent_fetch(b, &bad, NULL, NULL, &f) == KVRELAY_ERR_INVALID_ARGUMENT && f == NULL);
   CHECK(kvrelay_agent_fetch(b, NULL, NULL, NULL, &f) == KVRELAY_ERR_NULL);
   bad.dst_blocks = one;

@@ -183,7 +183,7 @@ int main() {
         std::string want = expect_absent_entry ? "absent" : req.expect;
         if (describe(o) != want) fail(name + ": expected " + want + ", got " + describe(o));
         // Eligibility, candidates, then one named-fetch attempt at most.
-        kvrelay_request_info info{true, req.lora};
+        kvrelay_request_info info {sizeof(kvrelay_request_info), true, req.lora};
         kvrelay::Decision d = orchestrator.decide(info, o.snapshot);
         std::size_t n_candidates = o.admitted() ? caps.candidates(o.snapshot).size() : 0;
         std::printf("          candidates=%zu decision=%s%s\n", n_candidates, d.named_fetch() ? "named_fetch via " : "keep_paired_path: ",

@@ -38,6 +38,7 @@ int main(int argc, char **argv) {
     double t0 = now_ns();
     for (long i = 0; i < iters; i++) {
       kvrelay_outcome o;
+      o.size = sizeof o;
       kvrelay_snapshot *s = NULL;
       if (kvrelay_admit(adm, (const uint8_t *)env, strlen(env), &o, &s)) return 2;
       kvrelay_snapshot_release(s);
@@ -66,20 +67,20 @@ int main(int argc, char **argv) {
   static uint8_t pool[16 * 4096];
   kvrelay_kv_layout *layout;
   if (kvrelay_kv_layout_all_layers_per_block((uint64_t)(uintptr_t)pool, 1, 16, 4096, &layout)) return 3;
-  kvrelay_agent_fingerprint fp = {32, 1, 1, 64, 2, 1};
+  kvrelay_agent_fingerprint fp = {sizeof(kvrelay_agent_fingerprint), 32, 1, 1, 64, 2, 1};
   kvrelay_agent_config *ac;
   if (kvrelay_agent_config_new(&fp, &ac) || kvrelay_agent_config_set_listen(ac, "", 0)) return 4;
   kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_MAX_QUEUED_FETCHES, 100000);
   kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_FETCH_THREADS, 1);
-  kvrelay_block_holder h = {NULL, pin, unpin, NULL, NULL};
+  kvrelay_block_holder h = {sizeof(kvrelay_block_holder), NULL, pin, unpin, NULL, NULL};
   kvrelay_agent *agent;
   if (kvrelay_agent_new(ac, layout, &h, &agent)) return 5;
   kvrelay_agent_config_free(ac);
   const char *ep = argc > 3 ? argv[3] : "tcp://127.0.0.1:9";
   uint64_t names[4] = {1, 2, 3, 4};
   uint32_t dst[4] = {0, 1, 2, 3};
-  kvrelay_fetch_params p = {{ep, strlen(ep)}, names, 4, 0, dst, 4, 1000};
-  kvrelay_fetch_params plug_p = {{plug_ep, strlen(plug_ep)}, names, 4, 0, dst, 4, 60000};
+  kvrelay_fetch_params p = {sizeof(kvrelay_fetch_params), {ep, strlen(ep)}, names, 4, 0, dst, 4, 1000};
+  kvrelay_fetch_params plug_p = {sizeof(kvrelay_fetch_params), {plug_ep, strlen(plug_ep)}, names, 4, 0, dst, 4, 60000};
   long n = 2000;
   kvrelay_fetch **fs = calloc((size_t)n, sizeof *fs);
   best = 1e30;
@@ -94,6 +95,7 @@ int main(int argc, char **argv) {
     double per = (now_ns() - t0) / (double)n;
     if (per < best) best = per;
     kvrelay_fetch_result r;
+    r.size = sizeof r;
     for (long i = 0; i < n; i++) kvrelay_fetch_cancel(fs[i]);
     kvrelay_fetch_cancel(plug);
     for (long i = 0; i < n; i++) {

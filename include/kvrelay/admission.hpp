@@ -49,7 +49,8 @@ class Snapshot {
   }
   /// Throws kvrelay::Error(KVRELAY_ERR_OUT_OF_RANGE) past the end.
   Action action(std::size_t i) const {
-    kvrelay_action a;
+    kvrelay_action a{};
+    a.size = sizeof a;
     check(kvrelay_snapshot_action(p_, i, &a));
     return {a.index, view(a.id), view(a.action_type), view(a.version), view(a.payload), view(a.canonical)};
   }
@@ -153,7 +154,8 @@ class Admission {
 
   /// Admit the raw text of a hint (find_hint's value; empty: the request has none).
   Outcome admit(std::string_view json) const {
-    kvrelay_outcome o;
+    kvrelay_outcome o{};
+    o.size = sizeof o;
     kvrelay_snapshot *s = nullptr;
     check(kvrelay_admit(h_.get(), reinterpret_cast<const uint8_t *>(json.data()), json.size(), &o, &s));
     return Outcome::from(o, s);
@@ -162,7 +164,7 @@ class Admission {
   /// Admit the `kv_hints` of a batch of `prompts` prompts: one Outcome per prompt. Throws
   /// kvrelay::Error(KVRELAY_ERR_BATCH_LENGTH_MISMATCH) for an aligned list of another length.
   std::vector<Outcome> admit_batch(std::string_view json, std::size_t prompts, bool *shared = nullptr) const {
-    std::vector<kvrelay_outcome> o(prompts);
+    std::vector<kvrelay_outcome> o(prompts, kvrelay_outcome{sizeof(kvrelay_outcome), 0, 0, {}});
     std::vector<kvrelay_snapshot *> s(prompts, nullptr);
     check(kvrelay_admit_batch(h_.get(), reinterpret_cast<const uint8_t *>(json.data()), json.size(), prompts, o.data(), s.data(), shared));
     std::vector<Outcome> r;
@@ -173,7 +175,8 @@ class Admission {
 
   /// Decode and re-validate a MessagePack envelope (rank broadcast); nothing is counted.
   Outcome decode_msgpack(const uint8_t *data, std::size_t len) const {
-    kvrelay_outcome o;
+    kvrelay_outcome o{};
+    o.size = sizeof o;
     kvrelay_snapshot *s = nullptr;
     check(kvrelay_admission_decode_msgpack(h_.get(), data, len, &o, &s));
     return Outcome::from(o, s);
@@ -181,7 +184,8 @@ class Admission {
   Outcome decode_msgpack(const std::vector<uint8_t> &m) const { return decode_msgpack(m.data(), m.size()); }
 
   kvrelay_counters counters() const {
-    kvrelay_counters c;
+    kvrelay_counters c{};
+    c.size = sizeof c;
     check(kvrelay_admission_counters(h_.get(), &c));
     return c;
   }

@@ -109,7 +109,8 @@ class Fetch {
   std::optional<kvrelay_fetch_result> poll() const { return wait(0); }
   /// Wait up to `timeout_ms` (blocks the calling thread: not for a scheduler's thread).
   std::optional<kvrelay_fetch_result> wait(uint32_t timeout_ms) const {
-    kvrelay_fetch_result r;
+    kvrelay_fetch_result r{};
+    r.size = sizeof r;
     int32_t s = timeout_ms == 0 ? kvrelay_fetch_poll(h_.get(), &r) : kvrelay_fetch_wait(h_.get(), timeout_ms, &r);
     if (s == KVRELAY_ERR_PENDING) return std::nullopt;
     check(s);
@@ -128,7 +129,8 @@ class Fetch {
   /// Cancel a fetch that still runs and wait until it completed.
   void settle() noexcept {
     if (!h_.get()) return;
-    kvrelay_fetch_result r;
+    kvrelay_fetch_result r{};
+    r.size = sizeof r;
     if (kvrelay_fetch_poll(h_.get(), &r) != KVRELAY_ERR_PENDING) return;
     kvrelay_fetch_cancel(h_.get());
     while (kvrelay_fetch_wait(h_.get(), 1000, &r) == KVRELAY_ERR_PENDING) {
@@ -151,7 +153,7 @@ inline BlockDigest file_digest(std::string_view path) {
 class Agent {
  public:
   Agent(const AgentConfig &cfg, const KvLayout &layout, BlockHolder &holder) {
-    kvrelay_block_holder h{&holder, &Agent::pin_cb, &Agent::unpin_cb, nullptr, &Agent::returned_cb};
+    kvrelay_block_holder h {sizeof(kvrelay_block_holder), &holder, &Agent::pin_cb, &Agent::unpin_cb, nullptr, &Agent::returned_cb};
     check(kvrelay_agent_new(cfg.get(), layout.get(), &h, h_.out()));
   }
   /// `tcp://ADDR:PORT` of the service ("" for a fetch-only agent).
@@ -174,7 +176,7 @@ class Agent {
   /// Submit a fetch of names[held .. held + dst.size()] into `dst` (see kvrelay_agent_fetch).
   Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, std::size_t held,
               const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
-    kvrelay_fetch_params p{{endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
+    kvrelay_fetch_params p {sizeof(kvrelay_fetch_params), {endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
                            dst.data(), dst.size(), deadline_ms};
     Fetch f;
     check(kvrelay_agent_fetch(h_.get(), &p, nullptr, nullptr, f.h_.out()));
@@ -186,7 +188,7 @@ class Agent {
   /// (KVRELAY_FETCH_DIGEST_MISMATCH).
   Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, const std::vector<BlockDigest> &digests,
               std::size_t held, const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
-    kvrelay_fetch_params p{{endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
+    kvrelay_fetch_params p {sizeof(kvrelay_fetch_params), {endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
                            dst.data(), dst.size(), deadline_ms};
     Fetch f;
     check(kvrelay_agent_submit_checked(h_.get(), &p, reinterpret_cast<const uint8_t *>(digests.data()),

@@ -104,7 +104,7 @@ class Orchestrator {
     for (const std::string &e : config.endpoints)
       if (st == KVRELAY_OK) st = kvrelay_policy_config_add_endpoint(c, e.data(), e.size());
     if (st == KVRELAY_OK) {
-      kvrelay_provider p{new std::shared_ptr<Provider>(std::move(provider)), &call_validate, &call_fetch, &destroy};
+      kvrelay_provider p {sizeof(kvrelay_provider), new std::shared_ptr<Provider>(std::move(provider)), &call_validate, &call_fetch, &destroy};
       st = kvrelay_orchestrator_new(caps.get(), c, &p, h_.out());  // owns p.user_data from here on
     }
     kvrelay_policy_config_free(c);
@@ -117,7 +117,8 @@ class Orchestrator {
   /// kvrelay_orchestrate_with_context): where the provider leaves what it submitted for the
   /// caller (a fetch handle, the blocks it fetches into) without globals or thread-locals.
   Decision decide(const kvrelay_request_info &request, const Snapshot &snapshot, void *call_context) const {
-    kvrelay_decision d;
+    kvrelay_decision d{};
+    d.size = sizeof d;
     check(kvrelay_orchestrate_with_context(h_.get(), &request, snapshot.get(), call_context, &d));
     return Decision{d.kind, d.discard, std::string(view(d.binding_id)), d.action_index, d.provider_code};
   }

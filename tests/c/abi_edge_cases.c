@@ -2,6 +2,7 @@
  * status values, invalid UTF-8, invalid config, out-of-range indexes, double release (detected
  * by debug builds of the library). None may crash or leak (run under ASan's leak checker).
  * Also compiled as C++ (abi_edge_cases_as_cxx.cpp). Prints "N passed, M failed". */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,11 +27,14 @@ static kvrelay_admission *trusted_edge(void) {
 
 static void null_pointers(kvrelay_admission *adm, kvrelay_snapshot *snap) {
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = NULL;
   kvrelay_bytes b;
   kvrelay_str str;
   kvrelay_action a;
+  a.size = sizeof a;
   kvrelay_counters c;
+  c.size = sizeof c;
   size_t n = 0;
   EXPECT(kvrelay_admission_config_new(NULL) == KVRELAY_ERR_NULL);
   EXPECT(kvrelay_admission_config_set_trusted(NULL, true) == KVRELAY_ERR_NULL);
@@ -65,6 +69,7 @@ static void null_pointers(kvrelay_admission *adm, kvrelay_snapshot *snap) {
 
 static void empty_and_invalid_inputs(kvrelay_admission *adm) {
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = (kvrelay_snapshot *)&o; /* poison: must be overwritten with NULL */
   EXPECT(kvrelay_admit(adm, NULL, 0, &o, &s) == KVRELAY_OK);
   EXPECT(o.kind == KVRELAY_OUTCOME_ABSENT && s == NULL);
@@ -109,6 +114,7 @@ static void config_errors(void) {
   adm = NULL;
   EXPECT(kvrelay_admission_new(NULL, &adm) == KVRELAY_OK);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = NULL;
   EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &s) == KVRELAY_OK);
   EXPECT(o.reason == KVRELAY_REASON_UNTRUSTED && s == NULL);
@@ -132,6 +138,7 @@ static void buffers(kvrelay_admission *adm, kvrelay_snapshot *snap) {
   uint8_t *mp = (uint8_t *)malloc(need);
   EXPECT(kvrelay_snapshot_msgpack(snap, mp, need, &n) == KVRELAY_OK && n == need);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *back = NULL;
   EXPECT(kvrelay_admission_decode_msgpack(adm, mp, n, &o, &back) == KVRELAY_OK && back != NULL);
   kvrelay_bytes a, b;
@@ -157,6 +164,7 @@ static void buffers(kvrelay_admission *adm, kvrelay_snapshot *snap) {
 
 static void ranges_and_messages(kvrelay_snapshot *snap) {
   kvrelay_action a;
+  a.size = sizeof a;
   a.index = 12345;
   EXPECT(kvrelay_snapshot_action(snap, 1, &a) == KVRELAY_ERR_OUT_OF_RANGE);
   EXPECT(a.index == 12345); /* untouched on failure */
@@ -174,6 +182,7 @@ static void ranges_and_messages(kvrelay_snapshot *snap) {
 static void batch(kvrelay_admission *adm) {
   kvrelay_outcome o[3];
   kvrelay_snapshot *s[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i++) o[i].size = sizeof o[i];
   bool shared = true;
   char list[512];
   snprintf(list, sizeof list, "[%s,null,%s]", HINT, HINT);
@@ -198,6 +207,7 @@ static void find_hint(kvrelay_admission *adm) {
   EXPECT(kvrelay_find_hint((const uint8_t *)body, strlen(body), &spelling, &at, &len) == KVRELAY_OK);
   EXPECT(spelling == KVRELAY_HINT_TRANSFER_ROUTER_HINT && len == sizeof HINT - 1 && memcmp(body + at, HINT, len) == 0);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = NULL;
   EXPECT(kvrelay_admit(adm, (const uint8_t *)body + at, len, &o, &s) == KVRELAY_OK);
   EXPECT(o.kind == KVRELAY_OUTCOME_ADMITTED && s != NULL);
@@ -228,6 +238,7 @@ static void double_release(kvrelay_admission *adm) {
     return;
   }
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = NULL;
   EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &s) == KVRELAY_OK);
   kvrelay_snapshot *t = kvrelay_snapshot_retain(s);
@@ -241,10 +252,92 @@ static void double_release(kvrelay_admission *adm) {
   printf("double release: detected\n");
 }
 
+/* The 0.4 epoch's sized structs: a caller declares its struct's size, for outputs too. An
+ * output of no version's size is refused before anything happens (nothing admitted, counted or
+ * written); a newer header's larger output gets the fields this library knows and zeros past
+ * them, never a byte past its size; a batch's outcomes must all carry one size; an input of a
+ * newer header with a field this library does not know set is refused. */
+typedef struct newer_outcome {
+  kvrelay_outcome known;
+  uint64_t future; /* a field a later 0.4.x might append */
+  uint64_t guard;  /* past the declared size: never written */
+} newer_outcome;
+
+static void sized_structs(kvrelay_admission *adm) {
+  kvrelay_counters before, after;
+  before.size = sizeof before;
+  after.size = sizeof after;
+  EXPECT(kvrelay_admission_counters(adm, &before) == KVRELAY_OK);
+  kvrelay_outcome o;
+  memset(&o, 0xAB, sizeof o);
+  o.size = 0; /* a caller that forgot it */
+  kvrelay_snapshot *s = NULL;
+  EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &s) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(s == NULL && o.kind == (int32_t)0xABABABAB);
+  o.size = sizeof o - 8; /* smaller than the first version's */
+  EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &s) == KVRELAY_ERR_INVALID_ARGUMENT);
+  o.size = sizeof o + 4; /* not a multiple of the alignment */
+  EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &s) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(kvrelay_admission_counters(adm, &after) == KVRELAY_OK);
+  EXPECT(after.admitted == before.admitted); /* refused before admitting: nothing counted */
+
+  newer_outcome n;
+  memset(&n, 0xAB, sizeof n);
+  n.known.size = offsetof(newer_outcome, guard);
+  EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &n.known, &s) == KVRELAY_OK);
+  EXPECT(n.known.size == offsetof(newer_outcome, guard) && n.known.kind == KVRELAY_OUTCOME_ADMITTED);
+  EXPECT(n.future == 0 && n.guard == 0xABABABABABABABABull);
+  kvrelay_snapshot_release(s);
+
+  kvrelay_outcome b[2];
+  kvrelay_snapshot *bs[2] = {NULL, NULL};
+  b[0].size = sizeof b[0];
+  b[1].size = 0;
+  EXPECT(kvrelay_admit_batch(adm, (const uint8_t *)HINT, sizeof HINT - 1, 2, b, bs, NULL) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(bs[0] == NULL && bs[1] == NULL);
+
+  /* an input from a newer header: a zero unknown field is accepted, a set one refused */
+  struct {
+    kvrelay_request_info info;
+    uint64_t future;
+  } ri;
+  memset(&ri, 0, sizeof ri);
+  ri.info.size = sizeof ri;
+  ri.info.generation_only = true;
+  kvrelay_capabilities_builder *cb = NULL;
+  kvrelay_capabilities *caps = NULL;
+  kvrelay_policy_config *pc = NULL;
+  kvrelay_orchestrator *orch = NULL;
+  kvrelay_provider prov;
+  memset(&prov, 0, sizeof prov);
+  prov.size = sizeof prov;
+  EXPECT(kvrelay_capabilities_builder_new(&cb) == KVRELAY_OK);
+  EXPECT(kvrelay_capabilities_build(cb, &caps) == KVRELAY_OK);
+  EXPECT(kvrelay_policy_config_new(&pc) == KVRELAY_OK);
+  EXPECT(kvrelay_orchestrator_new(caps, pc, &prov, &orch) == KVRELAY_OK);
+  kvrelay_decision d;
+  d.size = sizeof d;
+  EXPECT(kvrelay_orchestrate(orch, &ri.info, NULL, &d) == KVRELAY_OK);
+  EXPECT(d.kind == KVRELAY_DECISION_KEEP_PAIRED_PATH);
+  ri.future = 1;
+  d.kind = 99;
+  EXPECT(kvrelay_orchestrate(orch, &ri.info, NULL, &d) == KVRELAY_ERR_INVALID_ARGUMENT);
+  EXPECT(d.kind == 99);
+  /* a provider of no version's size is refused */
+  kvrelay_orchestrator *orch2 = NULL;
+  prov.size = 8;
+  EXPECT(kvrelay_orchestrator_new(caps, pc, &prov, &orch2) == KVRELAY_ERR_INVALID_ARGUMENT && orch2 == NULL);
+  kvrelay_orchestrator_free(orch);
+  kvrelay_policy_config_free(pc);
+  kvrelay_capabilities_free(caps); /* the build took the builder */
+  passed++;
+}
+
 int main(void) {
   kvrelay_admission *adm = trusted_edge();
   EXPECT(adm != NULL);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *snap = NULL;
   EXPECT(kvrelay_admit(adm, (const uint8_t *)HINT, sizeof HINT - 1, &o, &snap) == KVRELAY_OK);
   EXPECT(o.kind == KVRELAY_OUTCOME_ADMITTED && snap != NULL);
@@ -257,6 +350,7 @@ int main(void) {
   batch(adm);
   find_hint(adm);
   double_release(adm);
+  sized_structs(adm);
 
   kvrelay_snapshot_release(snap);
   kvrelay_admission_free(adm);

@@ -60,7 +60,7 @@ struct Pool {
 }  // namespace
 
 int main() {
-  const kvrelay_agent_fingerprint fp{16, 1, 4, 128, 2, 42};
+  const kvrelay_agent_fingerprint fp {sizeof(kvrelay_agent_fingerprint), 16, 1, 4, 128, 2, 42};
   Pool src, dst;
   Cache cache, none;
   const std::vector<uint64_t> names{11, 12, 13};

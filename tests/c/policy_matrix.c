@@ -45,6 +45,7 @@ static kvrelay_snapshot *admit(const char *endpoint, const char *type) {
   kvrelay_admission_new(cfg, &adm);
   kvrelay_admission_config_free(cfg);
   kvrelay_outcome o;
+  o.size = sizeof o;
   kvrelay_snapshot *s = NULL;
   kvrelay_admit(adm, (const uint8_t *)hint, strlen(hint), &o, &s);
   kvrelay_admission_free(adm);
@@ -67,16 +68,17 @@ static kvrelay_orchestrator *orchestrator(kvrelay_capabilities *c, int addressin
   EXPECT(kvrelay_policy_config_add_binding(cfg, S("b1"), S("nixl"), addressing, true) == KVRELAY_OK);
   EXPECT(kvrelay_policy_config_binding_support(cfg, S("b1"), S("kv.fetch"), S("1.0")) == KVRELAY_OK);
   EXPECT(kvrelay_policy_config_add_endpoint(cfg, S(registry_endpoint)) == KVRELAY_OK);
-  kvrelay_provider p = {m, mock_validate, mock_fetch, mock_destroy};
+  kvrelay_provider p = {sizeof(kvrelay_provider), m, mock_validate, mock_fetch, mock_destroy};
   EXPECT(kvrelay_orchestrator_new(c, cfg, &p, &o) == KVRELAY_OK);
   kvrelay_policy_config_free(cfg);
   return o;
 }
 
-static const kvrelay_request_info GEN = {true, false};
+static const kvrelay_request_info GEN = {sizeof(kvrelay_request_info), true, false};
 
 static int32_t decide(kvrelay_orchestrator *o, kvrelay_request_info r, kvrelay_snapshot *s) {
   kvrelay_decision d;
+  d.size = sizeof d;
   EXPECT(kvrelay_orchestrate(o, &r, s, &d) == KVRELAY_OK);
   return d.kind == KVRELAY_DECISION_NAMED_FETCH ? 0 : d.discard;
 }
@@ -102,6 +104,7 @@ int main(void) {
   {
     /* the decision carries what the provider answered */
     kvrelay_decision d;
+    d.size = sizeof d;
     EXPECT(kvrelay_orchestrate(o, &GEN, s, &d) == KVRELAY_OK);
     EXPECT(d.discard == KVRELAY_DISCARD_PROVIDER_REJECTED && d.provider_code == 13);
     char why[256];
@@ -126,7 +129,7 @@ int main(void) {
   o = orchestrator(c, KVRELAY_ADDRESSING_NAMED, "tcp://10.0.0.7:23280", &m4);
   kvrelay_snapshot *good = admit("tcp://10.0.0.7:23280", "kv.fetch");
   kvrelay_snapshot *unsupported = admit("tcp://10.0.0.7:23280", "kv.other");
-  kvrelay_request_info lora = {true, true};
+  kvrelay_request_info lora = {sizeof(kvrelay_request_info), true, true};
   EXPECT(strcmp(kvrelay_discard_name(decide(o, lora, good)), "lora_adapter") == 0);
   EXPECT(strcmp(kvrelay_discard_name(decide(o, lora, unsupported)), "lora_adapter") == 0);
   EXPECT(m4.validations == 0 && m4.submissions == 0);
@@ -139,6 +142,7 @@ int main(void) {
   size_t n = 0;
   kvrelay_candidate cand[2];
   kvrelay_candidate_counts counts;
+  counts.size = sizeof counts;
   counts.unknown_type = 77;
   counts.no_matching_version = 78;
   EXPECT(kvrelay_collect_candidates(good, c, NULL, 0, &n, &counts) == KVRELAY_ERR_BUFFER_TOO_SMALL && n == 1);
@@ -157,7 +161,7 @@ int main(void) {
     EXPECT(kvrelay_policy_config_binding_support(pc_bad, S("ghost"), S("kv.fetch"), S("1.0")) == KVRELAY_ERR_INVALID_ARGUMENT);
     EXPECT(kvrelay_last_error_message(why, sizeof why, &need) == KVRELAY_OK && strstr(why, "ghost") != NULL);
     EXPECT(kvrelay_policy_config_add_binding(pc_bad, S("b-unknown"), S("no-such-family"), KVRELAY_ADDRESSING_NAMED, true) == KVRELAY_OK);
-    kvrelay_provider none = {NULL, NULL, NULL, NULL};
+    kvrelay_provider none = {sizeof(kvrelay_provider), NULL, NULL, NULL, NULL};
     kvrelay_orchestrator *bad_o = NULL;
     EXPECT(kvrelay_orchestrator_new(c, pc_bad, &none, &bad_o) == KVRELAY_ERR_INVALID_CONFIG && bad_o == NULL);
     EXPECT(kvrelay_last_error_message(why, sizeof why, &need) == KVRELAY_OK && strstr(why, "b-unknown") != NULL);
@@ -167,6 +171,7 @@ int main(void) {
 
   /* counters, as a struct: the unsupported envelope's action counts once per request */
   kvrelay_policy_counters pc;
+  pc.size = sizeof pc;
   EXPECT(kvrelay_orchestrator_counters(o, &pc) == KVRELAY_OK);
   EXPECT(pc.named_fetch == 1 && pc.discarded[KVRELAY_DISCARD_LORA_ADAPTER] == 2 && pc.discarded[KVRELAY_DISCARD_NONE] == 0);
   EXPECT(pc.discarded[KVRELAY_DISCARD_NO_CANDIDATE] == 1 && pc.discarded[KVRELAY_DISCARD_NO_HINT] == 1);
@@ -190,7 +195,7 @@ int main(void) {
   EXPECT(kvrelay_policy_config_add_binding(cfg, S("y"), S("nixl"), 7, true) == KVRELAY_ERR_INVALID_ARGUMENT);
   EXPECT(kvrelay_policy_config_add_endpoint(cfg, S("tcp://*:1")) == KVRELAY_ERR_INVALID_ARGUMENT);
   EXPECT(kvrelay_policy_config_binding_support(cfg, S("zz"), S("kv.fetch"), S("1")) == KVRELAY_ERR_INVALID_ARGUMENT);
-  kvrelay_provider p = {&m5, mock_validate, mock_fetch, mock_destroy};
+  kvrelay_provider p = {sizeof(kvrelay_provider), &m5, mock_validate, mock_fetch, mock_destroy};
   EXPECT(kvrelay_orchestrator_new(c, cfg, &p, &o) == KVRELAY_ERR_INVALID_CONFIG);
   EXPECT(m5.destroyed == 1);
   EXPECT(kvrelay_orchestrate(NULL, &GEN, good, NULL) == KVRELAY_ERR_NULL);

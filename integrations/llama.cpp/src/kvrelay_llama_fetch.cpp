@@ -319,6 +319,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         fetch_call         call;
         call.keys = &keys;
         kvrelay_request_info info{};
+        info.size = sizeof info;
         info.generation_only = true;
         info.lora_adapter    = lora;
         const kvrelay::Decision d = kv.orch->decide(info, *hint, &call);

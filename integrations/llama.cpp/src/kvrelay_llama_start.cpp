@@ -294,6 +294,7 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
 
     const llama_model *       model = llama_get_model(ctx);
     kvrelay_agent_fingerprint fp{};
+    fp.size = sizeof fp;
     fp.block_tokens = uint32_t(s.block_tokens);
     fp.layers       = uint32_t(kv->schema.layers.size());
     fp.kv_heads     = uint32_t(std::max<int32_t>(1, llama_model_n_head_kv(model)));

@@ -16,8 +16,8 @@ KVRELAY_BLOCK_DIGEST_BYTES = 32  # Bytes of one block content digest (`kvrelay_b
 KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` answer (a negative one is never a decline) to say it declined by choice (nothing to fetch, not worth it, another request already fetching the same blocks) rather than failed: the decision's discard is then `KVRELAY_DISCARD_PROVIDER_DECLINED`, not `KVRELAY_DISCARD_FETCH_FAILED` (counted apart); `provider_code` keeps the whole answer.
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
-KVRELAY_VERSION_MINOR = 3  # Minor version.
-KVRELAY_VERSION_PATCH = 4  # Patch version.
+KVRELAY_VERSION_MINOR = 4  # Minor version.
+KVRELAY_VERSION_PATCH = 0  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -303,6 +303,7 @@ class kvrelay_outcome(Structure):
     """The outcome of admitting (or decoding) one hint. Plain data; nothing to free."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_outcome)` as the caller's header declares it (set by the caller before the call; the library writes only the fields that size covers).
         ("kind", c_int32),  # A `kvrelay_outcome_kind` value.
         ("reason", c_int32),  # A `kvrelay_reason` value.
         ("detail", (c_char * KVRELAY_DETAIL_CAPACITY)),  # For `KVRELAY_REASON_MALFORMED`: what failed and where, NUL-terminated (cut to fit). Never contains bytes of the hint. Empty otherwise.
@@ -313,6 +314,7 @@ class kvrelay_counters(Structure):
     """A copy of an admission edge's counters."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_counters)` as the caller's header declares it (set by the caller before the call; the library writes only the fields that size covers).
         ("admitted", c_uint64),  # `admitted_total`
         ("untrusted", c_uint64),  # `ignored_total{reason="untrusted"}`
         ("unknown_version", c_uint64),  # `ignored_total{reason="unknown_version"}`
@@ -333,6 +335,7 @@ class kvrelay_block_holder(Structure):
     """The runtime's reuse cache, as the agent's service sees it. `pin` and `unpin` run on the agent's connection threads, several at once: they must be thread-safe, must not unwind or `longjmp` out (catch C++ exceptions inside) and must not call back into this agent. - `pin(user_data, names, n, ids_out)`: of the `n` consecutive block names, find the leading run this instance holds, pin those blocks (no eviction, no write, no reuse until `unpin`), write their block ids into `ids_out[0..k]` (room for `n`) and return `k` (0: the first name is not held). The agent serves only blocks whose checksum was recorded (`kvrelay_agent_record_checksums`). - `unpin(user_data, ids, k)`: release blocks pinned by `pin` (each exactly once). - `destroy(user_data)` (may be NULL): called once when the agent is freed, after its last use of the holder, or when `kvrelay_agent_new` fails. - `returned(user_data, ids, k)` (may be NULL over TCP; needed with NIXL): destination blocks a fetch withheld (`kvrelay_fetch_result.withheld`) are free again, no transfer can write them any more. Runs on a fetch worker, or in `kvrelay_agent_free`. Without it withheld blocks stay out of the runtime's pool for good (counted in `blocks_withheld`)."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_block_holder)` as the caller's header declares it (callbacks of a newer header are refused while set, absent ones of an older header are NULL).
         ("user_data", c_void_p),  # Passed back to every callback.
         ("pin", kvrelay_block_holder_pin_fn),  # Pin the leading held run of `names`.
         ("unpin", kvrelay_block_holder_unpin_fn),  # Release pinned blocks.
@@ -403,6 +406,7 @@ class kvrelay_agent_fingerprint(Structure):
     """What two instances compare before any block moves (`naming`: the runtime's naming-scheme id)."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_agent_fingerprint)` as the caller's header declares it.
         ("block_tokens", c_uint32),  # Tokens per block.
         ("layers", c_uint32),  # Layers.
         ("kv_heads", c_uint32),  # KV heads.
@@ -425,6 +429,7 @@ class kvrelay_fetch_params(Structure):
     """One fetch to submit. Arrays are copied by `kvrelay_agent_fetch`."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_fetch_params)` as the caller's header declares it.
         ("endpoint", kvrelay_str),  # The source's KV endpoint, `tcp://host:port`, as the orchestration decision authorized it (`kvrelay_fetch_request.endpoint`).
         ("names", POINTER(c_uint64)),  # The request's own block names, from block 0.
         ("names_len", c_size_t),  # Number of names.
@@ -439,6 +444,7 @@ class kvrelay_fetch_result(Structure):
     """How a fetch ended."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_fetch_result)`: set by the caller of `kvrelay_fetch_poll` / `_wait` (the library writes only the fields it covers); in a completion callback, the library's own (read no field past it).
         ("failure", c_int32),  # A `kvrelay_fetch_failure` value; `KVRELAY_FETCH_OK` (0) when nothing failed (the source may still have offered fewer blocks than asked: its leading run).
         ("blocks", c_size_t),  # Leading destination blocks written and verified: commit exactly `dst_blocks[0..blocks]`, in order, whatever `failure` says.
         ("bytes", c_uint64),  # Their bytes.
@@ -485,6 +491,7 @@ class kvrelay_cuda_engine_options(Structure):
     """Options of `kvrelay_cuda_engine_new` (pass NULL for the defaults: kernel, 16 CTAs of 512 threads, 1024 blocks per batch call, 256 MiB of scratch for the staged method)."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_cuda_engine_options)` as the caller's header declares it.
         ("method", c_int32),  # A `kvrelay_copy_method` value.
         ("ctas", c_uint32),  # Kernel CTA budget, 1..=1024.
         ("threads", c_uint32),  # Kernel threads per CTA, a multiple of 32 in 64..=512.
@@ -536,6 +543,7 @@ class kvrelay_candidate_counts(Structure):
     """Counts of one candidate collection."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_candidate_counts)` as the caller's header declares it (the library writes only the fields it covers).
         ("unknown_type", c_uint32),  # Actions whose type no family lists.
         ("no_matching_version", c_uint32),  # `kv.fetch` actions whose version no family supports.
     ]
@@ -554,6 +562,7 @@ class kvrelay_fetch_request(Structure):
     """What a provider is asked to validate, then to fetch. Views valid during the call only."""
 
     _fields_ = [
+        ("size", c_size_t),  # The library's `sizeof(kvrelay_fetch_request)`: a provider built against a newer header reads no field past it.
         ("binding_id", kvrelay_str),  # The resolved binding's id.
         ("family", kvrelay_str),  # Its family's name.
         ("action_index", c_size_t),  # Position of the action in the snapshot.
@@ -576,6 +585,7 @@ class kvrelay_provider(Structure):
     """A consumer's provider. `validate` and `fetch` return 0 to accept, anything else to refuse (the value is the provider's own code); a NULL `validate` or `fetch` refuses (code -1), so a provider without `validate` is never asked to fetch. They run on the thread that calls `kvrelay_orchestrate`, inside that call, possibly on many threads at once, so they must be thread-safe; they must not unwind or `longjmp` out (a C++ exception must be caught inside), and must not keep the request's views after returning. `destroy` (may be NULL) is called once with `user_data` when the orchestrator is freed (or when `kvrelay_orchestrator_new` fails)."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_provider)` as the caller's header declares it.
         ("user_data", c_void_p),  # Passed back to every callback.
         ("validate", kvrelay_provider_validate_fn),  # Validate action version, payload and destination on the provider's own terms.
         ("fetch", kvrelay_provider_fetch_fn),  # Submit the named fetch.
@@ -587,6 +597,7 @@ class kvrelay_request_info(Structure):
     """The request facts eligibility needs."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_request_info)` as the caller's header declares it.
         ("generation_only", c_bool),  # A generation-only request.
         ("lora_adapter", c_bool),  # The request uses a LoRA adapter.
     ]
@@ -596,6 +607,7 @@ class kvrelay_decision(Structure):
     """The decision for one request."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_decision)` as the caller's header declares it (the library writes only the fields it covers).
         ("kind", c_int32),  # A `kvrelay_decision_kind` value.
         ("discard", c_int32),  # For KEEP_PAIRED_PATH: the reason, a `kvrelay_discard` value; `kvrelay_discard_name` renders it. `KVRELAY_DISCARD_NONE` (0) for NAMED_FETCH.
         ("binding_id", kvrelay_str),  # For NAMED_FETCH: the binding's id (valid while the orchestrator lives).
@@ -608,6 +620,7 @@ class kvrelay_policy_counters(Structure):
     """A copy of an orchestrator's counters."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_policy_counters)` as the caller's header declares it (the library writes only the fields it covers).
         ("named_fetch", c_uint64),  # Optional named fetches validated and submitted.
         ("discarded", (c_uint64 * KVRELAY_DISCARD_SLOTS)),  # Requests that kept the paired path, by `kvrelay_discard` value.
         ("unknown_type", c_uint64),  # Actions whose type no backend family lists, summed over the requests that reached candidate collection (each request's actions counted once).
@@ -619,6 +632,7 @@ class kvrelay_action(Structure):
     """One action of a snapshot, as borrowed views."""
 
     _fields_ = [
+        ("size", c_size_t),  # `sizeof(kvrelay_action)` as the caller's header declares it (set by the caller before the call; the library writes only the fields that size covers).
         ("index", c_size_t),  # Position in the envelope's `actions` array.
         ("id", kvrelay_str),  # `action_id`, decoded.
         ("action_type", kvrelay_str),  # `action_type`, decoded.

@@ -129,6 +129,7 @@ static PyObject *fast_admit(PyObject *self, PyObject *const *args, Py_ssize_t n)
     return not_implemented();
   }
   struct kvrelay_outcome o;
+  o.size = sizeof o;
   struct kvrelay_snapshot *snap = NULL;
   kvrelay_status st = admit_p((const struct kvrelay_admission *)p, buf, len, &o, &snap);
   if (st != KVRELAY_OK) return PyLong_FromLong((long)st);
@@ -226,6 +227,7 @@ static PyObject *fast_submit(PyObject *self, PyObject *const *args, Py_ssize_t n
     r = not_implemented();
   } else {
     struct kvrelay_fetch_params p;
+    p.size = sizeof p;
     p.endpoint.ptr = PyBytes_AS_STRING(args[1]);
     p.endpoint.len = (size_t)PyBytes_GET_SIZE(args[1]);
     p.names = nv;

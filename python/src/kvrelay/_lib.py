@@ -42,28 +42,44 @@ for _name, (_res, _params) in B.PROTOTYPES.items():
     _f.restype = _res
     _f.argtypes = [t for _, t in _params]
 
-# the package's short names for the header's types (aliases, not copies)
+
+
+def _sized(cls: type) -> type:
+    """The header's struct ``cls`` whose first field is ``size``, constructed with it set to
+    ``sizeof`` (the 0.4 epoch's rule: the caller declares its struct's size, for outputs
+    too); positional arguments are the fields after it."""
+
+    class Sized(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kw: object) -> None:
+            super().__init__(ctypes.sizeof(cls), *args, **kw)
+
+    Sized.__name__ = Sized.__qualname__ = cls.__name__
+    return Sized
+
+
+# the package's short names for the header's types (aliases, not copies; a struct with a size
+# is constructed with it set)
 Str = B.kvrelay_str
 Bytes = B.kvrelay_bytes
-Outcome = B.kvrelay_outcome
-Counters = B.kvrelay_counters
-AgentFingerprint = B.kvrelay_agent_fingerprint
-BlockHolder = B.kvrelay_block_holder
-FetchParams = B.kvrelay_fetch_params
-FetchResult = B.kvrelay_fetch_result
+Outcome = _sized(B.kvrelay_outcome)
+Counters = _sized(B.kvrelay_counters)
+AgentFingerprint = _sized(B.kvrelay_agent_fingerprint)
+BlockHolder = _sized(B.kvrelay_block_holder)
+FetchParams = _sized(B.kvrelay_fetch_params)
+FetchResult = _sized(B.kvrelay_fetch_result)
 FetchCallbacks = B.kvrelay_fetch_callbacks
 SourceSpeed = B.kvrelay_source_speed
 AgentStats = B.kvrelay_agent_stats
 KvSegment = B.kvrelay_kv_segment
 KvExtent = B.kvrelay_kv_extent
 Candidate = B.kvrelay_candidate
-CandidateCounts = B.kvrelay_candidate_counts
+CandidateCounts = _sized(B.kvrelay_candidate_counts)
 FetchRequest = B.kvrelay_fetch_request
-Provider = B.kvrelay_provider
-RequestInfo = B.kvrelay_request_info
-Decision = B.kvrelay_decision
-PolicyCounters = B.kvrelay_policy_counters
-Action = B.kvrelay_action
+Provider = _sized(B.kvrelay_provider)
+RequestInfo = _sized(B.kvrelay_request_info)
+Decision = _sized(B.kvrelay_decision)
+PolicyCounters = _sized(B.kvrelay_policy_counters)
+Action = _sized(B.kvrelay_action)
 PIN = B.kvrelay_block_holder_pin_fn
 UNPIN = B.kvrelay_block_holder_unpin_fn
 RETURNED = B.kvrelay_block_holder_returned_fn
