@@ -341,7 +341,7 @@ class Admission(_Handle):
         c = L.Counters()
         with self._use() as p:
             _check("kvrelay_admission_counters", lib.kvrelay_admission_counters(p, ctypes.byref(c)))
-        return {f[0]: getattr(c, f[0]) for f in L.Counters._fields_}
+        return {f[0]: getattr(c, f[0]) for f in L.Counters._fields_ if f[0] != "size"}
 
     def prometheus(self) -> str:
         """The counters as Prometheus text."""

@@ -19,7 +19,7 @@ from .copy import KvLayout
 
 # --- the KV agent ---------------------------------------------------------------------------
 
-_FINGERPRINT_FIELDS = tuple(f[0] for f in L.AgentFingerprint._fields_)
+_FINGERPRINT_FIELDS = tuple(f[0] for f in L.AgentFingerprint._fields_ if f[0] != "size")
 
 
 @dataclass(frozen=True)
