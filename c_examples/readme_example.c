@@ -12,7 +12,7 @@ int main(void) {
 
   const char hint[] = "{\"protocol_version\":\"0.1\",\"message_id\":\"m1\",\"actions\":[]}";
   kvrelay_outcome out;
-  out.size = sizeof out;
+  out.size = sizeof out; /* every struct that may grow carries its size */
   kvrelay_snapshot *snap = NULL;
   st = kvrelay_admit(adm, (const uint8_t *)hint, sizeof hint - 1, &out, &snap);
   if (st != KVRELAY_OK) {

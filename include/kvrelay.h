@@ -681,6 +681,10 @@ typedef struct kvrelay_agent_stats {
   uint64_t nixl_slow_reads;
   // Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
   uint64_t fetch_failed_digest_mismatch;
+  // CUDA IPC: offers in this process's name refused before any copy (memory no agent of
+  // this process on the offer's device exported, or a block its agent does not serve under
+  // the name asked); each fetch fails `corrupt`.
+  uint64_t ipc_offers_refused;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).

@@ -101,6 +101,10 @@ pub struct AgentStats {
     pub nixl_slow_reads: u64,
     /// Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
     pub fetch_failed_digest_mismatch: u64,
+    /// CUDA IPC: offers in this process's name refused before any copy (memory no agent of
+    /// this process on the offer's device exported, or a block its agent does not serve under
+    /// the name asked); each fetch fails `corrupt`.
+    pub ipc_offers_refused: u64,
 }
 
 macro_rules! stats {
@@ -127,7 +131,7 @@ stats! {
     fetch_failed_cancelled, fetch_failed_shutdown, blocks_fetched, bytes_fetched, refused_unsupported,
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
     fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
-    transport_fallbacks, nixl_slow_reads, fetch_failed_digest_mismatch,
+    transport_fallbacks, nixl_slow_reads, fetch_failed_digest_mismatch, ipc_offers_refused,
 }
 
 impl Stats {
@@ -211,6 +215,11 @@ impl Stats {
                 "transport_fallbacks",
                 "Fetches made again over TCP because the agent's own transport could not reach the source.",
                 s.transport_fallbacks,
+            ),
+            (
+                "ipc_offers_refused",
+                "CUDA IPC offers in this process's name refused before any copy.",
+                s.ipc_offers_refused,
             ),
             (
                 "nixl_slow_reads",

@@ -426,10 +426,10 @@ pub unsafe extern "C" fn kvrelay_cuda_engine_new(
         // SAFETY: forwarded contract.
         let l = unsafe { input(layout) }?;
         let mut opts = EngineOptions::default();
-        // SAFETY: forwarded contract (NULL, or readable for the size it declares).
         let options = if options.is_null() {
             None
         } else {
+            // SAFETY: forwarded contract: readable for the size it declares.
             Some(unsafe { input_sized(options, "kvrelay_cuda_engine_options") }?)
         };
         if let Some(o) = options {

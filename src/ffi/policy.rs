@@ -320,10 +320,13 @@ pub unsafe extern "C" fn kvrelay_collect_candidates(
         let count_out = out_ptr(count_out)?;
         // SAFETY: forwarded contract.
         let (s, c) = unsafe { (borrow(snapshot)?, input(caps)?) };
-        // SAFETY: forwarded contract: NULL, or writable for the size it declares (checked
-        // before anything is written).
-        let counts_size =
-            if counts.is_null() { 0 } else { unsafe { output_size(counts, "kvrelay_candidate_counts") }? };
+        let counts_size = if counts.is_null() {
+            0
+        } else {
+            // SAFETY: forwarded contract: writable for the size it declares (checked before
+            // anything is written).
+            unsafe { output_size(counts, "kvrelay_candidate_counts") }?
+        };
         if out.is_null() && cap != 0 {
             return Err(KVRELAY_ERR_INVALID_ARGUMENT);
         }

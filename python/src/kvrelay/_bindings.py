@@ -399,6 +399,7 @@ class kvrelay_agent_stats(Structure):
         ("transport_fallbacks", c_uint64),  # Fetches made again over TCP because the agent's own transport could not reach their source (`tcp_fallback`); that source is then fetched from over TCP for a while.
         ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in software (README, "The NIXL transport"). Since 0.3.1.
         ("fetch_failed_digest_mismatch", c_uint64),  # Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
+        ("ipc_offers_refused", c_uint64),  # CUDA IPC: offers in this process's name refused before any copy (memory no agent of this process on the offer's device exported, or a block its agent does not serve under the name asked); each fetch fails `corrupt`.
     ]
 
 

@@ -97,10 +97,10 @@ pub(crate) fn plan_segments(
 /// mappings (range `k` mapped at `k << 44`, nothing overlapping): the offer (`IPC_OFFER`'s
 /// payload) decoded and checked against `layout` for `asked` names into `dst`, its metadata
 /// decoded, both copy plans made; panics when a plan would touch a byte outside a mapping or
-/// past the source's exported ranges. Then the same offer as if it claimed this process: its
-/// ranges used as they are, only when they lie inside this process's exports (made up here:
-/// [`SAME_PROCESS_EXPORTS`]), and then no plan may read outside them. For fuzzing what a
-/// hostile source can send.
+/// past the source's exported ranges. Then the same offer as if it claimed this process: only
+/// when its ranges lie inside this process's exports (made up here: [`SAME_PROCESS_EXPORTS`]),
+/// and then the plans read those agents' pool extents at their own addresses, no byte past
+/// them. For fuzzing what a hostile source can send.
 #[doc(hidden)]
 pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &[u32]) {
     let Some(offer) = wire::decode_in_place_offer(payload) else { return };
@@ -118,20 +118,21 @@ pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &
     };
     let huge = ranges.iter().any(|r| r.1 >= 1 << 44);
     check_plans(layout, &offer, &ranges, &mapped, &dst[..offer.blocks.len()], &|at, len| huge || inside(at, len));
-    // this process (as the offer may claim): the addresses themselves, once every range lies
-    // inside this process's exports
+    // this process (as the offer may claim): once every range lies inside one agent's exports,
+    // the plans read that agent's pool extents at their own addresses, and no byte past them
     if super::inside_exports(&ranges, &SAME_PROCESS_EXPORTS) {
-        let own: Vec<u64> = ranges.iter().map(|r| r.0).collect();
-        let exported = |at: u64, len: u64| {
-            at.checked_add(len).is_some_and(|end| SAME_PROCESS_EXPORTS.iter().any(|&(b, n, _)| b <= at && end <= b + n))
+        let pools: Vec<(u64, u64)> = SAME_PROCESS_EXPORTS.iter().map(|&(b, n)| (b + n / 4, n / 2)).collect();
+        let own: Vec<u64> = pools.iter().map(|r| r.0).collect();
+        let in_pool = |at: u64, len: u64| {
+            at.checked_add(len).is_some_and(|end| pools.iter().any(|&(b, n)| b <= at && end <= b + n))
         };
-        check_plans(layout, &offer, &ranges, &own, &dst[..offer.blocks.len()], &exported);
+        check_plans(layout, &offer, &pools, &own, &dst[..offer.blocks.len()], &in_pool);
     }
 }
 
 /// The made-up exports of this process [`check_offer_plans`] checks same-process offers
-/// against: two pools, `(base, bytes, agent)`.
-const SAME_PROCESS_EXPORTS: [(u64, u64, u64); 2] = [(0x7f00_0000_0000, 1 << 32, 1), (0x7f10_0000_0000, 1 << 30, 2)];
+/// against: two allocations `(base, bytes)`, each with a pool in its middle half.
+const SAME_PROCESS_EXPORTS: [(u64, u64); 2] = [(0x7f00_0000_0000, 1 << 32), (0x7f10_0000_0000, 1 << 30)];
 
 /// Both copy plans of `offer` with the source's ranges mapped at `mapped`: every byte either
 /// would read must pass `ok(at, len)`.
