@@ -30,9 +30,9 @@
  *    geometry (kvrelay_str, kvrelay_bytes, kvrelay_kv_segment, kvrelay_kv_extent,
  *    kvrelay_candidate, kvrelay_source_speed) have no size and never change;
  *  - epochs: the shared library's SONAME names its epoch (libkvrelay.so.0.4); an executor
- *    built against another epoch does not load. Within an epoch every exported function
- *    carries the version node of the release that added it (KVRELAY_0.4.0, ...), so an
- *    executor that calls a function its library lacks fails at load, not at the call.
+ *    built against another epoch does not load. Within an epoch functions are only added; an
+ *    executor linked through the CMake package or kvrelay.pc binds them at load (-z now), so
+ *    one that calls a function its library lacks fails at load, not at the call.
  */
 
 #ifndef KVRELAY_KVRELAY_H

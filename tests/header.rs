@@ -85,43 +85,6 @@ fn header_exports_only_prefixed_names() {
     assert!(bad.is_empty(), "names without the kvrelay prefix in the header: {bad:?}");
 }
 
-/// `src/ffi/symbols.map` (the version nodes, build.rs) lists exactly the functions the header
-/// declares, each once: a function added without its node, or a node naming a function that
-/// is gone, fails here (build.rs also refuses a `#[no_mangle]` function the map lacks).
-#[test]
-fn the_version_script_lists_exactly_the_header_s_functions() {
-    let h = std::fs::read_to_string(root().join("include/kvrelay.h")).unwrap();
-    let flat = h.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join(" ");
-    // a declaration: `kvrelay_name(` not preceded by `(*` (a callback field) nor inside a
-    // comment; calls do not occur in a header
-    let mut declared: Vec<String> = Vec::new();
-    let bytes = flat.as_bytes();
-    let mut i = 0;
-    while let Some(at) = flat[i..].find("kvrelay_") {
-        let start = i + at;
-        let end = start + flat[start..].find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(0);
-        if end > start && bytes.get(end) == Some(&b'(') && !flat[..start].ends_with("(*") {
-            declared.push(flat[start..end].to_string());
-        }
-        i = end.max(start + 1);
-    }
-    declared.sort();
-    declared.dedup();
-    let map = std::fs::read_to_string(root().join("src/ffi/symbols.map")).unwrap();
-    let mut listed: Vec<String> = map
-        .lines()
-        .map(|l| l.split('#').next().unwrap().trim())
-        .filter(|l| l.starts_with("kvrelay_") && l.ends_with(';'))
-        .map(|l| l.trim_end_matches(';').to_string())
-        .collect();
-    let n = listed.len();
-    listed.sort();
-    listed.dedup();
-    assert_eq!(listed.len(), n, "src/ffi/symbols.map lists a function twice");
-    assert!(declared.len() > 100, "the header's functions were not found: {declared:?}");
-    assert_eq!(listed, declared, "src/ffi/symbols.map and include/kvrelay.h disagree");
-}
-
 /// The C enums stay literal in the header (cbindgen reads them as written); they must agree with
 /// the one list each table is generated from: `KVRELAY_REASON_X = n` is `Reason` `n - 1` with
 /// label `x`, and every discard code has the name the library's list gives it.

@@ -11,8 +11,6 @@ use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_counters, kvrelay_outcome};
 use crate::hints::{Admission, AdmissionConfig, BatchOutcome, Outcome, DEFAULT_TRUST_ENV};
 
-symbol_versions!("admission");
-
 /// Admission settings being built. Owned: `_new` / `_free`. Starts at the defaults: trust off,
 /// `max_bytes` 65,536, `max_depth` 128, `max_raw_bytes` 1 MiB, metric prefix
 /// `kvrelay_kv_hints`. Values are checked by `kvrelay_admission_new`.

@@ -9,8 +9,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use super::status::kvrelay_status::{self, *};
 use super::status::kvrelay_status_message;
 
-symbol_versions!("boundary");
-
 thread_local! {
     /// What the last failing call on this thread said (NUL-free text; see
     /// `kvrelay_last_error_message`).

@@ -11,8 +11,6 @@ use crate::copy::{
     Segment,
 };
 
-symbol_versions!("copy");
-
 /// A validated KV pool layout. Owned: `_free`.
 pub struct kvrelay_kv_layout {
     inner: KvLayout,

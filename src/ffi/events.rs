@@ -10,8 +10,6 @@ use super::status::kvrelay_status::{self, *};
 use crate::agent::Psk;
 use crate::events::{EventStats, EventsConfig, Publisher};
 
-symbol_versions!("events");
-
 /// Settings of a KV events publisher (an owned builder: `_new` / `_free`; not thread-safe).
 pub struct kvrelay_kv_events_config {
     inner: EventsConfig,

@@ -15,17 +15,6 @@
 //!   valid while the caller holds a reference to that snapshot.
 #![allow(non_camel_case_types)]
 
-/// Give the exported functions of the module at `$m` (its path under `src/ffi`, `/` as `_`)
-/// their version nodes (`src/ffi/symbols.map`; build.rs writes the directives, and says why a
-/// build has none). Each module does it for its own functions: an assembler gives a node only
-/// to a symbol its own object defines.
-macro_rules! symbol_versions {
-    ($m:literal) => {
-        #[cfg(kvrelay_symver)]
-        std::arch::global_asm!(include_str!(concat!(env!("OUT_DIR"), "/symver_", $m, ".s")));
-    };
-}
-
 pub mod admission;
 #[cfg(feature = "agent")]
 pub mod agent;

@@ -7,8 +7,6 @@ use super::copy::array;
 use super::status::kvrelay_status::{self, *};
 use crate::names::{file_digest, name_seed, Naming, BLOCK_DIGEST_BYTES};
 
-symbol_versions!("names");
-
 /// Bytes of one block content digest (`kvrelay_block_digests`): a SHA-256.
 pub const KVRELAY_BLOCK_DIGEST_BYTES: usize = 32;
 

@@ -16,8 +16,6 @@ use crate::policy::{
     Orchestrator, PolicyConfig, Provider, ProviderError, RequestInfo,
 };
 
-symbol_versions!("policy");
-
 /// Capability snapshot under construction, then frozen by `kvrelay_capabilities_build`.
 pub struct kvrelay_capabilities_builder {
     inner: CapabilitiesBuilder,

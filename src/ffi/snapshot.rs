@@ -11,8 +11,6 @@ use super::status::kvrelay_status::{self, *};
 use super::types::{kvrelay_action, kvrelay_bytes, kvrelay_str};
 use crate::hints::Snapshot;
 
-symbol_versions!("snapshot");
-
 /// An admitted envelope, frozen. Opaque; obtained from `kvrelay_admit` and friends.
 pub struct kvrelay_snapshot {
     _opaque: [u8; 0],

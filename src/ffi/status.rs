@@ -103,8 +103,6 @@ pub extern "C" fn kvrelay_status_message(status: i32) -> *const c_char {
 #[cfg(test)]
 use kvrelay_status::*;
 
-symbol_versions!("status");
-
 #[cfg(test)]
 impl kvrelay_status {
     /// Every status, for tests.

@@ -8,8 +8,6 @@ use crate::hints::{Ignored, Outcome, Reason};
 
 use super::boundary::{own_size, sized_since_epoch};
 
-symbol_versions!("types");
-
 sized_since_epoch!(kvrelay_action, kvrelay_outcome, kvrelay_counters);
 
 /// A borrowed byte view. Valid while the snapshot it came from is held.

@@ -7,8 +7,6 @@ use crate::agent::{AgentConfig, Fingerprint, LimitKey, Psk, Transport};
 use crate::ffi::boundary::{free_box, guard, input, input_mut, input_sized, out_ptr, put, text, with_detail};
 use crate::ffi::status::kvrelay_status::{self, *};
 
-symbol_versions!("agent_config");
-
 /// What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

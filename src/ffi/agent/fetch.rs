@@ -15,8 +15,6 @@ use crate::ffi::types::kvrelay_str;
 
 use super::{agent_err, kvrelay_agent};
 
-symbol_versions!("agent_fetch");
-
 /// A submitted fetch. Owned: `_free` (which neither cancels the fetch nor suppresses its
 /// completion callback). Thread-safe.
 pub struct kvrelay_fetch {

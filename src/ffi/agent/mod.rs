@@ -20,8 +20,6 @@ use crate::ffi::boundary::{fill, free_box, guard, input, out_ptr, put, put_count
 use crate::ffi::copy::{array, kvrelay_kv_layout, layout_of};
 use crate::ffi::status::kvrelay_status::{self, *};
 
-symbol_versions!("agent_mod");
-
 /// A running KV agent. Owned: `_free`. Every function on it is thread-safe.
 pub struct kvrelay_agent {
     pub(super) inner: Agent,
