@@ -774,6 +774,15 @@ typedef struct kvrelay_fetch_result {
 // - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
 //   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
 //   is refused, before `kvrelay_agent_submit` returns.
+// - `ready(user_data, from, n)` (may be NULL; since 0.4.0): lazy eviction. With it the
+//   destination blocks need only be reserved, not free, at submission: once per stream of the
+//   fetch, after the source's offer said the stream will get `n` blocks and before any of them
+//   is written, the library asks the runtime to make `dst_blocks[from..from + n]` ready to be
+//   written (to evict what they hold only now) and the stream takes as many, from the first,
+//   as it answers (at most `n`; 0: none). A source that holds none of the blocks never gets
+//   here, so a stale hint costs no eviction. Runs on a fetch thread, several streams of one
+//   fetch possibly at once and in any order; must not unwind and must not call into the agent.
+//   NULL: every destination block is free at submission.
 typedef struct kvrelay_fetch_callbacks {
   // `sizeof(kvrelay_fetch_callbacks)`.
   size_t size;
@@ -783,6 +792,8 @@ typedef struct kvrelay_fetch_callbacks {
   void (*done)(void *user_data, const struct kvrelay_fetch_result *result, struct kvrelay_str detail);
   // Releases `user_data`.
   void (*destroy)(void *user_data);
+  // Makes offered destination blocks ready (lazy eviction); may be NULL.
+  size_t (*ready)(void *user_data, size_t from, size_t n);
 } kvrelay_fetch_callbacks;
 
 // One (layer, K/V) slice of every block: block b at `base + b * block_stride`,

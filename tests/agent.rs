@@ -429,6 +429,59 @@ fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
     eventually("every pin released", || a.cache.pinned() == 0);
 }
 
+/// Lazy eviction (`Agent::submit_lazy`): the runtime is asked to make room only after the
+/// source's offer, for exactly the blocks each stream will get, and a stream takes only what the
+/// runtime made ready; a source that holds none of the blocks asks for no room at all.
+#[test]
+fn room_is_asked_for_only_after_the_offer_and_only_for_what_comes() {
+    let limits = Limits { streams: 2, min_stream_bytes: 1, ..Limits::default() };
+    let a = instance();
+    let names: Vec<u64> = (401..409).collect(); // 8 blocks
+    a.hold(&names[..5], 2); // the source holds the first 5
+    let b = instance_with(|c| c.limits = limits.clone());
+    let bb = b.pool.block_bytes();
+    let fetch = |names: &[u64], dst: Vec<u32>, answer: fn(usize, usize) -> usize| {
+        let asked: Arc<Mutex<Vec<(usize, usize)>>> = Arc::default();
+        let seen = asked.clone();
+        let req = FetchRequest {
+            endpoint: a.endpoint(),
+            names: names.to_vec(),
+            held: 0,
+            dst,
+            deadline: Duration::from_secs(10),
+            digests: Vec::new(),
+        };
+        let ready: kvrelay::agent::OnOffer = Box::new(move |from, n| {
+            seen.lock().unwrap().push((from, n));
+            answer(from, n)
+        });
+        let r = b.agent.submit_lazy(req, None, Some(ready)).unwrap().wait(Duration::from_secs(20)).unwrap();
+        let mut asked = asked.lock().unwrap().clone();
+        asked.sort();
+        (r, asked)
+    };
+    // two streams of 4: the first gets 4, the second 1 (the source's run ends there)
+    let (r, asked) = fetch(&names, (0..8).collect(), |_, n| n);
+    assert_eq!((r.failure, r.blocks), (None, 5), "{}", r.detail);
+    assert_eq!(asked, vec![(0, 4), (4, 1)], "room asked per stream, for what its offer said");
+    assert_eq!(b.pool.read(4), content(names[4], bb));
+    // the runtime makes only part ready: the fetch takes that part and stops there
+    let (r, asked) = fetch(&names, (8..16).collect(), |from, n| if from == 0 { 2 } else { n });
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert!(asked.contains(&(0, 4)), "{asked:?}");
+    assert_eq!(b.pool.read(9), content(names[1], bb));
+    // no room at all: nothing written
+    let (r, _) = fetch(&names, (0..8).collect(), |_, _| 0);
+    assert_eq!((r.failure, r.blocks), (None, 0), "{}", r.detail);
+    // a source that holds none of the names: no room is ever asked for
+    let (r, asked) = fetch(&[901, 902, 903], vec![0, 1, 2], |_, n| n);
+    assert_eq!((r.failure, r.blocks, asked), (Some(FailReason::SourceMiss), 0, vec![]), "{}", r.detail);
+    eventually("every pin released", || a.cache.pinned() == 0);
+    // the next fetch over the connections a cut stream closed still works
+    let (r, _) = fetch(&names[..5], (0..5).collect(), |_, n| n);
+    assert_eq!((r.failure, r.blocks), (None, 5), "{}", r.detail);
+}
+
 /// A connection whose transfer ended cleanly carries the next fetch between the same two agents
 /// (no new connect, no new handshake); one the source closed meanwhile is replaced on the spot.
 #[test]

@@ -234,6 +234,7 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
         user_data: seen as *const Seen as *mut c_void,
         done: Some(on_done),
         destroy: Some(on_destroy),
+        ready: None,
     };
     let full = std::mem::size_of::<kvrelay_fetch_callbacks>();
     // a fetch that fails (nothing listens on port 1): done with the detail, then destroy, both

@@ -321,6 +321,12 @@ fn endpoint_problems_have_their_own_reasons() {
     assert_eq!(o.decide(&GEN, no_ep.snapshot()).discard(), Some(Discard::EndpointMissing));
     assert_eq!(o.decide(&GEN, Some(&fetch1("tcp://10.0.0.7"))).discard(), Some(Discard::EndpointInvalid));
     assert_eq!(o.decide(&GEN, Some(&fetch1("tcp://10.0.0.7:23281"))).discard(), Some(Discard::EndpointNotTrusted));
+    // the same untrusted address in other spellings: one reason, whatever the spelling (a
+    // numeric spelling with leading zeros or as one number is never in a registry)
+    for spelling in ["tcp://010.0.0.7:23281", "tcp://10.0.0.07:23281", "tcp://167772167:23281", "TCP://10.0.0.7:023281"]
+    {
+        assert_eq!(o.decide(&GEN, Some(&fetch1(spelling))).discard(), Some(Discard::EndpointNotTrusted), "{spelling}");
+    }
     assert_eq!(mock.contacts(), (0, 0));
 }
 
@@ -392,7 +398,7 @@ fn endpoint_normalization() {
         ("tcp://user@h:1", EndpointError::Extra),
         ("tcp://h:1/path", EndpointError::Extra),
         ("tcp://h..x:1", EndpointError::Host),
-        ("tcp://010.0.0.1:1", EndpointError::Host),
+        ("tcp://010.0.0.1:1", EndpointError::Ambiguous),
         ("tcp://[fe80::1%eth0]:1", EndpointError::Extra),
         ("1tcp://h:1", EndpointError::Scheme),
     ];

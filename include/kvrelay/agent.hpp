@@ -3,6 +3,8 @@
 #ifndef KVRELAY_KVRELAY_AGENT_HPP
 #define KVRELAY_KVRELAY_AGENT_HPP
 
+#include <functional>
+
 #include "copy.hpp"
 
 namespace kvrelay {
@@ -193,6 +195,34 @@ class Agent {
     Fetch f;
     check(kvrelay_agent_submit_checked(h_.get(), &p, reinterpret_cast<const uint8_t *>(digests.data()),
                                        digests.size(), nullptr, f.h_.out()));
+    return f;
+  }
+  /// The same, with lazy eviction (kvrelay_fetch_callbacks.ready): `dst` need only be
+  /// reserved; `ready(from, n)` runs on a fetch thread once per stream, after the source's
+  /// offer said `n` blocks come and before any is written, and makes dst[from .. from + n]
+  /// ready to be written, returning how many of them (from the first) it made ready. It may
+  /// run on several threads at once; an exception it throws counts as none ready (0).
+  Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, const std::vector<BlockDigest> &digests,
+              std::size_t held, const std::vector<uint32_t> &dst, uint32_t deadline_ms,
+              std::function<std::size_t(std::size_t from, std::size_t n)> ready) const {
+    kvrelay_fetch_params p {sizeof(kvrelay_fetch_params), {endpoint.data(), endpoint.size()}, names.data(), names.size(), held,
+                           dst.data(), dst.size(), deadline_ms};
+    using Ready = std::function<std::size_t(std::size_t, std::size_t)>;
+    kvrelay_fetch_callbacks cb{};
+    cb.size = sizeof cb;
+    cb.user_data = new Ready(std::move(ready));
+    cb.ready = [](void *ud, std::size_t from, std::size_t n) -> std::size_t {
+      try {
+        return (*static_cast<Ready *>(ud))(from, n);
+      } catch (...) {
+        return 0;
+      }
+    };
+    cb.destroy = [](void *ud) { delete static_cast<Ready *>(ud); };
+    Fetch f;
+    // destroy runs on every path, a refused submission included: no leak when check throws
+    check(kvrelay_agent_submit_checked(h_.get(), &p, reinterpret_cast<const uint8_t *>(digests.data()),
+                                       digests.size(), &cb, f.h_.out()));
     return f;
   }
   /// Expected seconds to fetch `blocks` blocks from `endpoint`, the runtime's import of them

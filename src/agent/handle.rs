@@ -54,6 +54,15 @@ pub struct FetchResult {
 /// A fetch's completion callback: runs once, on the fetch worker, when the fetch completes.
 pub type OnDone = Box<dyn FnOnce(&FetchResult) + Send>;
 
+/// A fetch's room callback (lazy eviction): `ready(from, n)` runs on a fetch thread once per
+/// stream, after the source's offer said the stream will get `n` blocks and before any of them
+/// is written: the runtime makes destination blocks `dst[from..from + n]` ready to be written
+/// (evicting what they hold only now, once the source is known to have the blocks) and answers
+/// how many of them, from the first, it made ready (at most `n`). The stream then takes only
+/// those. Several streams of one fetch may call it at once, in any order. It must not unwind
+/// and must not call back into the agent.
+pub type OnOffer = Box<dyn Fn(usize, usize) -> usize + Send + Sync>;
+
 pub(super) struct FetchState {
     pub(super) result: Mutex<Option<FetchResult>>,
     /// While the completion callback runs: its thread and the result it delivers. On that
@@ -64,6 +73,8 @@ pub(super) struct FetchState {
     pub(super) done: Condvar,
     pub(super) cancel: AtomicBool,
     pub(super) on_done: Mutex<Option<OnDone>>,
+    /// The room callback ([`OnOffer`]): `None`, every destination block is ready at submission.
+    pub(super) on_offer: Option<OnOffer>,
     pub(super) submitted: Instant,
     /// The connections this fetch's streams use right now, each with its part and its
     /// registration id: `cancel` shuts them down so that blocked reads return, and a part that
@@ -81,7 +92,7 @@ pub(super) struct FetchState {
 }
 
 impl FetchState {
-    pub(super) fn new(on_done: Option<OnDone>, agent: Weak<super::Inner>) -> FetchState {
+    pub(super) fn new(on_done: Option<OnDone>, on_offer: Option<OnOffer>, agent: Weak<super::Inner>) -> FetchState {
         FetchState {
             agent,
             result: Mutex::new(None),
@@ -89,6 +100,7 @@ impl FetchState {
             done: Condvar::new(),
             cancel: AtomicBool::new(false),
             on_done: Mutex::new(on_done),
+            on_offer,
             submitted: Instant::now(),
             sock: Mutex::new(Vec::new()),
             stop_after: AtomicUsize::new(usize::MAX),

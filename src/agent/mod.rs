@@ -79,7 +79,7 @@ pub use allow::PeerAllow;
 pub use auth::Psk;
 pub use config::{AgentConfig, Fingerprint, LimitKey, Limits, Transport, TCP_FALLBACK_MEMORY};
 pub use estimate::{ImportCost, SourceSpeed, CUDA_IPC_DEFAULT, NIXL_HOST_DEFAULT, NIXL_VRAM_DEFAULT, TCP_DEFAULT};
-pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OwnedFetch};
+pub use handle::{Fetch, FetchRequest, FetchResult, OnDone, OnOffer, OwnedFetch};
 use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};
 pub use stats::AgentStats;
@@ -370,6 +370,19 @@ impl Agent {
     /// block, `held + dst.len() > names.len()`, more than `max_names` blocks, a destination id
     /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
     pub fn submit(&self, req: FetchRequest, on_done: Option<OnDone>) -> Result<Fetch, AgentError> {
+        self.submit_lazy(req, on_done, None)
+    }
+
+    /// [`Agent::submit`] with a room callback ([`OnOffer`]): the destination blocks need not be
+    /// free yet, only reserved; each stream asks the runtime to make its part ready once the
+    /// source's offer said how many blocks it will get, so that a source that lacks the
+    /// blocks costs the runtime no eviction, and one that holds fewer costs only what it sends.
+    pub fn submit_lazy(
+        &self,
+        req: FetchRequest,
+        on_done: Option<OnDone>,
+        on_offer: Option<OnOffer>,
+    ) -> Result<Fetch, AgentError> {
         self.check_destination(req.names.len(), req.held, &req.dst)?;
         if !req.digests.is_empty() && req.digests.len() != req.names.len() {
             return Err(AgentError::Argument(format!(
@@ -381,7 +394,7 @@ impl Agent {
         if req.deadline.is_zero() {
             return Err(AgentError::Argument("a fetch needs a deadline above zero".into()));
         }
-        let state = Arc::new(FetchState::new(on_done, Arc::downgrade(&self.inner)));
+        let state = Arc::new(FetchState::new(on_done, on_offer, Arc::downgrade(&self.inner)));
         {
             let mut q = self.inner.jobs.lock().unwrap_or_else(|e| e.into_inner());
             if q.len() >= self.inner.limits.max_queued_fetches as usize {

@@ -2,7 +2,7 @@
 //!
 //! Endpoints are `scheme://host:port`. Normalization: the scheme is lower-cased and must match
 //! `[a-z][a-z0-9+.-]*`; the host is lower-cased; IPv4 addresses are written in dotted decimal
-//! (leading zeros refused); IPv6 addresses must be bracketed and are written in their
+//! (leading zeros refused: a hint that names such a spelling names an untrusted endpoint); IPv6 addresses must be bracketed and are written in their
 //! compressed form (`[0:0::1]` -> `[::1]`); the port must be present, decimal, 1..=65535 (leading
 //! zeros dropped). Refused: wildcard hosts (`*`, `0.0.0.0`, `[::]`), user info, paths,
 //! queries, fragments, zone ids and empty labels. Two endpoints match when their normalized
@@ -25,6 +25,11 @@ pub enum EndpointError {
     Port,
     /// User info, a path, a query or a fragment.
     Extra,
+    /// An all-numeric host that is not an IPv4 address in dotted decimal without leading zeros
+    /// (`127.0.0.01`, `010.0.0.1`, `2130706433`): some resolvers read such spellings as octal
+    /// or as one number, so none is ever in a registry; a hint that names one names an
+    /// endpoint the server does not trust (the same reason as any other untrusted address).
+    Ambiguous,
 }
 
 impl fmt::Display for EndpointError {
@@ -35,6 +40,9 @@ impl fmt::Display for EndpointError {
             EndpointError::Wildcard => "wildcard hosts are refused",
             EndpointError::Port => "endpoint needs an explicit port 1-65535",
             EndpointError::Extra => "endpoint must be scheme://host:port only",
+            EndpointError::Ambiguous => {
+                "an all-numeric host must be an IPv4 address in dotted decimal without leading zeros"
+            }
         })
     }
 }
@@ -168,7 +176,7 @@ pub fn normalize_endpoint_into(s: &str, out: &mut EndpointBuf) -> Result<(), End
             }
             // all-numeric dotted names that are not valid IPv4 (e.g. 010.0.0.1) are refused
             if host.split('.').all(|l| l.bytes().all(|c| c.is_ascii_digit())) {
-                return Err(EndpointError::Host);
+                return Err(EndpointError::Ambiguous);
             }
             out.push_lower(host)?;
         }

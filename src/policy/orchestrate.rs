@@ -421,8 +421,12 @@ impl Orchestrator {
         let mut decoded = Vec::new();
         let Some(text) = json_str(raw, &mut decoded) else { return Keep(Discard::EndpointMissing) };
         let mut endpoint = EndpointBuf::new();
-        if normalize_endpoint_into(text, &mut endpoint).is_err() {
-            return Keep(Discard::EndpointInvalid);
+        match normalize_endpoint_into(text, &mut endpoint) {
+            Ok(()) => {}
+            // another spelling of a numeric address: no registry holds it, so it is untrusted
+            // like any address the registry lacks (one reason per cause, whatever the spelling)
+            Err(crate::policy::EndpointError::Ambiguous) => return Keep(Discard::EndpointNotTrusted),
+            Err(_) => return Keep(Discard::EndpointInvalid),
         }
         let endpoint = endpoint.as_str();
         if !self.registry.contains_normalized(endpoint) {

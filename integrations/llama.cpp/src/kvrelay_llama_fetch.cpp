@@ -198,10 +198,11 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         call->owner.f   = std::make_shared<flight>();
         kv.flights.emplace(key, call->owner.f);
     }
-    // a fetch evicts at most a quarter of the store (free blocks first): a stale or wrong hint,
-    // which reserves before the source says what it has, cannot flush what this server holds;
-    // a longer run is fetched in part (counted partial)
-    call->dst = reservation(*kv.store, run, publish_removed(kv), std::max<size_t>(1, kv.store->capacity() / 4));
+    // a fetch's destination: free blocks first, then at most a quarter of the store claimed
+    // (a longer run is fetched in part, counted partial); the claimed blocks stay held and are
+    // evicted only once the source's offer said how many blocks come (make_ready below), so a
+    // stale or wrong hint to a source that lacks the blocks evicts nothing
+    call->dst = reservation(*kv.store, run, publish_removed(kv), std::max<size_t>(1, kv.store->capacity() / 4), true);
     if (call->dst.ids.empty()) {
         call->outcome = "no_room";
         return NO_ROOM;
@@ -210,7 +211,13 @@ int provider::fetch(const kvrelay_fetch_request & r) {
         const uint32_t deadline = kvrelay_fetch_deadline_ms(uint64_t(call->dst.ids.size()) * kv.store->block_bytes());
         // checked by content: a block the source holds under the name for other tokens is
         // never written (KVRELAY_FETCH_DIGEST_MISMATCH)
-        call->fetch     = kv.agent->fetch(call->endpoint, names, call->keys->digests, call->held, call->dst.ids, deadline);
+        block_store * const                     store   = kv.store.get();
+        const uint32_t * const                  ids     = call->dst.ids.data();
+        const std::function<void(uint64_t)>     removed = publish_removed(kv);
+        // runs on the agent's fetch threads while the fetch runs; the call (and its ids) outlives
+        // the fetch (its destructor settles it first)
+        auto ready = [store, ids, removed](size_t from, size_t n) { return store->make_ready(ids + from, n, removed); };
+        call->fetch = kv.agent->fetch(call->endpoint, names, call->keys->digests, call->held, call->dst.ids, deadline, ready);
         call->submitted = true;
     } catch (const kvrelay::Error &) {
         call->outcome = "busy";  // nothing was submitted: the reservation goes back with the call

@@ -190,7 +190,8 @@ void block_store::unpin(const uint32_t * ids, size_t n) {
 }
 
 std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evicted,
-                                          const std::function<void(uint64_t)> & on_evict, size_t max_evict) {
+                                          const std::function<void(uint64_t)> & on_evict, size_t max_evict,
+                                          bool lazy) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<uint32_t>       out;
     out.reserve(std::min(n, capacity_));
@@ -202,12 +203,25 @@ std::vector<uint32_t> block_store::reserve(size_t n, std::vector<uint64_t> * evi
         // evict the least recently used committed blocks no pin holds
         std::vector<std::pair<uint64_t, uint32_t>> lru;
         for (uint32_t i = 0; i < blocks_.size(); i++) {
-            if (blocks_[i].st == state::COMMITTED && blocks_[i].pins == 0) {
+            if (blocks_[i].st == state::COMMITTED && blocks_[i].pins == 0 && !blocks_[i].claimed) {
                 lru.emplace_back(blocks_[i].used, i);
             }
         }
         const size_t want = std::min({ n - out.size(), lru.size(), max_evict });
         std::partial_sort(lru.begin(), lru.begin() + want, lru.end());
+        if (lazy) {
+            // claimed only: evicted by make_ready once the source said what comes
+            const size_t free_ones = out.size();
+            for (size_t i = 0; i < want; i++) {
+                blocks_[lru[i].second].claimed = true;
+                out.push_back(lru[i].second);
+            }
+            for (size_t i = 0; i < free_ones; i++) {
+                blocks_[out[i]]    = entry{};
+                blocks_[out[i]].st = state::RESERVED;
+            }
+            return out;
+        }
         for (size_t i = 0; i < want; i++) {
             entry & e = blocks_[lru[i].second];
             by_name_.erase(e.name);
@@ -240,7 +254,7 @@ std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * n
         }
         entry & e = blocks_[ids[i]];
         if (by_name_.emplace(names[i], ids[i]).second) {
-            e = entry{ names[i], ++tick_, 0, state::COMMITTED, digests[i] };
+            e = entry{ names[i], ++tick_, 0, state::COMMITTED, digests[i], false };
             fresh.push_back(i);
             if (on_stored) {
                 on_stored(i);
@@ -253,12 +267,38 @@ std::vector<size_t> block_store::commit(const uint32_t * ids, const uint64_t * n
     return fresh;
 }
 
+size_t block_store::make_ready(const uint32_t * ids, size_t n, const std::function<void(uint64_t)> & on_evict) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] >= blocks_.size()) {
+            return i;
+        }
+        entry & e = blocks_[ids[i]];
+        if (e.st == state::RESERVED) {
+            continue;
+        }
+        if (e.st != state::COMMITTED || !e.claimed || e.pins > 0) {
+            return i;  // a pin holds it (a peer reads it, a slot imports it): not now
+        }
+        by_name_.erase(e.name);
+        evicted_++;
+        if (on_evict) {
+            on_evict(e.name);
+        }
+        e    = entry{};
+        e.st = state::RESERVED;
+    }
+    return n;
+}
+
 void block_store::release(const uint32_t * ids, size_t n) {
     std::lock_guard<std::mutex> g(mu_);
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < blocks_.size() && blocks_[ids[i]].st == state::RESERVED) {
             blocks_[ids[i]] = entry{};
             free_.push_back(ids[i]);
+        } else if (ids[i] < blocks_.size() && blocks_[ids[i]].st == state::COMMITTED && blocks_[ids[i]].claimed) {
+            blocks_[ids[i]].claimed = false;  // never made ready: still held as it was
         } else {
             release_not_reserved_++;
         }

@@ -96,9 +96,17 @@ class block_store : public kvrelay::BlockHolder {
     /// with each evicted name under the store's lock: in the store's own order with every
     /// other commit and eviction (KV events published there never invert). At most `max_evict`
     /// committed blocks are evicted (a fetch's bounded share of the store).
+    /// `lazy` (a fetch's destination): the committed blocks are only claimed, not evicted: they
+    /// stay readable and servable (a claimed block is never chosen by another reservation)
+    /// until `make_ready` evicts them once the source's offer said how many blocks come, so
+    /// that a source lacking the blocks costs nothing; `release` gives the rest back unharmed.
     std::vector<uint32_t> reserve(size_t n, std::vector<uint64_t> * evicted = nullptr,
                                   const std::function<void(uint64_t)> & on_evict = nullptr,
-                                  size_t max_evict = SIZE_MAX);
+                                  size_t max_evict = SIZE_MAX, bool lazy = false);
+    /// Make the reserved `ids[0..n]` ready to be written: a claimed block (`reserve(..., lazy)`)
+    /// is evicted now (its name dropped, `on_evict` called under the store's lock), unless a pin
+    /// holds it. Returns how many leading blocks are ready; stops at the first that cannot be.
+    size_t make_ready(const uint32_t * ids, size_t n, const std::function<void(uint64_t)> & on_evict = nullptr);
     /// Commit reserved `ids[i]` under `names[i]` with content digest `digests[i]`; a name already
     /// committed keeps its block (and its digest) and the new one is freed. Every block is checked reserved; one that is not is left alone
     /// and counted (misuse). Returns the positions `i` committed under a new name, in order;
@@ -106,8 +114,9 @@ class block_store : public kvrelay::BlockHolder {
     /// `on_evict` above).
     std::vector<size_t> commit(const uint32_t * ids, const uint64_t * names, const digest * digests, size_t n,
                                const std::function<void(size_t)> & on_stored = nullptr);
-    /// Reserved blocks not committed go back to the free list; a block that is not reserved
-    /// is left alone and counted (misuse).
+    /// Reserved blocks not committed go back to the free list, and claimed ones (never made
+    /// ready) stay committed as they were; a block that is neither is left alone and counted
+    /// (misuse).
     void   release(const uint32_t * ids, size_t n);
 
     struct counts {
@@ -132,6 +141,7 @@ class block_store : public kvrelay::BlockHolder {
         uint32_t pins = 0;
         state    st   = state::FREE;
         digest   dig{};
+        bool     claimed = false;  // committed, claimed by a lazy reservation (see reserve)
     };
     size_t                                 capacity_;
     size_t                                 block_bytes_;

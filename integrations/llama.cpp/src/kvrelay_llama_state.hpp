@@ -178,9 +178,9 @@ struct reservation {
     size_t                handed = 0;
     reservation() = default;
     reservation(block_store & st, size_t n, const std::function<void(uint64_t)> & on_evict,
-                size_t max_evict = SIZE_MAX) :
+                size_t max_evict = SIZE_MAX, bool lazy = false) :
         store(&st),
-        ids(st.reserve(n, nullptr, on_evict, max_evict)) {}
+        ids(st.reserve(n, nullptr, on_evict, max_evict, lazy)) {}
     reservation(reservation && o) noexcept : store(o.store), ids(std::move(o.ids)), handed(o.handed) { o.store = nullptr; }
     reservation & operator=(reservation && o) noexcept {
         std::swap(store, o.store);

@@ -202,6 +202,77 @@ static void store_works() {
     full.release(two.data(), two.size());
     std::vector<uint32_t> back = full.reserve(5, &gone, nullptr, 0);  // the 2 free ones, no eviction
     CHECK(back.size() == 2 && gone.size() == 2 && full.read_counts().committed == 6);
+    full.release(back.data(), back.size());
+}
+
+// Lazy reservations (a fetch's destination): committed blocks are only claimed, still held and
+// pinnable; make_ready evicts them in order once the source said what comes, stopping at one a
+// pin holds; release gives claimed ones back as they were; another reservation never takes a
+// claimed block.
+static void lazy_reservations_evict_only_what_comes() {
+    block_store                      st(6, 64);
+    std::vector<uint32_t>            all = st.reserve(6);
+    std::vector<uint64_t>            names(6);
+    std::vector<block_store::digest> digs(6);
+    for (uint64_t i = 0; i < 6; i++) {
+        names[i] = 300 + i;
+        digs[i]  = dig(300 + i);
+    }
+    CHECK(st.commit(all.data(), names.data(), digs.data(), 6).size() == 6);
+    std::vector<uint64_t> removed;
+    auto on_evict = [&](uint64_t n) { removed.push_back(n); };
+    std::vector<uint32_t> claim = st.reserve(4, nullptr, on_evict, 3, true);
+    CHECK(claim.size() == 3 && removed.empty() && st.read_counts().committed == 6 && st.read_counts().evicted == 0);
+    // another reservation cannot take what is claimed: 3 unclaimed blocks remain
+    std::vector<uint32_t> other = st.reserve(6, nullptr, on_evict, 6);
+    CHECK(other.size() == 3 && removed.size() == 3);
+    st.release(other.data(), other.size());
+    removed.clear();
+    // a source that sends nothing: released, everything claimed still held, nothing evicted
+    st.release(claim.data(), claim.size());
+    CHECK(removed.empty() && st.read_counts().committed == 3 && st.read_counts().release_not_reserved == 0);
+    const uint64_t n0 = names[claim[0]];
+    const block_store::digest d0 = dig(n0);
+    CHECK(st.held(&n0, &d0, 1) == 1);
+    // a full store again, then a claim of 3: made ready in order, evicted only as they come
+    std::vector<uint32_t> refill = st.reserve(3);
+    std::vector<uint64_t> rn{ 400, 401, 402 };
+    std::vector<block_store::digest> rd{ dig(400), dig(401), dig(402) };
+    CHECK(refill.size() == 3 && st.commit(refill.data(), rn.data(), rd.data(), 3).size() == 3);
+    claim = st.reserve(3, nullptr, on_evict, 3, true);
+    CHECK(claim.size() == 3 && removed.empty() && st.read_counts().committed == 6);
+    CHECK(st.make_ready(claim.data(), 1, on_evict) == 1 && removed.size() == 1 && st.read_counts().committed == 5);
+    // the third is pinned meanwhile (a peer reads it): ready stops before it, nothing evicted for it
+    uint64_t third = 0;
+    for (uint64_t n = 300; n < 306; n++) {
+        const block_store::digest d = dig(n);
+        uint32_t                  id = 0;
+        if (st.pin_checked(&n, &d, 1, &id) == 1) {
+            third = id == claim[2] ? n : third;
+            st.unpin(&id, 1);
+        }
+    }
+    for (uint64_t n = 400; n < 403; n++) {
+        const block_store::digest d = dig(n);
+        uint32_t                  id = 0;
+        if (st.pin_checked(&n, &d, 1, &id) == 1) {
+            third = id == claim[2] ? n : third;
+            st.unpin(&id, 1);
+        }
+    }
+    CHECK(third != 0);
+    uint32_t pinned = 0;
+    CHECK(st.pin(&third, 1, &pinned) == 1 && pinned == claim[2]);
+    CHECK(st.make_ready(claim.data(), 3, on_evict) == 2 && removed.size() == 2);
+    st.unpin(&pinned, 1);
+    CHECK(st.make_ready(claim.data(), 3, on_evict) == 3 && removed.size() == 3 && st.read_counts().committed == 3);
+    // the fetch took two: committed under new names; the third goes back free
+    std::vector<uint64_t>            fn{ 500, 501 };
+    std::vector<block_store::digest> fd{ dig(500), dig(501) };
+    CHECK(st.commit(claim.data(), fn.data(), fd.data(), 2).size() == 2);
+    st.release(claim.data() + 2, 1);
+    CHECK(st.read_counts().committed == 5 && st.read_counts().release_not_reserved == 0
+          && st.read_counts().commit_not_reserved == 0);
 }
 
 // Commits and evictions racing on two threads: the events the store reports (under its own
@@ -252,6 +323,7 @@ int main() {
     desc_parses(false);
     store_works();
     store_events_follow_the_store();
+    lazy_reservations_evict_only_what_comes();
     if (failures != 0) {
         std::fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

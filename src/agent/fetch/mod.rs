@@ -482,7 +482,8 @@ impl Stream<'_> {
         // the source's answer comes after its connection woke, pinned and offered
         c.poll_readable(inner.limits.poll);
         let mut job = Pull { asked, dst, deadline, stopped, mover, scratch };
-        match drive(&inner.cx(), backend, c, &mut job, land, from, &self.state.unquiet) {
+        let ready = self.state.on_offer.as_deref();
+        match drive(&inner.cx(), backend, c, &mut job, land, from, ready, &self.state.unquiet) {
             Ok(true) => Exchange::Reusable,
             Ok(false) => Exchange::Close(Ok(())),
             // no answer at all on a kept-alive connection: the source had closed it
@@ -528,7 +529,11 @@ const CHECK_SLEEP: std::time::Duration = std::time::Duration::from_micros(20);
 /// the fetch stops (`job.stopped`: deadline, cancel, shutdown, an earlier part ended short),
 /// give the writes `Limits::write_grace` to be quiet, release. `Ok(true)`: the connection
 /// can carry the stream's next request. Writes not proven quiet go to `sink` (see [`Held`]);
-/// `from` is where the stream's blocks start in the fetch's destination blocks.
+/// `from` is where the stream's blocks start in the fetch's destination blocks. With a room
+/// callback (`ready`, [`crate::agent::OnOffer`]), the runtime makes the offered part of the
+/// stream's destination ready between the offer and the first write, and the transfer takes
+/// only what it made ready.
+#[allow(clippy::too_many_arguments)]
 fn drive(
     cx: &Cx<'_>,
     backend: &dyn Backend,
@@ -536,9 +541,18 @@ fn drive(
     job: &mut Pull<'_>,
     land: &mut Landing<'_>,
     from: usize,
+    ready: Option<&(dyn Fn(usize, usize) -> usize + Send + Sync)>,
     sink: &Unquiet,
 ) -> Result<bool, Failure> {
-    let t = backend.prepare(cx, c, job, land)?;
+    let mut t = backend.prepare(cx, c, job, land)?;
+    if let Some(ready) = ready {
+        let n = t.count();
+        // the runtime evicts for these blocks only now that the source said it has them
+        let got = ready(from, n).min(n);
+        if got < n {
+            t.limit(got);
+        }
+    }
     // posted from here on (a post that fails half way has posted the first half)
     let mut held = Held { t: Some(t), from, sink, quiet: false };
     let t = held.t.as_deref_mut().expect("set above");
@@ -579,7 +593,7 @@ pub(super) fn over_connection(inner: &Inner, c: &mut dyn Conn, names: &[u64], ds
         let hello = wire::encode_hello(&inner.fingerprint, asked);
         wire::write_frame(c, inner.backend().hello(), &hello, deadline).map_err(|e| io_fail(&e, "the hello"))?;
         let mut job = Pull { asked, dst, deadline, stopped: &stopped, mover: &mut mover, scratch: &mut scratch };
-        drive(&inner.cx(), inner.backend(), c, &mut job, &mut land, 0, &unquiet).map(|_| ())
+        drive(&inner.cx(), inner.backend(), c, &mut job, &mut land, 0, None, &unquiet).map(|_| ())
     })();
     if let Some(m) = mover {
         inner.movers.put(m);

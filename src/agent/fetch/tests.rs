@@ -75,6 +75,9 @@ impl Transfer for SlowTransfer {
     fn count(&self) -> usize {
         self.count
     }
+    fn limit(&mut self, n: usize) {
+        self.count = self.count.min(n);
+    }
     fn post(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _job: &mut Pull<'_>) -> Result<(), Failure> {
         Ok(())
     }

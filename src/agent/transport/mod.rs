@@ -155,6 +155,13 @@ pub(super) trait Transfer: Send {
     /// Destination blocks the transfer may write once posted: `dst[..count]` of its stream.
     fn count(&self) -> usize;
 
+    /// Take only the first `n` offered blocks (`n < count()`): called before
+    /// [`post`](Transfer::post), when the runtime made only that many destination blocks ready
+    /// ([`crate::agent::OnOffer`]). An in-place source is told how many were taken at release,
+    /// as after any transfer; a streaming one's connection is not reused (the rest of its
+    /// frames are never read).
+    fn limit(&mut self, n: usize);
+
     /// Start the writes (NIXL: post every READ; a synchronous backend may do all its work in
     /// the first check instead).
     fn post(&mut self, cx: &Cx<'_>, c: &mut dyn Conn, job: &mut Pull<'_>) -> Result<(), Failure>;

@@ -24,11 +24,19 @@ pub(in crate::agent) struct Tcp;
 /// dropped, which waits) when the check returns, so its writes are always quiet.
 struct Frames {
     count: usize,
+    /// Fewer blocks are read than the source sends ([`Transfer::limit`]): the connection ends
+    /// inside the stream, never reused.
+    cut: bool,
 }
 
 impl Transfer for Frames {
     fn count(&self) -> usize {
         self.count
+    }
+
+    fn limit(&mut self, n: usize) {
+        self.count = n.min(self.count);
+        self.cut = true;
     }
 
     fn post(&mut self, _cx: &Cx<'_>, _c: &mut dyn Conn, _job: &mut Pull<'_>) -> Result<(), Failure> {
@@ -57,7 +65,7 @@ impl Transfer for Frames {
             return Err((FailReason::Corrupt, format!("waiting for the copies into the pool: {e}")));
         }
         // every offered block was read: the stream is at a frame boundary again
-        r.map(|()| Progress::Done { reusable: land.blocks == self.count })
+        r.map(|()| Progress::Done { reusable: !self.cut && land.blocks == self.count })
     }
 
     fn quiet(&mut self, _until: Instant) -> bool {
@@ -121,7 +129,7 @@ impl Backend for Tcp {
             // runtime leaves alone until the fetch completes.
             *job.mover = Some(unsafe { cx.movers.take(cx.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
         }
-        Ok(Box::new(Frames { count }))
+        Ok(Box::new(Frames { count, cut: false }))
     }
 
     fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {

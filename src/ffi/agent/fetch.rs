@@ -155,7 +155,7 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
         }) as crate::agent::OnDone
     });
     // SAFETY: forwarded contract.
-    guard(|| unsafe { submit(agent, params, None, cb, out) })
+    guard(|| unsafe { submit(agent, params, None, cb, None, out) })
 }
 
 /// The completion of a fetch submitted with `kvrelay_agent_submit`. `size` is
@@ -174,6 +174,15 @@ pub unsafe extern "C" fn kvrelay_agent_fetch(
 /// - `destroy(user_data)` (may be NULL): runs exactly once on every path: right after `done`,
 ///   before the result is published to `kvrelay_fetch_poll` / `_wait`; or, when the submission
 ///   is refused, before `kvrelay_agent_submit` returns.
+/// - `ready(user_data, from, n)` (may be NULL; since 0.4.0): lazy eviction. With it the
+///   destination blocks need only be reserved, not free, at submission: once per stream of the
+///   fetch, after the source's offer said the stream will get `n` blocks and before any of them
+///   is written, the library asks the runtime to make `dst_blocks[from..from + n]` ready to be
+///   written (to evict what they hold only now) and the stream takes as many, from the first,
+///   as it answers (at most `n`; 0: none). A source that holds none of the blocks never gets
+///   here, so a stale hint costs no eviction. Runs on a fetch thread, several streams of one
+///   fetch possibly at once and in any order; must not unwind and must not call into the agent.
+///   NULL: every destination block is free at submission.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvrelay_fetch_callbacks {
@@ -186,6 +195,8 @@ pub struct kvrelay_fetch_callbacks {
         Option<unsafe extern "C" fn(user_data: *mut c_void, result: *const kvrelay_fetch_result, detail: kvrelay_str)>,
     /// Releases `user_data`.
     pub destroy: Option<unsafe extern "C" fn(user_data: *mut c_void)>,
+    /// Makes offered destination blocks ready (lazy eviction); may be NULL.
+    pub ready: Option<unsafe extern "C" fn(user_data: *mut c_void, from: usize, n: usize) -> usize>,
 }
 
 sized_since_epoch!(kvrelay_fetch_result, kvrelay_fetch_params);
@@ -257,16 +268,27 @@ unsafe fn submit_with(
     callbacks: *const kvrelay_fetch_callbacks,
     out: *mut *mut kvrelay_fetch,
 ) -> kvrelay_status {
-    /// Runs `destroy` when dropped: after `done`, or with a refused submission's closure.
-    struct Callbacks(kvrelay_fetch_callbacks);
-    // SAFETY: the callbacks' contract lets them run on an agent thread with their user_data.
+    /// Runs `destroy` once: right after `done`, or when dropped (a refused submission's
+    /// closures); shared by the completion and the room callback.
+    struct Callbacks(kvrelay_fetch_callbacks, std::sync::atomic::AtomicBool);
+    // SAFETY: the callbacks' contract lets them run on an agent thread with their user_data,
+    // `ready` from several of the fetch's threads at once.
     unsafe impl Send for Callbacks {}
+    // SAFETY: as above.
+    unsafe impl Sync for Callbacks {}
+    impl Callbacks {
+        fn destroy_once(&self) {
+            if !self.1.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                if let Some(d) = self.0.destroy {
+                    // SAFETY: the consumer's destroy, called once (the flag above).
+                    unsafe { d(self.0.user_data) }
+                }
+            }
+        }
+    }
     impl Drop for Callbacks {
         fn drop(&mut self) {
-            if let Some(d) = self.0.destroy {
-                // SAFETY: the consumer's destroy, called once (this value is dropped once).
-                unsafe { d(self.0.user_data) }
-            }
+            self.destroy_once();
         }
     }
     guard(|| {
@@ -277,10 +299,22 @@ unsafe fn submit_with(
             // read_sized reads.
             let copy = unsafe { read_sized(callbacks) }?;
             // owned from here: a refused struct's destroy still runs, when the caller's has one
-            let (cbs, ok) = (Callbacks(copy.value), copy.check("kvrelay_fetch_callbacks"));
+            let (cbs, ok) = (
+                std::sync::Arc::new(Callbacks(copy.value, std::sync::atomic::AtomicBool::new(false))),
+                copy.check("kvrelay_fetch_callbacks"),
+            );
             ok?;
             Some(cbs)
         };
+        let on_offer = cbs.as_ref().and_then(|c| {
+            let f = c.0.ready?;
+            let c = c.clone();
+            Some(Box::new(move |from: usize, n: usize| {
+                // SAFETY: the consumer's callback with its user_data, which lives until
+                // `destroy` (after `done`: no stream asks once the fetch completed).
+                unsafe { f(c.0.user_data, from, n) }
+            }) as crate::agent::OnOffer)
+        });
         let cb = cbs.map(|c| {
             Box::new(move |r: &FetchResult| {
                 let c = &c;
@@ -294,10 +328,13 @@ unsafe fn submit_with(
                     // and a detail that live for the call.
                     unsafe { done(c.0.user_data, &res, detail) }
                 }
+                // right after `done`, before the result is published (the room callback's
+                // share of `user_data` is never used after the completion)
+                c.destroy_once();
             }) as crate::agent::OnDone
         });
         // SAFETY: forwarded contract.
-        unsafe { submit(agent, params, digests, cb, out) }
+        unsafe { submit(agent, params, digests, cb, on_offer, out) }
     })
 }
 
@@ -310,6 +347,7 @@ unsafe fn submit(
     params: *const kvrelay_fetch_params,
     digests: Option<(*const u8, usize)>,
     cb: Option<crate::agent::OnDone>,
+    on_offer: Option<crate::agent::OnOffer>,
     out: *mut *mut kvrelay_fetch,
 ) -> Result<(), kvrelay_status> {
     let out = out_ptr(out)?;
@@ -337,7 +375,7 @@ unsafe fn submit(
         deadline: Duration::from_millis(u64::from(p.deadline_ms)),
         digests,
     };
-    let f = a.inner.submit(req, cb).map_err(agent_err)?;
+    let f = a.inner.submit_lazy(req, cb, on_offer).map_err(agent_err)?;
     // SAFETY: checked non-NULL; writable per the contract.
     unsafe { put(out, Box::into_raw(Box::new(kvrelay_fetch { inner: f }))) };
     Ok(())

@@ -610,6 +610,10 @@ impl Transfer for Copies {
         self.offer.blocks.len()
     }
 
+    fn limit(&mut self, n: usize) {
+        self.offer.blocks.truncate(n);
+    }
+
     fn post(&mut self, cx: &Cx<'_>, _c: &mut dyn Conn, job: &mut Pull<'_>) -> Result<(), Failure> {
         let (offer, scratch) = (&self.offer, &mut *job.scratch);
         let count = offer.blocks.len();

@@ -91,6 +91,10 @@ impl Transfer for Reads<'_> {
         self.offer.blocks.len()
     }
 
+    fn limit(&mut self, n: usize) {
+        self.offer.blocks.truncate(n);
+    }
+
     /// Post every READ first, in requests of [`REQUEST_BYTES`] ([`REQUEST_BYTES_GPU`] into GPU
     /// memory): UCX moves them while the earlier ones are verified. A request's descriptors are
     /// its pieces contiguous at both ends, block by block or segment by segment, whichever

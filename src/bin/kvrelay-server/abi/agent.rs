@@ -273,6 +273,7 @@ impl KvAgent {
             user_data: Box::into_raw(Box::new(Some(tx))) as *mut c_void,
             done: Some(fetch_done),
             destroy: Some(fetch_destroy),
+            ready: None,
         };
         let p = kvrelay_fetch_params {
             size: size_of::<kvrelay_fetch_params>(),
