@@ -177,6 +177,9 @@ done
 echo "== a frozen trusted source costs a hinted request at most the prefill it would save, once (late), then is skipped for a growing period (backoff)"
 timeout 600 python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== a fetching server's memory is bounded by its store once llama-server's own prompt cache is off (--cache-ram 0)"
+timeout 600 python3 integrations/llama.cpp/tests/rss_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== concurrent requests for one new prefix share one fetch (single flight): the source sends the blocks once"
 timeout 600 python3 integrations/llama.cpp/tests/single_flight_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
