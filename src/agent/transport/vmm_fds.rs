@@ -12,7 +12,11 @@
 //!   most [`BATCH`] per message. The token itself never crosses the socket, and an answer is
 //!   good for its own connection only: a recorded exchange is no key.
 //! - **Who.** Any local process of the network namespace can connect; one of another user
-//!   (`SO_PEERCRED`) is closed at once, having received nothing.
+//!   (`SO_PEERCRED`) is closed at once, having received nothing. The destination checks the
+//!   other way too: the process listening on the socket must be the one the offer names (its
+//!   `SO_PEERCRED` pid), since any process may listen under any abstract name; so a mapping's
+//!   quota is charged to the real source process. A source whose pid this process cannot see
+//!   (another PID namespace) is refused here, and the fetch falls back to TCP.
 //! - **Bounds.** One that does not prove the token within [`DEADLINE`] is closed having
 //!   received nothing; at most [`MAX_HANDLERS`] connections are served at once, each for at
 //!   most [`DEADLINE`] per read and per write. When all are taken, the oldest connection that
@@ -66,6 +70,12 @@ fn proof(token: &[u8; TOKEN], nonce: &[u8; TOKEN]) -> [u8; TOKEN] {
 
 /// The user id of the process at the other end of `s` (`SO_PEERCRED`).
 fn peer_uid(s: &UnixStream) -> io::Result<libc::uid_t> {
+    peer_cred(s).map(|c| c.uid)
+}
+
+/// The credentials of the process at the other end of `s` (`SO_PEERCRED`: for a connection to
+/// a listener, the process that made the listener).
+fn peer_cred(s: &UnixStream) -> io::Result<libc::ucred> {
     // SAFETY: a zeroed ucred is valid; getsockopt writes at most `len` bytes into it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -82,7 +92,7 @@ fn peer_uid(s: &UnixStream) -> io::Result<libc::uid_t> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
 }
 
 /// Connections that have not proven the token yet, oldest first: the handlers' slots they hold
@@ -357,14 +367,17 @@ impl From<String> for ReceiveError {
     }
 }
 
-/// Destination side: connect to the source's socket `name`, prove `token` (a keyed answer to
-/// the source's nonce), and pass each of
+/// Destination side: connect to the source's socket `name`, check that the process listening
+/// there is `pid` (the kernel's `SO_PEERCRED`, not the name: any process may listen under any
+/// abstract name, so an offer's claimed pid is proven here before anything is taken), prove
+/// `token` (a keyed answer to the source's nonce), and pass each of
 /// the `want` descriptors it sends to `each` as it arrives (so that at most one batch is open
 /// at a time), by `deadline`. Fails on any shortfall or excess, or when `each` does. Every
 /// wait for the source is cut into slices of [`STOP_SLICE`], with `stop` asked between them:
 /// a cancel or the agent's shutdown ends the receive within a slice ([`ReceiveError::Stopped`]).
 pub(crate) fn receive(
     name: &[u8],
+    pid: u32,
     token: &[u8; TOKEN],
     want: usize,
     deadline: Instant,
@@ -375,6 +388,13 @@ pub(crate) fn receive(
         io::ErrorKind::Interrupted => ReceiveError::Stopped,
         _ => format!("connecting to the source's descriptor socket (another network namespace?): {e}").into(),
     })?;
+    match peer_cred(&s) {
+        Ok(c) if c.pid > 0 && c.pid as u32 == pid => {}
+        Ok(c) => {
+            return Err(format!("the descriptor socket belongs to process {}, not to the offer's {pid}", c.pid).into())
+        }
+        Err(e) => return Err(format!("the descriptor socket's peer: {e}").into()),
+    }
     let remaining = || left(deadline).map_err(|_| "the source's descriptors ran past the deadline".to_string());
     // the next wait: a slice of what is left, or the stop
     let slice = || -> Result<Duration, ReceiveError> {
@@ -495,7 +515,7 @@ mod tests {
         let server = FdServer::start(pipes(n)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut received = Vec::new();
-        receive(server.name(), server.token(), n, deadline, &|| false, |fd| {
+        receive(server.name(), std::process::id(), server.token(), n, deadline, &|| false, |fd| {
             received.push(fd);
             Ok(())
         })
@@ -511,15 +531,26 @@ mod tests {
         let mut wrong = *server.token();
         wrong[0] ^= 1;
         let mut none = 0;
-        let e = receive(server.name(), &wrong, n, deadline, &|| false, |_| {
+        let e = receive(server.name(), std::process::id(), &wrong, n, deadline, &|| false, |_| {
             none += 1;
             Ok(())
         })
         .unwrap_err();
         assert_eq!(none, 0, "{e}");
         assert!(e.to_string().contains("closed"), "{e}");
+        // an offer claiming another process for this socket (any process may listen under any
+        // abstract name): refused by the kernel's credentials, with nothing taken
+        let mut taken = 0;
+        let e = receive(server.name(), std::process::id() + 1, server.token(), n, deadline, &|| false, |_| {
+            taken += 1;
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(taken, 0, "{e}");
+        assert!(e.to_string().contains("belongs to process"), "{e}");
         // asking for fewer than the source sends: an excess, refused
-        let e = receive(server.name(), server.token(), 3, deadline, &|| false, |_| Ok(())).unwrap_err();
+        let e =
+            receive(server.name(), std::process::id(), server.token(), 3, deadline, &|| false, |_| Ok(())).unwrap_err();
         assert!(e.to_string().contains("batch"), "{e}");
         // the name is the server's own, and nothing else passes for one
         let pid = std::process::id();
@@ -531,7 +562,10 @@ mod tests {
         assert!(is_socket_of(b"kvrelay-cuda-ipc-1-0123456789abcdef", 1));
         // a socket nobody listens on
         drop(server);
-        assert!(receive(b"kvrelay-cuda-ipc-nobody", &[0; TOKEN], 1, deadline, &|| false, |_| Ok(())).is_err());
+        assert!(receive(b"kvrelay-cuda-ipc-nobody", std::process::id(), &[0; TOKEN], 1, deadline, &|| false, |_| Ok(
+            ()
+        ))
+        .is_err());
     }
 
     /// A source that accepts and never says a word does not hold the destination past its
@@ -546,7 +580,7 @@ mod tests {
         // stops once it was asked three times: the receive was waiting, and looked again
         let stop = || asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 3;
         let far = Instant::now() + Duration::from_secs(3600);
-        let e = receive(name.as_bytes(), &[0; TOKEN], 1, far, &stop, |_| Ok(())).unwrap_err();
+        let e = receive(name.as_bytes(), std::process::id(), &[0; TOKEN], 1, far, &stop, |_| Ok(())).unwrap_err();
         assert!(matches!(e, ReceiveError::Stopped), "{e}");
     }
 
@@ -576,7 +610,7 @@ mod tests {
         // stops once it was asked three times: the connect was retrying, and looked again
         let stop = || asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 3;
         let by = Instant::now() + Duration::from_secs(30);
-        let e = receive(name.as_bytes(), &[0; TOKEN], 1, by, &stop, |_| Ok(())).unwrap_err();
+        let e = receive(name.as_bytes(), std::process::id(), &[0; TOKEN], 1, by, &stop, |_| Ok(())).unwrap_err();
         assert!(matches!(e, ReceiveError::Stopped), "{e}");
         drop(listener);
     }
@@ -593,7 +627,7 @@ mod tests {
         let silent: Vec<UnixStream> = (0..3 * MAX_HANDLERS).map(|_| connect(server.name())).collect();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut n = 0;
-        receive(server.name(), server.token(), 3, deadline, &|| false, |_| {
+        receive(server.name(), std::process::id(), server.token(), 3, deadline, &|| false, |_| {
             n += 1;
             Ok(())
         })

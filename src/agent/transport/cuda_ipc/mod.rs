@@ -482,7 +482,7 @@ impl CudaIpc {
                 let by = cx.io_deadline().min(deadline);
                 // a cancel or the agent's shutdown ends the wait for the source within 20 ms
                 let stop = || stopped().is_err();
-                vmm_fds::receive(&v.socket, &v.token, v.chunks(), by, &stop, |fd| {
+                vmm_fds::receive(&v.socket, e.pid, &v.token, v.chunks(), by, &stop, |fd| {
                     // SAFETY: a descriptor the source process of this host sent as one of its
                     // exported allocations (the driver refuses any other file).
                     let h = unsafe { self.dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?;
