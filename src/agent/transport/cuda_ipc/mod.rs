@@ -36,7 +36,9 @@
 //!   its stream synchronized. The table keeps at most 1,024, at most 128 (and 1 TiB of address
 //!   space) per source process, or one offer's count when more (`table`): beyond a bound the least recently used mapping no
 //!   fetch holds is let go (of the same source first), and a source whose quota is all held is
-//!   refused for that fetch, which falls back to TCP. While any watched mapping is kept, idle
+//!   refused for that fetch, which falls back to TCP. Room is reserved in the table before any
+//!   driver call (counting what other fetches hold or are mapping), so a full source is refused
+//!   before its allocations are opened, not after. While any watched mapping is kept, idle
 //!   fetch workers look every 50 ms whether its source process still runs (`/proc/<pid>`,
 //!   outside the table's lock) and let go of those of a process that ended (`ipc_unmapped`
 //!   counts both kinds of letting go). A source in another PID namespace (not in this
@@ -284,6 +286,17 @@ fn own_source(
     Ok((r.pool.clone(), Reading(r.clone())))
 }
 
+/// Room reserved in the table of mappings, given back when dropped.
+struct Reserved<'a>(&'a Mutex<table::Table<Mapping>>, Option<table::Room>);
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.1.take() {
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).unreserve(r);
+        }
+    }
+}
+
 /// This instance's exported pool, and the source allocations it mapped.
 pub(in crate::agent) struct CudaIpc {
     dev: Arc<CudaDevice>,
@@ -443,6 +456,31 @@ impl CudaIpc {
         if have.iter().all(Option::is_some) {
             return Ok((have.iter().flatten().map(|p| p.ptr).collect(), have.into_iter().flatten().collect()));
         }
+        // room for the rest, reserved before any driver call (given back however this ends)
+        let (missing, missing_bytes) = {
+            let mut sizes: Vec<u64> = e.allocs.iter().map(|a| a.size).collect();
+            if let Some(v) = &e.vmm {
+                sizes.extend(v.ranges.iter().map(|(_, s)| s.iter().sum::<u64>()));
+            }
+            sizes
+                .iter()
+                .zip(&have)
+                .filter(|(_, h)| h.is_none())
+                .fold((0usize, 0u64), |(n, b), (s, _)| (n + 1, b.saturating_add(*s)))
+        };
+        let room = self
+            .mapped
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .reserve(e.host, e.pid, missing, missing_bytes)
+            .map_err(|full| {
+                let whose = match full {
+                    table::Full::Source => "this source's quota of mappings",
+                    table::Full::Table => "the table of mappings",
+                };
+                (FailReason::Refused, format!("CUDA IPC: {whose} has no room left (held or being mapped)"))
+            })?;
+        let _room = Reserved(&self.mapped, Some(room));
         // the rest is mapped here, outside the lock
         let watched = process_runs(e.pid);
         let mut new: Vec<(usize, table::New<Mapping>)> = Vec::new();

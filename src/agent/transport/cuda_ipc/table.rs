@@ -59,12 +59,24 @@ pub(super) enum Full {
 pub(super) struct Table<V> {
     map: HashMap<Key, Entry<V>>,
     tick: u64,
+    /// Room reserved ([`Table::reserve`]) by fetches mapping outside the lock: per source
+    /// `(host, pid)`, ranges and bytes.
+    pending: HashMap<([u8; 16], u32), (usize, u64)>,
 }
 
 impl<V> Default for Table<V> {
     fn default() -> Self {
-        Table { map: HashMap::new(), tick: 0 }
+        Table { map: HashMap::new(), tick: 0, pending: HashMap::new() }
     }
+}
+
+/// Room for `ranges` new mappings of `bytes` from one source, reserved before they are made
+/// ([`Table::reserve`]); give it back with [`Table::unreserve`] once they were admitted or not.
+#[derive(Debug)]
+pub(super) struct Room {
+    source: ([u8; 16], u32),
+    ranges: usize,
+    bytes: u64,
 }
 
 impl<V> Table<V> {
@@ -111,6 +123,49 @@ impl<V> Table<V> {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Reserve room for `ranges` new mappings of `bytes` of source `(host, pid)` before they are
+    /// made (outside the lock): refused when that source's quota, or the whole table, cannot
+    /// hold them even once every mapping no fetch holds is let go, counting what other fetches
+    /// reserved meanwhile. So concurrent fetches of a full source are refused before their
+    /// driver calls, not after. (A mapping that becomes held after this can still make
+    /// [`Table::admit`] refuse; that is only the rarer case.)
+    pub(super) fn reserve(&mut self, host: [u8; 16], pid: u32, ranges: usize, bytes: u64) -> Result<Room, Full> {
+        let held = |e: &Entry<V>| Arc::strong_count(&e.v) > 1;
+        let (mut src_n, mut src_b, mut all_n) = (0usize, 0u64, 0usize);
+        for (k, e) in &self.map {
+            if held(e) {
+                all_n += 1;
+                if k.0 == host && k.1 == pid {
+                    src_n += 1;
+                    src_b = src_b.saturating_add(e.bytes);
+                }
+            }
+        }
+        let (pn, pb) = self.pending.get(&(host, pid)).copied().unwrap_or((0, 0));
+        let pending_all: usize = self.pending.values().map(|p| p.0).sum();
+        if src_n + pn + ranges > SOURCE_RANGES || src_b.saturating_add(pb).saturating_add(bytes) > SOURCE_BYTES {
+            return Err(Full::Source);
+        }
+        if all_n + pending_all + ranges > MAX_MAPPED {
+            return Err(Full::Table);
+        }
+        let p = self.pending.entry((host, pid)).or_insert((0, 0));
+        p.0 += ranges;
+        p.1 = p.1.saturating_add(bytes);
+        Ok(Room { source: (host, pid), ranges, bytes })
+    }
+
+    /// Give back room reserved by [`Table::reserve`].
+    pub(super) fn unreserve(&mut self, room: Room) {
+        if let Some(p) = self.pending.get_mut(&room.source) {
+            p.0 = p.0.saturating_sub(room.ranges);
+            p.1 = p.1.saturating_sub(room.bytes);
+            if p.0 == 0 {
+                self.pending.remove(&room.source);
+            }
         }
     }
 
@@ -252,6 +307,34 @@ mod tests {
         assert_eq!(r.map(|v| v.len()), Err(Full::Source), "{n} ranges of one source, all held by one fetch");
         assert_eq!(t.of(&[7; 16], 5).0, SOURCE_RANGES, "the source keeps no more than its quota");
         assert_eq!(gone.len(), n - SOURCE_RANGES, "the rest was let go");
+    }
+
+    /// Room is reserved before mapping: a source whose quota is held, or reserved by fetches
+    /// still mapping, is refused before any driver call; room given back is free again.
+    #[test]
+    fn room_is_reserved_before_mapping() {
+        let mut t: Table<u32> = Table::default();
+        let mut gone = Vec::new();
+        // 100 mappings of source 1, all held by fetches
+        let (held, _) = t.admit((0..100).map(|i| new(1, i, 1)).collect(), &mut gone);
+        let held = held.unwrap();
+        // a fetch reserves 20 more, and is still mapping them
+        let r = t.reserve([7; 16], 1, 20, 20).unwrap();
+        // another fetch of the same source wants 10: 100 held + 20 reserved + 10 > 128
+        assert_eq!(t.reserve([7; 16], 1, 10, 10).unwrap_err(), Full::Source);
+        // another source is not charged for it
+        let other = t.reserve([7; 16], 2, 10, 10).unwrap();
+        t.unreserve(r);
+        let r2 = t.reserve([7; 16], 1, 10, 10).unwrap();
+        // bytes count too
+        assert_eq!(t.reserve([7; 16], 3, 1, SOURCE_BYTES + 1).unwrap_err(), Full::Source);
+        // mappings no fetch holds are room (they can be let go)
+        drop(held);
+        let r3 = t.reserve([7; 16], 1, 28, 28).unwrap();
+        for room in [other, r2, r3] {
+            t.unreserve(room);
+        }
+        assert!(t.pending.is_empty());
     }
 
     #[test]
