@@ -263,7 +263,7 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
     // refused submissions: destroy runs before the call returns, done never; a struct below
     // the first version's size is no struct at all: nothing of it is read past its `size`, so
     // the destroy that lies past it never runs
-    for (p, size, destroyed) in [(params(0), full, 1), (params(1), full - 8, 0), (params(1), 8, 0)] {
+    for (p, size, destroyed) in [(params(0), full, 1), (params(1), 24, 0), (params(1), 8, 0)] {
         let seen = Seen::default();
         let mut f = ptr::null_mut();
         // SAFETY: as above; nothing is submitted.
@@ -271,6 +271,18 @@ fn submit_hands_the_detail_to_the_callback_and_destroys_user_data_once() {
         assert_eq!(st, KVRELAY_ERR_INVALID_ARGUMENT, "size {size}");
         assert!(f.is_null(), "no handle on an error");
         assert_eq!((seen.done.load(Ordering::SeqCst), seen.destroyed.load(Ordering::SeqCst)), (0, destroyed));
+    }
+    // an older header's struct (0.2.0 to 0.3.x: 32 bytes, no `ready`): accepted, its callbacks run
+    {
+        let seen = Seen::default();
+        let mut f = ptr::null_mut();
+        // SAFETY: as above; the struct is readable for the 32 bytes it states.
+        unsafe {
+            assert_eq!(kvrelay_agent_submit(a, &params(1), &callbacks(&seen, 32), &mut f), KVRELAY_OK);
+            assert_eq!(kvrelay_fetch_wait(f, 20_000, &mut r), KVRELAY_OK);
+            kvrelay_fetch_free(f);
+        }
+        assert_eq!((seen.done.load(Ordering::SeqCst), seen.destroyed.load(Ordering::SeqCst)), (1, 1));
     }
     // a newer header's larger struct: accepted while its unknown field is zero; refused (its
     // destroy, which this library knows, still runs) once that field is set
