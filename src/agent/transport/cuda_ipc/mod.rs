@@ -48,7 +48,16 @@
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
 //!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
-//!   share a host under one trust domain. The sizes a source reports are checked against the
+//!   share a host under one trust domain. Neither driver path lets the exporter make a peer's
+//!   mapping read-only: `cuIpcOpenMemHandle` maps the whole `cuMemAlloc` allocation with read
+//!   and write access (its only flag is lazy peer access), and an allocation of the virtual
+//!   memory API, once its descriptor is shared, is mapped with whatever access the importer
+//!   sets (`cuMemSetAccess` is the importer's call; this agent maps read-only, a hostile peer
+//!   need not). What the exporter does decide is the extent: a peer can reach every byte of the
+//!   allocations the pool lies in, so a pool that shares an allocation with other tensors
+//!   exposes them too; give the pool allocations of its own (`cuMemAlloc` of exactly the pool,
+//!   or virtual-memory chunks that it fills). Within this process, an offer reads only the
+//!   source agent's pool extents (see [`Registration`]). The sizes a source reports are checked against the
 //!   driver's: an allocation must map here (`cuMemGetAddressRange`) at least as large as
 //!   offered, and a virtual-memory allocation maps only at its real size (`cuMemMap` refuses
 //!   more), so no copy plan reads past what is mapped. The descriptor socket hands descriptors only to a
