@@ -180,6 +180,9 @@ timeout 600 python3 integrations/llama.cpp/tests/bounded_fetch_test.py --server 
 echo "== a fetching server's memory is bounded by its store once llama-server's own prompt cache is off (--cache-ram 0)"
 timeout 600 python3 integrations/llama.cpp/tests/rss_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== requests waiting for their KV take HTTP threads of their own: /health, /metrics, /v1/models and unhinted requests answer meanwhile"
+timeout 600 python3 integrations/llama.cpp/tests/responsive_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== concurrent requests for one new prefix share one fetch (single flight): the source sends the blocks once"
 timeout 600 python3 integrations/llama.cpp/tests/single_flight_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

@@ -323,6 +323,13 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         const block_keys              keys  = keys_of(kv, tokens.data(), n_max * bt);
         const std::vector<uint64_t> & names = keys.names;
 
+        // counted while this request waits for its KV (llamacpp_kv_fetch_waiting)
+        struct waiting_guard {
+            std::atomic<int64_t> & n;
+            bool                   on = false;
+            void                   begin() { n.fetch_add(1); on = true; }
+            ~waiting_guard() { if (on) { n.fetch_sub(1); } }
+        } waiting{ kv.counts.waiting };
         fetch_call         call;
         call.keys = &keys;
         kvrelay_request_info info{};
@@ -334,6 +341,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
             // another request is fetching these blocks: wait for it (as long as this request's own
             // fetch would have waited), then pin what it committed
             kv.counts.count("joined");
+            waiting.begin();
             const auto since = std::chrono::steady_clock::now();
             std::unique_lock<std::mutex> lk(call.joined->mu);
             while (!call.joined->done) {
@@ -361,6 +369,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
         }
         // wait on this request's thread, cancelling when the client goes away or, under --kv-fetch
         // faster, once waiting longer cannot beat prefilling (late)
+        waiting.begin();
         std::optional<kvrelay_fetch_result> r;
         bool                                gone  = false;
         bool                                late  = false;

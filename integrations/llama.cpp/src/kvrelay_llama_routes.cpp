@@ -62,6 +62,10 @@ std::string prometheus() noexcept {
         }
         text += "# TYPE llamacpp_kv_store_blocks gauge\nllamacpp_kv_store_blocks " + std::to_string(c.committed) + "\n";
         text += "# TYPE llamacpp_kv_store_pinned_blocks gauge\nllamacpp_kv_store_pinned_blocks " + std::to_string(c.pinned) + "\n";
+        // requests waiting for their KV now (a fetch of their own, or one they joined): each on an
+        // HTTP thread of its own, which llama-server's pool adds on demand
+        text += "# TYPE llamacpp_kv_fetch_waiting gauge\nllamacpp_kv_fetch_waiting " +
+                std::to_string(kv.counts.waiting.load(std::memory_order_relaxed)) + "\n";
         // what --kv-fetch faster weighs: the measured prefill against the transfer plus llama.cpp's
         // own import of the blocks (a fixed part and a part per block, as the agent fitted them)
         const double imp0 = kv.agent->import_estimate(0), imp1 = kv.agent->import_estimate(1);

@@ -88,6 +88,7 @@ struct kv_counters {
     std::atomic<uint64_t>           export_bytes{ 0 };  // KV cache -> store (llama_kv_range_get)
     std::atomic<uint64_t>           import_bytes{ 0 };  // store -> KV cache (llama_kv_range_set)
     std::atomic<uint64_t>           cells_changed{ 0 };  // on_cells_changed / on_cells_copied calls
+    std::atomic<int64_t>            waiting{ 0 };        // gauge: requests waiting for their KV now
 
     // every outcome's series is there from the start, at zero: this integration's own, then the
     // agent's failure names (KVRELAY_FETCH_CONNECT and on, up to the first it does not name)
