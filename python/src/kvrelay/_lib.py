@@ -13,7 +13,7 @@ import ctypes
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, cast
 
 from . import _bindings as B
 
@@ -44,23 +44,28 @@ for _name, (_res, _params) in B.PROTOTYPES.items():
 
 
 
-def _sized(cls: type) -> type:
+_S = TypeVar("_S", bound=ctypes.Structure)
+
+
+def _sized(cls: type[_S]) -> type[_S]:
     """The header's struct ``cls`` whose first field is ``size``, constructed with it set to
     ``sizeof`` (the 0.4 epoch's rule: the caller declares its struct's size, for outputs
     too); positional arguments are the fields after it."""
 
-    class Sized(cls):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: object, **kw: object) -> None:
-            super().__init__(ctypes.sizeof(cls), *args, **kw)
+    def __init__(self: ctypes.Structure, *args: object, **kw: object) -> None:
+        cls.__init__(self, ctypes.sizeof(cls), *args, **kw)
 
-    Sized.__name__ = Sized.__qualname__ = cls.__name__
-    return Sized
+    # a subclass with the same fields (ctypes takes them from the base) and that constructor
+    return cast("type[_S]", type(cls.__name__, (cls,), {"__init__": __init__}))
 
 
 # the package's short names for the header's types (aliases, not copies; a struct with a size
 # is constructed with it set)
 Str = B.kvrelay_str
 Bytes = B.kvrelay_bytes
+# the header's classes themselves, for annotations (the sized names above are made at import)
+OutcomeType = B.kvrelay_outcome
+FetchResultType = B.kvrelay_fetch_result
 Outcome = _sized(B.kvrelay_outcome)
 Counters = _sized(B.kvrelay_counters)
 AgentFingerprint = _sized(B.kvrelay_agent_fingerprint)

@@ -229,7 +229,7 @@ def find_hint(body: Any) -> tuple[str, memoryview]:
     return _label(HintSpelling, spelling.value), view
 
 
-def _outcome(o: L.Outcome, snap: ctypes.c_void_p) -> Outcome:
+def _outcome(o: L.OutcomeType, snap: ctypes.c_void_p) -> Outcome:
     r = o.reason
     return Outcome(
         _label(OutcomeKind, o.kind),

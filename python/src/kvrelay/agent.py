@@ -68,7 +68,7 @@ class FetchResult:
         return self.failure == "ok"
 
 
-def _result_of(r: L.FetchResult, detail: str = "") -> FetchResult:
+def _result_of(r: L.FetchResultType, detail: str = "") -> FetchResult:
     return FetchResult(_label(FetchFailure, r.failure), r.blocks, r.bytes, r.seconds, r.withheld, detail)
 
 
