@@ -20,18 +20,23 @@ unsafe extern "C" fn pin(_: *mut c_void, _: *const u64, _: usize, _: *mut u32) -
 }
 unsafe extern "C" fn unpin(_: *mut c_void, _: *const u32, _: usize) {}
 
-/// A fetch-only agent over a small host pool (the pool is leaked: the agent is freed by the test).
-fn agent() -> *mut kvrelay_agent {
-    let pool: &'static mut [u64] = Box::leak(vec![0u64; 4 * 1024].into_boxed_slice());
-    let fp = kvrelay_agent_fingerprint {
-        size: size_of::<kvrelay_agent_fingerprint>(),
+/// The fingerprint every agent of these tests has.
+fn fingerprint() -> kvrelay_agent_fingerprint {
+    kvrelay_agent_fingerprint {
         block_tokens: 16,
         layers: 1,
         kv_heads: 1,
         head_dim: 64,
         dtype_bytes: 2,
         naming: 7,
-    };
+        ..Default::default()
+    }
+}
+
+/// A fetch-only agent over a small host pool (the pool is leaked: the agent is freed by the test).
+fn agent() -> *mut kvrelay_agent {
+    let pool: &'static mut [u64] = Box::leak(vec![0u64; 4 * 1024].into_boxed_slice());
+    let fp = fingerprint();
     let (mut cfg, mut layout, mut a) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
     // SAFETY: live out-pointers and inputs; the pool outlives the agent (leaked).
     unsafe {
@@ -58,15 +63,7 @@ fn agent() -> *mut kvrelay_agent {
 
 #[test]
 fn limits_are_set_by_name_and_never_wrap() {
-    let fp = kvrelay_agent_fingerprint {
-        size: size_of::<kvrelay_agent_fingerprint>(),
-        block_tokens: 16,
-        layers: 1,
-        kv_heads: 1,
-        head_dim: 64,
-        dtype_bytes: 2,
-        naming: 7,
-    };
+    let fp = fingerprint();
     let mut cfg = ptr::null_mut();
     let mut v = 0u64;
     let streams = kvrelay_agent_limit::KVRELAY_LIMIT_STREAMS as i32;
@@ -109,15 +106,7 @@ fn limits_are_set_by_name_and_never_wrap() {
 /// preference; anything else refused, naming what is taken.
 #[test]
 fn transports_are_set_by_name_one_or_a_preference() {
-    let fp = kvrelay_agent_fingerprint {
-        size: size_of::<kvrelay_agent_fingerprint>(),
-        block_tokens: 16,
-        layers: 1,
-        kv_heads: 1,
-        head_dim: 64,
-        dtype_bytes: 2,
-        naming: 7,
-    };
+    let fp = fingerprint();
     let mut cfg = ptr::null_mut();
     let set = |cfg: *mut kvrelay_agent_config, t: &str| {
         // SAFETY: a live config; the name readable for its length; no library folder.

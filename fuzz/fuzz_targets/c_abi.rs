@@ -37,7 +37,7 @@ impl<'a> Input<'a> {
 }
 
 fn outcome() -> kvrelay_outcome {
-    kvrelay_outcome { size: std::mem::size_of::<kvrelay_outcome>(), kind: -1, reason: -1, detail: [0; KVRELAY_DETAIL_CAPACITY] }
+    kvrelay_outcome { kind: -1, reason: -1, ..Default::default() }
 }
 
 /// A size-query call: `(NULL, 0)` first, then a buffer of `cap` bytes filled with a marker;
@@ -171,17 +171,7 @@ fuzz_target!(|data: &[u8]| {
                     if !s.is_null() {
                         let mut n = 0usize;
                         kvrelay_snapshot_action_count(s, &mut n);
-                        let e = kvrelay_str { ptr: ptr::null(), len: 0 };
-                        let b = kvrelay_bytes { ptr: ptr::null(), len: 0 };
-                        let mut a = kvrelay_action {
-                            size: std::mem::size_of::<kvrelay_action>(),
-                            index: 0,
-                            id: e,
-                            action_type: e,
-                            version: e,
-                            payload: b,
-                            canonical: b,
-                        };
+                        let mut a = kvrelay_action::default();
                         let st = kvrelay_snapshot_action(s, i, &mut a);
                         assert_eq!(st, if i < n { KVRELAY_OK } else { KVRELAY_ERR_OUT_OF_RANGE });
                         let cap = inp.small() * 4;
@@ -220,11 +210,7 @@ fuzz_target!(|data: &[u8]| {
                     let cap = inp.small() % 4;
                     let mut out = vec![kvrelay_candidate { action_index: usize::MAX, families: 0 }; cap];
                     let mut n = usize::MAX;
-                    let mut counts = kvrelay_candidate_counts {
-                        size: std::mem::size_of::<kvrelay_candidate_counts>(),
-                        unknown_type: 0,
-                        no_matching_version: 0,
-                    };
+                    let mut counts = kvrelay_candidate_counts::default();
                     let st = kvrelay_collect_candidates(s, caps, out.as_mut_ptr(), cap, &mut n, &mut counts);
                     if s.is_null() {
                         assert_eq!(st, KVRELAY_ERR_NULL);
@@ -233,14 +219,7 @@ fuzz_target!(|data: &[u8]| {
                     }
                 }
                 _ => {
-                    let mut c = kvrelay_counters {
-                        size: std::mem::size_of::<kvrelay_counters>(),
-                        admitted: 0,
-                        untrusted: 0,
-                        unknown_version: 0,
-                        oversized: 0,
-                        malformed: 0,
-                    };
+                    let mut c = kvrelay_counters::default();
                     assert_eq!(kvrelay_admission_counters(adm, &mut c), KVRELAY_OK);
                     query(inp.small() * 16, |b, cap, l| kvrelay_admission_prometheus(adm, b.cast(), cap, l));
                 }

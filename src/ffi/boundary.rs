@@ -289,13 +289,23 @@ pub(crate) unsafe fn read_sized<T: SizedStruct>(p: *const T) -> Result<SizedCopy
 pub(crate) const MAX_SIZED: usize = 4096;
 
 /// Implement [`SizedStruct`] for structs whose first version is the one of this ABI epoch
-/// (0.4.0): their first size is their size here until a field is appended.
+/// (0.4.0): their first size is their size here until a field is appended. Each also gets a
+/// `Default`: all zeros with `size` set to this library's, what a Rust caller passes as an
+/// output to fill (or starts an input from).
 macro_rules! sized_since_epoch {
     ($($t:ty),* $(,)?) => {$(
         // SAFETY: `#[repr(C)]` with `size: usize` first; all-zero bytes are a valid value
         // (integers, NULL pointers, `None` callbacks, `false`).
         unsafe impl $crate::ffi::boundary::SizedStruct for $t {
             const FIRST_SIZE: usize = std::mem::size_of::<$t>();
+        }
+        impl Default for $t {
+            fn default() -> Self {
+                // SAFETY: all-zero bytes are a valid value of this struct (the impl above).
+                let mut v: $t = unsafe { std::mem::zeroed() };
+                v.size = std::mem::size_of::<$t>();
+                v
+            }
         }
     )*};
 }

@@ -149,14 +149,7 @@ impl Admission {
 
     /// A copy of the edge's counters.
     pub fn counters(&self) -> kvrelay_counters {
-        let mut c = kvrelay_counters {
-            size: size_of::<kvrelay_counters>(),
-            admitted: 0,
-            untrusted: 0,
-            unknown_version: 0,
-            oversized: 0,
-            malformed: 0,
-        };
+        let mut c = kvrelay_counters::default();
         // SAFETY: the edge is live; `c` is writable.
         let _ = unsafe { kvrelay_admission_counters(self.0.as_ptr(), &mut c) };
         c
@@ -171,7 +164,7 @@ impl Drop for Admission {
 }
 
 fn empty_outcome() -> kvrelay_outcome {
-    kvrelay_outcome { size: size_of::<kvrelay_outcome>(), kind: 0, reason: 0, detail: [0; KVRELAY_DETAIL_CAPACITY] }
+    kvrelay_outcome::default()
 }
 
 /// A reference to an admitted snapshot: `Clone` retains, `Drop` releases. Its `Debug` never
@@ -246,17 +239,7 @@ impl Snapshot {
 
     /// Action `i`, or `None` past the end.
     pub fn action(&self, i: usize) -> Option<ActionView<'_>> {
-        let e = kvrelay_str { ptr: ptr::null(), len: 0 };
-        let b = kvrelay_bytes { ptr: ptr::null(), len: 0 };
-        let mut a = kvrelay_action {
-            size: size_of::<kvrelay_action>(),
-            index: 0,
-            id: e,
-            action_type: e,
-            version: e,
-            payload: b,
-            canonical: b,
-        };
+        let mut a = kvrelay_action::default();
         // SAFETY: live handle; `a` writable.
         if unsafe { kvrelay_snapshot_action(self.0.as_ptr(), i, &mut a) } != kvrelay_status::KVRELAY_OK {
             return None;

@@ -155,17 +155,7 @@ impl PendingFetch {
             Ok(r) => r,
             // the callback always runs before destroy drops the sender: a dropped sender
             // means the agent is gone
-            Err(_) => (
-                kvrelay_fetch_result {
-                    size: size_of::<kvrelay_fetch_result>(),
-                    failure: 10,
-                    blocks: 0,
-                    bytes: 0,
-                    seconds: 0.0,
-                    withheld: 0,
-                },
-                "the agent went away".into(),
-            ),
+            Err(_) => (kvrelay_fetch_result { failure: 10, ..Default::default() }, "the agent went away".into()),
         }
     }
 }

@@ -237,18 +237,9 @@ impl Orchestrator {
     }
 
     fn decide_with(&self, lora_adapter: bool, snapshot: Option<&Snapshot>, context: *mut c_void) -> Decision {
-        let info =
-            kvrelay_request_info { size: size_of::<kvrelay_request_info>(), generation_only: true, lora_adapter };
+        let info = kvrelay_request_info { generation_only: true, lora_adapter, ..Default::default() };
         let snap = snapshot.map_or(ptr::null(), |s| s.0.as_ptr().cast_const());
-        let e = kvrelay_str { ptr: ptr::null(), len: 0 };
-        let mut d = kvrelay_decision {
-            size: size_of::<kvrelay_decision>(),
-            kind: 0,
-            discard: 0,
-            binding_id: e,
-            action_index: 0,
-            provider_code: 0,
-        };
+        let mut d = kvrelay_decision::default();
         // SAFETY: the orchestrator is live; `info` readable; `snap` NULL or live (held by the
         // caller for the call); `d` writable; `context` is handed to the provider only.
         let st = unsafe { kvrelay_orchestrate_with_context(self.orch.as_ptr(), &info, snap, context, &mut d) };
