@@ -26,37 +26,20 @@ reference. Checks:
 Exit status 0 when every check passed.
 """
 import os
-import socket
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text, wait_for  # noqa: E402
+from two_instance_test import FrozenSource, BT, answer, complete, envelope, fetch_outcomes, metrics, text, wait_for  # noqa: E402
 
 N = 20
 
 
 def body(a, start):
-    frozen = socket.socket()
-    frozen.bind(("127.0.0.1", 0))
-    frozen.listen(64)
-    ep = "tcp://127.0.0.1:%d" % frozen.getsockname()[1]
-    held = []
-    stop = threading.Event()
-
-    def accept_and_hold():
-        # bounded: at most 2 * N connections are accepted and held open, never answered
-        frozen.settimeout(0.5)
-        while not stop.is_set() and len(held) < 2 * N:
-            try:
-                held.append(frozen.accept()[0])
-            except OSError:
-                pass
-
-    acceptor = threading.Thread(target=accept_and_hold, daemon=True)
-    acceptor.start()
+    # bounded: at most 2 * N connections are accepted and held open, never answered
+    frozen = FrozenSource(2 * N)
+    ep = frozen.endpoint
     try:
         B = start("B", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep])
         C = start("C", [])
@@ -139,10 +122,6 @@ def body(a, start):
         check(answer(complete(E, q)) == answer(complete(C, q, {"cache_prompt": False})),
               "5. E then answers the prompt as the cold server")
     finally:
-        stop.set()
-        acceptor.join()
-        for c in held:
-            c.close()
         frozen.close()
 
 

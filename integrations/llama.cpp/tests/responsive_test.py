@@ -17,35 +17,20 @@ Every wait is on a condition (the gauge, the requests' own completion), never on
 Exit status 0 when every check passed.
 """
 import os
-import socket
 import sys
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import answer, complete, completion_body, envelope, metrics, text, wait_for  # noqa: E402
+from two_instance_test import FrozenSource, answer, complete, completion_body, envelope, metrics, text, wait_for  # noqa: E402
 
 W = 12  # more than the fixed threads of the default pool on CI (2 cores, -np 1: 5)
 
 
 def body(a, start):
-    frozen = socket.socket()
-    frozen.bind(("127.0.0.1", 0))
-    frozen.listen(64)
-    ep = "tcp://127.0.0.1:%d" % frozen.getsockname()[1]
-    held, stop = [], threading.Event()
-
-    def accept_and_hold():
-        # bounded: at most 4 * W connections are accepted and held open, never answered
-        frozen.settimeout(0.5)
-        while not stop.is_set() and len(held) < 4 * W:
-            try:
-                held.append(frozen.accept()[0])
-            except OSError:
-                pass
-
-    acceptor = threading.Thread(target=accept_and_hold, daemon=True)
-    acceptor.start()
+    # bounded: at most 4 * W connections are accepted and held open, never answered
+    frozen = FrozenSource(4 * W)
+    ep = frozen.endpoint
     try:
         B = start("B", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep, "--kv-fetch", "always"])
         C = start("C", [])
@@ -90,10 +75,6 @@ def body(a, start):
                                                             m.get('llamacpp_kv_fetch_total{outcome="timeout"}'),
                                                             m.get('llamacpp_kv_fetch_total{outcome="joined"}')))
     finally:
-        stop.set()
-        acceptor.join()
-        for c in held:
-            c.close()
         frozen.close()
 
 

@@ -67,6 +67,35 @@ def envelope(endpoint, hashes, mid):
         "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]}
 
 
+class FrozenSource:
+    """A source that accepts and never answers: a loopback listener whose connections are held
+    open, never read from nor written to, until `close()`. Bounded: at most `limit` are accepted."""
+
+    def __init__(self, limit):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.endpoint = "tcp://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.limit, self.held, self.stop = limit, [], threading.Event()
+        self.thread = threading.Thread(target=self.accept_and_hold, daemon=True)
+        self.thread.start()
+
+    def accept_and_hold(self):
+        self.sock.settimeout(0.5)
+        while not self.stop.is_set() and len(self.held) < self.limit:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        for c in self.held:
+            c.close()
+        self.sock.close()
+
+
 class CuttingRelay:
     """A TCP relay to `target` on loopback that cuts both sides once `limit` bytes went from the
     target to the client: the source dying mid-transfer, as the client sees it."""
