@@ -120,7 +120,7 @@ pub fn check_offer_plans(layout: &KvLayout, payload: &[u8], asked: usize, dst: &
     check_plans(layout, &offer, &ranges, &mapped, &dst[..offer.blocks.len()], &|at, len| huge || inside(at, len));
     // this process (as the offer may claim): once every range lies inside one agent's exports,
     // the plans read that agent's pool extents at their own addresses, and no byte past them
-    if super::inside_exports(&ranges, &SAME_PROCESS_EXPORTS) {
+    if super::registry::inside_exports(&ranges, &SAME_PROCESS_EXPORTS) {
         let pools: Vec<(u64, u64)> = SAME_PROCESS_EXPORTS.iter().map(|&(b, n)| (b + n / 4, n / 2)).collect();
         let own: Vec<u64> = pools.iter().map(|r| r.0).collect();
         let in_pool = |at: u64, len: u64| {
@@ -253,12 +253,12 @@ mod tests {
         };
         let inside = SAME_PROCESS_EXPORTS[1].0 + 4096;
         let e = decode_exports(&at(inside).metadata).unwrap();
-        assert!(super::super::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS));
+        assert!(super::super::registry::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS));
         check_offer_plans(&l, &wire::encode_in_place_offer(&at(inside)), 2, &[0, 1]);
         // the runtime's own memory elsewhere (or a wild address): not this process's export
         for wild in [0x10000u64, SAME_PROCESS_EXPORTS[1].0 + (1 << 30) - 512, 0xdead_0000] {
             let e = decode_exports(&at(wild).metadata).unwrap();
-            assert!(!super::super::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS), "{wild:#x}");
+            assert!(!super::super::registry::inside_exports(&e.ranges(), &SAME_PROCESS_EXPORTS), "{wild:#x}");
             check_offer_plans(&l, &wire::encode_in_place_offer(&at(wild)), 2, &[0, 1]);
         }
     }
