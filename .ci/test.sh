@@ -189,6 +189,9 @@ timeout 600 python3 integrations/llama.cpp/tests/single_flight_test.py --server 
 echo "== a slot exports only KV a cold prefill gives: the prompt cache, --cache-reuse and slot restore change cells, a server that fetches them answers as a cold one"
 timeout 600 python3 integrations/llama.cpp/tests/exactness_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1
+echo "== the device store (KV on a GPU: blocks move device to device): skips here without a GPU, saying why"
+timeout 300 python3 integrations/llama.cpp/tests/device_store_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
+  --model "$KVRELAY_MODEL_FILE" --threads 1
 echo "== a block name that collides never brings other tokens' KV into a slot, on one server and across two (the test build's forced collisions)"
 timeout 600 python3 integrations/llama.cpp/tests/collision_test.py --server "$root/target/llama-server/bin/llama-server-kvrelay" \
   --model "$KVRELAY_MODEL_FILE" --threads 1

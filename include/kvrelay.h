@@ -486,6 +486,11 @@ typedef struct kvrelay_capabilities_builder kvrelay_capabilities_builder;
 // The CPU reference engine over host memory. Owned: `_free`.
 typedef struct kvrelay_cpu_engine kvrelay_cpu_engine;
 
+// Checked strided device-to-device copies on one device, on a stream of its own: for a runtime
+// whose KV cache is not in a kvrelay layout (llama.cpp's tensors per layer) to move KV between
+// its cache and a device pool. Owned: `_free`. Not thread-safe: one copier per thread.
+typedef struct kvrelay_cuda_copier kvrelay_cuda_copier;
+
 // The CUDA engine over a device KV pool. Owned: `_free`. Not thread-safe: one engine per
 // thread or stream that copies concurrently.
 typedef struct kvrelay_cuda_engine kvrelay_cuda_engine;
@@ -1767,6 +1772,48 @@ kvrelay_status kvrelay_cuda_scatter(struct kvrelay_cuda_engine *engine,
 // # Safety
 // `engine` NULL or live.
 void kvrelay_cuda_engine_free(struct kvrelay_cuda_engine *engine);
+
+// A copier of device-to-device copies on `device` (one stream of its own, created here).
+// `KVRELAY_ERR_NO_CUDA_DRIVER` / `KVRELAY_ERR_NO_CUDA_DEVICE` where there is none.
+//
+// # Safety
+// `out` NULL or writable.
+kvrelay_status kvrelay_cuda_copier_new(int32_t device, struct kvrelay_cuda_copier **out);
+
+// Enqueue a copy of `height` rows of `width` bytes from device address `src` (rows
+// `src_pitch` apart) to device address `dst` (rows `dst_pitch` apart), after the copies
+// enqueued before it. Nothing for a `width` or `height` of 0. Checked before anything is
+// enqueued (`KVRELAY_ERR_OUT_OF_RANGE`, nothing enqueued): both ends device memory of the
+// copier's device, each whole strided extent inside the one allocation that holds its first
+// byte, a pitch not below `width` (for more than one row). Host cost: one driver call, plus two
+// lookups the first time an allocation is seen after a `finish`. Nothing the copy reads or
+// writes may be used by anything else until `kvrelay_cuda_copier_finish` returns; work the
+// runtime enqueued on its own streams is not waited for (synchronize it first).
+//
+// # Safety
+// `copier` NULL or live. The addresses are only looked up by the driver, never dereferenced
+// on the host.
+kvrelay_status kvrelay_cuda_copy_2d(struct kvrelay_cuda_copier *copier,
+                                    uint64_t dst,
+                                    size_t dst_pitch,
+                                    uint64_t src,
+                                    size_t src_pitch,
+                                    size_t width,
+                                    size_t height);
+
+// Wait for every copy enqueued since the last finish. `*bytes_out` (may be NULL) gets the
+// bytes they moved. A failed copy is this call's `KVRELAY_ERR_CUDA` (the bytes are then
+// unspecified).
+//
+// # Safety
+// `copier` NULL or live; `bytes_out` NULL or writable.
+kvrelay_status kvrelay_cuda_copier_finish(struct kvrelay_cuda_copier *copier, uint64_t *bytes_out);
+
+// Free a copier, after waiting for its copies. NULL does nothing.
+//
+// # Safety
+// `copier` NULL or live.
+void kvrelay_cuda_copier_free(struct kvrelay_cuda_copier *copier);
 
 // The KV block checksum of `bytes` (the Rust `kvrelay::checksum::kv_checksum`: what the agent
 // records and verifies; it catches any change within one word and, but for a 2^-64 chance,

@@ -11,6 +11,9 @@
 #   bash benches/llama_server/h200.sh [UBATCH...]      # default: 32 (the bit-exact setting)
 #   bash benches/llama_server/h200.sh --build-only     # the server and the model, no bench
 #   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
+#   bash benches/llama_server/h200.sh --device         # device_store_test.py (CUDA IPC, TCP), flash attention off and on
+#   FA=on SIZES=1024,4096 bash benches/llama_server/h200.sh --device-bench   # ttft.py: device store over CUDA IPC,
+#                                                      # over TCP, and the host store (VARIANTS="cuda-ipc tcp host")
 #   bash benches/llama_server/h200.sh --range          # range_api_test (-ngl 99), range_kv_test (fa off, on)
 #   FA=on SIZES=1024,4096,16384 bash benches/llama_server/h200.sh 32   # ttft.py with -fa on, those sizes
 #   MODEL_ARGS="--layers 32 --embd 4096 --heads 32 --heads-kv 8 --ff 14336" MODEL_NAME=random-8b ...  # the 8B shape
@@ -58,6 +61,42 @@ if [ "${1:-}" = "--range" ]; then
   done
   grep -E "^FAIL|all checks passed|failed" "$out/range-kv.log" || true
   exit $rc
+fi
+if [ "${1:-}" = "--device" ]; then
+  # the device store: blocks between the KV cache and a pool on the GPU, and between servers over
+  # CUDA IPC and TCP (pinned staging), flash attention off and on
+  rc=0
+  for fa in off on; do
+    echo "## --flash-attn $fa" >>"$out/device-store.log"
+    KVRELAY_REQUIRE_GPU=1 python3 integrations/llama.cpp/tests/device_store_test.py --server "$w/build/bin/llama-server" \
+      --model "$model" --threads 4 --flash-attn "$fa" --transports "${TRANSPORTS:-cuda-ipc,tcp}" \
+      --server-args "-c 4096" --log-dir "$w/device-logs-$fa" >>"$out/device-store.log" 2>&1 || rc=1
+  done
+  grep -E "^## |^FAIL|all checks passed|check\(s\) failed|SKIP" "$out/device-store.log" || true
+  if [ $rc -ne 0 ]; then
+    for f in "$w"/device-logs-*/B-*.log "$w"/device-logs-*/A.log; do
+      echo "== $f"; grep -iE "kvrelay|error|warn" "$f" | tail -15
+    done
+  fi
+  exit $rc
+fi
+if [ "${1:-}" = "--device-bench" ]; then
+  # ttft.py once per store and transport, each run with its own cold anchor: the device store over
+  # CUDA IPC, the device store over TCP (pinned staging), and the pinned host store (the path
+  # before the device store)
+  for v in ${VARIANTS:-cuda-ipc tcp host}; do
+    case "$v" in
+      host) args="--kv-store host" ;;
+      *) args="--kv-transport $v" ;;
+    esac
+    f="$out/ttft-${MODEL_NAME:-random-1b}-fa${FA:-on}-$v.log"
+    echo "# benches/llama_server/ttft.py, $(nvidia-smi --query-gpu=name --format=csv,noheader) (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), ${MODEL_NAME:-random-1b}, -fa ${FA:-on}, store/transport: $v ($args)" >"$f"
+    python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
+      --sizes "${SIZES:-1024,4096}" --rounds "${ROUNDS:-4}" --flash-attn "${FA:-on}" \
+      --server-args "-ngl 99 --kv-pool-mib ${POOL_MIB:-4096} $args" >>"$f" 2>&1 || echo "ttft.py failed ($v)" >>"$f"
+    grep -E "^\| [0-9]|failed|Error" "$f" | sed "s/^/$v: /"
+  done
+  exit 0
 fi
 if [ "${1:-}" = "--two-instance" ]; then
   rc=0

@@ -111,6 +111,28 @@ class CudaEngine {
   detail::Handle<kvrelay_cuda_engine, kvrelay_cuda_engine_free> h_;
 };
 
+/// Checked strided device-to-device copies on one device, on a stream of its own (for a cache
+/// that is not a kvrelay layout: llama.cpp's K and V tensors). Not thread-safe.
+class CudaCopier {
+ public:
+  explicit CudaCopier(int device) { check(kvrelay_cuda_copier_new(device, h_.out())); }
+  /// Enqueue `height` rows of `width` bytes, `src_pitch` apart at `src`, to `dst` (`dst_pitch`).
+  void copy_2d(uint64_t dst, std::size_t dst_pitch, uint64_t src, std::size_t src_pitch, std::size_t width,
+               std::size_t height) {
+    check(kvrelay_cuda_copy_2d(h_.get(), dst, dst_pitch, src, src_pitch, width, height));
+  }
+  /// Wait for the copies enqueued since the last finish; the bytes they moved.
+  uint64_t finish() {
+    uint64_t bytes = 0;
+    check(kvrelay_cuda_copier_finish(h_.get(), &bytes));
+    return bytes;
+  }
+  kvrelay_cuda_copier *get() const { return h_.get(); }
+
+ private:
+  detail::Handle<kvrelay_cuda_copier, kvrelay_cuda_copier_free> h_;
+};
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_KVRELAY_COPY_HPP

@@ -6,6 +6,8 @@
 //!   (TensorRT-LLM); staging is block-major.
 //! - [`CudaEngine`]: `gather` (pool -> staging) and `scatter` (staging -> pool) enqueued on the
 //!   caller's CUDA stream, by a zero-copy kernel, `cuMemcpyBatchAsync` or one memcpy per chunk.
+//! - [`DeviceCopier`]: checked strided device-to-device copies between a runtime's own KV tensors
+//!   and a device pool (llama.cpp's cache), on a stream of its own.
 //! - [`CpuEngine`]: the same API and chunk plan over host memory: the reference the GPU engine is
 //!   tested against, and what runs where there is no GPU.
 //!
@@ -21,9 +23,9 @@ use std::fmt;
 
 pub use cpu::CpuEngine;
 pub use cuda::{
-    driver_present, CopyMethod, CudaDevice, CudaEngine, CudaEvent, CudaStream, DeviceBuffer, EngineOptions,
-    IdTransport, IpcExport, PinnedBuffer, VmmBuffer, VmmChunk, VmmHandle, COPY_SUM_IDS, DEFAULT_CTAS, DEFAULT_THREADS,
-    IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH,
+    driver_present, CopyMethod, CudaDevice, CudaEngine, CudaEvent, CudaStream, DeviceBuffer, DeviceCopier,
+    EngineOptions, IdTransport, IpcExport, PinnedBuffer, VmmBuffer, VmmChunk, VmmHandle, COPY_SUM_IDS, DEFAULT_CTAS,
+    DEFAULT_THREADS, IDS_PER_LAUNCH, RING_IDS_PER_LAUNCH,
 };
 pub use layout::{KvLayout, LayoutError, Segment, MAX_SEGMENTS};
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use super::boundary::{free_box, guard, input, input_mut, input_sized, out_ptr, put, with_detail};
 use super::status::kvrelay_status::{self, *};
 use crate::copy::{
-    CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, EngineOptions, IdTransport, KvLayout, PinnedBuffer,
-    Segment,
+    CopyError, CopyMethod, CpuEngine, CudaDevice, CudaEngine, DeviceCopier, EngineOptions, IdTransport, KvLayout,
+    PinnedBuffer, Segment,
 };
 
 /// A validated KV pool layout. Owned: `_free`.
@@ -25,6 +25,13 @@ pub struct kvrelay_cpu_engine {
 /// thread or stream that copies concurrently.
 pub struct kvrelay_cuda_engine {
     inner: CudaEngine,
+}
+
+/// Checked strided device-to-device copies on one device, on a stream of its own: for a runtime
+/// whose KV cache is not in a kvrelay layout (llama.cpp's tensors per layer) to move KV between
+/// its cache and a device pool. Owned: `_free`. Not thread-safe: one copier per thread.
+pub struct kvrelay_cuda_copier {
+    inner: DeviceCopier,
 }
 
 /// Page-locked, device-mapped host memory. Owned: `_free` (frees or unregisters it once).
@@ -513,6 +520,90 @@ pub unsafe extern "C" fn kvrelay_cuda_scatter(
 pub unsafe extern "C" fn kvrelay_cuda_engine_free(engine: *mut kvrelay_cuda_engine) {
     // SAFETY: forwarded contract.
     unsafe { free_box(engine) }
+}
+
+/// A copier of device-to-device copies on `device` (one stream of its own, created here).
+/// `KVRELAY_ERR_NO_CUDA_DRIVER` / `KVRELAY_ERR_NO_CUDA_DEVICE` where there is none.
+///
+/// # Safety
+/// `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_cuda_copier_new(device: i32, out: *mut *mut kvrelay_cuda_copier) -> kvrelay_status {
+    guard(|| {
+        let out = out_ptr(out)?;
+        let d = CudaDevice::open(device).map_err(status_of)?;
+        let inner = DeviceCopier::new(&d).map_err(status_of)?;
+        // SAFETY: checked non-NULL; writable.
+        unsafe { put(out, Box::into_raw(Box::new(kvrelay_cuda_copier { inner }))) };
+        Ok(())
+    })
+}
+
+/// Enqueue a copy of `height` rows of `width` bytes from device address `src` (rows
+/// `src_pitch` apart) to device address `dst` (rows `dst_pitch` apart), after the copies
+/// enqueued before it. Nothing for a `width` or `height` of 0. Checked before anything is
+/// enqueued (`KVRELAY_ERR_OUT_OF_RANGE`, nothing enqueued): both ends device memory of the
+/// copier's device, each whole strided extent inside the one allocation that holds its first
+/// byte, a pitch not below `width` (for more than one row). Host cost: one driver call, plus two
+/// lookups the first time an allocation is seen after a `finish`. Nothing the copy reads or
+/// writes may be used by anything else until `kvrelay_cuda_copier_finish` returns; work the
+/// runtime enqueued on its own streams is not waited for (synchronize it first).
+///
+/// # Safety
+/// `copier` NULL or live. The addresses are only looked up by the driver, never dereferenced
+/// on the host.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_cuda_copy_2d(
+    copier: *mut kvrelay_cuda_copier,
+    dst: u64,
+    dst_pitch: usize,
+    src: u64,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(copier) }?;
+        c.inner.copy_2d(dst, dst_pitch, src, src_pitch, width, height).map_err(status_of)
+    })
+}
+
+/// Wait for every copy enqueued since the last finish. `*bytes_out` (may be NULL) gets the
+/// bytes they moved. A failed copy is this call's `KVRELAY_ERR_CUDA` (the bytes are then
+/// unspecified).
+///
+/// # Safety
+/// `copier` NULL or live; `bytes_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_cuda_copier_finish(
+    copier: *mut kvrelay_cuda_copier,
+    bytes_out: *mut u64,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(copier) }?;
+        let bytes = c.inner.finish().map_err(status_of)?;
+        if !bytes_out.is_null() {
+            // SAFETY: non-NULL and writable per the contract.
+            unsafe { put(bytes_out, bytes) };
+        }
+        Ok(())
+    })
+}
+
+/// Free a copier, after waiting for its copies. NULL does nothing.
+///
+/// # Safety
+/// `copier` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_cuda_copier_free(copier: *mut kvrelay_cuda_copier) {
+    // SAFETY: forwarded contract.
+    if let Some(c) = unsafe { copier.as_mut() } {
+        let _ = c.inner.finish();
+    }
+    // SAFETY: forwarded contract.
+    unsafe { free_box(copier) }
 }
 
 /// The validated layout behind a handle (for the agent's entry points).

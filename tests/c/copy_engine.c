@@ -245,7 +245,15 @@ int main(void) {
     kvrelay_pinned *p = NULL;
     EXPECT(kvrelay_pinned_alloc(0, 4096, &p) == st && p == NULL);
     EXPECT(kvrelay_cuda_available(-1) != KVRELAY_OK);
+    kvrelay_cuda_copier *c = NULL;
+    EXPECT(kvrelay_cuda_copier_new(0, &c) == st && c == NULL);
   }
+  /* the device copier checks its handle before anything else */
+  EXPECT(kvrelay_cuda_copy_2d(NULL, 0x1000, 64, 0x2000, 64, 64, 2) == KVRELAY_ERR_NULL);
+  uint64_t copied = 7;
+  EXPECT(kvrelay_cuda_copier_finish(NULL, &copied) == KVRELAY_ERR_NULL && copied == 7);
+  EXPECT(kvrelay_cuda_copier_new(0, NULL) == KVRELAY_ERR_NULL);
+  kvrelay_cuda_copier_free(NULL);
   const char *require = getenv("KVRELAY_REQUIRE_GPU");
   if (st == KVRELAY_OK) {
     check_cuda(mem, BLOCKS * 2 * LAYERS * KV);

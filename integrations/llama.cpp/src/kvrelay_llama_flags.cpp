@@ -43,6 +43,12 @@ void print_usage() {
            "                                        (repeatable; default: loopback) (env: LLAMA_ARG_KV_ALLOW_PEERS, comma-separated)\n");
     printf("--kv-pool-mib N                         host memory of the KV block store (default: 1024)\n"
            "                                        (env: LLAMA_ARG_KV_POOL_MIB)\n");
+    printf("--kv-store device|host                  where the block store lives when llama.cpp's KV cache is on a CUDA device:\n"
+           "                                        a pool on that device, blocks moved device to device (default), or\n"
+           "                                        pinned host memory (env: LLAMA_ARG_KV_STORE)\n");
+    printf("--kv-transport NAME                     how blocks move between servers: tcp, cuda-ipc, nixl, cuda-ipc,nixl\n"
+           "                                        (default: cuda-ipc for a device store, then TCP; tcp for a host store)\n"
+           "                                        (env: LLAMA_ARG_KV_TRANSPORT)\n");
     printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
     printf("--kv-load-failure-policy recompute|fail when a hinted fetch fails: prefill as a cold request (default), or answer\n"
@@ -141,6 +147,14 @@ bool consume_args(int & argc, char ** argv) {
             return false;
         }
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_STORE"); env != nullptr && *env != '\0') {
+        if (!parse_either(env, "LLAMA_ARG_KV_STORE", "device", "host", s.store_host)) {
+            return false;
+        }
+    }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_TRANSPORT"); env != nullptr) {
+        s.transport = env;
+    }
     if (const char * env = std::getenv("LLAMA_ARG_KV_FETCH"); env != nullptr && *env != '\0') {
         if (!parse_either(env, "LLAMA_ARG_KV_FETCH", "faster", "always", s.fetch_always)) {
             return false;
@@ -178,7 +192,7 @@ bool consume_args(int & argc, char ** argv) {
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
                                                "--kv-pool-mib", "--kv-fetch", "--kv-events",
                                                "--kv-load-failure-policy", "--kv-key-file", "--kv-model-id",
-                                               "--kv-events-key-file" };
+                                               "--kv-events-key-file", "--kv-store", "--kv-transport" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -215,6 +229,12 @@ bool consume_args(int & argc, char ** argv) {
                 if (!parse_pool_mib(value, "--kv-pool-mib", s.pool_mib)) {
                     return false;
                 }
+            } else if (arg == "--kv-store") {
+                if (!parse_either(value, "--kv-store", "device", "host", s.store_host)) {
+                    return false;
+                }
+            } else if (arg == "--kv-transport") {
+                s.transport = value;
             } else if (arg == "--kv-load-failure-policy") {
                 if (!parse_either(value, "--kv-load-failure-policy", "recompute", "fail", s.fail_on_load)) {
                     return false;

@@ -35,6 +35,12 @@ std::string prometheus() noexcept {
             for (const auto & [outcome, n] : kv.counts.fetch) {
                 text += "llamacpp_kv_fetch_total{outcome=\"" + outcome + "\"} " + std::to_string(n) + "\n";
             }
+            // the bytes of verified fetched blocks, by the transport this server's agent fetches
+            // with (a fetch that fell back to TCP counts under it too, and in
+            // kvrelay_agent_transport_fallbacks_total)
+            text += "# TYPE llamacpp_kv_fetch_bytes_total counter\n";
+            text += "llamacpp_kv_fetch_bytes_total{transport=\"" + kv.transport + "\"} " +
+                    std::to_string(kv.counts.fetch_bytes[kv.transport]) + "\n";
         }
         const block_store::counts c = kv.store->read_counts();
         const std::pair<const char *, uint64_t> plain[] = {
@@ -49,6 +55,8 @@ std::string prometheus() noexcept {
             { "export_bytes_total", kv.counts.export_bytes.load() },
             { "import_bytes_total", kv.counts.import_bytes.load() },
             { "slot_cells_changed_total", kv.counts.cells_changed.load() },
+            // a device store: nanoseconds of those moves, their device copies complete
+            { "device_copy_nanoseconds_total", kv.counts.device_copy_ns.load() },
             { "store_evicted_total", c.evicted },
             { "store_misuse_unpin_unheld_total", c.unpin_unheld },
             { "store_misuse_commit_not_reserved_total", c.commit_not_reserved },
@@ -104,9 +112,12 @@ json kv_info(const std::string & model_name) {
         { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
         { "kv_key_required",  KV != nullptr && !s.key_file.empty() },
         // how blocks move between llama.cpp's KV cache and the store: only the positions asked
-        // for (libllama's position-range KV API), into host memory
+        // for (libllama's position-range KV API), into the store's memory (store_memory)
         { "kv_path",          KV != nullptr ? "position_range" : "off" },
         { "store_memory",     KV != nullptr ? KV->store_memory : std::string() },
+        // the CUDA device of a device store (-1: host memory), and how blocks move between servers
+        { "store_device",     KV != nullptr ? KV->device : -1 },
+        { "kv_transport",     KV != nullptr ? KV->transport : std::string() },
     };
     if (KV != nullptr && KV->events) {
         const kvrelay::KvEvents &     ev = *KV->events;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,6 +41,51 @@ const char * range_status(int32_t st) {
         case LLAMA_KV_RANGE_FAILED:      return "the backend failed";
         default:                         return "an unknown status";
     }
+}
+
+// The copy libllama asks for on a device store (llama_kv_range_copy_fn): one checked strided
+// device-to-device copy on the runtime's copier, enqueued; kv_range_move completes them.
+bool device_copy(void * user_data, void * dst, size_t dst_pitch, const void * src, size_t src_pitch, size_t width,
+                 size_t height) {
+    try {
+        static_cast<kvrelay::CudaCopier *>(user_data)->copy_2d(uint64_t(uintptr_t(dst)), dst_pitch,
+                                                               uint64_t(uintptr_t(src)), src_pitch, width, height);
+        return true;
+    } catch (const std::exception & e) {
+        SRV_WRN("kvrelay: a device copy of the KV was refused: %s\n", e.what());
+        return false;
+    }
+}
+
+// Move positions [p0, p1) of seq_id between llama.cpp's KV cache and the store's blocks at
+// `block` (get: cache -> store, set: store -> cache): llama_kv_range_get / _set for a host
+// store, the _with forms and the copier for a device store, whose copies are complete when this
+// returns (a set whose copies failed is removed again: the slot never keeps unwritten cells).
+int32_t kv_range_move(kv_runtime & kv, llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1,
+                      uint8_t * block, size_t size, bool set) {
+    const uint32_t  bt = uint32_t(S().block_tokens);
+    const uint8_t * d  = kv.schema.desc.data();
+    const size_t    dn = kv.schema.desc.size();
+    if (!kv.copier) {
+        return set ? llama_kv_range_set(ctx, seq_id, p0, p1, bt, d, dn, block, size)
+                   : llama_kv_range_get(ctx, seq_id, p0, p1, bt, d, dn, block, size);
+    }
+    std::lock_guard<std::mutex> g(kv.copier_mu);
+    const auto                  t0 = std::chrono::steady_clock::now();
+    int32_t st = set ? llama_kv_range_set_with(ctx, seq_id, p0, p1, bt, d, dn, block, size, device_copy, kv.copier.get())
+                     : llama_kv_range_get_with(ctx, seq_id, p0, p1, bt, d, dn, block, size, device_copy, kv.copier.get());
+    try {
+        kv.copier->finish();  // also after a failure: nothing of it may still be in flight
+    } catch (const std::exception & e) {
+        SRV_WRN("kvrelay: the device copies of the KV failed: %s\n", e.what());
+        if (set && st == LLAMA_KV_RANGE_OK) {
+            llama_memory_seq_rm(llama_get_memory(ctx), seq_id, p0, -1);
+        }
+        st = LLAMA_KV_RANGE_FAILED;
+    }
+    kv.counts.device_copy_ns += uint64_t(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    return st;
 }
 
 }  // namespace
@@ -147,9 +193,8 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
                 if (st != LLAMA_KV_RANGE_OK) {
                     return;
                 }
-                st = llama_kv_range_set(ctx, seq_id, llama_pos((b0 + i0) * bt), llama_pos((b0 + i1) * bt), uint32_t(bt),
-                                        kv.schema.desc.data(), kv.schema.desc.size(), kv.store->block(pins->ids[b0 + i0]),
-                                        (i1 - i0) * bb);
+                st = kv_range_move(kv, ctx, seq_id, llama_pos((b0 + i0) * bt), llama_pos((b0 + i1) * bt),
+                                   kv.store->block(pins->ids[b0 + i0]), (i1 - i0) * bb, true);
                 if (st == LLAMA_KV_RANGE_OK) {
                     done = b0 + i1;
                     kv.counts.import_bytes += (i1 - i0) * bb;
@@ -270,9 +315,8 @@ void export_pending(llama_context * ctx, int seq_id) noexcept {
         int32_t                       st  = LLAMA_KV_RANGE_OK;
         for_runs(ids.data(), ids.size(), [&](size_t i0, size_t i1) {
             if (st == LLAMA_KV_RANGE_OK) {
-                st = llama_kv_range_get(ctx, seq_id, llama_pos((from + i0) * bt), llama_pos((from + i1) * bt),
-                                        uint32_t(bt), kv.schema.desc.data(), kv.schema.desc.size(),
-                                        kv.store->block(ids[i0]), (i1 - i0) * bb);
+                st = kv_range_move(kv, ctx, seq_id, llama_pos((from + i0) * bt), llama_pos((from + i1) * bt),
+                                   kv.store->block(ids[i0]), (i1 - i0) * bb, false);
                 if (st == LLAMA_KV_RANGE_OK) {
                     kv.counts.export_bytes += (i1 - i0) * bb;
                 }

@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -276,8 +277,40 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
     // or with no layer offloaded (the KV then stays in host memory), plain host memory.
     uint8_t * pool = nullptr;
     kv->store_memory = "host";
+    // Where llama.cpp's whole KV cache is on one CUDA device, the store is a pool on that device
+    // (memory of its own, exactly the pool: what CUDA IPC exports is nothing else), and blocks
+    // move device to device: between the KV tensors and the pool by checked strided copies
+    // (libllama's llama_kv_range_*_with, kvrelay's copier), between servers by the agent's
+    // device transports.
+    char dev_name[64] = {};
+    if (!s.store_host && llama_kv_range_device(ctx, dev_name, sizeof dev_name) > 0 &&
+        std::strncmp(dev_name, "CUDA", 4) == 0 && dev_name[4] != '\0') {
+        char *     end     = nullptr;
+        const long ordinal = std::strtol(dev_name + 4, &end, 10);
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(dev_name);
+        ggml_backend_buffer_t buf = nullptr;
+        if (end != nullptr && *end == '\0' && ordinal >= 0 && dev != nullptr) {
+            buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), blocks * bb);
+        }
+        if (buf != nullptr) {
+            try {
+                kv->copier = std::make_unique<kvrelay::CudaCopier>(int(ordinal));
+                // never freed: the store, like the runtime, lives until exit (agent threads read it)
+                pool             = static_cast<uint8_t *>(ggml_backend_buffer_get_base(buf));
+                kv->device       = int32_t(ordinal);
+                kv->store_memory = std::string("device (") + dev_name + ")";
+            } catch (const std::exception & e) {
+                SRV_WRN("kvrelay: the KV block store stays in host memory: kvrelay cannot copy on %s: %s\n", dev_name,
+                        e.what());
+                ggml_backend_buffer_free(buf);
+            }
+        } else {
+            SRV_WRN("kvrelay: no room on %s for the KV block store (%zu MiB): it uses host memory\n", dev_name,
+                    (blocks * bb) >> 20);
+        }
+    }
     if (ggml_backend_dev_t gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        gpu != nullptr && params.n_gpu_layers != 0) {
+        pool == nullptr && gpu != nullptr && params.n_gpu_layers != 0) {
         if (ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(gpu)) {
             // never freed: the store, like the runtime, lives until exit (agent threads read it)
             if (ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, blocks * bb)) {
@@ -310,6 +343,13 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
     for (const std::string & p : s.allow_peers) {
         cfg.allow_peer(p);
     }
+    kv->transport = !s.transport.empty() ? s.transport : kv->device >= 0 ? std::string("cuda-ipc") : std::string("tcp");
+    if (kv->device >= 0) {
+        cfg.device(kv->device);
+    }
+    if (kv->transport != "tcp") {
+        cfg.transport(kv->transport);
+    }
     // the pool as one [blocks, 1 layer, 2, block/2] region: kvrelay moves whole blocks
     const kvrelay::KvLayout layout =
         kvrelay::KvLayout::all_layers_per_block((uint64_t) (uintptr_t) kv->store->pool(), 1, uint32_t(blocks), bb / 2);
@@ -331,15 +371,16 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
             for (const std::string & p : s.allow_peers) {
                 allow += (allow.empty() ? "" : ",") + p;
             }
-            kv->events = std::make_unique<kvrelay::KvEvents>(s.events, s.block_tokens, "CPU", allow, "",
+            kv->events = std::make_unique<kvrelay::KvEvents>(s.events, s.block_tokens, kv->device >= 0 ? "GPU" : "CPU", allow, "",
                                                              s.events_key_file);
             SRV_INF("kvrelay: KV events at %s (replay %s)\n", kv->events->endpoint().c_str(),
                     kv->events->endpoint(true).c_str());
         }
     }
 
-    SRV_INF("kvrelay: KV path on: %zu blocks of %zu bytes (%zu MiB), %s; %zu trusted endpoint(s); fetch %s\n",
-            blocks, bb, (blocks * bb) >> 20,
+    SRV_INF("kvrelay: KV path on: %zu blocks of %zu bytes (%zu MiB) in %s memory, moved by %s; %s; %zu trusted "
+            "endpoint(s); fetch %s\n",
+            blocks, bb, (blocks * bb) >> 20, kv->store_memory.c_str(), kv->transport.c_str(),
             kv->endpoint.empty() ? "serving nothing" : ("serving at " + kv->endpoint).c_str(),
             s.trusted_endpoints.size(), s.fetch_always ? "always" : "when faster than prefill");
     KV = kv.release();

@@ -61,6 +61,8 @@ struct settings {
     std::string              events_key_file;  // the KV events sockets' pre-shared key ("" : none)
     std::string              model_id;  // --kv-model-id: the operator vouches for the model ("" : its SHA-256)
     size_t                   n_ctx_slot = 0;  // a slot's context (0: unknown); longer prompts are refused
+    bool                     store_host = false;  // --kv-store host: the store in host memory even with the KV on a GPU
+    std::string              transport;  // --kv-transport ("" : cuda-ipc for a device store, tcp otherwise)
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
 };
@@ -79,6 +81,7 @@ std::string hex64(uint64_t v);
 struct kv_counters {
     std::mutex                      mu;
     std::map<std::string, uint64_t> fetch;  // by outcome
+    std::map<std::string, uint64_t> fetch_bytes;  // by the agent's transport (as configured; see kv_info)
     std::atomic<uint64_t>           fetched_blocks{ 0 };
     std::atomic<uint64_t>           exported_blocks{ 0 };
     std::atomic<uint64_t>           export_failed{ 0 };
@@ -87,6 +90,7 @@ struct kv_counters {
     std::atomic<uint64_t>           import_refused{ 0 };
     std::atomic<uint64_t>           export_bytes{ 0 };  // KV cache -> store (llama_kv_range_get)
     std::atomic<uint64_t>           import_bytes{ 0 };  // store -> KV cache (llama_kv_range_set)
+    std::atomic<uint64_t>           device_copy_ns{ 0 };  // a device store: time of those moves, copies complete
     std::atomic<uint64_t>           cells_changed{ 0 };  // on_cells_changed / on_cells_copied calls
     std::atomic<int64_t>            waiting{ 0 };        // gauge: requests waiting for their KV now
 
@@ -248,7 +252,13 @@ struct kv_runtime {
     source_backoff                         backoff;         // --kv-fetch faster only
     std::mutex                             flights_mu;
     std::map<std::string, std::shared_ptr<flight>> flights;  // by source and first block fetched
-    std::string                            store_memory;     // what the store's pool is ("host", "pinned host")
+    std::string                            store_memory;     // what the store's pool is ("host", "pinned host", "device (CUDA0)")
+    std::string                            transport;        // how the agent moves blocks ("tcp", "cuda-ipc", ...)
+    int32_t                                device = -1;      // the CUDA device of a device store, -1: host store
+    // a device store: the copies between llama.cpp's KV tensors and the store's blocks (libllama's
+    // llama_kv_range_*_with); counts.device_copy_ns is the time they take
+    std::mutex                             copier_mu;
+    std::unique_ptr<kvrelay::CudaCopier>   copier;
     kvrelay::Naming                        naming{ 0, DEFAULT_BLOCK_TOKENS };
     std::vector<slot_kv>                   slots;            // by sequence id, main loop only
 

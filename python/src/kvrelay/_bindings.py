@@ -724,6 +724,10 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_cuda_gather": (c_int32, [("engine", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t), ("staging", c_void_p), ("stream", c_void_p), ("done_event", c_void_p)]),
     "kvrelay_cuda_scatter": (c_int32, [("engine", c_void_p), ("staging", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t), ("stream", c_void_p), ("done_event", c_void_p)]),
     "kvrelay_cuda_engine_free": (None, [("engine", c_void_p)]),
+    "kvrelay_cuda_copier_new": (c_int32, [("device", c_int32), ("out", POINTER(c_void_p))]),
+    "kvrelay_cuda_copy_2d": (c_int32, [("copier", c_void_p), ("dst", c_uint64), ("dst_pitch", c_size_t), ("src", c_uint64), ("src_pitch", c_size_t), ("width", c_size_t), ("height", c_size_t)]),
+    "kvrelay_cuda_copier_finish": (c_int32, [("copier", c_void_p), ("bytes_out", POINTER(c_uint64))]),
+    "kvrelay_cuda_copier_free": (None, [("copier", c_void_p)]),
     "kvrelay_kv_checksum": (c_int32, [("bytes", c_void_p), ("len", c_size_t), ("out", POINTER(c_uint64))]),
     "kvrelay_kv_events_config_new": (c_int32, [("endpoint", c_void_p), ("len", c_size_t), ("block_size", c_size_t), ("out", POINTER(c_void_p))]),
     "kvrelay_kv_events_config_free": (None, [("config", c_void_p)]),
@@ -775,4 +779,4 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_reason_name": (c_char_p, [("reason", c_int32)]),
 }
 
-OPAQUE = ("kvrelay_admission", "kvrelay_admission_config", "kvrelay_agent", "kvrelay_agent_config", "kvrelay_capabilities", "kvrelay_capabilities_builder", "kvrelay_cpu_engine", "kvrelay_cuda_engine", "kvrelay_fetch", "kvrelay_kv_events", "kvrelay_kv_events_config", "kvrelay_kv_layout", "kvrelay_orchestrator", "kvrelay_pinned", "kvrelay_policy_config", "kvrelay_snapshot", )
+OPAQUE = ("kvrelay_admission", "kvrelay_admission_config", "kvrelay_agent", "kvrelay_agent_config", "kvrelay_capabilities", "kvrelay_capabilities_builder", "kvrelay_cpu_engine", "kvrelay_cuda_copier", "kvrelay_cuda_engine", "kvrelay_fetch", "kvrelay_kv_events", "kvrelay_kv_events_config", "kvrelay_kv_layout", "kvrelay_orchestrator", "kvrelay_pinned", "kvrelay_policy_config", "kvrelay_snapshot", )

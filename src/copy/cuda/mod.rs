@@ -29,10 +29,12 @@
 //! caller enqueued there before it (the kernel that wrote the KV, say); pass an event to learn
 //! when it is done.
 
+mod device_copy;
 mod driver;
 mod kernel;
 mod staged;
 
+pub use device_copy::DeviceCopier;
 use driver::check;
 pub use driver::{
     driver_present, CudaDevice, CudaEvent, CudaStream, DeviceBuffer, IpcExport, PinnedBuffer, VmmBuffer, VmmChunk,
