@@ -100,6 +100,28 @@ std::vector<uint8_t> get(llama_context * ctx, const std::vector<uint8_t> & d, ll
     return st == LLAMA_KV_RANGE_OK ? out : std::vector<uint8_t>();
 }
 
+// the caller's copy of llama_kv_range_*_with over host memory: each piece row by row, counted;
+// `fail_at`: the piece (0-based) it refuses, -1 for none
+struct copies {
+    size_t calls   = 0;
+    size_t bytes   = 0;
+    long   fail_at = -1;
+};
+
+bool host_copy(void * user_data, void * dst, size_t dst_pitch, const void * src, size_t src_pitch, size_t width,
+               size_t height) {
+    auto * c = static_cast<copies *>(user_data);
+    if (c->fail_at >= 0 && c->calls == size_t(c->fail_at)) {
+        return false;
+    }
+    c->calls++;
+    for (size_t r = 0; r < height; r++) {
+        std::memcpy(static_cast<uint8_t *>(dst) + r * dst_pitch, static_cast<const uint8_t *>(src) + r * src_pitch, width);
+    }
+    c->bytes += width * height;
+    return true;
+}
+
 float max_diff(const std::vector<float> & a, const std::vector<float> & b) {
     if (a.size() != b.size() || a.empty()) {
         return INFINITY;
@@ -154,6 +176,46 @@ void run(llama_model * model, const std::vector<llama_token> & tokens, bool fa) 
     const float diff = max_diff(want, got);
     std::printf("range_api_test: logits after an imported prefix of %zu positions: max diff %g\n", p, double(diff));
     CHECK(diff == 0.0f);
+
+    // the caller's copy (llama_kv_range_get_with / _set_with): the same pieces, each handed to it,
+    // exactly the payload's bytes; on a GPU they are device addresses (device_store_test covers them)
+    char         dev[64] = {};
+    const size_t dev_len = llama_kv_range_device(a.c, dev, sizeof dev);
+    std::printf("range_api_test: the KV cache's device: %s\n", dev_len > 0 ? dev : "none (host memory)");
+    CHECK(dev_len == std::strlen(dev));
+    if (dev_len == 0) {
+        copies               cg;
+        std::vector<uint8_t> via(all.size(), 0xA5);
+        CHECK(llama_kv_range_get_with(a.c, 0, 0, llama_pos(p), BT, d.data(), d.size(), via.data(), via.size(), host_copy,
+                                      &cg) == LLAMA_KV_RANGE_OK);
+        CHECK(via == all && cg.calls > 0 && cg.bytes == all.size());
+        ctx_ptr e{ make_ctx(model, fa, 512) };
+        CHECK(e.c != nullptr);
+        if (e.c != nullptr) {
+            // a copy that fails mid-range: FAILED, and the range is gone again
+            copies cf;
+            cf.fail_at = 3;
+            CHECK(llama_kv_range_set_with(e.c, 0, 0, llama_pos(p), BT, d.data(), d.size(), all.data(), all.size(),
+                                          host_copy, &cf) == LLAMA_KV_RANGE_FAILED);
+            CHECK(cf.calls == 3 && llama_memory_seq_pos_max(llama_get_memory(e.c), 0) == -1);
+            // no copy function, or the checks of llama_kv_range_set: nothing changes
+            CHECK(llama_kv_range_set_with(e.c, 0, 0, llama_pos(p), BT, d.data(), d.size(), all.data(), all.size(), nullptr,
+                                          nullptr) == LLAMA_KV_RANGE_INVALID);
+            CHECK(llama_kv_range_get_with(a.c, 0, 0, llama_pos(p), BT, d.data(), d.size(), via.data(), via.size(), nullptr,
+                                          nullptr) == LLAMA_KV_RANGE_INVALID);
+            copies cs;
+            CHECK(llama_kv_range_set_with(e.c, 0, 0, llama_pos(p), BT, d.data(), d.size() - 1, all.data(), all.size(),
+                                          host_copy, &cs) == LLAMA_KV_RANGE_MISMATCH && cs.calls == 0);
+            // imported through the caller's copy, then the rest decoded: the source's logits
+            CHECK(llama_kv_range_set_with(e.c, 0, 0, llama_pos(p), BT, d.data(), d.size(), all.data(), all.size(),
+                                          host_copy, &cs) == LLAMA_KV_RANGE_OK);
+            CHECK(cs.bytes == all.size() && cs.calls == cg.calls);
+            CHECK(get(e.c, d, 0, 0, llama_pos(p)) == all);
+            std::vector<float> got_with;
+            CHECK(decode(e.c, tokens, p, n, 0, &got_with));
+            CHECK(max_diff(want, got_with) == 0.0f);
+        }
+    }
 
     // another context whose other sequence holds other tokens first: an import into sequence 0
     // leaves sequence 1's KV byte for byte as it was
