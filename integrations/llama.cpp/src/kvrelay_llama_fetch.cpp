@@ -404,10 +404,7 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                          publish_stored(kv, names, tokens, call.held));
         call.owner.finish();  // the requests that joined this fetch find its blocks committed
         kv.counts.fetched_blocks += ok;
-        if (r->bytes > 0) {
-            std::lock_guard<std::mutex> g(kv.counts.mu);
-            kv.counts.fetch_bytes[kv.transport] += r->bytes;
-        }
+        kv.counts.fetched_bytes += r->bytes;
         const std::string outcome = gone ? "client_gone"
                                     // cancelled by this thread once waiting longer could not pay
                                     : late && r->failure == KVRELAY_FETCH_CANCELLED ? "late"

@@ -35,13 +35,13 @@ std::string prometheus() noexcept {
             for (const auto & [outcome, n] : kv.counts.fetch) {
                 text += "llamacpp_kv_fetch_total{outcome=\"" + outcome + "\"} " + std::to_string(n) + "\n";
             }
-            // the bytes of verified fetched blocks, by the transport this server's agent fetches
-            // with (a fetch that fell back to TCP counts under it too, and in
-            // kvrelay_agent_transport_fallbacks_total)
-            text += "# TYPE llamacpp_kv_fetch_bytes_total counter\n";
-            text += "llamacpp_kv_fetch_bytes_total{transport=\"" + kv.transport + "\"} " +
-                    std::to_string(kv.counts.fetch_bytes[kv.transport]) + "\n";
         }
+        // the bytes of verified fetched blocks, by the transport this server's agent fetches with
+        // (a fetch that fell back to TCP counts under it too, and in
+        // kvrelay_agent_transport_fallbacks_total)
+        text += "# TYPE llamacpp_kv_fetch_bytes_total counter\n";
+        text += "llamacpp_kv_fetch_bytes_total{transport=\"" + kv.transport + "\"} " +
+                std::to_string(kv.counts.fetched_bytes.load()) + "\n";
         const block_store::counts c = kv.store->read_counts();
         const std::pair<const char *, uint64_t> plain[] = {
             { "fetched_blocks_total", kv.counts.fetched_blocks.load() },

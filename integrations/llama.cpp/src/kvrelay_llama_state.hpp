@@ -81,8 +81,8 @@ std::string hex64(uint64_t v);
 struct kv_counters {
     std::mutex                      mu;
     std::map<std::string, uint64_t> fetch;  // by outcome
-    std::map<std::string, uint64_t> fetch_bytes;  // by the agent's transport (as configured; see kv_info)
     std::atomic<uint64_t>           fetched_blocks{ 0 };
+    std::atomic<uint64_t>           fetched_bytes{ 0 };  // their bytes (labelled by kv_runtime::transport)
     std::atomic<uint64_t>           exported_blocks{ 0 };
     std::atomic<uint64_t>           export_failed{ 0 };
     std::atomic<uint64_t>           imported_tokens{ 0 };
