@@ -452,6 +452,18 @@ async def through_runtime(servers, env, model, bt):
                 await asyncio.sleep(0.1)
             return True
 
+        async def wait_known(workers, timeout):
+            # the router learns each worker from discovery on its own schedule; a request naming a
+            # worker it has not seen yet is refused ("does not identify a known worker")
+            end = time.monotonic() + timeout
+            while not workers <= {w["worker_id"] for w in await router.get_potential_loads([1])}:
+                if time.monotonic() > end:
+                    return False
+                await asyncio.sleep(0.1)
+            return True
+
+        assert await wait_known({wa, wb}, 60), "the runtime router never learned both workers"
+
         # The worker relays A's events live only (a ZMQ subscriber misses what was published
         # before it connected): A answers small probes until one reaches the router
         for i in range(10):
