@@ -364,7 +364,8 @@ typedef int32_t kvrelay_fetch_failure;
 // values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but
 // `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except
 // `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
-// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK` and `KVRELAY_LIMIT_POLL_US`.
+// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US` and
+// `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS`.
 enum kvrelay_agent_limit
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : int32_t
@@ -421,6 +422,14 @@ enum kvrelay_agent_limit
   // virtualised host, several per fetch); polling takes them off back-to-back fetches for
   // up to this much CPU time per step. Since 0.3.0.
   KVRELAY_LIMIT_POLL_US = 16,
+  // The CUDA IPC transport's grant (0, the default): an agent starts only when every
+  // allocation its pool lies in holds the pool and nothing else (no byte before it or
+  // between its segments; after it no more than the driver's rounding, under 2 MiB), since
+  // a peer that maps the grant reaches every byte of those allocations; otherwise
+  // `kvrelay_agent_new` fails with the reason. 1 exports such allocations whole (a pool in
+  // a caching allocator's segment: every allowed peer can then read and write the tensors
+  // beside it). Since 0.4.0.
+  KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS = 17,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

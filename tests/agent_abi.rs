@@ -98,6 +98,14 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(kvrelay_agent_config_set_limit(cfg, poll, 50), KVRELAY_OK);
         assert_eq!(kvrelay_agent_config_get_limit(cfg, poll, &mut v), KVRELAY_OK);
         assert_eq!(v, 50, "read back in microseconds");
+        // a switch, off by default: a CUDA IPC grant holds the pool and nothing else
+        let whole = kvrelay_agent_limit::KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS as i32;
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, whole, &mut v), KVRELAY_OK);
+        assert_eq!(v, 0, "exports exactly the pool by default");
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, whole, 2), KVRELAY_ERR_INVALID_CONFIG);
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, whole, 1), KVRELAY_OK);
+        assert_eq!(kvrelay_agent_config_get_limit(cfg, whole, &mut v), KVRELAY_OK);
+        assert_eq!(v, 1);
         kvrelay_agent_config_free(cfg);
     }
 }

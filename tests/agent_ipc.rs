@@ -28,6 +28,9 @@ fn serve_source(test: &str, mut src: DevPool) {
     let mut c = AgentConfig::new(fp());
     c.device = Some(0);
     c.transport = kvrelay::agent::Transport::CudaIpc;
+    // the virtual-memory fixture leaves room between its layers on purpose (one straddles two
+    // allocations): its allocations are exported whole
+    c.limits.export_whole_allocations = src._vmm.is_some();
     // SAFETY: the pool outlives the agent (dropped first, at the end of this function).
     let agent = unsafe { Agent::new(c, src.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
     eprintln!("{test} (source): agent started");
@@ -284,7 +287,8 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
         c.device = Some(0);
         c.transport = kvrelay::agent::Transport::CudaIpc;
         c.limits.tcp_fallback = false; // a fetch that did not go over CUDA IPC fails
-                                       // SAFETY: the pool outlives the agent (dropped first).
+        c.limits.export_whole_allocations = true; // the fixture's room between its layers
+                                                  // SAFETY: the pool outlives the agent (dropped first).
         unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }
     };
     // no POSIX handle type: refused at start with the reason

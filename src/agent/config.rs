@@ -84,6 +84,14 @@ pub struct Limits {
     /// all, for up to this much busy CPU time per step. It does not help the first fetch after
     /// a pause. Microseconds through the C ABI.
     pub poll: Duration,
+    /// The CUDA IPC transport's grant: false (the default) starts an agent only when every
+    /// allocation its pool lies in holds the pool and nothing else (no byte before it or
+    /// between its segments, and after it no more than the driver's rounding of an allocation
+    /// of the pool's size, under 2 MiB), since a peer that maps a grant can reach every byte of
+    /// the allocation; true exports such allocations whole (a pool inside a caching
+    /// allocator's segment, shared with other tensors, which every allowed peer can then read
+    /// and write).
+    pub export_whole_allocations: bool,
 }
 
 /// The longest [`Limits::poll`].
@@ -112,6 +120,7 @@ impl Default for Limits {
             write_grace: Duration::from_secs(1),
             tcp_fallback: true,
             poll: Duration::ZERO,
+            export_whole_allocations: false,
         }
     }
 }
@@ -153,6 +162,8 @@ crate::labels::labelled_enum! {
         TcpFallback = 15 => "tcp_fallback",
         /// [`Limits::poll`], microseconds.
         PollUs = 16 => "poll_us",
+        /// [`Limits::export_whole_allocations`]: 0 (the default) or 1.
+        ExportWholeAllocations = 17 => "export_whole_allocations",
     }
 }
 
@@ -184,6 +195,7 @@ impl Limits {
             LimitKey::WriteGraceMs => ms(self.write_grace),
             LimitKey::TcpFallback => self.tcp_fallback.into(),
             LimitKey::PollUs => u64::try_from(self.poll.as_micros()).unwrap_or(u64::MAX),
+            LimitKey::ExportWholeAllocations => self.export_whole_allocations.into(),
         }
     }
 
@@ -193,6 +205,11 @@ impl Limits {
         let refuse = || format!("limit {} = {value}: out of range", key.as_str());
         let small = || u32::try_from(value).map_err(|_| refuse());
         let ms = Duration::from_millis(value);
+        let flag = || match value {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(refuse()),
+        };
         let mut next = self.clone();
         match key {
             LimitKey::MaxConnections => next.max_connections = small()?,
@@ -209,13 +226,8 @@ impl Limits {
             LimitKey::IdleTimeoutMs => next.idle_timeout = ms,
             LimitKey::SocketBufferBytes => next.socket_buffer_bytes = small()?,
             LimitKey::WriteGraceMs => next.write_grace = ms,
-            LimitKey::TcpFallback => {
-                next.tcp_fallback = match value {
-                    0 => false,
-                    1 => true,
-                    _ => return Err(refuse()),
-                }
-            }
+            LimitKey::TcpFallback => next.tcp_fallback = flag()?,
+            LimitKey::ExportWholeAllocations => next.export_whole_allocations = flag()?,
             LimitKey::PollUs => next.poll = Duration::from_micros(value),
         }
         next.check()?;

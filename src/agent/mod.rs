@@ -237,7 +237,7 @@ impl Agent {
         };
         let movers = pool::Movers::new(memory);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
-        let backends = unsafe { transport::open(&config.transport, &layout, config.device) }?;
+        let backends = unsafe { transport::open(&config.transport, &layout, config.device, &config.limits) }?;
         let default_speed = backends[0].default_speed(config.device.is_some());
         // one mover per stream of a fetch (NIXL fetches use one), made now rather than on a
         // first fetch's critical path (a device pool's kernel compiles and loads here, and a

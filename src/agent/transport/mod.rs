@@ -456,6 +456,7 @@ pub(super) unsafe fn open(
     transport: &Transport,
     layout: &KvLayout,
     device: Option<i32>,
+    limits: &Limits,
 ) -> Result<Vec<Box<dyn Backend>>, AgentError> {
     #[cfg(test)]
     if let Some(b) = TEST_BACKEND.with(|t| t.borrow_mut().take()) {
@@ -465,7 +466,7 @@ pub(super) unsafe fn open(
     let mut out = Vec::with_capacity(chain.len());
     for t in chain {
         // SAFETY: forwarded contract.
-        out.push(unsafe { open_one(t, layout, device) }?);
+        out.push(unsafe { open_one(t, layout, device, limits) }?);
     }
     Ok(out)
 }
@@ -485,10 +486,11 @@ unsafe fn open_one(
     transport: &Transport,
     layout: &KvLayout,
     device: Option<i32>,
+    limits: &Limits,
 ) -> Result<Box<dyn Backend>, AgentError> {
     match transport {
         Transport::Tcp => {
-            let _ = (layout, device);
+            let _ = (layout, device, limits);
             Ok(Box::new(tcp::Tcp))
         }
         #[cfg(feature = "nixl")]
@@ -499,7 +501,8 @@ unsafe fn open_one(
         }
         Transport::CudaIpc => {
             // SAFETY: forwarded contract.
-            let t = unsafe { cuda_ipc::CudaIpc::new(layout, device) }.map_err(AgentError::Config)?;
+            let t = unsafe { cuda_ipc::CudaIpc::new(layout, device, limits.export_whole_allocations) }
+                .map_err(AgentError::Config)?;
             Ok(Box::new(t))
         }
         #[cfg(not(feature = "nixl"))]

@@ -54,9 +54,16 @@
 //!   memory API, once its descriptor is shared, is mapped with whatever access the importer
 //!   sets (`cuMemSetAccess` is the importer's call; this agent maps read-only, a hostile peer
 //!   need not). What the exporter does decide is the extent: a peer can reach every byte of the
-//!   allocations the pool lies in, so a pool that shares an allocation with other tensors
-//!   exposes them too; give the pool allocations of its own (`cuMemAlloc` of exactly the pool,
-//!   or virtual-memory chunks that it fills). Within this process, an offer reads only the
+//!   allocations the pool lies in, so the agent starts only when those allocations hold the
+//!   pool and nothing else (`registry::outside_pool`: no byte before the pool or between its
+//!   segments, and after it no more than the driver's rounding of an allocation of the pool's
+//!   size, under 2 MiB); a pool that shares an allocation with other tensors (a caching
+//!   allocator's segment) is refused at start with the reason, unless the limit
+//!   `export_whole_allocations` says to export such allocations whole. Give the pool
+//!   allocations of its own (`cuMemAlloc` of exactly the pool, or virtual-memory allocations
+//!   that it fills). A write into a source's pool by a hostile peer is not prevented, but it is
+//!   found: every destination sums what landed against the checksum the source recorded when
+//!   the block became reusable, and imports nothing that differs. Within this process, an offer reads only the
 //!   source agent's pool extents (see [`registry`]). The sizes a source reports are checked against the
 //!   driver's: an allocation must map here (`cuMemGetAddressRange`) at least as large as
 //!   offered, and a virtual-memory allocation maps only at its real size (`cuMemMap` refuses
@@ -84,7 +91,7 @@ use crate::copy::{CudaDevice, IpcExport, KvLayout, VmmChunk, VmmHandle};
 use offer::{decode_exports, encode_exports, host_id, Exports, VmmOffer, MAX_VMM_CHUNKS, MAX_VMM_RANGES};
 pub use plan::check_offer_plans;
 use plan::{plan_copies, plan_segments};
-use registry::{own_source, pool_extents, Exported, OwnRefusal, Reading, EXPORTED};
+use registry::{outside_pool, own_source, pool_extents, Exported, OwnRefusal, Reading, EXPORTED};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
 const AGENT: &str = "cuda-ipc";
@@ -175,7 +182,7 @@ impl CudaIpc {
     /// # Safety
     /// As [`crate::agent::Agent::new`]: the layout's blocks are memory of `device`, valid for
     /// the agent's life.
-    pub(in crate::agent) unsafe fn new(layout: &KvLayout, device: Option<i32>) -> Result<CudaIpc, String> {
+    pub(in crate::agent) unsafe fn new(layout: &KvLayout, device: Option<i32>, whole: bool) -> Result<CudaIpc, String> {
         let device = device.ok_or("the CUDA IPC transport moves device memory: the pool must be on a CUDA device")?;
         let dev = CudaDevice::open(device).map_err(|e| format!("CUDA IPC: device {device}: {e}"))?;
         let host = host_id()?;
@@ -238,7 +245,23 @@ impl CudaIpc {
             (Some(offer), Some(server))
         };
         let exports = Exports { host, pid, allocs, vmm };
-        let exported = Exported::register(device, exports.ranges(), pool_extents(layout));
+        let pool = pool_extents(layout);
+        if !whole {
+            // a peer that maps a grant reaches every byte of it: the pool, and nothing else
+            for r in exports.ranges() {
+                let outside = outside_pool(r, &pool);
+                if outside > 0 {
+                    return Err(format!(
+                        "CUDA IPC: the allocation at {:#x} ({} bytes) that the pool lies in holds {outside} bytes that \
+                         are not the pool, and every allowed peer could read and write them: give the pool memory of \
+                         its own (cuMemAlloc of exactly the pool, or allocations of the virtual memory API that it \
+                         fills), or set the limit export_whole_allocations",
+                        r.0, r.1
+                    ));
+                }
+            }
+        }
+        let exported = Exported::register(device, exports.ranges(), pool);
         let metadata = encode_exports(&exports);
         Ok(CudaIpc {
             dev,
@@ -720,7 +743,7 @@ mod tests {
         )
         .unwrap();
         // SAFETY: the pool is device memory of device 0 that outlives the transport.
-        let ipc = unsafe { CudaIpc::new(&layout, Some(0)) }.unwrap();
+        let ipc = unsafe { CudaIpc::new(&layout, Some(0), false) }.unwrap();
         let (limits, stats, sums, movers) = (
             Limits::default(),
             Stats::default(),
@@ -743,5 +766,37 @@ mod tests {
         // another process's offer would be mapped, never taken as this process's addresses
         let _ = (&cx, &limits, &stats, &sums, &movers);
         drop(ipc);
+    }
+
+    /// On a GPU: a pool that shares its allocation with other memory (here the first MiB of
+    /// 8 MiB) is not exported, since a peer's mapping would reach the rest, unless the caller
+    /// asks for whole allocations; a pool that is its own allocation is. Skips without a CUDA
+    /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
+    #[test]
+    fn a_pool_sharing_its_allocation_is_not_exported_unless_asked() {
+        let dev = match CudaDevice::open(0) {
+            Ok(d) => d,
+            Err(e) if std::env::var_os("KVRELAY_REQUIRE_GPU").is_none() => {
+                eprintln!("skipped: no CUDA device ({e})");
+                return;
+            }
+            Err(e) => panic!("KVRELAY_REQUIRE_GPU is set and there is no CUDA device: {e}"),
+        };
+        const M: usize = 1 << 20;
+        let big = crate::copy::DeviceBuffer::alloc(&dev, 8 * M).unwrap();
+        let layout = |base: u64, blocks: u32, bytes: u64| {
+            let g = crate::copy::Segment { base, block_stride: bytes, bytes_per_block: bytes };
+            KvLayout::new(blocks, vec![g], &[]).unwrap()
+        };
+        // the first MiB of the allocation, then all of it
+        let (shared, all) = (layout(big.ptr(), 16, 64 << 10), layout(big.ptr(), 128, 64 << 10));
+        let open = |l: &KvLayout, whole: bool| {
+            // SAFETY: the pool is device memory of device 0 that outlives the transport.
+            unsafe { CudaIpc::new(l, Some(0), whole) }.map(|_| ())
+        };
+        let e = open(&shared, false).unwrap_err();
+        assert!(e.contains("export_whole_allocations") && e.contains(&format!("{:#x}", big.ptr())), "{e}");
+        open(&shared, true).unwrap();
+        open(&all, false).unwrap();
     }
 }

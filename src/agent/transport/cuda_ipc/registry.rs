@@ -51,6 +51,35 @@ pub(super) fn pool_extents(layout: &KvLayout) -> Vec<(u64, u64)> {
     layout.segments().iter().map(|g| (g.base, last * g.block_stride + g.bytes_per_block)).collect()
 }
 
+/// What the driver may add to an allocation's size (`cuMemAlloc` rounds up to its 2 MiB
+/// granularity at most; the virtual memory API's allocations are multiples of theirs, 2 MiB on
+/// the GPUs we know): bytes past the pool that no other allocation can hold.
+pub(super) const ROUNDING: u64 = 2 << 20;
+
+/// The bytes of `range` (`(base, bytes)`: an allocation, or a virtual-memory range, that a
+/// grant exports whole) that are not the pool (`pool`: its extents `(base, bytes)`), so that a
+/// peer mapping the grant could reach them: those before the pool's first byte in it, those
+/// between its extents, and those after its last byte beyond what the driver's rounding of
+/// an allocation starting at `range`'s base and ending there could add ([`ROUNDING`]). Zero
+/// for a pool that is its own allocation.
+pub(super) fn outside_pool(range: (u64, u64), pool: &[(u64, u64)]) -> u64 {
+    let (b, n) = range;
+    let e = b.saturating_add(n);
+    let mut inside: Vec<(u64, u64)> =
+        pool.iter().map(|&(pb, pn)| (pb.max(b), pb.saturating_add(pn).min(e))).filter(|&(s, t)| s < t).collect();
+    inside.sort_unstable();
+    let (mut outside, mut at) = (0u64, b);
+    for (s, t) in inside {
+        outside += s.saturating_sub(at);
+        at = at.max(t);
+    }
+    if at == b {
+        return n; // none of the pool in it
+    }
+    let rounded = b.saturating_add((at - b).div_ceil(ROUNDING).saturating_mul(ROUNDING));
+    outside + e.saturating_sub(rounded)
+}
+
 /// An agent's [`Registration`] in [`EXPORTED`]: taken out when dropped, which then waits until
 /// no copy of this process reads its pool (so that the agent, and the runtime's pool after it,
 /// outlive every read).
@@ -171,6 +200,28 @@ pub(super) fn own_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grant_holds_the_pool_and_nothing_else() {
+        const M: u64 = 1 << 20;
+        // a pool that is its whole allocation, as the driver reports it exactly or rounded up
+        assert_eq!(outside_pool((1 << 40, 3 * M + 5), &[(1 << 40, 3 * M + 5)]), 0);
+        assert_eq!(outside_pool((1 << 40, 4 * M), &[(1 << 40, 3 * M + 5)]), 0);
+        // two segments side by side, in either order, overlapping or touching
+        let (b, half) = (1u64 << 40, 16 * M);
+        assert_eq!(outside_pool((b, 2 * half), &[(b + half, half), (b, half)]), 0);
+        assert_eq!(outside_pool((b, 2 * half), &[(b, half + 10), (b + half, half)]), 0);
+        // other tensors before the pool, between its segments, or past the rounding after it
+        assert_eq!(outside_pool((b, 64 * M), &[(b + 4096, 64 * M - 4096)]), 4096);
+        assert_eq!(outside_pool((b, 3 * half), &[(b, half), (b + 2 * half, half)]), half);
+        assert_eq!(outside_pool((b, 8 * M), &[(b, 3 * M)]), 4 * M);
+        assert_eq!(outside_pool((b, 4 * M + 1), &[(b, 3 * M)]), 1);
+        // a pool that is none of it, or runs past it (only its part inside counts)
+        assert_eq!(outside_pool((b, M), &[(b + M, M)]), M);
+        assert_eq!(outside_pool((b + M, M), &[(b, 4 * M)]), 0);
+        // a range at the top of the address space neither wraps nor panics
+        assert_eq!(outside_pool((u64::MAX - M, M), &[(u64::MAX - M, M)]), 0);
+    }
 
     #[test]
     fn an_offer_in_this_process_s_name_may_only_name_its_exports() {
