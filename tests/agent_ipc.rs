@@ -1,8 +1,9 @@
 //! The KV agent's same-host GPU transport (CUDA IPC): a host pool is refused at start; two
 //! processes on one GPU (the H200) serve and fetch through mapped device memory, verified by
 //! the checksum kernel, with partial runs, corruption, cancels, a source that exits while
-//! mapped, and the TCP fallback. The two-process test runs this test binary again as the
-//! source; without a CUDA driver it skips, saying why. Every wait is on a completion, a
+//! mapped, and the TCP fallback; a peer mapping a source's grant reaches the pool only, and
+//! what it writes there is found by the next fetch. The two-process tests run this test binary
+//! again as the source; without a CUDA driver it skips, saying why. Every wait is on a completion, a
 //! counter or a line of the source's output, bounded, never a sleep.
 #![cfg(feature = "agent")]
 
@@ -328,5 +329,88 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
     assert!(child.wait().unwrap().success(), "the source process failed");
     eventually("the gone source's range to be let go", || dst_agent.stats().ipc_mapped_now == 0);
     assert_eq!(dst_agent.stats().ipc_unmapped, 1);
+    eprintln!("{test}: ran on CUDA device 0, source in its own process");
+}
+
+/// What a peer gets from a source's CUDA IPC grant (the H200): it maps the source's pool
+/// allocation as any allowed destination does and reaches exactly the pool (the mapping's
+/// extent is the pool's allocation, no more than the driver's rounding past it; the source
+/// exported it only because that allocation holds the pool and nothing else). A write through
+/// the mapping is not prevented (neither driver path lets an exporter make a peer's mapping
+/// read-only) but found: the next honest fetch sums what landed against the checksum the
+/// source recorded, counts only the blocks before the overwritten one and fails `corrupt`.
+/// Skips without a CUDA driver. (Written without a GPU at hand; first run pending.)
+#[test]
+fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
+    let test = "a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found";
+    let Some(dev) = cuda_device(test) else { return };
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    if std::env::var_os(SOURCE_ENV).is_some() {
+        let src = DevPool::new(&dev);
+        // the grant of the pool's first layer: the handle its agent's offers carry
+        let e = dev.ipc_export(src.layout.segments()[0].base).unwrap();
+        println!("EXPORT {}", hex(&e.handle));
+        serve_source(test, src);
+        return;
+    }
+    let bb = Pool::new().block_bytes();
+    let (mut child, mut to, expect) = spawn_source(test);
+    let handle: [u8; 64] = {
+        let h = expect("EXPORT ");
+        let v: Vec<u8> = (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect();
+        v.try_into().expect("a 64-byte handle")
+    };
+    let ep = expect("ENDPOINT ");
+    // what one layer's allocation holds: K and V of every block, the pool and nothing else
+    let layer = 2 * u64::from(BLOCKS) * KV_BLOCK;
+    // SAFETY: a handle of a live allocation of the source process (it runs until `to` drops).
+    let mapped = unsafe { dev.ipc_open(&handle) }.unwrap();
+    let (base, size) = dev.address_range(mapped).unwrap();
+    assert_eq!(base, mapped, "the grant maps from its first byte");
+    assert!(
+        size >= layer && size <= layer.div_ceil(2 << 20) * (2 << 20),
+        "a grant of {size} bytes for a {layer}-byte pool"
+    );
+    let past = dev.address_range(mapped + size).ok().map(|(b, _)| b);
+    assert_ne!(past, Some(mapped), "the byte past the grant is not part of it");
+    eprintln!("{test}: the grant maps {size} bytes for a pool of {layer}");
+    // the peer writes into block 6's K of the first layer (NAMES[2] at the source)
+    let at = mapped + 6 * KV_BLOCK + 7;
+    {
+        let _ctx = dev.bind().unwrap();
+        let byte = [0x5au8];
+        // SAFETY: one byte from a live local to an address inside the mapping (checked above).
+        let r = unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(at, byte.as_ptr().cast(), 1) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "a peer's write lands (not preventable)");
+    }
+    // SAFETY: mapped above, no copy of this process reads it any more.
+    unsafe { dev.ipc_close(mapped) }.unwrap();
+    // an honest destination fetching from that source finds it
+    let mut dst = DevPool::new(&dev);
+    let dst_agent = {
+        let mut c = AgentConfig::new(fp());
+        c.device = Some(0);
+        c.transport = kvrelay::agent::Transport::CudaIpc;
+        c.limits.tcp_fallback = false;
+        // SAFETY: the pool outlives the agent (dropped first, below).
+        unsafe { Agent::new(c, dst.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let req = FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES[..4].to_vec(),
+        held: 0,
+        dst: vec![10, 12, 13, 14],
+        deadline: Duration::from_secs(20),
+        digests: Vec::new(),
+    };
+    let r = dst_agent.submit(req, None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
+    assert_eq!(dst.read(12), content(NAMES[1], bb), "the blocks before it are exact");
+    assert_eq!(dst_agent.recorded_checksum(13), None, "the overwritten block was not taken");
+    drop(dst_agent);
+    writeln!(to, "pinned").unwrap();
+    let _ = expect("PINNED ");
+    drop(to);
+    assert!(child.wait().unwrap().success(), "the source process failed");
     eprintln!("{test}: ran on CUDA device 0, source in its own process");
 }
