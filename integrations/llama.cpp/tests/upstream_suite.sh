@@ -43,7 +43,10 @@ for run in unpatched kvrelay kvrelay-kv-on; do
   (cd "$tests_dir" && env "${kv_env[@]}" PORT="$port" KVRELAY_UPSTREAM_MODEL="$MODEL" \
     LLAMA_SERVER_BIN_PATH="$out/bin/llama-server-$b" PYTHONPATH="$here:$deps" timeout 1800 python3 -m pytest \
     -p no:cacheprovider -p upstream_local_model -m "not slow" -rA -q "${files[@]}" >"$logs/$run.log" 2>&1) || true
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)" "$logs/$run.log" | sed 's/ - .*//' | sort >"$logs/$run.outcomes"
+  # -a: the log is text, but may hold NUL bytes (pytest truncates its capture file between a
+  # test's phases while a server it started still writes at its old offset: a hole of NULs),
+  # which would make grep print "binary file matches" instead of the outcome lines
+  grep -a -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)" "$logs/$run.log" | sed 's/ - .*//' | sort >"$logs/$run.outcomes"
   printf '%-14s %s (%s)\n' "$run:" "$(tail -n 1 "$logs/$run.log")" \
     "$(awk '{print $1}' "$logs/$run.outcomes" | sort | uniq -c | tr '\n' ' ')"
 done
