@@ -8,8 +8,11 @@ the source sends the blocks once, every answer equals a cold server's.
 Standard library only. A serves; B (four slots) trusts hints and fetches from A through a gated
 relay, which holds A's answers back until either every request opened a connection of its own
 (no single flight) or all but one joined the first fetch, so that the requests overlap however
-fast the machine (B has HTTP threads to spare, so that /metrics answers while eight requests
-wait on fetches); C is the cold reference. Checks:
+fast the machine; C is the cold reference. The requests start one at a time, each once the one
+before joined the flight (or opened its own connection): llama-server's HTTP pool (cpp-httplib's)
+grows only when no thread counts as idle, so requests that come at the same moment can leave
+one queued behind the waiting ones, and with it the test's poll of /metrics and the gate. So B
+runs on the default pool. Checks:
   1. eight hinted requests at once for one new prompt of about 28 blocks: one of them fetches
      (A sends the prompt's blocks once, over the streams of that one fetch), the others join it
      (`joined`) or, arriving after it, find the blocks held (`nothing_to_fetch`);
@@ -94,7 +97,7 @@ def body(a, start):
     relay = GatedRelay(int(ep_a.rsplit(":", 1)[1]))
     ep = "tcp://127.0.0.1:%d" % relay.port
     B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep,
-                    "-np", "4", "-c", "4096", "--threads-http", "32"])
+                    "-np", "4", "-c", "4096"])
     C = start("C", [])
     try:
         P = text(480, 77)
@@ -114,12 +117,13 @@ def body(a, start):
                 results[i] = e
 
         threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(N)]
-        for t in threads:
-            t.start()
         # the requests overlap: A's answers are held back until all but the first joined it, or
-        # (without single flight) every request opened its own connection
+        # (without single flight) every request opened its own connection; one at a time, each
+        # once the one before is in (the first: its fetch connected)
         joined_now = lambda: fetches(B, "joined") - before.get('llamacpp_kv_fetch_total{outcome="joined"}', 0)  # noqa: E731
-        wait_for(lambda: joined_now() >= N - 1 or relay.connections >= N)
+        for i, t in enumerate(threads):
+            t.start()
+            wait_for(lambda: relay.connections >= i + 1 or (i > 0 and joined_now() >= i))
         relay.gate.set()
         for t in threads:
             t.join(300)
