@@ -29,6 +29,25 @@ pub use cuda::{
 };
 pub use layout::{KvLayout, LayoutError, Segment, MAX_SEGMENTS};
 
+/// CUDA device 0 for the crate's unit tests, or `None` (said why) on a machine without a driver
+/// or device; with `KVRELAY_REQUIRE_GPU` set a skip is a failure instead.
+#[cfg(test)]
+pub(crate) fn test_device() -> Option<std::sync::Arc<CudaDevice>> {
+    if !driver_present() {
+        assert!(std::env::var_os("KVRELAY_REQUIRE_GPU").is_none(), "KVRELAY_REQUIRE_GPU is set but no driver");
+        eprintln!("skipped: no CUDA driver");
+        return None;
+    }
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            assert!(std::env::var_os("KVRELAY_REQUIRE_GPU").is_none(), "KVRELAY_REQUIRE_GPU is set: {e}");
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
 /// Why a copy could not be set up or enqueued.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CopyError {

@@ -187,25 +187,9 @@ mod tests {
     use super::*;
     use crate::copy::DeviceBuffer;
 
-    fn device() -> Option<Arc<CudaDevice>> {
-        if !crate::copy::driver_present() {
-            assert!(std::env::var_os("KVRELAY_REQUIRE_GPU").is_none(), "KVRELAY_REQUIRE_GPU is set but no driver");
-            eprintln!("skipped: no CUDA driver");
-            return None;
-        }
-        match CudaDevice::open(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                assert!(std::env::var_os("KVRELAY_REQUIRE_GPU").is_none(), "KVRELAY_REQUIRE_GPU is set: {e}");
-                eprintln!("skipped: {e}");
-                None
-            }
-        }
-    }
-
     #[test]
     fn strided_copies_move_exactly_their_rows_and_refuse_past_the_allocation() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = crate::copy::test_device() else { return };
         // a "transposed V" tensor of 8 rows of 64 cells (2 bytes each), and a pool
         let (rows, cells, el) = (8usize, 64usize, 2usize);
         let tensor = DeviceBuffer::alloc(&dev, rows * cells * el).unwrap();

@@ -725,14 +725,7 @@ mod tests {
     /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
     #[test]
     fn a_neighbour_posing_as_this_process_gets_no_copy_of_other_memory() {
-        let dev = match CudaDevice::open(0) {
-            Ok(d) => d,
-            Err(e) if std::env::var_os("KVRELAY_REQUIRE_GPU").is_none() => {
-                eprintln!("skipped: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("KVRELAY_REQUIRE_GPU is set and there is no CUDA device: {e}"),
-        };
+        let Some(dev) = crate::copy::test_device() else { return };
         let pool = crate::copy::DeviceBuffer::alloc(&dev, 8 * 512).unwrap();
         // another allocation of this process: the runtime's own tensors, say
         let tensors = crate::copy::DeviceBuffer::alloc(&dev, 1 << 20).unwrap();
@@ -774,14 +767,7 @@ mod tests {
     /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
     #[test]
     fn a_pool_sharing_its_allocation_is_not_exported_unless_asked() {
-        let dev = match CudaDevice::open(0) {
-            Ok(d) => d,
-            Err(e) if std::env::var_os("KVRELAY_REQUIRE_GPU").is_none() => {
-                eprintln!("skipped: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("KVRELAY_REQUIRE_GPU is set and there is no CUDA device: {e}"),
-        };
+        let Some(dev) = crate::copy::test_device() else { return };
         const M: usize = 1 << 20;
         let big = crate::copy::DeviceBuffer::alloc(&dev, 8 * M).unwrap();
         let layout = |base: u64, blocks: u32, bytes: u64| {
