@@ -82,14 +82,17 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(kvrelay_agent_config_set_limit(cfg, idle, 0), KVRELAY_OK, "0 turns reuse off");
         assert_eq!(kvrelay_agent_config_get_limit(cfg, streams, &mut v), KVRELAY_OK);
         assert_eq!(v, 8);
-        // a switch: 1 (the default) or 0, nothing else
-        let fallback = kvrelay_agent_limit::KVRELAY_LIMIT_TCP_FALLBACK as i32;
-        assert_eq!(kvrelay_agent_config_get_limit(cfg, fallback, &mut v), KVRELAY_OK);
-        assert_eq!(v, 1, "falls back to TCP by default");
-        assert_eq!(kvrelay_agent_config_set_limit(cfg, fallback, 2), KVRELAY_ERR_INVALID_CONFIG);
-        assert_eq!(kvrelay_agent_config_set_limit(cfg, fallback, 0), KVRELAY_OK);
-        assert_eq!(kvrelay_agent_config_get_limit(cfg, fallback, &mut v), KVRELAY_OK);
-        assert_eq!(v, 0);
+        // a switch: its default, or the other of 0 and 1, nothing else
+        let switch = |key: kvrelay_agent_limit, default: u64, why: &str| {
+            let mut v = 9u64;
+            assert_eq!(kvrelay_agent_config_get_limit(cfg, key as i32, &mut v), KVRELAY_OK);
+            assert_eq!(v, default, "{why}");
+            assert_eq!(kvrelay_agent_config_set_limit(cfg, key as i32, 2), KVRELAY_ERR_INVALID_CONFIG);
+            assert_eq!(kvrelay_agent_config_set_limit(cfg, key as i32, 1 - default), KVRELAY_OK);
+            assert_eq!(kvrelay_agent_config_get_limit(cfg, key as i32, &mut v), KVRELAY_OK);
+            assert_eq!(v, 1 - default);
+        };
+        switch(kvrelay_agent_limit::KVRELAY_LIMIT_TCP_FALLBACK, 1, "falls back to TCP by default");
         // microseconds, 0 (the default) allowed, at most 10 ms
         let poll = kvrelay_agent_limit::KVRELAY_LIMIT_POLL_US as i32;
         assert_eq!(kvrelay_agent_config_get_limit(cfg, poll, &mut v), KVRELAY_OK);
@@ -98,14 +101,8 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(kvrelay_agent_config_set_limit(cfg, poll, 50), KVRELAY_OK);
         assert_eq!(kvrelay_agent_config_get_limit(cfg, poll, &mut v), KVRELAY_OK);
         assert_eq!(v, 50, "read back in microseconds");
-        // a switch, off by default: a CUDA IPC grant holds the pool and nothing else
-        let whole = kvrelay_agent_limit::KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS as i32;
-        assert_eq!(kvrelay_agent_config_get_limit(cfg, whole, &mut v), KVRELAY_OK);
-        assert_eq!(v, 0, "exports exactly the pool by default");
-        assert_eq!(kvrelay_agent_config_set_limit(cfg, whole, 2), KVRELAY_ERR_INVALID_CONFIG);
-        assert_eq!(kvrelay_agent_config_set_limit(cfg, whole, 1), KVRELAY_OK);
-        assert_eq!(kvrelay_agent_config_get_limit(cfg, whole, &mut v), KVRELAY_OK);
-        assert_eq!(v, 1);
+        // off by default: a CUDA IPC grant holds the pool and nothing else
+        switch(kvrelay_agent_limit::KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS, 0, "exports exactly the pool by default");
         kvrelay_agent_config_free(cfg);
     }
 }

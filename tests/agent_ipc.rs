@@ -21,14 +21,20 @@ use agent_fixture::*;
 /// Set in the source process of a two-process test.
 const SOURCE_ENV: &str = "KVRELAY_TEST_IPC_SOURCE";
 
+/// The configuration of an agent over a pool of CUDA device 0 that moves blocks over CUDA IPC.
+fn ipc_config() -> AgentConfig {
+    let mut c = AgentConfig::new(fp());
+    c.device = Some(0);
+    c.transport = kvrelay::agent::Transport::CudaIpc;
+    c
+}
+
 /// The source process of a two-process test: serve NAMES from blocks 4.. of `src` over CUDA
 /// IPC, print the endpoint, and take commands on stdin until EOF (`corrupt ID`, `pinned`).
 fn serve_source(test: &str, mut src: DevPool) {
     let bb = src.layout.stage_block_bytes() as usize;
     let cache = Arc::new(Cache::default());
-    let mut c = AgentConfig::new(fp());
-    c.device = Some(0);
-    c.transport = kvrelay::agent::Transport::CudaIpc;
+    let mut c = ipc_config();
     // the virtual-memory fixture leaves room between its layers on purpose (one straddles two
     // allocations): its allocations are exported whole
     c.limits.export_whole_allocations = src._vmm.is_some();
@@ -118,10 +124,8 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     let test = "cuda_ipc_copies_between_two_processes_verified";
     let Some(dev) = cuda_device(test) else { return };
     let bb = Pool::new().block_bytes();
-    let mk = |layout: &KvLayout, cache: &Arc<Cache>, t: kvrelay::agent::Transport| {
-        let mut c = AgentConfig::new(fp());
-        c.device = Some(0);
-        c.transport = t;
+    let mk = |layout: &KvLayout, cache: &Arc<Cache>| {
+        let c = ipc_config();
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
         unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
     };
@@ -134,7 +138,7 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     eprintln!("{test}: the source process serves {ep}");
     let mut dst = DevPool::new(&dev);
     let dst_cache = Arc::new(Cache::default());
-    let dst_agent = mk(&dst.layout, &dst_cache, kvrelay::agent::Transport::CudaIpc);
+    let dst_agent = mk(&dst.layout, &dst_cache);
     assert_eq!(dst_agent.speed(&ep), kvrelay::agent::CUDA_IPC_DEFAULT);
     let req = |endpoint: &str, held: usize, dst: Vec<u32>| FetchRequest {
         endpoint: endpoint.to_string(),
@@ -184,9 +188,7 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     assert_eq!(dst_agent.stats().transport_fallbacks, 1);
     let pinned_pool = DevPool::new(&dev);
     let pinned = {
-        let mut c = AgentConfig::new(fp());
-        c.device = Some(0);
-        c.transport = kvrelay::agent::Transport::CudaIpc;
+        let mut c = ipc_config();
         c.limits.tcp_fallback = false;
         // SAFETY: the pool outlives the agent (dropped first, below).
         unsafe { Agent::new(c, pinned_pool.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
@@ -238,7 +240,7 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     // two agents of one process: the addresses are used as they are
     let mut local_src = DevPool::new(&dev);
     let local_cache = Arc::new(Cache::default());
-    let local = mk(&local_src.layout, &local_cache, kvrelay::agent::Transport::CudaIpc);
+    let local = mk(&local_src.layout, &local_cache);
     for (i, &n) in NAMES.iter().enumerate() {
         local_src.write(i as u32, &content(n, bb));
         local_cache.held.lock().unwrap().insert(n, i as u32);
@@ -284,9 +286,7 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
     }
     let bb = Pool::new().block_bytes();
     let agent_over = |pool: &DevPool, cache: &Arc<Cache>| {
-        let mut c = AgentConfig::new(fp());
-        c.device = Some(0);
-        c.transport = kvrelay::agent::Transport::CudaIpc;
+        let mut c = ipc_config();
         c.limits.tcp_fallback = false; // a fetch that did not go over CUDA IPC fails
         c.limits.export_whole_allocations = true; // the fixture's room between its layers
                                                   // SAFETY: the pool outlives the agent (dropped first).
@@ -388,9 +388,7 @@ fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
     // an honest destination fetching from that source finds it
     let mut dst = DevPool::new(&dev);
     let dst_agent = {
-        let mut c = AgentConfig::new(fp());
-        c.device = Some(0);
-        c.transport = kvrelay::agent::Transport::CudaIpc;
+        let mut c = ipc_config();
         c.limits.tcp_fallback = false;
         // SAFETY: the pool outlives the agent (dropped first, below).
         unsafe { Agent::new(c, dst.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
