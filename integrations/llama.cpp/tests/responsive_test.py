@@ -28,11 +28,10 @@ import os
 import re
 import sys
 import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import FrozenSource, answer, complete, completion_body, envelope, metrics, text  # noqa: E402
+from two_instance_test import FrozenSource, answer, complete, completion_body, envelope, metrics, text, wait_for  # noqa: E402
 
 W = 12  # more than the fixed threads of the default pool on CI (2 cores, -np 1: 5)
 
@@ -58,14 +57,6 @@ class Gauge:
                 self.conn.close()
                 self.conn = None
         return -1
-
-    def until(self, n):
-        # bounded: polls until the gauge reads n, 60 s at most
-        for _ in range(1200):
-            if self() == n:
-                return True
-            time.sleep(0.05)
-        return False
 
     def close(self):
         if self.conn is not None:
@@ -95,7 +86,7 @@ def body(a, start):
         waiting()  # the gauge's connection (and its thread) first
         for i, t in enumerate(threads):
             t.start()
-            if started == i and waiting.until(i + 1):
+            if started == i and wait_for(lambda: waiting() == i + 1):
                 started += 1
         check(started == W and waiting() == W, "1. %d hinted requests wait for their KV at once" % W,
               "%d seen waiting one by one, waiting %s" % (started, waiting()))
