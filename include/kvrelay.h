@@ -65,7 +65,7 @@
 #define KVRELAY_VERSION_MINOR 4
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 0
+#define KVRELAY_VERSION_PATCH 1
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -699,6 +699,11 @@ typedef struct kvrelay_agent_stats {
   // this process on the offer's device exported, or a block its agent does not serve under
   // the name asked); each fetch fails `corrupt`.
   uint64_t ipc_offers_refused;
+  // Hellos of a transport that grants memory (CUDA IPC, NIXL) refused because this agent has
+  // no key ([`AgentConfig::per_user_key`](super::AgentConfig::per_user_key) off, no key
+  // given): no handle leaves an agent that cannot tell who asks; also counted in
+  // `refused_unsupported`. Since 0.4.1.
+  uint64_t grants_refused_unkeyed;
 } kvrelay_agent_stats;
 
 // What two instances compare before any block moves (`naming`: the runtime's naming-scheme id).
@@ -1349,7 +1354,7 @@ kvrelay_status kvrelay_agent_prometheus(const struct kvrelay_agent *agent,
                                         size_t *len_out);
 
 // A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
-// default limits, no key.
+// default limits, the per-user key (`kvrelay_agent_config_set_per_user_key`).
 //
 // # Safety
 // `fingerprint` NULL or readable; `out` NULL or writable.
@@ -1436,13 +1441,27 @@ const char *kvrelay_agent_limit_name(int32_t limit);
 
 // Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
 // whitespace trimmed). Both sides of a transfer must have the same key. The key is copied and
-// never logged or put in an error message. `(NULL, 0)` removes the key.
+// never logged or put in an error message. `(NULL, 0)` removes the key given (the agent then
+// uses the per-user key, unless `kvrelay_agent_config_set_per_user_key` turned it off).
 //
 // # Safety
 // `config` NULL or live; `key` readable for `len` bytes.
 kvrelay_status kvrelay_agent_config_set_key(struct kvrelay_agent_config *config,
                                             const uint8_t *key,
                                             size_t len);
+
+// With no key given: `on` nonzero (the default) authenticates with the key this process's user
+// holds alone, created on first use, mode 0600: `$KVRELAY_KEY_FILE`, else
+// `$XDG_CACHE_HOME/kvrelay/agent.key`, else `~/.cache/kvrelay/agent.key` (`kvrelay_agent_new`
+// fails with the reason when it cannot be read or made, or others may read it). Agents of one
+// user on one host then reach each other with no setting, and another user's process gets
+// nothing. `on` 0: no authentication; any allowlisted peer may fetch over TCP, and no grant of
+// memory (CUDA IPC handle, NIXL registration) leaves the agent (counted in
+// `grants_refused_unkeyed`; fetchers fall back to TCP). Since 0.4.1.
+//
+// # Safety
+// `config` NULL or live.
+kvrelay_status kvrelay_agent_config_set_per_user_key(struct kvrelay_agent_config *config, bool on);
 
 // Read the pre-shared key from the environment variable `name` (unset or empty:
 // `KVRELAY_ERR_INVALID_CONFIG`).
@@ -1454,7 +1473,8 @@ kvrelay_status kvrelay_agent_config_key_from_env(struct kvrelay_agent_config *co
                                                  size_t len);
 
 // Read the pre-shared key from the file at `path` (`KVRELAY_ERR_IO` when it cannot be read,
-// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key).
+// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key, or when users other than its owner may
+// read or write it: mode bits `0o066`, `chmod 600`).
 //
 // # Safety
 // `config` NULL or live; `path` readable for `len` bytes.

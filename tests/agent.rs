@@ -74,7 +74,7 @@ fn memory_that_went_bad_after_its_checksum_was_recorded_is_caught() {
 fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", stall.local_addr().unwrap());
-    let b = instance();
+    let b = unkeyed_with(|_| {}); // the source is a socket that stalls
     let req = |deadline_ms| FetchRequest {
         endpoint: ep.clone(),
         names: NAMES.to_vec(),
@@ -210,7 +210,7 @@ fn dropping_the_agent_completes_every_fetch_and_joins_its_threads() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", stall.local_addr().unwrap());
     let limits = Limits { fetch_threads: 1, ..Limits::default() };
-    let b = instance_with(|c| c.limits = limits);
+    let b = unkeyed_with(|c| c.limits = limits); // the source is a socket that stalls
     let done = Arc::new(Mutex::new(Vec::new()));
     let mut fetches = Vec::new();
     for _ in 0..3 {
@@ -320,7 +320,7 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
 #[test]
 fn a_stream_that_ends_inside_a_block_is_truncated() {
     use kvrelay::agent::wire;
-    let b = instance();
+    let b = unkeyed_with(|_| {}); // the source is a socket speaking the wire by hand
     let bb = b.pool.block_bytes();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", l.local_addr().unwrap());
@@ -354,7 +354,7 @@ fn a_stream_that_ends_inside_a_block_is_truncated() {
 #[test]
 fn a_dripping_then_stalling_source_ends_by_the_fetch_deadline() {
     use kvrelay::agent::wire;
-    let b = instance();
+    let b = unkeyed_with(|_| {}); // the source is a socket speaking the wire by hand
     let bb = b.pool.block_bytes();
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", l.local_addr().unwrap());

@@ -24,6 +24,56 @@ fn nixl_checks_content_digests() {
     content_digests_are_checked(&|| instance_with(|c| c.transport = t.clone()));
 }
 
+/// No grant without proof: an agent without a key (per-user key off) refuses every NIXL hello
+/// (`grants_refused_unkeyed`) and its NIXL fetcher falls back to TCP; a keyed source's offer of
+/// no block (a hello naming nothing it holds) carries no registration metadata, one of held
+/// blocks does.
+#[test]
+fn nixl_grants_go_only_to_keyed_peers_and_only_with_blocks() {
+    use kvrelay::agent::{auth, wire};
+    use std::time::Instant;
+    let Some(t) = nixl("nixl_grants_go_only_to_keyed_peers_and_only_with_blocks") else { return };
+    let plain = unkeyed_with(|c| c.transport = t.clone());
+    plain.hold(&NAMES, 0);
+    let f = unkeyed_with(|c| c.transport = t.clone());
+    let r = f.fetch(&plain.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    let s = plain.agent.stats();
+    assert_eq!((s.grants_refused_unkeyed, s.refused_unsupported), (1, 1));
+    assert_eq!(f.agent.stats().transport_fallbacks, 1, "made again over TCP");
+    assert!(plain.agent.prometheus().contains("kvrelay_kv_agent_grants_refused_unkeyed_total 1"));
+    // a keyed source (the per-user key), spoken to by hand with that key
+    let keyed = instance_with(|c| c.transport = t.clone());
+    keyed.hold(&NAMES, 0);
+    let key = auth::per_user_key().unwrap();
+    let offer = |names: &[u64]| -> wire::InPlaceOffer {
+        let mut s = std::net::TcpStream::connect(keyed.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
+        let end = Instant::now() + Duration::from_secs(20);
+        let client = auth::nonce().unwrap();
+        wire::write_frame(&mut s, wire::AUTH_HELLO, &client, end).unwrap();
+        let (kind, len) = wire::read_header(&mut s, 1 << 10, end).unwrap();
+        assert_eq!((kind, len), (wire::AUTH_CHALLENGE, 2 * auth::NONCE));
+        let mut ch = [0u8; 2 * auth::NONCE];
+        wire::Conn::read_by(&mut s, &mut ch, end).unwrap();
+        let server: [u8; auth::NONCE] = ch[..auth::NONCE].try_into().unwrap();
+        assert!(key.check_server(&client, &server, &ch[auth::NONCE..]));
+        wire::write_frame(&mut s, wire::AUTH_PROOF, &key.client_proof(&client, &server), end).unwrap();
+        wire::write_frame(&mut s, wire::NIXL_HELLO, &wire::encode_hello(&fp(), names), end).unwrap();
+        let (kind, len) = wire::read_header(&mut s, 1 << 20, end).unwrap();
+        let mut buf = vec![0u8; len];
+        wire::Conn::read_by(&mut s, &mut buf, end).unwrap();
+        assert_eq!(kind, wire::NIXL_OFFER, "{:?}", wire::decode_refusal(&buf));
+        wire::write_frame(&mut s, wire::DONE, &0u64.to_le_bytes(), end).unwrap();
+        wire::decode_in_place_offer(&buf).expect("an offer")
+    };
+    let none = offer(&[7, 8]);
+    assert!(none.blocks.is_empty() && none.metadata.is_empty(), "no block, no registration");
+    let some = offer(&NAMES[..2]);
+    assert_eq!(some.blocks.len(), 2);
+    assert!(!some.metadata.is_empty(), "held blocks come with the registration they are read through");
+    eventually("every pin released", || keyed.cache.pinned() == 0);
+}
+
 /// NIXL between host pools: the destination READs the blocks in place, verifies them against
 /// the checksums the source recorded and the source unpins them at DONE; a TCP destination is
 /// still served by a NIXL source; a NIXL destination falls back to TCP for a TCP-only source

@@ -168,7 +168,7 @@ fn a_flood_from_the_peers_own_address_does_not_keep_its_fetch_out() {
 #[test]
 fn what_a_peer_sends_before_the_transfer_is_bounded() {
     // a hello claiming more names than allowed is refused from its header alone
-    let a = instance_with(|c| c.limits.max_names = 4);
+    let a = unkeyed_with(|c| c.limits.max_names = 4); // the hello is sent by hand, unauthenticated
     let mut s = TcpStream::connect(a.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
     let mut h = Vec::from(*b"KVRA");
     h.extend_from_slice(&[kvrelay::agent::wire::VERSION, 4, 0, 0]);
@@ -180,6 +180,32 @@ fn what_a_peer_sends_before_the_transfer_is_bounded() {
     assert_eq!(answer[12], kvrelay::agent::Refusal::TooManyNames as u8);
     let s: AgentStats = a.agent.stats();
     assert_eq!(s.refused_too_many_names, 1);
+}
+
+/// With no key setting an agent authenticates with its user's per-user key: a process that
+/// cannot prove it (here: a raw hello, and an agent with authentication off) learns nothing,
+/// not even whether a name is held; agents of the same user fetch from each other unconfigured.
+#[test]
+fn the_default_key_is_the_users_and_a_peer_without_it_learns_nothing() {
+    let a = instance();
+    a.hold(&NAMES, 0);
+    let mut s = TcpStream::connect(a.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
+    let hello = kvrelay::agent::wire::encode_hello(&fp(), &NAMES[..2]);
+    s.write_all(&kvrelay::agent::wire::header(kvrelay::agent::wire::HELLO, hello.len())).unwrap();
+    s.write_all(&hello).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    assert_eq!(answer[5], 7, "a refusal");
+    assert_eq!(answer[12], kvrelay::agent::Refusal::AuthFailed as u8);
+    let unkeyed = unkeyed_with(|_| {});
+    let r = unkeyed.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
+    assert_eq!(a.agent.stats().refused_auth_failed, 2);
+    assert_eq!(a.cache.pin_calls.load(Ordering::Relaxed), 0, "nothing was looked up");
+    let same_user = instance();
+    let r = same_user.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    eventually("every pin released", || a.cache.pinned() == 0);
 }
 
 /// Kept-alive connections wait in at most half of the source's `max_pending`: however many a

@@ -63,7 +63,13 @@ class AgentConfig {
     check(kvrelay_agent_config_get_limit(h_.get(), which, &v));
     return v;
   }
-  /// A pre-shared key both sides must prove they hold.
+  /// With no key given: the per-user key (true, the default) or no authentication at all
+  /// (false: TCP only, no memory grant leaves the agent). `kvrelay_agent_config_set_per_user_key`.
+  AgentConfig &per_user_key(bool on) {
+    check(kvrelay_agent_config_set_per_user_key(h_.get(), on));
+    return *this;
+  }
+  /// A pre-shared key both sides must prove they hold (the deployment's key).
   AgentConfig &key(std::string_view k) {
     check(kvrelay_agent_config_set_key(h_.get(), reinterpret_cast<const uint8_t *>(k.data()), k.size()));
     return *this;

@@ -287,8 +287,17 @@ pub struct AgentConfig {
     pub allow: PeerAllow,
     /// Limits.
     pub limits: Limits,
-    /// A pre-shared key both sides must prove they hold; `None`: no authentication.
+    /// A pre-shared key both sides must prove they hold (the deployment's key); `None`: the
+    /// per-user key when [`AgentConfig::per_user_key`] says so, else no authentication.
     pub key: Option<Psk>,
+    /// With no `key`: `true` (the default) authenticates with the key this process's user holds
+    /// alone ([`auth::per_user_key`](super::auth::per_user_key), created on first use), so
+    /// agents of one user on one host reach each other and no other user's process gets in;
+    /// `false` runs without authentication: any allowlisted peer may then fetch over TCP, and
+    /// no grant of memory (a CUDA IPC handle, a virtual-memory descriptor, a NIXL
+    /// registration) leaves the agent: their hellos are refused as `unsupported`, and a
+    /// fetcher falls back to TCP.
+    pub per_user_key: bool,
     /// The CUDA device whose memory the pool is (`None`: host memory).
     pub device: Option<i32>,
     /// How block bytes move ([`Transport::Tcp`] by default).
@@ -346,7 +355,7 @@ impl Transport {
 }
 
 impl AgentConfig {
-    /// Defaults: listen on `127.0.0.1:0`, loopback peers, default limits, no key.
+    /// Defaults: listen on `127.0.0.1:0`, loopback peers, default limits, the per-user key.
     pub fn new(fingerprint: Fingerprint) -> AgentConfig {
         AgentConfig {
             fingerprint,
@@ -354,6 +363,7 @@ impl AgentConfig {
             allow: PeerAllow::loopback(),
             limits: Limits::default(),
             key: None,
+            per_user_key: true,
             device: None,
             transport: Transport::Tcp,
         }

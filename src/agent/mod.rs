@@ -213,6 +213,11 @@ impl Agent {
         holder: Box<dyn BlockHolder>,
     ) -> Result<Agent, AgentError> {
         config.limits.check().map_err(AgentError::Config)?;
+        let key = match (config.key, config.per_user_key) {
+            (Some(k), _) => Some(k),
+            (None, true) => Some(auth::per_user_key().map_err(AgentError::Config)?),
+            (None, false) => None,
+        };
         // a block travels in one frame whose u32 length covers its name, checksum and digest
         let block_bytes = usize::try_from(layout.stage_block_bytes())
             .ok()
@@ -250,7 +255,7 @@ impl Agent {
             fingerprint: config.fingerprint,
             allow: config.allow,
             limits: config.limits,
-            key: config.key,
+            key,
             layout,
             block_bytes,
             movers,

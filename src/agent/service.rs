@@ -295,6 +295,15 @@ fn read_hello(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: 
     if kind != wire::HELLO && inner.serving(kind).is_none() {
         return Err(Hs::Refuse(Refusal::Unsupported, "this service does not serve that transport"));
     }
+    // a grant of memory (a CUDA IPC handle, descriptors, a NIXL registration) goes only to a
+    // peer that proved it holds the key: a service without one grants nothing
+    if kind != wire::HELLO && inner.key.is_none() {
+        Stats::add(&inner.stats.grants_refused_unkeyed, 1);
+        return Err(Hs::Refuse(
+            Refusal::Unsupported,
+            "this service has no key: it grants no memory (CUDA IPC, NIXL), only TCP",
+        ));
+    }
     scratch.kind = kind;
     if len > hello_max {
         return Err(Hs::Refuse(Refusal::TooManyNames, "more names than this service takes in one request"));

@@ -105,6 +105,11 @@ pub struct AgentStats {
     /// this process on the offer's device exported, or a block its agent does not serve under
     /// the name asked); each fetch fails `corrupt`.
     pub ipc_offers_refused: u64,
+    /// Hellos of a transport that grants memory (CUDA IPC, NIXL) refused because this agent has
+    /// no key ([`AgentConfig::per_user_key`](super::AgentConfig::per_user_key) off, no key
+    /// given): no handle leaves an agent that cannot tell who asks; also counted in
+    /// `refused_unsupported`. Since 0.4.1.
+    pub grants_refused_unkeyed: u64,
 }
 
 macro_rules! stats {
@@ -132,6 +137,7 @@ stats! {
     blocks_withheld, blocks_returned, reused, streams_reused, handshake_evicted,
     fetch_failed_internal, ipc_mapped_now, ipc_unmapped,
     transport_fallbacks, nixl_slow_reads, fetch_failed_digest_mismatch, ipc_offers_refused,
+    grants_refused_unkeyed,
 }
 
 impl Stats {
@@ -220,6 +226,11 @@ impl Stats {
                 "ipc_offers_refused",
                 "CUDA IPC offers in this process's name refused before any copy.",
                 s.ipc_offers_refused,
+            ),
+            (
+                "grants_refused_unkeyed",
+                "Hellos of CUDA IPC or NIXL refused: this agent has no key, so it grants no memory.",
+                s.grants_refused_unkeyed,
             ),
             (
                 "nixl_slow_reads",

@@ -156,6 +156,16 @@ pub fn instance_with(cfg: impl FnOnce(&mut AgentConfig)) -> Instance {
     Instance { agent, cache, pool }
 }
 
+/// An agent without authentication (per-user key off): for tests whose peer is a raw socket that
+/// speaks the wire by hand, or that stalls.
+#[allow(dead_code)] // not every test binary that includes the fixture uses it
+pub fn unkeyed_with(cfg: impl FnOnce(&mut AgentConfig)) -> Instance {
+    instance_with(|c| {
+        c.per_user_key = false;
+        cfg(c)
+    })
+}
+
 pub fn instance() -> Instance {
     instance_with(|_| {})
 }

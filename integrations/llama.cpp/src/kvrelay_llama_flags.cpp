@@ -53,8 +53,12 @@ void print_usage() {
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
     printf("--kv-load-failure-policy recompute|fail when a hinted fetch fails: prefill as a cold request (default), or answer\n"
            "                                        502 kv_load_failed (env: LLAMA_ARG_KV_LOAD_FAILURE_POLICY)\n");
-    printf("--kv-key-file PATH                      a pre-shared key (the file's bytes) that peers fetching from this server\n"
-           "                                        and the peers it fetches from must prove they hold (default: none)\n"
+    printf("--kv-key-file PATH                      a pre-shared key (the file's bytes, mode 600: a file others may read is\n"
+           "                                        refused) that peers fetching from this server and the peers it fetches\n"
+           "                                        from must prove they hold; give every server of a deployment the same\n"
+           "                                        one (default: the per-user key, made on first use at $KVRELAY_KEY_FILE,\n"
+           "                                        else $XDG_CACHE_HOME/kvrelay/agent.key, else ~/.cache/kvrelay/agent.key:\n"
+           "                                        servers of one user on one host reach each other, nobody else does)\n"
            "                                        (env: LLAMA_ARG_KV_KEY_FILE)\n");
     printf("--kv-model-id ID                        name the model by ID, which the operator vouches for (equal only for\n"
            "                                        equal weights), instead of the SHA-256 of its file, computed at start and\n"

@@ -110,7 +110,10 @@ json kv_info(const std::string & model_name) {
         { "source_control_endpoint", KV != nullptr ? KV->endpoint : std::string() },
         { "block_bytes",      KV != nullptr ? KV->store->block_bytes() : 0 },
         { "store_blocks",     KV != nullptr ? KV->store->capacity() : 0 },
-        { "kv_key_required",  KV != nullptr && !s.key_file.empty() },
+        // a peer of the KV port always proves it holds a key: --kv-key-file's (the deployment's),
+        // else the per-user key (its user's alone, made on first use: kvrelay's agent default)
+        { "kv_key_required",  KV != nullptr },
+        { "kv_key",           KV == nullptr ? "" : s.key_file.empty() ? "per-user" : "file" },
         // how blocks move between llama.cpp's KV cache and the store: only the positions asked
         // for (libllama's position-range KV API), into the store's memory (store_memory)
         { "kv_path",          KV != nullptr ? "position_range" : "off" },

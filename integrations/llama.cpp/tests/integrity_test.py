@@ -5,14 +5,19 @@
         --model MODEL.gguf [--threads 1] [--log-dir DIR]
 
 Standard library only. Servers (the bit-exact settings of two_instance_test.py): A serves its
-blocks with a pre-shared key (--kv-key-file) and trusts hints; U serves without trusting hints;
-B trusts hints, holds A's key and fetches from A; N is B without the key; C is the cold
-reference. Checks:
+blocks with a pre-shared key (--kv-key-file) and trusts hints; U serves without trusting hints
+and without a key file (the per-user key); B trusts hints, holds A's key and fetches from A; N
+is B without the key file (its per-user key is not A's key); D fetches from U with no key
+setting at all; O is D as another user's process would be (another per-user key:
+KVRELAY_KEY_FILE names another file); C is the cold reference. Checks:
   1. /v1/kv/lookup on U (hints untrusted) answers nothing about membership: the same fields
      for a prompt U holds and for one it never saw, no blocks_held; A (trusted) answers it;
   2. the KV port's key: B (with the key) fetches A's blocks and answers as C; N (without it) is
      refused, counted by reason, fetches nothing and answers as C; /v1/kv/info says a key is
      required;
+  2b. the per-user key: D (no setting, the same user) fetches U's blocks and answers as C; O
+     (another user's key) is refused (auth_failed), fetches nothing and answers as C; a key
+     file others may read is refused at start (the KV path stays off);
   3. a hinted prompt longer than B's context is not fetched for (counted prompt_too_long: the
      slot refuses it), and nothing stays pinned after its error; an empty hinted prompt leaves
      nothing pinned either;
@@ -74,6 +79,43 @@ def body(a, start):
           and len(outcomes) == 1 and "fetched" not in list(outcomes)[0] and "partial" not in list(outcomes)[0],
           "without the key: N's fetch is refused, counted by reason", str(outcomes))
     check(answer(r) == answer(want), "without the key: N answers as the cold server")
+
+    # 2b. the per-user key: no setting between servers of one user; another user's key gets nothing
+    st, info_u = U.json("GET", "/v1/kv/info")
+    check(info_u.get("kv_key") == "per-user" and info_u.get("kv_key_required") is True and info_a.get("kv_key") == "file",
+          "/v1/kv/info names the key: U the per-user key, A its key file", "%s, %s" % (info_u.get("kv_key"), info_a.get("kv_key")))
+    ep_u = info_u["source_control_endpoint"]
+    look_u = U.json("POST", "/v1/kv/lookup", {"prompt": P})[1]
+    other = os.path.join(a.log_dir, "other-user", "agent.key")
+    D = start("D", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_u])
+    O = start("O", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_u],
+              {"KVRELAY_KEY_FILE": other})
+    check(os.path.exists(other) and (os.stat(other).st_mode & 0o777) == 0o600,
+          "O made its per-user key on first use, mode 600", other)
+    for name, srv, want_fetched in (("D", D, True), ("O", O, False)):
+        before = metrics(srv)
+        r = complete(srv, P, {"kv_hints": envelope(ep_u, look_u["block_hashes"], "integrity-pu-" + name)})
+        after = metrics(srv)
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        outcomes = fetch_outcomes(before, after)
+        if want_fetched:
+            ok = got == (look_u["n_tokens"] - 1) // BT
+            what = "D (no key setting, U's user) fetched U's blocks over the per-user key"
+        else:
+            ok = got == 0 and list(outcomes) == ['llamacpp_kv_fetch_total{outcome="auth_failed"}']
+            what = "O (another user's key) is refused (auth_failed) and fetches nothing"
+        check(ok and answer(r) == answer(want), what + ", and answers as the cold server", "%s, %d blocks" % (outcomes, got))
+    O.stop()
+    D.stop()
+    loose = os.path.join(a.log_dir, "loose.key")
+    with open(loose, "w") as f:
+        f.write("a-key-file-everyone-may-read-0123456789\n")
+    os.chmod(loose, 0o644)
+    X = start("X", ["--kv-listen", "127.0.0.1:0", "--kv-key-file", loose])
+    info_x = X.json("GET", "/v1/kv/info")[1]
+    check(info_x.get("kv_path") == "off" and not info_x.get("source_control_endpoint"),
+          "a key file others may read is refused: the KV path stays off", "%s" % info_x.get("kv_path"))
+    X.stop()
 
     # 3. a prompt longer than the context is not fetched for; nothing stays pinned after its
     # error, nor after an empty hinted prompt

@@ -17,7 +17,7 @@ KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` a
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 4  # Minor version.
-KVRELAY_VERSION_PATCH = 0  # Patch version.
+KVRELAY_VERSION_PATCH = 1  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -402,6 +402,7 @@ class kvrelay_agent_stats(Structure):
         ("nixl_slow_reads", c_uint64),  # NIXL: fetches of device memory into device memory (at least 32 MiB, 1 MiB per descriptor on average) whose READs ran under 2 GB/s: UCX most likely emulated them in software (README, "The NIXL transport"). Since 0.3.1.
         ("fetch_failed_digest_mismatch", c_uint64),  # Fetches that failed: a block's content digest was not the one asked for. Since 0.3.3.
         ("ipc_offers_refused", c_uint64),  # CUDA IPC: offers in this process's name refused before any copy (memory no agent of this process on the offer's device exported, or a block its agent does not serve under the name asked); each fetch fails `corrupt`.
+        ("grants_refused_unkeyed", c_uint64),  # Hellos of a transport that grants memory (CUDA IPC, NIXL) refused because this agent has no key ([`AgentConfig::per_user_key`](super::AgentConfig::per_user_key) off, no key given): no handle leaves an agent that cannot tell who asks; also counted in `refused_unsupported`. Since 0.4.1.
     ]
 
 
@@ -692,6 +693,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_agent_config_get_limit": (c_int32, [("config", c_void_p), ("limit", c_int32), ("out", POINTER(c_uint64))]),
     "kvrelay_agent_limit_name": (c_char_p, [("limit", c_int32)]),
     "kvrelay_agent_config_set_key": (c_int32, [("config", c_void_p), ("key", c_void_p), ("len", c_size_t)]),
+    "kvrelay_agent_config_set_per_user_key": (c_int32, [("config", c_void_p), ("on", c_bool)]),
     "kvrelay_agent_config_key_from_env": (c_int32, [("config", c_void_p), ("name", c_void_p), ("len", c_size_t)]),
     "kvrelay_agent_config_key_from_file": (c_int32, [("config", c_void_p), ("path", c_void_p), ("len", c_size_t)]),
     "kvrelay_agent_fetch": (c_int32, [("agent", c_void_p), ("params", POINTER(kvrelay_fetch_params)), ("done", kvrelay_agent_fetch_done_fn), ("user_data", c_void_p), ("out", POINTER(c_void_p))]),

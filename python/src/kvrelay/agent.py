@@ -315,7 +315,9 @@ class Agent(_Handle):
     """The KV agent: serves the pool ``layout`` describes to other instances (through
     ``holder``) and fetches named blocks from them into it. ``listen`` ``None`` makes a
     fetch-only agent; ``allow`` the peers served (``loopback``, addresses, ``ADDR/PREFIX``);
-    ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it; ``transport``
+    ``key`` a pre-shared key (bytes) or ``key_env`` the variable holding it (neither: the
+    per-user key, made on first use and readable by its user alone, unless ``per_user_key`` is
+    False, which turns authentication off: TCP only, no memory grant leaves the agent); ``transport``
     ``tcp``, ``nixl`` (with ``nixl_lib_dir``), ``cuda-ipc`` (device pools of one host) or
     ``cuda-ipc,nixl`` (both, each source fetched from with the first that reaches it); ``limits`` overrides of the default limits
     (``{"streams": 1, ...}``); ``device`` the CUDA device of a GPU pool."""
@@ -330,6 +332,7 @@ class Agent(_Handle):
         allow: Sequence[str] = ("loopback",),
         key: Optional[bytes] = None,
         key_env: Optional[str] = None,
+        per_user_key: bool = True,
         transport: str = "tcp",
         nixl_lib_dir: Optional[str] = None,
         limits: Optional[dict[str, int]] = None,
@@ -351,6 +354,8 @@ class Agent(_Handle):
         if key is not None and not isinstance(key, (bytes, bytearray)):
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
         kenv = _utf8("key_env", key_env) if key_env is not None else None
+        if not isinstance(per_user_key, bool):
+            raise TypeError(f"per_user_key must be a bool, not {type(per_user_key).__name__}")
         lims = []
         if limits is not None:
             if not isinstance(limits, dict):
@@ -377,6 +382,10 @@ class Agent(_Handle):
                 _check("kvrelay_agent_config_set_key", lib.kvrelay_agent_config_set_key(cfg, kb, len(kb)))
             if kenv is not None:
                 _check("kvrelay_agent_config_key_from_env", lib.kvrelay_agent_config_key_from_env(cfg, kenv, len(kenv)))
+            if not per_user_key:
+                _check(
+                    "kvrelay_agent_config_set_per_user_key", lib.kvrelay_agent_config_set_per_user_key(cfg, False)
+                )
             for i, v in lims:
                 _check("kvrelay_agent_config_set_limit", lib.kvrelay_agent_config_set_limit(cfg, i, v))
             if device is not None:

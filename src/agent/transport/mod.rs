@@ -306,7 +306,9 @@ pub(super) fn serve_in_place(
     let layout = &cx.layout;
     let offer = wire::InPlaceOffer {
         agent: agent.into(),
-        metadata: metadata.to_vec(),
+        // an offer of no block carries no grant: a hello naming nothing held (or nothing at
+        // all) learns no handle, registration or descriptor socket
+        metadata: if ids.is_empty() { Vec::new() } else { metadata.to_vec() },
         block_bytes: cx.block_bytes as u64,
         device,
         num_blocks: layout.num_blocks(),

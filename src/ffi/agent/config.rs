@@ -108,7 +108,7 @@ pub struct kvrelay_agent_config {
 }
 
 /// A configuration with the defaults: listen on `127.0.0.1:0`, loopback peers only, the
-/// default limits, no key.
+/// default limits, the per-user key (`kvrelay_agent_config_set_per_user_key`).
 ///
 /// # Safety
 /// `fingerprint` NULL or readable; `out` NULL or writable.
@@ -315,7 +315,8 @@ pub extern "C" fn kvrelay_agent_limit_name(limit: i32) -> *const c_char {
 
 /// Require peers to prove they hold this pre-shared key (16-4096 bytes, surrounding ASCII
 /// whitespace trimmed). Both sides of a transfer must have the same key. The key is copied and
-/// never logged or put in an error message. `(NULL, 0)` removes the key.
+/// never logged or put in an error message. `(NULL, 0)` removes the key given (the agent then
+/// uses the per-user key, unless `kvrelay_agent_config_set_per_user_key` turned it off).
 ///
 /// # Safety
 /// `config` NULL or live; `key` readable for `len` bytes.
@@ -333,6 +334,30 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_key(
         } else {
             Some(Psk::new(k).map_err(|e| with_detail(KVRELAY_ERR_INVALID_CONFIG, e))?)
         };
+        Ok(())
+    })
+}
+
+/// With no key given: `on` nonzero (the default) authenticates with the key this process's user
+/// holds alone, created on first use, mode 0600: `$KVRELAY_KEY_FILE`, else
+/// `$XDG_CACHE_HOME/kvrelay/agent.key`, else `~/.cache/kvrelay/agent.key` (`kvrelay_agent_new`
+/// fails with the reason when it cannot be read or made, or others may read it). Agents of one
+/// user on one host then reach each other with no setting, and another user's process gets
+/// nothing. `on` 0: no authentication; any allowlisted peer may fetch over TCP, and no grant of
+/// memory (CUDA IPC handle, NIXL registration) leaves the agent (counted in
+/// `grants_refused_unkeyed`; fetchers fall back to TCP). Since 0.4.1.
+///
+/// # Safety
+/// `config` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_config_set_per_user_key(
+    config: *mut kvrelay_agent_config,
+    on: bool,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let c = unsafe { input_mut(config)? };
+        c.inner.per_user_key = on;
         Ok(())
     })
 }
@@ -357,7 +382,8 @@ pub unsafe extern "C" fn kvrelay_agent_config_key_from_env(
 }
 
 /// Read the pre-shared key from the file at `path` (`KVRELAY_ERR_IO` when it cannot be read,
-/// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key).
+/// `KVRELAY_ERR_INVALID_CONFIG` when it is not a key, or when users other than its owner may
+/// read or write it: mode bits `0o066`, `chmod 600`).
 ///
 /// # Safety
 /// `config` NULL or live; `path` readable for `len` bytes.

@@ -45,8 +45,13 @@
 //!   process's `/proc` when it was mapped) cannot be looked at: its mappings stay until the
 //!   bounds or the agent's stop let them go. Every driver call happens outside the table's
 //!   lock.
-//! - **What a peer can do.** Only a peer that passed the agent's allowlist (and its key, when
-//!   one is set) receives handles, and only on the source's connection to it. A mapped pool is
+//! - **What a peer can do.** Only a peer that passed the agent's allowlist and proved it holds
+//!   the agent's key receives handles, and only on the source's connection to it, in an offer
+//!   of at least one block it asked for by name: an offer of no block carries no exports, and
+//!   an agent without a key (no deployment key given and the per-user key turned off) refuses
+//!   every CUDA IPC hello (`grants_refused_unkeyed`). With no setting at all the key is the
+//!   per-user key ([`crate::agent::auth`]): a process of another user of the host gets no
+//!   handle. A mapped pool is
 //!   readable and writable by that peer's process, as a NIXL registration is: run agents that
 //!   share a host under one trust domain. Neither driver path lets the exporter make a peer's
 //!   mapping read-only: `cuIpcOpenMemHandle` maps the whole `cuMemAlloc` allocation with read
@@ -640,6 +645,10 @@ impl Backend for CudaIpc {
             land,
         )?;
         let r = (|| {
+            // an offer of no block carries no exports (the source grants nothing for it)
+            if offer.blocks.is_empty() {
+                return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
+            }
             let exports = decode_exports(&offer.metadata)
                 .ok_or((FailReason::Corrupt, "the offer's CUDA IPC exports do not decode".to_string()))?;
             if exports.host != self.host {
@@ -651,9 +660,6 @@ impl Backend for CudaIpc {
             }
             if offer.device.is_none() {
                 return Err((FailReason::Corrupt, "a CUDA IPC offer of host memory".to_string()));
-            }
-            if offer.blocks.is_empty() {
-                return Err((FailReason::SourceMiss, "the source holds none of the blocks".to_string()));
             }
             if exports.pid == self.pid {
                 // "this process" is only a claim: an agent of it must be serving exactly these
