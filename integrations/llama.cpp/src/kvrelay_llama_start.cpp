@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace kvrelay_llama {
@@ -126,19 +127,23 @@ std::filesystem::path cache_dir() {
 }
 
 // The SHA-256 of a file (model, adapter, control vector) as hex: what the identity binds it by.
-// Read once per file version: kept in the cache directory under its canonical path, size and
-// modification time (a file changed in place gets a new entry); an entry is used only when the
-// key it records is this file's. Throws when the file cannot be read.
+// Read once per file version: kept in the cache directory under the file's device, inode, size
+// and status-change time (ctime), which every write, truncation, rename over it or copy in place
+// moves and which no user can set back (a modification time can be: touch -d), so a file
+// changed in any way gets a new entry; an entry is used only when the key it records is this
+// file's. Throws when the file cannot be read.
 std::string file_sha256(const std::string & file) {
     namespace fs = std::filesystem;
     std::error_code ec;
-    const fs::path  canon = fs::canonical(file, ec);
-    const uintmax_t size  = fs::file_size(file, ec);
-    const auto      mtime = fs::last_write_time(file, ec).time_since_epoch().count();
-    const std::string key = (ec ? fs::path(file) : canon).string() + "\n" + std::to_string((unsigned long long) size) +
-                            "\n" + std::to_string((long long) mtime);
+    struct stat     st {};
+    const bool      known = ::stat(file.c_str(), &st) == 0;
+    const std::string key = "dev=" + std::to_string((unsigned long long) st.st_dev) +
+                            "\nino=" + std::to_string((unsigned long long) st.st_ino) +
+                            "\nsize=" + std::to_string((long long) st.st_size) +
+                            "\nctime=" + std::to_string((long long) st.st_ctim.tv_sec) + "." +
+                            std::to_string((long long) st.st_ctim.tv_nsec);
     const fs::path dir    = cache_dir();
-    const fs::path entry  = dir.empty() || ec ? fs::path() : dir / "file-sha256" / hex64(kvrelay::Naming::seed_of(key));
+    const fs::path entry  = dir.empty() || !known ? fs::path() : dir / "file-sha256" / hex64(kvrelay::Naming::seed_of(key));
     if (!entry.empty()) {
         std::ifstream in(entry);
         std::string   hex;
@@ -220,6 +225,24 @@ std::string identity_of(const common_params & params, const llama_context * ctx)
     id += ";yarn=" + exact(params.yarn_ext_factor) + "," + exact(params.yarn_attn_factor) + "," +
           exact(params.yarn_beta_fast) + "," + exact(params.yarn_beta_slow) + "," + std::to_string(params.yarn_orig_ctx);
     id += std::string(";swa_full=") + (params.swa_full ? "1" : "0");
+    // the context per sequence: LongRoPE models (Phi-3/3.5, Phi-4-mini) rotate K with their long
+    // or short factors by whether it exceeds the model's original context (which the model's
+    // bytes and yarn_orig_ctx above fix), so -c, -np and --kv-unified change K; bound for every
+    // model (simplest, and the cost is only that servers of other -c never exchange)
+    id += ";n_ctx_seq=" + std::to_string(ctx != nullptr ? llama_n_ctx_seq(ctx) : 0u);
+    if (ctx == nullptr) {
+        id += ";n_ctx=" + std::to_string(params.n_ctx) + ";n_parallel=" + std::to_string(params.n_parallel) +
+              ";kv_unified=" + (params.kv_unified ? "1" : "0");
+    }
+    // where the KV and the weights live (the CPU's kernels and a GPU's differ in low bits)
+    id += std::string(";kv_offload=") + (params.no_kv_offload ? "0" : "1");
+    for (const llama_model_tensor_buft_override & o : params.tensor_buft_overrides) {
+        if (o.pattern == nullptr) {
+            continue;  // padding and the list's terminator
+        }
+        id += ";tensor_override=" + std::string(o.pattern) + "=" +
+              (o.buft != nullptr ? ggml_backend_buft_name(o.buft) : "(none)");
+    }
     id += ";build=" + std::string(llama_commit());
     id += ";n_ubatch=" + std::to_string(ctx != nullptr ? llama_n_ubatch(ctx) : (uint32_t) params.n_ubatch);
     id += ";type_k=" + std::string(ggml_type_name(params.cache_type_k));

@@ -7,15 +7,21 @@
 Standard library only (the fixtures: identity_fixtures.py). A serves its blocks and trusts
 hints; every other server trusts hints, fetches always and may fetch from A (or, for the LoRA
 scale, from L1). Each variant is A's settings with exactly one change: a control vector, the
-RoPE base, the RoPE scale, an --override-kv, a LoRA scale (L1 at 1.0 against L2 at 0.5), and
-another GGUF of the same file name and size. Checks:
+RoPE base, the RoPE scale, an --override-kv, a LoRA scale (L1 at 1.0 against L2 at 0.5),
+another GGUF of the same file name and size, the context per sequence (-c, and
+-np), --no-kv-offload and a tensor placement override (-ot). Checks:
   1. A names its model by content: the SHA-256 of the file (hashlib's), cached in
      KVRELAY_CACHE_DIR, where a restart finds it;
   2. B, with A's settings, has A's seed and fetches A's blocks (the control case);
   3. each variant has another seed, and its hinted fetch from A (its own names, as a router that
      indexed it would send) is refused as a fingerprint mismatch: no block moves;
   4. --kv-model-id names the model by the operator's word: the twin GGUF under A's id has A's
-     seed (which is why the flag is the operator's promise, not a check).
+     seed (which is why the flag is the operator's promise, not a check);
+  5. a LongRoPE model (a tiny random phi3 whose long and short RoPE factors differ, written by
+     tiny_gguf.py): cold servers at -c 2048 (long factors) and -c 512 (short) answer differently,
+     so their K differs for the same tokens; a -c 2048 server fetches LA's (-c 2048) blocks and
+     answers as the cold -c 2048 server; a -c 512 server has another seed, is refused
+     (fingerprint mismatch) and answers as the cold -c 512 server.
 Exit status 0 when every check passed.
 """
 import hashlib
@@ -26,8 +32,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from identity_fixtures import write_control_vector, write_lora, write_twin_model  # noqa: E402
+from tiny_gguf import write_phi3_longrope  # noqa: E402
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import BT, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
+from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
 
 
 def body(a, start, fixtures, cache):
@@ -93,6 +100,12 @@ def body(a, start, fixtures, cache):
         ("the RoPE scale", ["--rope-freq-scale", "0.5"], None),
         ("an --override-kv", ["--override-kv", "llama.attention.layer_norm_rms_epsilon=float:0.0001"], None),
         ("another GGUF of the same name and size", [], twin),
+        # the context per sequence (LongRoPE models pick their RoPE factors by it), from -c
+        # and from -np
+        ("the context per sequence (-c)", ["-c", "4096"], None),
+        ("the context per sequence (-np)", ["-np", "2"], None),
+        ("--no-kv-offload", ["--no-kv-offload"], None),
+        ("a tensor placement override (-ot)", ["-ot", "ffn_.*=CPU"], None),
     ]
     for i, (what, args, model) in enumerate(variants):
         V = start_env("V%d" % i, fetching + args, model)
@@ -120,6 +133,43 @@ def body(a, start, fixtures, cache):
     W2 = start_env("W2", ["--kv-model-id", "vouched-model-1"], twin)
     check(info(W1)["naming_seed"] == info(W2)["naming_seed"] != seed_a,
           "--kv-model-id: the operator's id names the model, whatever the file holds")
+    W2.stop()
+    W1.stop()
+
+    # 5. LongRoPE: the context per sequence picks the RoPE factors, so it changes K
+    phi3 = os.path.join(fixtures, "longrope.gguf")
+    write_phi3_longrope(phi3, n_ctx_train=4096, n_ctx_orig=512)
+    Q = text(12, 31)  # short: this vocabulary makes each byte a token
+    LA = start_env("LA", ["--kv-listen", "127.0.0.1:0", "--kv-hints-trusted"], phi3)  # -c 2048: long factors
+    info_la = info(LA)
+    ep_la = info_la["source_control_endpoint"]
+    complete(LA, Q)
+    cold_long = start_env("LC-2048", [], phi3)
+    cold_short = start_env("LC-512", ["-c", "512"], phi3)
+    want_long = complete(cold_long, Q, {"cache_prompt": False})
+    want_short = complete(cold_short, Q, {"cache_prompt": False})
+    check(answer(want_long) != answer(want_short),
+          "LongRoPE: cold servers at -c 2048 and -c 512 answer differently (long and short factors, other K)")
+    fetching_la = ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_la]
+    for name, args, want, same in (("LB", [], want_long, True), ("LS", ["-c", "512"], want_short, False)):
+        srv = start_env(name, fetching_la + args, phi3)
+        seed = info(srv)["naming_seed"]
+        st, look = srv.json("POST", "/v1/kv/lookup", {"prompt": Q})
+        assert st == 200, look
+        before = metrics(srv)
+        r = complete(srv, Q, {"kv_hints": envelope(ep_la, look["block_hashes"], "id-" + name)})
+        after = metrics(srv)
+        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+        outcomes = fetch_outcomes(before, after)
+        if same:
+            ok = seed == info_la["naming_seed"] and got == (look["n_tokens"] - 1) // BT > 0
+            what = "LongRoPE, equal -c: LA's seed, LA's blocks fetched"
+        else:
+            ok = seed != info_la["naming_seed"] and outcomes == refused and got == 0
+            what = "LongRoPE, -c 512 against LA's -c 2048: another seed, refused (fingerprint mismatch)"
+        check(ok and answer(r) == answer(want), what + ", and the answer is the cold server's of its -c",
+              "seed %s, %s, %d blocks" % (seed, outcomes, got))
+        srv.stop()
 
 
 def main():

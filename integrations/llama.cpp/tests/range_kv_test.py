@@ -73,8 +73,9 @@ def body(a, start):
           "largest turn: %d blocks" % (max(exported_per_turn) // bb))
 
     # 3. B holds 60 blocks of P; P1 adds one block; B fetches it, and only it enters the slot
-    B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a])
-    C = start("C", [])
+    # (A's context per sequence: the identity binds it)
+    B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a, "-c", "4096"])
+    C = start("C", ["-c", "4096"])
     words = tokenize(A, " " + " ".join(text(900, 7).split()[8:]))
     P = words[:60 * BT + 5]
     P1 = words[:61 * BT + 5]

@@ -97,7 +97,7 @@ def body(a, start):
     relay = GatedRelay(int(ep_a.rsplit(":", 1)[1]))
     ep = "tcp://127.0.0.1:%d" % relay.port
     B = start("B", ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep,
-                    "-np", "4", "-c", "4096"])
+                    "-np", "4", "-c", "8192"])  # 2048 a slot: A's context per sequence
     C = start("C", [])
     try:
         P = text(480, 77)
