@@ -237,7 +237,8 @@ fn main() {
     cfg.transport = transport.clone();
     cfg.limits.streams = streams as u32;
     cfg.limits.poll = poll;
-    // socket buffers of both sides (`KVRELAY_BENCH_SOCKET_BUFFER`, bytes; 0: the kernel's)
+    cfg.limits.unchecked_fetch = true; // the bench moves blocks by name: the transport is measured
+                                       // socket buffers of both sides (`KVRELAY_BENCH_SOCKET_BUFFER`, bytes; 0: the kernel's)
     let sockbuf: u32 = std::env::var("KVRELAY_BENCH_SOCKET_BUFFER").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     cfg.limits.socket_buffer_bytes = sockbuf;
     // least bytes per stream (`KVRELAY_BENCH_MIN_STREAM_BYTES`; default: the library's)
@@ -503,6 +504,7 @@ fn main() {
     cold_cfg.device = device;
     cold_cfg.transport = transport;
     cold_cfg.limits.idle_timeout = Duration::ZERO;
+    cold_cfg.limits.unchecked_fetch = true;
     cold_cfg.limits.streams = streams as u32;
     cold_cfg.limits.min_stream_bytes = min_stream;
     cold_cfg.limits.poll = poll;

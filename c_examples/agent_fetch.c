@@ -36,6 +36,15 @@ enum { BLOCKS = 16, LAYERS = 2, KVB = 4096, NAMES = 6 };
 static const uint64_t names[NAMES] = {0x1001, 0x1002, 0x1003, 0x1004, 0x1005, 0x1006};
 static const char KEY[] = "kvrelay example pre-shared key";
 
+/* A block's content digest. A runtime computes it with kvrelay_block_digests over the tokens
+ * whose KV the block holds (the same call on both sides, so equal tokens give equal digests);
+ * this example has no tokens, so each name's digest is made up from the name. A fetch asks by
+ * content (kvrelay_agent_submit_checked): a block whose recorded digest is another is never
+ * written. */
+static void digest_of(uint64_t name, uint8_t out[KVRELAY_BLOCK_DIGEST_BYTES]) {
+  for (int i = 0; i < KVRELAY_BLOCK_DIGEST_BYTES; i++) out[i] = (uint8_t)(name >> (8 * (i % 8))) ^ (uint8_t)i;
+}
+
 /* ---- the few CUDA driver calls a GPU pool needs here ---- */
 typedef int cu_result;
 typedef struct cu_ctx_st *cu_context;
@@ -241,6 +250,11 @@ static int run_source(int out_fd, pid_t child) {
   for (uint32_t i = 0; i < NAMES; i++) ids[i] = 2 + i;
   CHECK(kvrelay_agent_record_checksums(a, ids, NAMES) == KVRELAY_OK);
   CHECK(kvrelay_agent_record_checksums(k, ids, NAMES) == KVRELAY_OK);
+  /* and their content digests (each block is served with its digest) */
+  uint8_t digests[NAMES][KVRELAY_BLOCK_DIGEST_BYTES];
+  for (uint32_t i = 0; i < NAMES; i++) digest_of(names[i], digests[i]);
+  CHECK(kvrelay_agent_record_digests(a, ids, &digests[0][0], NAMES) == KVRELAY_OK);
+  CHECK(kvrelay_agent_record_digests(k, ids, &digests[0][0], NAMES) == KVRELAY_OK);
   char ea[128], ek[128], line[300];
   endpoint_of(a, ea, sizeof ea);
   endpoint_of(k, ek, sizeof ek);
@@ -300,18 +314,27 @@ static int32_t provider_fetch(void *ud, const kvrelay_fetch_request *r) {
 }
 
 static atomic_int callbacks;
-static void on_done(void *ud, const kvrelay_fetch_result *r) {
+static void on_done(void *ud, const kvrelay_fetch_result *r, kvrelay_str detail) {
   (void)r;
+  (void)detail;
   atomic_fetch_add((atomic_int *)ud, 1);
 }
 
 static int32_t fetch_failure(kvrelay_agent *b, const char *ep, const uint64_t *nm, size_t n, size_t held,
                              const uint32_t *dst, size_t ndst, size_t *blocks) {
   kvrelay_fetch_params fp = {sizeof(kvrelay_fetch_params), {ep, strlen(ep)}, nm, n, held, dst, ndst, 10000};
+  uint8_t digests[NAMES + 1][KVRELAY_BLOCK_DIGEST_BYTES];
+  if (n > NAMES + 1) return -3;
+  for (size_t i = 0; i < n; i++) digest_of(nm[i], digests[i]); /* the request's own blocks' digests */
+  kvrelay_fetch_callbacks cb;
+  memset(&cb, 0, sizeof cb);
+  cb.size = sizeof cb;
+  cb.user_data = &callbacks;
+  cb.done = on_done;
   kvrelay_fetch *f = NULL;
   kvrelay_fetch_result r;
   r.size = sizeof r;
-  if (kvrelay_agent_fetch(b, &fp, on_done, &callbacks, &f) != KVRELAY_OK) return -1;
+  if (kvrelay_agent_submit_checked(b, &fp, &digests[0][0], n, &cb, &f) != KVRELAY_OK) return -1;
   kvrelay_status st = kvrelay_fetch_wait(f, 20000, &r);
   kvrelay_fetch_free(f);
   if (st != KVRELAY_OK) return -2;
@@ -444,8 +467,11 @@ static int run_destination(int in_fd) {
   kvrelay_agent_free(bk);
   kvrelay_agent_free(bw);
 
-  /* bad arguments are refused before anything runs */
+  /* bad arguments are refused before anything runs; so is a fetch by name alone (no digests)
+   * unless the limit KVRELAY_LIMIT_UNCHECKED_FETCH allows it */
   kvrelay_fetch *f = NULL;
+  kvrelay_fetch_params plain = {sizeof(kvrelay_fetch_params), {ea, strlen(ea)}, names, NAMES, 0, one, 1, 1000};
+  CHECK(kvrelay_agent_fetch(b, &plain, NULL, NULL, &f) == KVRELAY_ERR_INVALID_ARGUMENT && f == NULL);
   const uint32_t dup[2] = {1, 1};
   kvrelay_fetch_params bad = {sizeof(kvrelay_fetch_params), {ea, strlen(ea)}, names, NAMES, 0, dup, 2, 1000};
   CHECK(kvrelay_agent_fetch(b, &bad, NULL, NULL, &f) == KVRELAY_ERR_INVALID_ARGUMENT && f == NULL);

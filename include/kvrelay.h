@@ -364,8 +364,8 @@ typedef int32_t kvrelay_fetch_failure;
 // values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but
 // `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except
 // `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
-// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US` and
-// `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS`.
+// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US`,
+// `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS` and `KVRELAY_LIMIT_UNCHECKED_FETCH`.
 enum kvrelay_agent_limit
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : int32_t
@@ -430,6 +430,11 @@ enum kvrelay_agent_limit
   // a caching allocator's segment: every allowed peer can then read and write the tensors
   // beside it). Since 0.4.0.
   KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS = 17,
+  // `kvrelay_agent_submit` (a fetch by name alone, no content digests): 0 (the default)
+  // refuses it with `KVRELAY_ERR_INVALID_ARGUMENT`, since a 64-bit name can be collided and
+  // a source can send any bytes under it; 1 allows it (the block's checksum is still
+  // checked). `kvrelay_agent_submit_checked` is what a runtime uses. Since 0.4.1.
+  KVRELAY_LIMIT_UNCHECKED_FETCH = 18,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1490,7 +1495,10 @@ kvrelay_status kvrelay_agent_config_key_from_file(struct kvrelay_agent_config *c
 // is published to `kvrelay_fetch_poll` / `_wait` right after the callback returns (so once a
 // poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 // block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
-// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
+// deadline, more blocks than `max_names`, and (since 0.4.1) always unless the limit
+// `KVRELAY_LIMIT_UNCHECKED_FETCH` is 1: a fetch by name alone takes whatever bytes a source
+// sends under a 64-bit name; `kvrelay_agent_submit_checked` asks by content. `KVRELAY_ERR_BUSY`
+// when the fetch queue is full. On
 // an error nothing was submitted and `done` is never called. `kvrelay_agent_submit` is the
 // same with the failure detail passed to the callback and a destroy function for `user_data`.
 //

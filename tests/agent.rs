@@ -50,6 +50,35 @@ fn fetches_the_leading_run_byte_exact_and_unpins_everything() {
     assert_eq!(b.agent.speed("tcp://127.0.0.1:1"), kvrelay::agent::TCP_DEFAULT);
 }
 
+/// A fetch by name alone (no content digests) is refused at submission unless the limit
+/// `unchecked_fetch` allows it: by default a name never admits a block alone.
+#[test]
+fn unchecked_fetches_need_the_limit() {
+    let a = instance();
+    a.hold(&NAMES, 0);
+    let ids: Vec<u32> = (0..NAMES.len() as u32).collect();
+    let digests = digests_of(&[1, 2, 3, 4, 5, 6]);
+    a.agent.record_digests(&ids, &digests).unwrap();
+    assert!(!kvrelay::agent::Limits::default().unchecked_fetch, "off by default");
+    let b = instance_with(|c| c.limits.unchecked_fetch = false);
+    let req = |digests: Vec<[u8; 32]>| FetchRequest {
+        endpoint: a.endpoint(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst: vec![0, 1],
+        deadline: Duration::from_secs(10),
+        digests,
+    };
+    match b.agent.submit(req(Vec::new()), None) {
+        Err(kvrelay::agent::AgentError::Argument(e)) => assert!(e.contains("unchecked_fetch"), "{e}"),
+        other => panic!("a fetch by name alone was not refused: {:?}", other.map(|_| ())),
+    }
+    assert_eq!(b.agent.stats().fetches_submitted, 0);
+    let r = b.agent.submit(req(digests), None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes");
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    eventually("every pin released", || a.cache.pinned() == 0);
+}
+
 /// A fetch that asks with content digests takes only the blocks whose source recorded the
 /// same digest (a name collision is never written), over TCP.
 #[test]
@@ -209,7 +238,7 @@ fn submissions_are_checked() {
 fn dropping_the_agent_completes_every_fetch_and_joins_its_threads() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", stall.local_addr().unwrap());
-    let limits = Limits { fetch_threads: 1, ..Limits::default() };
+    let limits = Limits { fetch_threads: 1, ..fetch_limits() };
     let b = unkeyed_with(|c| c.limits = limits); // the source is a socket that stalls
     let done = Arc::new(Mutex::new(Vec::new()));
     let mut fetches = Vec::new();
@@ -248,6 +277,7 @@ fn gpu_pools_serve_and_fetch_byte_exact() {
     let dev_pool = || DevPool::new(&dev);
     let mk = |layout: &KvLayout, device: Option<i32>, cache: &Arc<Cache>| {
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.device = device;
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
         unsafe { Agent::new(c, layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap()
@@ -402,7 +432,7 @@ fn a_dripping_then_stalling_source_ends_by_the_fetch_deadline() {
 /// part of it, and a corrupt block in a later part stops the count there.
 #[test]
 fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
-    let limits = Limits { streams: 4, min_stream_bytes: 1, ..Limits::default() };
+    let limits = Limits { streams: 4, min_stream_bytes: 1, ..fetch_limits() };
     let mut a = instance();
     let names: Vec<u64> = (201..213).collect(); // 12 blocks
     a.hold(&names, 2);
@@ -434,7 +464,7 @@ fn a_fetch_over_several_streams_reports_the_leading_run_in_order() {
 /// runtime made ready; a source that holds none of the blocks asks for no room at all.
 #[test]
 fn room_is_asked_for_only_after_the_offer_and_only_for_what_comes() {
-    let limits = Limits { streams: 2, min_stream_bytes: 1, ..Limits::default() };
+    let limits = Limits { streams: 2, min_stream_bytes: 1, ..fetch_limits() };
     let a = instance();
     let names: Vec<u64> = (401..409).collect(); // 8 blocks
     a.hold(&names[..5], 2); // the source holds the first 5
@@ -499,7 +529,7 @@ fn kept_alive_connections_carry_the_next_fetch() {
     eventually("every pin released", || a.cache.pinned() == 0);
     // a source that keeps idle connections for 100 ms only: the destination (5 s) still holds
     // its connection, finds it closed and opens a new one, within the same fetch
-    let short = Limits { idle_timeout: Duration::from_millis(100), ..Limits::default() };
+    let short = Limits { idle_timeout: Duration::from_millis(100), ..fetch_limits() };
     let c = instance_with(|c| {
         c.limits = short;
         c.key = key("the two agents' shared secret");
@@ -519,7 +549,7 @@ fn kept_alive_connections_carry_the_next_fetch() {
     assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
     assert_eq!(c.agent.stats().accepted, 2, "a new connection replaced the closed one");
     // no reuse at all with an idle timeout of zero
-    let off = Limits { idle_timeout: Duration::ZERO, ..Limits::default() };
+    let off = Limits { idle_timeout: Duration::ZERO, ..fetch_limits() };
     let d = instance_with(|c| c.limits = off.clone());
     d.hold(&NAMES, 0);
     let e = instance_with(|c| c.limits = off);
@@ -565,7 +595,7 @@ fn polling_threads_carry_back_to_back_fetches() {
 #[test]
 fn a_failed_part_stops_the_parts_after_it() {
     // reads wait a minute for the source: only the sibling stop ends the waiting parts early
-    let limits = Limits { streams: 4, min_stream_bytes: 1, io_timeout: Duration::from_secs(60), ..Limits::default() };
+    let limits = Limits { streams: 4, min_stream_bytes: 1, io_timeout: Duration::from_secs(60), ..fetch_limits() };
     let mut a = instance();
     let names: Vec<u64> = (401..413).collect(); // 12 blocks: 4 parts of 3
     a.hold(&names, 2);
@@ -604,7 +634,7 @@ fn a_cancel_touches_only_its_own_connections() {
         min_stream_bytes: 1,
         fetch_threads: 2,
         idle_timeout: Duration::from_secs(60),
-        ..Limits::default()
+        ..fetch_limits()
     };
     let a = instance_with(|c| c.limits.idle_timeout = Duration::from_secs(60));
     let names: Vec<u64> = (501..513).collect(); // 12 blocks: 4 parts of 3

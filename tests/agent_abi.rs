@@ -42,6 +42,9 @@ fn agent() -> *mut kvrelay_agent {
     unsafe {
         assert_eq!(kvrelay_agent_config_new(&fp, &mut cfg), KVRELAY_OK);
         assert_eq!(kvrelay_agent_config_set_listen(cfg, ptr::null(), 0), KVRELAY_OK);
+        // its fetches go by name alone (nothing listens where they go)
+        let unchecked = kvrelay_agent_limit::KVRELAY_LIMIT_UNCHECKED_FETCH as i32;
+        assert_eq!(kvrelay_agent_config_set_limit(cfg, unchecked, 1), KVRELAY_OK);
         assert_eq!(
             kvrelay_kv_layout_all_layers_per_block(pool.as_mut_ptr() as u64, 1, 4, 4096, &mut layout),
             KVRELAY_OK
@@ -103,6 +106,8 @@ fn limits_are_set_by_name_and_never_wrap() {
         assert_eq!(v, 50, "read back in microseconds");
         // off by default: a CUDA IPC grant holds the pool and nothing else
         switch(kvrelay_agent_limit::KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS, 0, "exports exactly the pool by default");
+        // off by default: a fetch by name alone is refused (kvrelay_agent_submit_checked asks by content)
+        switch(kvrelay_agent_limit::KVRELAY_LIMIT_UNCHECKED_FETCH, 0, "refuses fetches by name alone by default");
         kvrelay_agent_config_free(cfg);
     }
 }

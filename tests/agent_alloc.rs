@@ -68,6 +68,7 @@ fn a_fetch_allocates_nothing_per_block() {
     let mut cfg = AgentConfig::new(fp);
     cfg.listen = None;
     cfg.limits.fetch_threads = 1;
+    cfg.limits.unchecked_fetch = true;
     // SAFETY: as above.
     let dst = unsafe { Agent::new(cfg, dst_layout, Box::new(Held(HashMap::new()))) }.unwrap();
     let ep = src.endpoint().unwrap().to_string();

@@ -24,6 +24,7 @@ const SOURCE_ENV: &str = "KVRELAY_TEST_IPC_SOURCE";
 /// The configuration of an agent over a pool of CUDA device 0 that moves blocks over CUDA IPC.
 fn ipc_config() -> AgentConfig {
     let mut c = AgentConfig::new(fp());
+    c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
     c.device = Some(0);
     c.transport = kvrelay::agent::Transport::CudaIpc;
     c
@@ -107,6 +108,7 @@ fn spawn_source(test: &str) -> (std::process::Child, std::process::ChildStdin, i
 fn cuda_ipc_needs_a_device_pool() {
     let pool = Pool::new();
     let mut c = AgentConfig::new(fp());
+    c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
     c.transport = kvrelay::agent::Transport::CudaIpc;
     let cache = Arc::new(Cache::default());
     // SAFETY: the pool outlives the (refused) agent.

@@ -213,6 +213,7 @@ fn nixl_withholds_blocks_under_a_running_read_and_returns_them_when_it_ends() {
     };
     let agent = |b: &Big, cache: &Arc<Cache>| {
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.transport = t.clone();
         c.limits.write_grace = Duration::ZERO;
         // SAFETY: each pool outlives its agent (the agents are dropped first below).
@@ -303,6 +304,7 @@ fn nixl_gpu_pools_read_in_place_verified() {
     let Some(t) = nixl(test) else { return };
     let mk = |layout: &KvLayout, device: Option<i32>, cache: &Arc<Cache>| {
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.device = device;
         c.transport = t.clone();
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
@@ -375,6 +377,7 @@ fn nixl_counts_a_device_read_it_had_to_emulate() {
     let (dst, dst_layout) = pool(&|_| 0);
     let mk = |layout: KvLayout, cache: &Arc<Cache>| {
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.device = Some(0);
         c.transport = t.clone();
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
@@ -445,6 +448,7 @@ fn one_agent_prefers_cuda_ipc_then_nixl_then_tcp_per_source() {
     let serving = |pool: &mut DevPool, t: kvrelay::agent::Transport| {
         let cache = Arc::new(Cache::default());
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.device = Some(0);
         c.transport = t;
         // SAFETY: the pools outlive the agents (dropped at the end of the test, agents first).
@@ -466,6 +470,7 @@ fn one_agent_prefers_cuda_ipc_then_nixl_then_tcp_per_source() {
     let mut dst = DevPool::new(&dev);
     let dst_agent = {
         let mut c = AgentConfig::new(fp());
+        c.limits.unchecked_fetch = true; // fetches by name: the transport is what is tested
         c.device = Some(0);
         c.transport = both;
         // SAFETY: the pool outlives the agent.

@@ -48,16 +48,24 @@ fn authentication_with_a_pre_shared_key() {
     let wrong = instance_with(|c| c.key = key("another secret, not the shared one"));
     let r = wrong.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
     assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
+    // no key given: the per-user key, not the shared one
     let none = instance();
     let r = none.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1]);
     assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
-    assert_eq!(a.agent.stats().refused_auth_failed, 2);
-    // a destination with a key never talks to a source without one
-    let plain = instance();
+    // the fetcher stops at the source's proof, once it sent its own: the source counts the
+    // refusal on its own thread
+    eventually("both refusals counted", || a.agent.stats().refused_auth_failed == 2);
+    // a destination with a key never talks to a source with another one (the per-user key),
+    // nor to one with none
+    let per_user = instance();
+    per_user.hold(&NAMES, 0);
+    let r = good.fetch(&per_user.endpoint(), &NAMES, 0, vec![0]);
+    assert_eq!(r.failure, Some(FailReason::AuthFailed), "{}", r.detail);
+    assert!(!r.detail.contains("shared secret"));
+    let plain = unkeyed_with(|_| {});
     plain.hold(&NAMES, 0);
     let r = good.fetch(&plain.endpoint(), &NAMES, 0, vec![0]);
     assert_eq!(r.failure, Some(FailReason::AuthFailed), "{}", r.detail);
-    assert!(!r.detail.contains("shared secret"));
 }
 
 #[test]

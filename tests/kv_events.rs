@@ -280,6 +280,8 @@ fn peers_off_the_allowlist_get_no_events() {
 fn a_keyed_publisher_sends_only_to_peers_with_its_token() {
     let key_file = std::env::temp_dir().join(format!("kvrelay-events-key-{}", std::process::id()));
     std::fs::write(&key_file, "kv-events-test-key-0123456789\n").unwrap();
+    // a key file is its owner's alone (one others may read is refused)
+    std::fs::set_permissions(&key_file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let s = with_events(&["--kv-events-key-file", key_file.to_str().unwrap()]);
     let _ = std::fs::remove_file(&key_file);
     assert_eq!(info(&s)["kv_events"]["key_required"], true);

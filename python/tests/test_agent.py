@@ -11,6 +11,11 @@ import kvrelay
 N = 12
 BLOCK = 8192
 FP = kvrelay.Fingerprint(block_tokens=32, layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, naming=0x6B76)
+# the source's blocks hold the KV of these tokens; a checked fetch asks for their digests
+IDENTITY = b"the test engine: its model by content and every setting that changes KV"
+NAMING = kvrelay.Naming(seed=0x6B76, block_tokens=32)
+TOKENS = [7 * i % 50257 for i in range(N * 32)]
+DIGESTS = NAMING.digests(IDENTITY, TOKENS)
 
 
 def pattern(n):
@@ -54,7 +59,12 @@ def test_two_processes_serve_and_fetch_byte_exact(source):
     with kvrelay.Agent(FP, dst.layout, dst, listen=None, key=b"a shared secret of the two") as agent:
         names = [1000 + i for i in range(N)]
         dst_blocks = list(range(4, 4 + N - 2))
-        f = agent.fetch(endpoint, names, dst_blocks, held=2)
+        # by name alone: refused unless the agent's limit allows it
+        with pytest.raises(kvrelay.KvrelayError, match="unchecked_fetch"):
+            agent.fetch(endpoint, names, dst_blocks, held=2)
+        with pytest.raises(ValueError):
+            agent.fetch(endpoint, names, dst_blocks, held=2, digests=DIGESTS[:3])  # one per name
+        f = agent.fetch(endpoint, names, dst_blocks, held=2, digests=DIGESTS)
         r = f.result(timeout=30)
         assert (r.failure, r.blocks, r.bytes, r.withheld) == ("ok", N - 2, (N - 2) * BLOCK, 0), r
         want = pattern(N)
@@ -65,13 +75,26 @@ def test_two_processes_serve_and_fetch_byte_exact(source):
         # completion by future and by callback
         got = threading.Event()
         seen = []
-        f2 = agent.fetch(endpoint, names, [0], callback=lambda res: (seen.append(res), got.set()))
+        f2 = agent.fetch(endpoint, names, [0], digests=DIGESTS, callback=lambda res: (seen.append(res), got.set()))
         assert f2.future.result(timeout=30).blocks == 1
         assert got.wait(30) and seen[0].ok
         assert bytes(dst.buf[:BLOCK]) == want[:BLOCK]
         # a name the source lacks: the source offers nothing
-        miss = agent.fetch(endpoint, [5, 6], [0, 1]).result(timeout=30)
+        miss = agent.fetch(endpoint, [5, 6], [0, 1], digests=DIGESTS[:2]).result(timeout=30)
         assert (miss.failure, miss.blocks) == ("source_miss", 0) and miss.detail
+        # the names held, but other content asked for (other tokens: a collision, crafted or
+        # not): nothing of it is written
+        other = NAMING.digests(IDENTITY, [t + 1 for t in TOKENS])
+        before = bytes(dst.buf[14 * BLOCK : 16 * BLOCK])
+        bad = agent.fetch(endpoint, names[:2], [14, 15], digests=other[:2]).result(timeout=30)
+        assert (bad.failure, bad.blocks) == ("digest_mismatch", 0), bad
+        assert bytes(dst.buf[14 * BLOCK : 16 * BLOCK]) == before
+        # the digests are the library's: a name of the same tokens under another identity differs
+        assert NAMING.digests(b"another engine", TOKENS)[0] != DIGESTS[0]
+        assert NAMING.names(TOKENS) == kvrelay.Naming(0x6B76, 32).names(TOKENS) and len(NAMING.names(TOKENS)) == N
+        with kvrelay.Agent(FP, dst.layout, dst, listen=None, key=b"a shared secret of the two",
+                           limits={"unchecked_fetch": 1}) as by_name:
+            assert by_name.fetch(endpoint, names, [1]).result(timeout=30).blocks == 1
         assert "kvrelay_kv_agent_" in agent.prometheus()
         assert agent.estimate(endpoint, 10) > 0
 
@@ -80,10 +103,10 @@ def test_a_wrong_key_or_fingerprint_is_refused(source):
     _, endpoint = source
     dst = Pool(4)
     with kvrelay.Agent(FP, dst.layout, dst, listen=None, key=b"another key, 16 bytes at least") as a:
-        assert a.fetch(endpoint, [1000], [0]).result(timeout=30).failure == "auth_failed"
+        assert a.fetch(endpoint, [1000], [0], digests=DIGESTS[:1]).result(timeout=30).failure == "auth_failed"
     other = kvrelay.Fingerprint(32, 2, 2, 16, 2, naming=1)
     with kvrelay.Agent(other, dst.layout, dst, listen=None, key=b"a shared secret of the two") as a:
-        assert a.fetch(endpoint, [1000], [0]).result(timeout=30).failure == "fingerprint_mismatch"
+        assert a.fetch(endpoint, [1000], [0], digests=DIGESTS[:1]).result(timeout=30).failure == "fingerprint_mismatch"
     assert bytes(dst.buf) == bytes(4 * BLOCK)
 
 

@@ -26,7 +26,7 @@ class Holder:
 @pytest.fixture
 def agent():
     buf = bytearray(4 * BLOCK)
-    with kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None) as a:
+    with kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None, limits={"unchecked_fetch": 1}) as a:
         yield a
 
 

@@ -95,7 +95,7 @@ class Race:
 
 def agent_without_listener():
     buf = bytearray(4 * BLOCK)
-    return kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None)
+    return kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None, limits={"unchecked_fetch": 1})
 
 
 @pytest.mark.parametrize("helper", [False, True], ids=["ctypes", "helper"])
@@ -241,7 +241,7 @@ def test_threads_calling_while_another_closes(monkeypatch):
     # bounded loops on 4 threads (stats, a fetch submission, the endpoint) while the main thread
     # closes: each call returns its answer or raises the closed error, and the library never
     # frees the agent while one of its functions runs
-    agent = kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(bytearray(4 * BLOCK), 4, BLOCK), Holder())
+    agent = kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(bytearray(4 * BLOCK), 4, BLOCK), Holder(), limits={"unchecked_fetch": 1})
     lock = threading.Lock()
     inflight, overlaps, errors = [0], [], []
 

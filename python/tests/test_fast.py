@@ -76,7 +76,7 @@ def test_admit_answers_and_counts_as_ctypes_does(monkeypatch):
 def test_fetch_submissions_and_refusals_are_the_ctypes_paths(monkeypatch):
     buf = bytearray(4 * BLOCK)
     ep = "tcp://127.0.0.1:1"  # nothing listens: each fetch fails with connect, on an agent thread
-    with kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None) as a:
+    with kvrelay.Agent(FP, kvrelay.KvLayout.from_buffer(buf, 4, BLOCK), Holder(), listen=None, limits={"unchecked_fetch": 1}) as a:
         good = [
             ([1, 2, 3], [0, 1], {}),
             ((1, 2, 3), (3,), {"held": 2}),

@@ -112,7 +112,7 @@ def test_interpreter_exit_with_a_fetch_in_flight_is_clean():
             def unpin(self, ids): pass
         pool = bytearray(4 * 4096)
         agent = kvrelay.Agent(kvrelay.Fingerprint(32, 1, 1, 64, 2, 1), kvrelay.KvLayout.from_buffer(pool, 4, 4096), H(),
-                              listen=None, limits={"io_timeout_ms": 300})
+                              listen=None, limits={"io_timeout_ms": 300, "unchecked_fetch": 1})
         f = agent.fetch(ep, [1], [0], deadline_ms=60000, callback=lambda r: print("callback", r.failure, flush=True))
         conn, _ = srv.accept()  # the fetch is connected, waiting for the source's answer
         print("in flight", flush=True)
@@ -181,7 +181,7 @@ def test_dropping_agents_in_a_loop_stays_flat():
     buf, lay = layout()
 
     def make():
-        a = kvrelay.Agent(FP, lay, Holder(), listen="127.0.0.1:0")
+        a = kvrelay.Agent(FP, lay, Holder(), listen="127.0.0.1:0", limits={"unchecked_fetch": 1})
         assert native_threads() > base and a.endpoint.startswith("tcp://127.0.0.1:")
         return a
 
@@ -256,7 +256,7 @@ def test_an_agent_dropped_on_its_own_thread_is_freed_off_it():
     gc.collect()
     gc.disable()
     try:
-        agent = kvrelay.Agent(FP, lay, Holder())
+        agent = kvrelay.Agent(FP, lay, Holder(), limits={"unchecked_fetch": 1})
         ep = agent.endpoint
         seen = []
         agent.fetch(CLOSED, [1], [0], callback=lambda r, a=agent: seen.append(r.failure)).close()
@@ -279,7 +279,7 @@ def test_ctrl_c_interrupts_result():
             def unpin(self, ids): pass
         pool = bytearray(4 * 4096)
         agent = kvrelay.Agent(kvrelay.Fingerprint(32, 1, 1, 64, 2, 1), kvrelay.KvLayout.from_buffer(pool, 4, 4096), H(),
-                              listen=None, limits={"io_timeout_ms": 20000})
+                              listen=None, limits={"io_timeout_ms": 20000, "unchecked_fetch": 1})
         f = agent.fetch(ep, [1], [0], deadline_ms=20000)
         sent, main = [], threading.get_ident()
         def in_wait():
@@ -315,7 +315,7 @@ def test_callback_exceptions_are_logged_and_counted(caplog):
     src_buf, src_lay = layout()
     dst_buf, dst_lay = layout()
     with caplog.at_level(logging.ERROR, logger="kvrelay"):
-        with kvrelay.Agent(FP, src_lay, Broken()) as src, kvrelay.Agent(FP, dst_lay, Holder(), listen=None) as dst:
+        with kvrelay.Agent(FP, src_lay, Broken()) as src, kvrelay.Agent(FP, dst_lay, Holder(), listen=None, limits={"unchecked_fetch": 1}) as dst:
             def boom(r):
                 raise ValueError("the callback broke")
 
@@ -330,7 +330,7 @@ def test_callback_exceptions_are_logged_and_counted(caplog):
 
 def test_a_fetch_is_a_context_manager():
     buf, lay = layout()
-    with kvrelay.Agent(FP, lay, Holder(), listen=None) as agent:
+    with kvrelay.Agent(FP, lay, Holder(), listen=None, limits={"unchecked_fetch": 1}) as agent:
         with agent.fetch(CLOSED, [1], [0]) as f:
             assert f.result(timeout=30).failure == "connect"
         with pytest.raises(ValueError):

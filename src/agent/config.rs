@@ -92,6 +92,13 @@ pub struct Limits {
     /// allocator's segment, shared with other tensors, which every allowed peer can then read
     /// and write).
     pub export_whole_allocations: bool,
+    /// Fetches by name alone: false (the default) refuses a fetch submitted without a content
+    /// digest per name ([`FetchRequest::digests`](super::FetchRequest::digests),
+    /// `kvrelay_agent_submit_checked`), since a name is a 64-bit hash that a tenant can collide
+    /// and a source can answer with any bytes under; true lets such fetches take each block the
+    /// source sends under the name asked (its checksum still checked), for runtimes that name
+    /// blocks by a collision-free scheme of their own or fetch from sources they vouch for.
+    pub unchecked_fetch: bool,
 }
 
 /// The longest [`Limits::poll`].
@@ -121,6 +128,7 @@ impl Default for Limits {
             tcp_fallback: true,
             poll: Duration::ZERO,
             export_whole_allocations: false,
+            unchecked_fetch: false,
         }
     }
 }
@@ -164,6 +172,8 @@ crate::labels::labelled_enum! {
         PollUs = 16 => "poll_us",
         /// [`Limits::export_whole_allocations`]: 0 (the default) or 1.
         ExportWholeAllocations = 17 => "export_whole_allocations",
+        /// [`Limits::unchecked_fetch`]: 0 (the default) or 1. Since 0.4.1.
+        UncheckedFetch = 18 => "unchecked_fetch",
     }
 }
 
@@ -196,6 +206,7 @@ impl Limits {
             LimitKey::TcpFallback => self.tcp_fallback.into(),
             LimitKey::PollUs => u64::try_from(self.poll.as_micros()).unwrap_or(u64::MAX),
             LimitKey::ExportWholeAllocations => self.export_whole_allocations.into(),
+            LimitKey::UncheckedFetch => self.unchecked_fetch.into(),
         }
     }
 
@@ -228,6 +239,7 @@ impl Limits {
             LimitKey::WriteGraceMs => next.write_grace = ms,
             LimitKey::TcpFallback => next.tcp_fallback = flag()?,
             LimitKey::ExportWholeAllocations => next.export_whole_allocations = flag()?,
+            LimitKey::UncheckedFetch => next.unchecked_fetch = flag()?,
             LimitKey::PollUs => next.poll = Duration::from_micros(value),
         }
         next.check()?;

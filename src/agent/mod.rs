@@ -373,7 +373,9 @@ impl Agent {
     /// Submit a fetch. Never blocks: the checks below run here, everything else on a fetch
     /// worker, and `on_done` (if any) runs there when it completes. Refused: no destination
     /// block, `held + dst.len() > names.len()`, more than `max_names` blocks, a destination id
-    /// past the pool or twice, a deadline of zero; [`AgentError::Busy`] when the queue is full.
+    /// past the pool or twice, a deadline of zero, no content digests unless the limit
+    /// [`Limits::unchecked_fetch`] allows fetches by name alone; [`AgentError::Busy`] when the
+    /// queue is full.
     pub fn submit(&self, req: FetchRequest, on_done: Option<OnDone>) -> Result<Fetch, AgentError> {
         self.submit_lazy(req, on_done, None)
     }
@@ -389,6 +391,13 @@ impl Agent {
         on_offer: Option<OnOffer>,
     ) -> Result<Fetch, AgentError> {
         self.check_destination(req.names.len(), req.held, &req.dst)?;
+        if req.digests.is_empty() && !self.inner.limits.unchecked_fetch {
+            return Err(AgentError::Argument(
+                "a fetch without content digests would take blocks by name alone: give one digest per name \
+                 (Naming::digests_into over the request's tokens), or allow it with the limit unchecked_fetch"
+                    .into(),
+            ));
+        }
         if !req.digests.is_empty() && req.digests.len() != req.names.len() {
             return Err(AgentError::Argument(format!(
                 "{} content digests for {} names: give one per name, or none",

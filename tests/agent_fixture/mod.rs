@@ -150,10 +150,20 @@ pub fn instance_with(cfg: impl FnOnce(&mut AgentConfig)) -> Instance {
     let pool = Pool::new();
     let cache = Arc::new(Cache::default());
     let mut c = AgentConfig::new(fp());
+    // these tests move blocks by name (the transports, the service); the checked path has
+    // tests of its own (`content_digests_are_checked`, `unchecked_fetches_need_the_limit`)
+    c.limits.unchecked_fetch = true;
     cfg(&mut c);
     // SAFETY: the pool outlives the agent (fields drop in order: agent first).
     let agent = unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }.unwrap();
     Instance { agent, cache, pool }
+}
+
+/// The default limits with fetches by name allowed (what `instance` gives): for tests that set
+/// limits of their own.
+#[allow(dead_code)] // not every test binary that includes the fixture uses it
+pub fn fetch_limits() -> kvrelay::agent::Limits {
+    kvrelay::agent::Limits { unchecked_fetch: true, ..kvrelay::agent::Limits::default() }
 }
 
 /// An agent without authentication (per-user key off): for tests whose peer is a raw socket that

@@ -69,10 +69,22 @@ int main() {
     std::memset(src.at(1, i), 0x20 + i, kKvBlock);
     cache.held[names[i]] = i;
   }
+  // each block's content digest (a runtime's come from kvrelay::Naming over its tokens)
+  std::vector<kvrelay::BlockDigest> digests(3);
+  for (uint8_t i = 0; i < 3; ++i) digests[i].fill(0xd0 + i);
   kvrelay::Agent source(kvrelay::AgentConfig(fp).key("the example's shared key"), src.layout, cache);
   source.record_checksums({0, 1, 2});
+  source.record_digests({0, 1, 2}, digests);
   kvrelay::Agent dest(kvrelay::AgentConfig(fp).listen("").key("the example's shared key"), dst.layout, none);
-  kvrelay::Fetch f = dest.fetch(source.endpoint(), names, 1, {5, 6}, 10000);
+  // a fetch by name alone is refused unless the limit allows it
+  bool unchecked_refused = false;
+  try {
+    dest.fetch(source.endpoint(), names, 1, {5, 6}, 10000);
+  } catch (const kvrelay::Error &e) {
+    unchecked_refused = e.status() == KVRELAY_ERR_INVALID_ARGUMENT;
+  }
+  CHECK(unchecked_refused);
+  kvrelay::Fetch f = dest.fetch(source.endpoint(), names, digests, 1, {5, 6}, 10000);
   auto r = f.wait(20000);
   CHECK(r && r->failure == KVRELAY_FETCH_OK && r->blocks == 2 && r->withheld == 0);
   for (uint32_t i = 0; i < 2; ++i) {
@@ -81,17 +93,17 @@ int main() {
   }
   CHECK(f.detail().empty());
   // the connection of a transfer that ended cleanly carries the next one (no new handshake)
-  auto again = dest.fetch(source.endpoint(), names, 0, {7}, 10000).wait(20000);
+  auto again = dest.fetch(source.endpoint(), names, digests, 0, {7}, 10000).wait(20000);
   CHECK(again && again->failure == KVRELAY_FETCH_OK && again->blocks == 1);
   CHECK(source.stats().accepted == 1 && source.stats().reused == 1 && dest.stats().streams_reused == 1);
   kvrelay::Agent wrong(kvrelay::AgentConfig(fp).listen("").key("not the example's shared key"), dst.layout, none);
-  kvrelay::Fetch g = wrong.fetch(source.endpoint(), names, 0, {0}, 10000);
+  kvrelay::Fetch g = wrong.fetch(source.endpoint(), names, digests, 0, {0}, 10000);
   auto w = g.wait(20000);
   CHECK(w && w->failure == KVRELAY_FETCH_AUTH_FAILED && w->blocks == 0);
   CHECK(!g.detail().empty());
   bool threw = false;
   try {
-    dest.fetch(source.endpoint(), names, 0, {1, 1}, 1000);
+    dest.fetch(source.endpoint(), names, digests, 0, {1, 1}, 1000);
   } catch (const kvrelay::Error &e) {
     threw = e.status() == KVRELAY_ERR_INVALID_ARGUMENT;
   }
@@ -125,9 +137,9 @@ int main() {
   CHECK(stall >= 0 && bind(stall, reinterpret_cast<sockaddr *>(&sa), sizeof sa) == 0 && listen(stall, 4) == 0 &&
         getsockname(stall, reinterpret_cast<sockaddr *>(&sa), &sl) == 0);
   const std::string stall_ep = "tcp://127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
-  kvrelay::Agent plain(kvrelay::AgentConfig(fp).listen(""), dst.layout, none);
+  kvrelay::Agent plain(kvrelay::AgentConfig(fp).listen("").limit(KVRELAY_LIMIT_UNCHECKED_FETCH, 1), dst.layout, none);
   {
-    kvrelay::Fetch running = plain.fetch(stall_ep, names, 0, {3}, 60000);
+    kvrelay::Fetch running = plain.fetch(stall_ep, names, 0, {3}, 60000);  // by name: the limit allows it
     CHECK(!running.poll());
   }
   // the destructor returned: the fetch completed (cancelled), its block is the runtime's again

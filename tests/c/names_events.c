@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "expect.h"
@@ -143,6 +144,10 @@ static void test_events(void) {
   EXPECT(write(fd, "short\n", 6) == 6);
   EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, key_path, strlen(key_path)) == KVRELAY_ERR_INVALID_CONFIG);
   EXPECT(write(fd, "-but-now-long-enough\n", 21) == 21);
+  /* a key others may read proves nothing: refused until it is its owner's alone */
+  EXPECT(fchmod(fd, 0644) == 0);
+  EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, key_path, strlen(key_path)) == KVRELAY_ERR_INVALID_CONFIG);
+  EXPECT(fchmod(fd, 0600) == 0);
   EXPECT(kvrelay_kv_events_config_set(c, KVRELAY_KV_EVENTS_KEY_FILE, key_path, strlen(key_path)) == KVRELAY_OK);
   close(fd);
   unlink(key_path);

@@ -39,6 +39,7 @@ def body(a, start):
     key_file = os.path.join(tempfile.mkdtemp(prefix="kvrelay-events-key-"), "key")
     with open(key_file, "wb") as f:
         f.write(KEY + b"\n")
+    os.chmod(key_file, 0o600)  # a key file is its owner's alone (one others may read is refused)
     A = start("A", ["--kv-listen", "127.0.0.1:0", "--kv-events", "tcp://127.0.0.1:0", "--kv-hints-trusted",
                     "--kv-events-key-file", key_file])
     info = A.json("GET", "/v1/kv/info")[1]

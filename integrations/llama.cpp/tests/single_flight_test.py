@@ -34,9 +34,16 @@ from two_instance_test import BT, answer, complete, completion_body, envelope, f
 N = 8
 
 
+# The source's first frame on a new connection: its authentication challenge (a 12-byte frame
+# header, its nonce and its proof, 32 bytes each). The relay lets it through at once: the
+# handshake completes (the source's handshake deadline is 2 s) and the gate holds the offer.
+CHALLENGE_BYTES = 12 + 2 * 32
+
+
 class GatedRelay:
     """A TCP relay to `target_port` on loopback that passes the client's bytes at once and the
-    target's only once `gate` is set; counts the connections it accepted."""
+    target's only once `gate` is set (but for the first CHALLENGE_BYTES of each connection);
+    counts the connections it accepted."""
 
     def __init__(self, target_port):
         self.target_port = target_port
@@ -63,11 +70,18 @@ class GatedRelay:
             threading.Thread(target=self.pump, args=(t, c, True), daemon=True).start()
 
     def pump(self, src, dst, gated):
+        free = CHALLENGE_BYTES if gated else 0
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if free:
+                    head, data = data[:free], data[free:]
+                    free -= len(head)
+                    dst.sendall(head)
+                    if not data:
+                        continue
                 if gated:
                     self.gate.wait(120)
                 dst.sendall(data)

@@ -23,7 +23,7 @@ from ._common import AgentLimit, DecisionKind, Discard, FetchFailure, HintSpelli
 from .admission import Action, Admission, Outcome, Snapshot, find_hint
 from .policy import Binding, Candidate, Capabilities, Decision, FetchRequest, Orchestrator, Provider
 from .copy import CpuEngine, KvLayout
-from .agent import Agent, BlockHolder, Fetch, FetchResult, Fingerprint, fetch_run_length
+from .agent import Agent, BlockHolder, Fetch, FetchResult, Fingerprint, Naming, fetch_run_length
 
 __all__ = [
     "Action",
@@ -38,6 +38,7 @@ __all__ = [
     "Status",
     "Binding",
     "BlockHolder",
+    "Naming",
     "Candidate",
     "Capabilities",
     "CpuEngine",

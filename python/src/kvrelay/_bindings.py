@@ -171,7 +171,7 @@ class FetchFailure(CEnum):
 
 
 class AgentLimit(CEnum):
-    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`, `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US` and `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS`."""
+    """``kvrelay_agent_limit``: One of the agent's limits, for `kvrelay_agent_config_set_limit` / `_get_limit` (a limit by name, so that limits can be added without changing a struct a caller compiled in). Fixed values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`, `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US`, `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS` and `KVRELAY_LIMIT_UNCHECKED_FETCH`."""
 
     MAX_CONNECTIONS = ("max_connections", 1)
     MAX_PER_PEER = ("max_per_peer", 2)
@@ -190,6 +190,7 @@ class AgentLimit(CEnum):
     TCP_FALLBACK = ("tcp_fallback", 15)
     POLL_US = ("poll_us", 16)
     EXPORT_WHOLE_ALLOCATIONS = ("export_whole_allocations", 17)
+    UNCHECKED_FETCH = ("unchecked_fetch", 18)
 
 
 class KvEventsSetting(CEnum):
@@ -291,6 +292,7 @@ KVRELAY_LIMIT_WRITE_GRACE_MS = 14
 KVRELAY_LIMIT_TCP_FALLBACK = 15
 KVRELAY_LIMIT_POLL_US = 16
 KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS = 17
+KVRELAY_LIMIT_UNCHECKED_FETCH = 18
 KVRELAY_KV_EVENTS_REPLAY_ENDPOINT = 1
 KVRELAY_KV_EVENTS_TOPIC = 2
 KVRELAY_KV_EVENTS_MEDIUM = 3

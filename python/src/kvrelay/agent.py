@@ -99,6 +99,72 @@ def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
 
 _FETCH_DONE = L.FETCH_DONE(_on_fetch_done)
 _submit = lib.kvrelay_agent_submit
+_submit_checked = lib.kvrelay_agent_submit_checked
+DIGEST_BYTES = L.B.KVRELAY_BLOCK_DIGEST_BYTES
+
+
+def _digests(what: str, digests: Sequence[bytes], n: Optional[int] = None) -> bytes:
+    """``digests`` (each ``bytes`` of 32) as one contiguous buffer; ``n`` the count required."""
+    if isinstance(digests, (bytes, bytearray, str)):
+        raise TypeError(f"{what} must be a sequence of {DIGEST_BYTES}-byte digests, not {type(digests).__name__}")
+    out = []
+    for i, d in enumerate(digests):
+        if not isinstance(d, (bytes, bytearray)) or len(d) != DIGEST_BYTES:
+            raise ValueError(f"{what}[{i}] must be {DIGEST_BYTES} bytes")
+        out.append(bytes(d))
+    if n is not None and len(out) != n:
+        raise ValueError(f"{what}: {len(out)} digests for {n} names (one per name)")
+    return b"".join(out)
+
+
+class Naming:
+    """Block names and content digests (SPEC section 8), the library's one definition:
+    ``seed`` the engine's name seed, ``block_tokens`` tokens per block, ``lora_id`` the
+    adapter's id (0: none), ``salt`` the request's cache salt (bytes; block 0 only).
+    ``names(tokens)`` names the full blocks; ``digests(identity, tokens)`` gives their
+    content digests under the engine identity (what a checked fetch asks for and what a
+    source records with :meth:`Agent.record_digests`)."""
+
+    def __init__(self, seed: int, block_tokens: int, *, lora_id: int = 0, salt: bytes = b""):
+        self.seed = _int("seed", seed, 0, U64)
+        self.block_tokens = _int("block_tokens", block_tokens, 1, SIZE_MAX)
+        self.lora_id = _int("lora_id", lora_id, 0, U64)
+        if not isinstance(salt, (bytes, bytearray)):
+            raise TypeError(f"salt must be bytes, not {type(salt).__name__}")
+        self.salt = bytes(salt)
+
+    def _c(self) -> Any:
+        n = L.B.kvrelay_naming(ctypes.sizeof(L.B.kvrelay_naming), self.seed, self.block_tokens, self.lora_id, None, 0)
+        if self.salt:
+            n.salt = ctypes.cast(ctypes.c_char_p(self.salt), ctypes.c_void_p)
+            n.salt_len = len(self.salt)
+        return n
+
+    def names(self, tokens: Sequence[int]) -> list[int]:
+        """The names of the full blocks of a request's ``tokens``."""
+        t = _u32s("tokens", tokens)
+        cap = len(t) // self.block_tokens
+        out = (ctypes.c_uint64 * max(cap, 1))()
+        n = ctypes.c_size_t()
+        _check("kvrelay_block_names", lib.kvrelay_block_names(ctypes.byref(self._c()), 0, 0, t, len(t), out, cap, ctypes.byref(n)))
+        return list(out[: n.value])
+
+    def digests(self, identity: bytes, tokens: Sequence[int]) -> list[bytes]:
+        """The content digests of the full blocks of a request's ``tokens`` under the engine
+        identity ``identity`` (bytes: the model by content and every setting that changes KV)."""
+        if not isinstance(identity, (bytes, bytearray)):
+            raise TypeError(f"identity must be bytes, not {type(identity).__name__}")
+        t = _u32s("tokens", tokens)
+        cap = len(t) // self.block_tokens
+        buf = ctypes.create_string_buffer(max(cap, 1) * DIGEST_BYTES)
+        n = ctypes.c_size_t()
+        ident = bytes(identity)
+        _check(
+            "kvrelay_block_digests",
+            lib.kvrelay_block_digests(ctypes.byref(self._c()), ident, len(ident), None, 0, t, len(t), buf, cap, ctypes.byref(n)),
+        )
+        raw = buf.raw
+        return [raw[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n.value)]
 
 # Endpoints of recent fetches as kvrelay_str views of UTF-8 copies: a runtime fetches
 # from a few peers, over and over. The C side copies what it needs at submission; the caller
@@ -443,18 +509,32 @@ class Agent(_Handle):
         with self._use() as p:
             _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(p, i, len(i)))
 
+    def record_digests(self, ids: Sequence[int], digests: Sequence[bytes]) -> None:
+        """The content digests of blocks ``ids`` (``digests[i]`` for ``ids[i]``, from
+        :meth:`Naming.digests` over the tokens whose KV the block holds), after their checksums:
+        each block is served with its digest, and a checked fetch takes it only under it."""
+        i = _u32s("ids", ids)
+        d = _digests("digests", digests, len(i))
+        with self._use() as p:
+            _check("kvrelay_agent_record_digests", lib.kvrelay_agent_record_digests(p, i, d, len(i)))
+
     def fetch(
         self,
         endpoint: str,
         names: Sequence[int],
         dst_blocks: Sequence[int],
         *,
+        digests: Optional[Sequence[bytes]] = None,
         held: int = 0,
         deadline_ms: int = 10_000,
         callback: Optional[Callable[[FetchResult], None]] = None,
     ) -> Fetch:
         """Fetch blocks ``names[held:]`` from ``endpoint`` into ``dst_blocks`` (name
-        ``held + i`` into ``dst_blocks[i]``). Never blocks; ``callback`` (optional) runs with
+        ``held + i`` into ``dst_blocks[i]``), checked by content: ``digests[i]`` is the content
+        digest of block ``names[i]`` (:meth:`Naming.digests` over the request's own tokens); a
+        block the source recorded another digest for (or none) is never written. Without
+        ``digests`` the fetch takes blocks by name alone, which the library refuses unless the
+        agent's limit ``unchecked_fetch`` is 1. Never blocks; ``callback`` (optional) runs with
         the result on the agent's fetch thread once it completes (keep it short; it must not
         close the agent)."""
         # the agent's address is taken once, and this call is registered, so that a close() on
@@ -465,7 +545,8 @@ class Agent(_Handle):
             agent = self._ptr
             fast = L.fast
             plain: Optional[Fetch] = None
-            if fast is not None and callback is None and type(endpoint) is str and agent:
+            dbuf = None if digests is None else _digests("digests", digests)
+            if fast is not None and callback is None and dbuf is None and type(endpoint) is str and agent:
                 # the compiled helper: plain lists or tuples of ints and ints in range, taken as
                 # they are; anything else answers NotImplemented (nothing submitted, the handle
                 # still empty) and takes the checking path below with the same Fetch
@@ -490,20 +571,28 @@ class Agent(_Handle):
                 raise ValueError("a fetch needs at least one destination block (dst_blocks)")
             if held + len(d) > len(n):
                 raise ValueError(f"held + len(dst_blocks) = {held + len(d)} exceeds len(names) = {len(n)}")
+            if dbuf is not None and len(dbuf) != DIGEST_BYTES * len(n):
+                raise ValueError(f"digests: {len(dbuf) // DIGEST_BYTES} digests for {len(n)} names (one per name)")
             if not agent:
                 raise _closed(self)
             p = L.FetchParams(es, n, len(n), held, d, len(d), deadline_ms)
+
+            def submit(cbs: Any, out: Any) -> int:
+                if dbuf is None:
+                    return _submit(agent, p, cbs, out)
+                return _submit_checked(agent, p, dbuf, len(n), cbs, out)
+
             # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
             if callback is None:
                 f = plain if plain is not None else Fetch(self, None)
-                _check("kvrelay_agent_submit", _submit(agent, p, None, f._handle))
+                _check("kvrelay_agent_submit", submit(None, f._handle))
                 return f
             fut: Future[FetchResult] = Future()
             f = Fetch(self, fut)
             # the callback lives in the handle table until the fetch's destroy callback, which
             # runs exactly once on every path (a refused submission included)
             cbs = L.FetchCallbacks(ctypes.sizeof(L.FetchCallbacks), _table.add(_FetchSlot(callback, fut, self._errors)), _FETCH_DONE, _FETCH_DESTROY)
-            _check("kvrelay_agent_submit", _submit(agent, p, cbs, f._handle))
+            _check("kvrelay_agent_submit", submit(cbs, f._handle))
             return f
         finally:
             _out(self, me)

@@ -141,7 +141,7 @@ fn agent_with(end: End, over: &Arc<AtomicBool>, mem: &mut [u8], holder: Box<dyn 
     let mut cfg = AgentConfig::new(fp);
     cfg.listen = None;
     cfg.per_user_key = false; // its sources are sockets speaking the wire by hand
-    cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, ..Limits::default() };
+    cfg.limits = Limits { fetch_threads: 1, write_grace: Duration::ZERO, unchecked_fetch: true, ..Limits::default() };
     TEST_BACKEND.with(|t| *t.borrow_mut() = Some(Box::new(Slow { end, over: over.clone() })));
     // SAFETY: `mem` is host memory of BLOCKS blocks that outlives the agent (dropped first
     // by every test).

@@ -118,8 +118,9 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// What [`Engine::on_reusable`] calls.
-pub type OnReusable = Box<dyn Fn(&[u32]) + Send + Sync>;
+/// What [`Engine::on_reusable`] calls: the blocks that just became reusable and their content
+/// digests ([`Engine::block_digests`]), one per block.
+pub type OnReusable = Box<dyn Fn(&[u32], &[[u8; 32]]) + Send + Sync>;
 
 /// Engine settings.
 #[derive(Clone, Copy, Debug)]
@@ -373,6 +374,13 @@ impl Engine {
         crate::abi::names::block_names(self.name_seed(), tokens, self.config.shape.block_tokens, 0, salt)
     }
 
+    /// The content digests of the full blocks of `tokens` under this engine's identity (its
+    /// naming scheme, [`Engine::naming`]): what a checked fetch asks for, and what a block is
+    /// served with.
+    pub fn block_digests(&self, tokens: &[u32]) -> Vec<[u8; 32]> {
+        crate::abi::names::block_digests(self.naming().as_bytes(), tokens, self.config.shape.block_tokens)
+    }
+
     /// Tokenize a text prompt.
     pub fn tokenize(&self, text: &str) -> Vec<u32> {
         match &self.model {
@@ -502,6 +510,7 @@ impl Engine {
         }
         let bb = self.store.block_bytes();
         let mut staging = vec![0u8; bb];
+        let mut digests = None;
         for i in lease.hits..total {
             let lo = i * sh.block_tokens;
             let hi = (lo + sh.block_tokens).min(tokens.len());
@@ -509,7 +518,8 @@ impl Engine {
             self.store.write(&lease.ids[i..i + 1], &staging).map_err(EngineError::Copy)?;
             if hi - lo == sh.block_tokens {
                 if let Some(f) = self.on_reusable.get() {
-                    f(&lease.ids[i..i + 1]);
+                    let digests = digests.get_or_insert_with(|| self.block_digests(tokens));
+                    f(&lease.ids[i..i + 1], &digests[i..i + 1]);
                 }
                 lease.commit(i, names[i], i.checked_sub(1).map(|p| names[p]), &tokens[lo..hi]);
             }
@@ -602,7 +612,7 @@ impl Engine {
             let fresh = &lease.ids[lease.hits..full];
             self.store.write(fresh, &out.exported).map_err(EngineError::Copy)?;
             if let Some(f) = self.on_reusable.get() {
-                f(fresh);
+                f(fresh, &self.block_digests(tokens)[lease.hits..full]);
             }
             for (i, &name) in names.iter().enumerate().skip(lease.hits) {
                 lease.commit(i, name, i.checked_sub(1).map(|p| names[p]), &tokens[i * bt..(i + 1) * bt]);

@@ -384,12 +384,12 @@ pub async fn start(args: &ServeArgs, trust: Option<bool>) -> Result<Server, Stri
     })?;
     let agent = Arc::new(agent);
     {
-        // a block a prefill completed gets its checksum before it is published
+        // a block a prefill completed gets its checksum and content digest before it is published
         let weak = Arc::downgrade(&agent);
-        let _ = engine.on_reusable.set(Box::new(move |ids: &[u32]| {
+        let _ = engine.on_reusable.set(Box::new(move |ids: &[u32], digests: &[[u8; 32]]| {
             if let Some(a) = weak.upgrade() {
-                if let Err(e) = a.record_checksums(ids) {
-                    tracing::warn!("recording KV checksums: {e}");
+                if let Err(e) = a.record_checksums(ids).and_then(|()| a.record_digests(ids, digests)) {
+                    tracing::warn!("recording KV checksums and digests: {e}");
                 }
             }
         }));

@@ -34,8 +34,8 @@ crate::ffi::boundary::sized_since_epoch!(kvrelay_agent_fingerprint);
 /// values; `kvrelay_agent_limit_name` gives the label. Times in milliseconds (but
 /// `KVRELAY_LIMIT_POLL_US`); every value must be at least 1, except
 /// `KVRELAY_LIMIT_IDLE_TIMEOUT_MS`, `KVRELAY_LIMIT_SOCKET_BUFFER_BYTES`,
-/// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US` and
-/// `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS`.
+/// `KVRELAY_LIMIT_WRITE_GRACE_MS`, `KVRELAY_LIMIT_TCP_FALLBACK`, `KVRELAY_LIMIT_POLL_US`,
+/// `KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS` and `KVRELAY_LIMIT_UNCHECKED_FETCH`.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum kvrelay_agent_limit {
@@ -98,6 +98,11 @@ pub enum kvrelay_agent_limit {
     /// a caching allocator's segment: every allowed peer can then read and write the tensors
     /// beside it). Since 0.4.0.
     KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS = 17,
+    /// `kvrelay_agent_submit` (a fetch by name alone, no content digests): 0 (the default)
+    /// refuses it with `KVRELAY_ERR_INVALID_ARGUMENT`, since a 64-bit name can be collided and
+    /// a source can send any bytes under it; 1 allows it (the block's checksum is still
+    /// checked). `kvrelay_agent_submit_checked` is what a runtime uses. Since 0.4.1.
+    KVRELAY_LIMIT_UNCHECKED_FETCH = 18,
 }
 
 /// An agent's configuration under construction. Owned: `_free`.

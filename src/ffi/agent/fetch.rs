@@ -125,7 +125,10 @@ pub struct kvrelay_fetch_params {
 /// is published to `kvrelay_fetch_poll` / `_wait` right after the callback returns (so once a
 /// poll sees it, the callback is done with `user_data`). Refused with `KVRELAY_ERR_INVALID_ARGUMENT`: no destination
 /// block, `held + dst_len > names_len`, a destination block past the pool or twice, a zero
-/// deadline, more blocks than `max_names`; `KVRELAY_ERR_BUSY` when the fetch queue is full. On
+/// deadline, more blocks than `max_names`, and (since 0.4.1) always unless the limit
+/// `KVRELAY_LIMIT_UNCHECKED_FETCH` is 1: a fetch by name alone takes whatever bytes a source
+/// sends under a 64-bit name; `kvrelay_agent_submit_checked` asks by content. `KVRELAY_ERR_BUSY`
+/// when the fetch queue is full. On
 /// an error nothing was submitted and `done` is never called. `kvrelay_agent_submit` is the
 /// same with the failure detail passed to the callback and a destroy function for `user_data`.
 ///

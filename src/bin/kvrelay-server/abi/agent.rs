@@ -248,11 +248,26 @@ impl KvAgent {
         })
     }
 
-    /// Submit a fetch of `names[held .. held + dst.len()]` from `endpoint` into `dst`.
+    /// Record the content digests of blocks that just became reusable (`digests[i]` for
+    /// `ids[i]`), after their checksums: a checked fetch takes a block only under its digest.
+    pub fn record_digests(&self, ids: &[u32], digests: &[[u8; 32]]) -> Result<(), String> {
+        if ids.len() != digests.len() {
+            return Err(format!("{} blocks and {} digests", ids.len(), digests.len()));
+        }
+        // SAFETY: live agent; `ids` readable for `n` ids and `digests` for `n` digests of 32 bytes.
+        check_detail("kvrelay_agent_record_digests", unsafe {
+            kvrelay_agent_record_digests(self.0.as_ptr(), ids.as_ptr(), digests.as_ptr().cast(), ids.len())
+        })
+    }
+
+    /// Submit a fetch of `names[held .. held + dst.len()]` from `endpoint` into `dst`, checked
+    /// by content: `digests[i]` is the digest of `names[i]` (one per name).
+    #[allow(clippy::too_many_arguments)] // the fetch's parameters, as the C ABI takes them
     pub fn fetch(
         &self,
         endpoint: &str,
         names: &[u64],
+        digests: &[[u8; 32]],
         held: usize,
         dst: &[u32],
         deadline_ms: u32,
@@ -276,11 +291,20 @@ impl KvAgent {
             deadline_ms,
         };
         let mut out = ptr::null_mut();
-        // SAFETY: live agent; the parameters' arrays are readable for the call (the agent
-        // copies them); the callbacks' user data is owned by the agent from here (its destroy
+        // SAFETY: live agent; the parameters' arrays and the digests are readable for the call
+        // (the agent copies them); the callbacks' user data is owned by the agent from here (its destroy
         // runs exactly once, also when the submission is refused).
-        let st = unsafe { kvrelay_agent_submit(self.0.as_ptr(), &p, &callbacks, &mut out) };
-        check_detail("kvrelay_agent_submit", st)?;
+        let st = unsafe {
+            kvrelay_agent_submit_checked(
+                self.0.as_ptr(),
+                &p,
+                digests.as_ptr().cast(),
+                digests.len(),
+                &callbacks,
+                &mut out,
+            )
+        };
+        check_detail("kvrelay_agent_submit_checked", st)?;
         Ok(PendingFetch { fetch: Arc::new(FetchHandle(NonNull::new(out).expect("OK with NULL"))), done: rx })
     }
 

@@ -37,3 +37,38 @@ pub fn block_names(seed: u64, tokens: &[u32], block_tokens: usize, lora_id: u64,
     names.truncate(n);
     names
 }
+
+/// The content digests of the full blocks of a request's `tokens` under the engine identity
+/// `identity` (`kvrelay_block_digests`; no salt: the salt separates names, and equal tokens
+/// under one identity have equal KV whatever the salt).
+pub fn block_digests(identity: &[u8], tokens: &[u32], block_tokens: usize) -> Vec<[u8; 32]> {
+    let naming = kvrelay_naming {
+        size: std::mem::size_of::<kvrelay_naming>(),
+        seed: 0,
+        block_tokens,
+        lora_id: 0,
+        salt: std::ptr::null(),
+        salt_len: 0,
+    };
+    let mut out = vec![[0u8; 32]; tokens.len() / block_tokens.max(1)];
+    let mut n = 0usize;
+    // SAFETY: `naming` is a local of this header's size (no salt); `identity`, `tokens` and `out`
+    // are live slices of their lengths (`out` holds `out.len()` digests of 32 bytes), distinct.
+    let st = unsafe {
+        kvrelay_block_digests(
+            &naming,
+            identity.as_ptr(),
+            identity.len(),
+            std::ptr::null(),
+            0,
+            tokens.as_ptr(),
+            tokens.len(),
+            out.as_mut_ptr().cast(),
+            out.len(),
+            &mut n,
+        )
+    };
+    check("kvrelay_block_digests", st).expect("block_tokens is at least 1 and the buffer holds every full block");
+    out.truncate(n);
+    out
+}

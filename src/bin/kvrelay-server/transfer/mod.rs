@@ -348,7 +348,9 @@ pub async fn fetch_into_cache(
         }
     };
     let deadline_ms = crate::abi::fetch_deadline_ms((run.len() * bb) as u64);
-    let pending = match agent.fetch(endpoint, names, held, &lease.ids, deadline_ms) {
+    // checked by content: a block is taken only under the digest of this request's own tokens
+    let digests = engine.block_digests(&tokens[..names.len() * engine.config.shape.block_tokens]);
+    let pending = match agent.fetch(endpoint, names, &digests, held, &lease.ids, deadline_ms) {
         Ok(p) => p,
         Err(e) => {
             out.error = Some(FetchError::new(FailReason::REFUSED, e));
