@@ -20,6 +20,8 @@ use agent_fixture::*;
 
 /// Set in the source process of a two-process test.
 const SOURCE_ENV: &str = "KVRELAY_TEST_IPC_SOURCE";
+/// Set in the source process of a two-process test whose source has this deployment key.
+const SOURCE_KEY_ENV: &str = "KVRELAY_TEST_IPC_SOURCE_KEY";
 
 /// The configuration of an agent over a pool of CUDA device 0 that moves blocks over CUDA IPC.
 fn ipc_config() -> AgentConfig {
@@ -36,6 +38,9 @@ fn serve_source(test: &str, mut src: DevPool) {
     let bb = src.layout.stage_block_bytes() as usize;
     let cache = Arc::new(Cache::default());
     let mut c = ipc_config();
+    if let Some(k) = std::env::var_os(SOURCE_KEY_ENV) {
+        c.key = Some(kvrelay::agent::Psk::new(k.as_encoded_bytes()).unwrap());
+    }
     // the virtual-memory fixture leaves room between its layers on purpose (one straddles two
     // allocations): its allocations are exported whole
     c.limits.export_whole_allocations = src._vmm.is_some();
@@ -69,10 +74,19 @@ fn serve_source(test: &str, mut src: DevPool) {
 /// Run this test binary again as the source of test `test`: the child, its stdin, and a
 /// bounded wait for a word on its stdout (what follows the word).
 fn spawn_source(test: &str) -> (std::process::Child, std::process::ChildStdin, impl Fn(&str) -> String) {
+    spawn_source_with(test, &[])
+}
+
+/// [`spawn_source`] with more variables in the source's environment.
+fn spawn_source_with(
+    test: &str,
+    env: &[(&str, &str)],
+) -> (std::process::Child, std::process::ChildStdin, impl Fn(&str) -> String) {
     use std::io::{BufRead, BufReader};
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(SOURCE_ENV, "1")
+        .envs(env.iter().copied())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -342,6 +356,102 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
 /// read-only) but found: the next honest fetch sums what landed against the checksum the
 /// source recorded, counts only the blocks before the overwritten one and fails `corrupt`.
 /// Skips without a CUDA driver. (Written without a GPU at hand; first run pending.)
+/// No handle without proof, on a GPU: a source with a deployment key in another process gives a
+/// process without the key nothing (a hello by hand is refused before any name is looked at; an
+/// agent with another key is refused); with the key, a hello naming nothing the source holds,
+/// or nothing, gets an offer with no exports, and one naming held blocks gets the exports they
+/// are read through; a keyed agent fetches over CUDA IPC byte exact. An agent without any key
+/// refuses CUDA IPC hellos (`grants_refused_unkeyed`): its peers fall back to TCP.
+#[test]
+fn cuda_ipc_grants_go_only_to_keyed_peers_and_only_with_blocks() {
+    use kvrelay::agent::wire;
+    let test = "cuda_ipc_grants_go_only_to_keyed_peers_and_only_with_blocks";
+    let Some(dev) = cuda_device(test) else { return };
+    const KEY: &str = "the deployment's key, which the test alone holds";
+    if std::env::var_os(SOURCE_ENV).is_some() {
+        serve_source(test, DevPool::new(&dev));
+        return;
+    }
+    let bb = Pool::new().block_bytes();
+    let (mut child, to, expect) = spawn_source_with(test, &[(SOURCE_KEY_ENV, KEY)]);
+    let ep = expect("ENDPOINT ");
+    let key = kvrelay::agent::Psk::new(KEY.as_bytes()).unwrap();
+    // without the key: nothing, whatever the hello names
+    for names in [&[][..], &[7, 8][..], &NAMES[..2]] {
+        let e = offer_by_hand(&ep, None, wire::IPC_HELLO, names).unwrap_err();
+        assert!(e.contains("auth_failed"), "{e}");
+    }
+    let mut dst = DevPool::new(&dev);
+    let dst_layout = dst.layout.clone();
+    let mk = |c: AgentConfig| {
+        // SAFETY: the pool outlives the agents (dropped at the end of the test, agents first).
+        unsafe { Agent::new(c, dst_layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let req = |dst: Vec<u32>| FetchRequest {
+        endpoint: ep.clone(),
+        names: NAMES.to_vec(),
+        held: 0,
+        dst,
+        deadline: Duration::from_secs(20),
+        digests: Vec::new(),
+    };
+    let other = mk(ipc_config()); // the per-user key: not the deployment's
+    let r = other.submit(req(vec![0, 1]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::AuthFailed), 0), "{}", r.detail);
+    assert_eq!(other.stats().ipc_mapped_now, 0, "nothing mapped");
+    // with the key: exports only with blocks
+    for names in [&[][..], &[7, 8][..]] {
+        let o = offer_by_hand(&ep, Some(&key), wire::IPC_HELLO, names).unwrap();
+        assert!(o.blocks.is_empty() && o.metadata.is_empty(), "an offer of no block carries no exports");
+    }
+    let o = offer_by_hand(&ep, Some(&key), wire::IPC_HELLO, &NAMES[..2]).unwrap();
+    assert_eq!(o.blocks.len(), 2);
+    assert!(!o.metadata.is_empty(), "held blocks come with the exports they are read through");
+    let keyed = mk({
+        let mut c = ipc_config();
+        c.key = Some(key.clone());
+        c.limits.tcp_fallback = false;
+        c
+    });
+    let r = keyed.submit(req(vec![3, 4, 5]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 3), "{}", r.detail);
+    for (i, id) in [3u32, 4, 5].into_iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[i], bb), "block {id}");
+    }
+    assert!(keyed.stats().ipc_mapped_now > 0, "over CUDA IPC");
+    drop((other, keyed));
+    drop(to);
+    assert!(child.wait().unwrap().success(), "the source process ended cleanly");
+    // an agent without a key grants nothing: its CUDA IPC readers fall back to TCP
+    let src = DevPool::new(&dev);
+    let src_cache = Arc::new(Cache::default());
+    let unkeyed_cfg = || {
+        let mut c = ipc_config();
+        c.per_user_key = false;
+        c
+    };
+    // SAFETY: the pool outlives the agent (dropped first, below).
+    let plain = unsafe { Agent::new(unkeyed_cfg(), src.layout.clone(), Box::new(Holder(src_cache.clone()))) }.unwrap();
+    let mut src = src;
+    for (i, &n) in NAMES.iter().enumerate() {
+        src.write(i as u32, &content(n, bb));
+        src_cache.held.lock().unwrap().insert(n, i as u32);
+    }
+    plain.record_checksums(&(0..NAMES.len() as u32).collect::<Vec<_>>()).unwrap();
+    let reader = mk(unkeyed_cfg());
+    let r = reader
+        .submit(FetchRequest { endpoint: plain.endpoint().unwrap().to_string(), ..req(vec![6, 7]) }, None)
+        .unwrap()
+        .wait(Duration::from_secs(30))
+        .unwrap();
+    assert_eq!((r.failure, r.blocks), (None, 2), "{}", r.detail);
+    assert_eq!((plain.stats().grants_refused_unkeyed, reader.stats().transport_fallbacks), (1, 1));
+    assert_eq!(reader.stats().ipc_mapped_now, 0, "nothing was mapped: the blocks came over TCP");
+    assert_eq!(dst.read(7), content(NAMES[1], bb));
+    eventually("every pin released", || src_cache.pinned() == 0);
+    eprintln!("{test}: ran on CUDA device 0");
+}
+
 #[test]
 fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
     let test = "a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found";

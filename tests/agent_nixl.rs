@@ -30,8 +30,7 @@ fn nixl_checks_content_digests() {
 /// blocks does.
 #[test]
 fn nixl_grants_go_only_to_keyed_peers_and_only_with_blocks() {
-    use kvrelay::agent::{auth, wire};
-    use std::time::Instant;
+    use kvrelay::agent::wire;
     let Some(t) = nixl("nixl_grants_go_only_to_keyed_peers_and_only_with_blocks") else { return };
     let plain = unkeyed_with(|c| c.transport = t.clone());
     plain.hold(&NAMES, 0);
@@ -45,32 +44,16 @@ fn nixl_grants_go_only_to_keyed_peers_and_only_with_blocks() {
     // a keyed source (the per-user key), spoken to by hand with that key
     let keyed = instance_with(|c| c.transport = t.clone());
     keyed.hold(&NAMES, 0);
-    let key = auth::per_user_key().unwrap();
-    let offer = |names: &[u64]| -> wire::InPlaceOffer {
-        let mut s = std::net::TcpStream::connect(keyed.endpoint().strip_prefix("tcp://").unwrap()).unwrap();
-        let end = Instant::now() + Duration::from_secs(20);
-        let client = auth::nonce().unwrap();
-        wire::write_frame(&mut s, wire::AUTH_HELLO, &client, end).unwrap();
-        let (kind, len) = wire::read_header(&mut s, 1 << 10, end).unwrap();
-        assert_eq!((kind, len), (wire::AUTH_CHALLENGE, 2 * auth::NONCE));
-        let mut ch = [0u8; 2 * auth::NONCE];
-        wire::Conn::read_by(&mut s, &mut ch, end).unwrap();
-        let server: [u8; auth::NONCE] = ch[..auth::NONCE].try_into().unwrap();
-        assert!(key.check_server(&client, &server, &ch[auth::NONCE..]));
-        wire::write_frame(&mut s, wire::AUTH_PROOF, &key.client_proof(&client, &server), end).unwrap();
-        wire::write_frame(&mut s, wire::NIXL_HELLO, &wire::encode_hello(&fp(), names), end).unwrap();
-        let (kind, len) = wire::read_header(&mut s, 1 << 20, end).unwrap();
-        let mut buf = vec![0u8; len];
-        wire::Conn::read_by(&mut s, &mut buf, end).unwrap();
-        assert_eq!(kind, wire::NIXL_OFFER, "{:?}", wire::decode_refusal(&buf));
-        wire::write_frame(&mut s, wire::DONE, &0u64.to_le_bytes(), end).unwrap();
-        wire::decode_in_place_offer(&buf).expect("an offer")
-    };
+    let key = kvrelay::agent::auth::per_user_key().unwrap();
+    let offer = |names: &[u64]| offer_by_hand(&keyed.endpoint(), Some(&key), wire::NIXL_HELLO, names).unwrap();
     let none = offer(&[7, 8]);
     assert!(none.blocks.is_empty() && none.metadata.is_empty(), "no block, no registration");
     let some = offer(&NAMES[..2]);
     assert_eq!(some.blocks.len(), 2);
     assert!(!some.metadata.is_empty(), "held blocks come with the registration they are read through");
+    // without the key: refused before any name is looked at
+    let e = offer_by_hand(&keyed.endpoint(), None, wire::NIXL_HELLO, &NAMES).unwrap_err();
+    assert!(e.contains("auth_failed"), "{e}");
     eventually("every pin released", || keyed.cache.pinned() == 0);
 }
 

@@ -102,6 +102,10 @@ def test_two_processes_serve_and_fetch_byte_exact(source):
 def test_a_wrong_key_or_fingerprint_is_refused(source):
     _, endpoint = source
     dst = Pool(4)
+    # no key given: the per-user key (not the source's); authentication off: no key at all
+    for kw in ({}, {"per_user_key": False}):
+        with kvrelay.Agent(FP, dst.layout, dst, listen=None, **kw) as a:
+            assert a.fetch(endpoint, [1000], [0], digests=DIGESTS[:1]).result(timeout=30).failure == "auth_failed"
     with kvrelay.Agent(FP, dst.layout, dst, listen=None, key=b"another key, 16 bytes at least") as a:
         assert a.fetch(endpoint, [1000], [0], digests=DIGESTS[:1]).result(timeout=30).failure == "auth_failed"
     other = kvrelay.Fingerprint(32, 2, 2, 16, 2, naming=1)
@@ -167,6 +171,8 @@ def test_bad_agent_arguments():
         kvrelay.Agent(FP, dst.layout, dst, limits={"streams": -1})
     with kvrelay.Agent(FP, dst.layout, dst, listen=None, limits={"streams": 2, "idle_timeout_ms": 0}) as a:
         assert a.stats["fetches_submitted"] == 0
+    with pytest.raises(TypeError):
+        kvrelay.Agent(FP, dst.layout, dst, per_user_key="no")
     with kvrelay.Agent(FP, dst.layout, dst, listen=None) as a:
         with pytest.raises(ValueError):
             a.fetch("tcp://127.0.0.1:1", [1, 2], [])

@@ -46,8 +46,14 @@
 //!
 //! **Limits.** Every read and write has a deadline; a control frame is at most 512 bytes, a
 //! hello at most `8 * max_names` bytes more; a serving connection's whole transfer must end
-//! within 10 s plus 1 s per 100 MB; peers come from the allowlist only; with a pre-shared key,
-//! both sides prove they hold it before any name moves ([`auth`]).
+//! within 10 s plus 1 s per 100 MB; peers come from the allowlist only; both sides prove they
+//! hold the agent's key before any name moves ([`auth`]): the deployment's key when one is
+//! given, else the per-user key, made on first use and readable by its user alone
+//! ([`auth::per_user_key`]; [`AgentConfig::per_user_key`] false turns authentication off, and
+//! with it every grant of memory). A grant (a CUDA IPC handle, a NIXL registration) leaves the
+//! agent only in an offer of at least one block, to a peer that proved the key. A fetch names
+//! its blocks and gives their content digests; one by name alone needs the limit
+//! [`Limits::unchecked_fetch`].
 
 pub mod allow;
 pub mod auth;

@@ -255,7 +255,7 @@ fn handshake(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, deadline: I
 fn authenticate(inner: &Inner, c: &mut dyn Conn, deadline: Instant) -> Result<(), Hs> {
     if let Some(key) = &inner.key {
         let (kind, len) = wire::read_header(c, wire::MAX_CONTROL, deadline).map_err(frame_err)?;
-        if kind == wire::HELLO {
+        if kind == wire::HELLO || kind == wire::NIXL_HELLO || kind == wire::IPC_HELLO {
             return Err(Hs::Refuse(Refusal::AuthFailed, "this service requires authentication"));
         }
         if kind != wire::AUTH_HELLO || len != auth::NONCE {

@@ -426,3 +426,45 @@ pub fn checked_from(b: &Instance, from: &str, digests: Vec<[u8; 32]>) -> FetchRe
     };
     b.agent.submit(req, None).unwrap().wait(Duration::from_secs(20)).expect("the fetch completes")
 }
+
+/// Ask the agent at `endpoint` by hand for an in-place offer: authenticate with `key` (none:
+/// send the hello at once), send a hello of kind `hello` (`wire::IPC_HELLO`, `wire::NIXL_HELLO`)
+/// naming `names`, read the answer, and end the source's pins (`DONE` 0). The offer, or the
+/// refusal (its reason and text) or what went wrong.
+#[allow(dead_code)] // not every test binary that includes the fixture uses it
+pub fn offer_by_hand(
+    endpoint: &str,
+    key: Option<&kvrelay::agent::Psk>,
+    hello: u8,
+    names: &[u64],
+) -> Result<kvrelay::agent::wire::InPlaceOffer, String> {
+    use kvrelay::agent::{auth, wire};
+    let mut s = std::net::TcpStream::connect(endpoint.strip_prefix("tcp://").unwrap()).map_err(|e| e.to_string())?;
+    let end = Instant::now() + Duration::from_secs(20);
+    let e = |e: &dyn std::fmt::Debug| format!("{e:?}");
+    if let Some(key) = key {
+        let client = auth::nonce().unwrap();
+        wire::write_frame(&mut s, wire::AUTH_HELLO, &client, end).map_err(|x| e(&x))?;
+        let (kind, len) = wire::read_header(&mut s, 1 << 10, end).map_err(|x| e(&x))?;
+        let mut ch = vec![0u8; len];
+        wire::Conn::read_by(&mut s, &mut ch, end).map_err(|x| e(&x))?;
+        if kind != wire::AUTH_CHALLENGE || len != 2 * auth::NONCE {
+            return Err(format!("no challenge: {:?}", wire::decode_refusal(&ch)));
+        }
+        let server: [u8; auth::NONCE] = ch[..auth::NONCE].try_into().unwrap();
+        wire::write_frame(&mut s, wire::AUTH_PROOF, &key.client_proof(&client, &server), end).map_err(|x| e(&x))?;
+        if !key.check_server(&client, &server, &ch[auth::NONCE..]) {
+            return Err("the source does not prove it holds the key".into());
+        }
+    }
+    wire::write_frame(&mut s, hello, &wire::encode_hello(&fp(), names), end).map_err(|x| e(&x))?;
+    let (kind, len) = wire::read_header(&mut s, 1 << 20, end).map_err(|x| e(&x))?;
+    let mut buf = vec![0u8; len];
+    wire::Conn::read_by(&mut s, &mut buf, end).map_err(|x| e(&x))?;
+    if kind == wire::REFUSE {
+        let (r, text) = wire::decode_refusal(&buf);
+        return Err(format!("refused {}: {text}", r.map_or("?", |r| r.as_str())));
+    }
+    let _ = wire::write_frame(&mut s, wire::DONE, &0u64.to_le_bytes(), end);
+    wire::decode_in_place_offer(&buf).ok_or_else(|| format!("a frame of kind {kind} that is no offer"))
+}

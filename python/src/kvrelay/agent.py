@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from . import _bindings as B
 from . import _lib as L
 from ._lib import lib
 from ._common import AgentLimit, FetchFailure, SIZE_MAX, U32, U64, _Errors, _FETCH_DESTROY, _HOLDER_DESTROY, _Handle, _HolderSlot, _PIN, _RETURNED, _UNPIN, _Use, _check, _closed, _enter_agent_thread, _ident, _int, _label, _out, _shut, _strs, _table, _text, _tls, _u32s, _u64s, _utf8  # noqa: F401
@@ -100,7 +101,7 @@ def _on_fetch_done(user_data: Optional[int], r: Any, detail: Any) -> None:
 _FETCH_DONE = L.FETCH_DONE(_on_fetch_done)
 _submit = lib.kvrelay_agent_submit
 _submit_checked = lib.kvrelay_agent_submit_checked
-DIGEST_BYTES = L.B.KVRELAY_BLOCK_DIGEST_BYTES
+DIGEST_BYTES = B.KVRELAY_BLOCK_DIGEST_BYTES
 
 
 def _digests(what: str, digests: Sequence[bytes], n: Optional[int] = None) -> bytes:
@@ -134,7 +135,7 @@ class Naming:
         self.salt = bytes(salt)
 
     def _c(self) -> Any:
-        n = L.B.kvrelay_naming(ctypes.sizeof(L.B.kvrelay_naming), self.seed, self.block_tokens, self.lora_id, None, 0)
+        n = B.kvrelay_naming(ctypes.sizeof(B.kvrelay_naming), self.seed, self.block_tokens, self.lora_id, None, 0)
         if self.salt:
             n.salt = ctypes.cast(ctypes.c_char_p(self.salt), ctypes.c_void_p)
             n.salt_len = len(self.salt)
@@ -579,8 +580,8 @@ class Agent(_Handle):
 
             def submit(cbs: Any, out: Any) -> int:
                 if dbuf is None:
-                    return _submit(agent, p, cbs, out)
-                return _submit_checked(agent, p, dbuf, len(n), cbs, out)
+                    return int(_submit(agent, p, cbs, out))
+                return int(_submit_checked(agent, p, dbuf, len(n), cbs, out))
 
             # (ctypes passes a struct given for a POINTER parameter by reference: no byref())
             if callback is None:
