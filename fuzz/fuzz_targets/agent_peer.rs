@@ -54,6 +54,9 @@ fn served() -> &'static Served {
         let mk = |key: Option<Psk>| {
             let mut c = AgentConfig::new(fp.clone());
             c.listen = None;
+            // no key: authentication off (not the per-user key), so the plain agent parses
+            // whatever a peer sends as its hello
+            c.per_user_key = key.is_some();
             c.key = key;
             c.limits.max_names = 64;
             // SAFETY: the pool lives in the static next to the agents, for the process's life.

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from identity_fixtures import write_control_vector, write_lora, write_twin_model  # noqa: E402
 from tiny_gguf import write_phi3_longrope  # noqa: E402
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
+from two_instance_test import BT, answer, complete, hinted, text  # noqa: E402
 
 
 def body(a, start, fixtures, cache):
@@ -77,11 +77,8 @@ def body(a, start, fixtures, cache):
         # a hint with the fetching server's own names (what a router that indexed it sends)
         st, look = srv.json("POST", "/v1/kv/lookup", {"prompt": P})
         assert st == 200, look
-        before = metrics(srv)
-        complete(srv, P, {"kv_hints": envelope(ep, look["block_hashes"], mid)})
-        after = metrics(srv)
-        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-        return fetch_outcomes(before, after), got
+        _, outcomes, got = hinted(srv, P, ep, look["block_hashes"], mid)
+        return outcomes, got
 
     # 2. the control case
     fetching = ["--kv-hints-trusted", "--kv-fetch", "always", "--kv-trusted-endpoint", ep_a]
@@ -156,11 +153,7 @@ def body(a, start, fixtures, cache):
         seed = info(srv)["naming_seed"]
         st, look = srv.json("POST", "/v1/kv/lookup", {"prompt": Q})
         assert st == 200, look
-        before = metrics(srv)
-        r = complete(srv, Q, {"kv_hints": envelope(ep_la, look["block_hashes"], "id-" + name)})
-        after = metrics(srv)
-        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-        outcomes = fetch_outcomes(before, after)
+        r, outcomes, got = hinted(srv, Q, ep_la, look["block_hashes"], "id-" + name)
         if same:
             ok = seed == info_la["naming_seed"] and got == (look["n_tokens"] - 1) // BT > 0
             what = "LongRoPE, equal -c: LA's seed, LA's blocks fetched"

@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from smoke_test import check, run_test  # noqa: E402
-from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, metrics, text  # noqa: E402
+from two_instance_test import BT, answer, complete, envelope, fetch_outcomes, hinted, metrics, text  # noqa: E402
 
 
 def body(a, start):
@@ -93,11 +93,7 @@ def body(a, start):
     check(os.path.exists(other) and (os.stat(other).st_mode & 0o777) == 0o600,
           "O made its per-user key on first use, mode 600", other)
     for name, srv, want_fetched in (("D", D, True), ("O", O, False)):
-        before = metrics(srv)
-        r = complete(srv, P, {"kv_hints": envelope(ep_u, look_u["block_hashes"], "integrity-pu-" + name)})
-        after = metrics(srv)
-        got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
-        outcomes = fetch_outcomes(before, after)
+        r, outcomes, got = hinted(srv, P, ep_u, look_u["block_hashes"], "integrity-pu-" + name)
         if want_fetched:
             ok = got == (look_u["n_tokens"] - 1) // BT
             what = "D (no key setting, U's user) fetched U's blocks over the per-user key"

@@ -167,6 +167,16 @@ def fetch_outcomes(before, after):
             if k.startswith("llamacpp_kv_fetch_total") and v != before.get(k, 0)}
 
 
+def hinted(srv, prompt, endpoint, hashes, mid):
+    # a /completion of `prompt` with a kv.fetch hint at `endpoint` naming `hashes`: the answer,
+    # the fetch outcomes it counted and the blocks it fetched
+    before = metrics(srv)
+    r = complete(srv, prompt, {"kv_hints": envelope(endpoint, hashes, mid)})
+    after = metrics(srv)
+    got = after.get("llamacpp_kv_fetched_blocks_total", 0) - before.get("llamacpp_kv_fetched_blocks_total", 0)
+    return r, fetch_outcomes(before, after), got
+
+
 def wait_for(cond):
     # bounded: polls `cond` (a server's counter) until it holds, 60 s at most
     for _ in range(1200):
