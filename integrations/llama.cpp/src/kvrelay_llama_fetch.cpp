@@ -3,22 +3,46 @@
 #include "kvrelay_llama_state.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <functional>
-#include <future>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
 namespace kvrelay_llama {
 using namespace detail;
 namespace {
+
+// Whether a fetch that failed with `failure` (`late`: cancelled by the request once waiting could
+// no longer pay) says its source is sick or slow, so that it is skipped for a while (backoff):
+// it could not be reached, ran past a deadline, cut its stream, refused (busy, say), sent bytes
+// that failed their checksum, or failed inside. Not: a source that lacks the blocks
+// (source_miss: a stale hint), a name collision (digest_mismatch), a fingerprint or key
+// mismatch: each costs one round trip and is about this request or this pair of servers.
+bool source_is_sick(int32_t failure, bool late) {
+    if (late && failure == KVRELAY_FETCH_CANCELLED) {
+        return true;
+    }
+    switch (failure) {
+        case KVRELAY_FETCH_CONNECT:
+        case KVRELAY_FETCH_TIMEOUT:
+        case KVRELAY_FETCH_REFUSED:
+        case KVRELAY_FETCH_CORRUPT:
+        case KVRELAY_FETCH_TRUNCATED:
+        case KVRELAY_FETCH_INTERNAL:
+            return true;
+        default:
+            return false;
+    }
+}
 
 // The fetch a request started, for the requests that join it: finished (its waiters woken, its
 // entry gone) when the fetch's blocks were committed, or whenever its request ends otherwise.
@@ -427,10 +451,14 @@ held_ptr fetch_prefix(const server_tokens & prompt, bool lora, bool cache_prompt
                                 call.local_s, call.budget_s);
         SRV_INF("kvrelay: fetch %s: %zu of %zu blocks after the %zu held, %.4f s (%s)%s%s\n", outcome.c_str(), ok, n_dst,
                 call.held, r->seconds, weighed.c_str(), why.empty() ? "" : ": ", why.c_str());
-        // the source's record: a failure (late included) skips it for a while, a success ends that;
-        // a client gone says nothing about the source
+        // the source's record: a failure that says the source is sick or slow (it cannot be reached,
+        // ran past a deadline, was cancelled as late, cut a stream, refused or sent bad bytes) skips
+        // it for a while, a success ends that; a failure about this request's names or this pair's
+        // settings (a stale hint: source_miss, routine under eviction; a name collision, which a
+        // tenant can plant; a fingerprint or key mismatch) costs a round trip and says nothing of
+        // the source's health, nor does a client gone
         if (!gone) {
-            if (r->failure != KVRELAY_FETCH_OK) {
+            if (r->failure != KVRELAY_FETCH_OK && source_is_sick(r->failure, late)) {
                 kv.backoff.failed(call.endpoint);
             } else if (ok > 0) {
                 kv.backoff.succeeded(call.endpoint);
@@ -471,37 +499,44 @@ std::vector<held_ptr> fetch_prefixes(const std::vector<fetch_input> & in, const 
         }
         return out;
     }
-    // several hinted prompts: one thread each, `should_stop` (the request's connection) asked by one at a time
+    // several hinted prompts: at most MAX_FETCH_THREADS fetch at once (this thread and helpers
+    // that each take the next hinted prompt until none is left), so a request of many prompts
+    // cannot start a thread per prompt; `should_stop` (the request's connection) asked by one at a time
     std::mutex                   ask;
     const std::function<bool()>  stop = [&]() {
         std::lock_guard<std::mutex> g(ask);
         return should_stop && should_stop();
     };
-    std::vector<std::future<held_ptr>> running(in.size());
-    for (size_t i = 0; i < in.size(); i++) {
-        if (!in[i].hint) {
-            continue;
+    std::atomic<size_t>             next{ 0 };
+    std::vector<std::exception_ptr> errors(in.size());
+    const auto                      work = [&]() {
+        for (size_t i; (i = next.fetch_add(1)) < in.size();) {
+            if (!in[i].hint) {
+                continue;
+            }
+            try {
+                out[i] = fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, stop);
+            } catch (...) {
+                errors[i] = std::current_exception();  // kv_load_failed: rethrown once every fetch ended
+            }
         }
+    };
+    std::vector<std::thread> helpers;
+    for (size_t k = 1; k < std::min(hinted, MAX_FETCH_THREADS); k++) {
         try {
-            running[i] = std::async(std::launch::async, [&in, i, &stop]() {
-                return fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, stop);
-            });
+            helpers.emplace_back(work);
         } catch (const std::system_error &) {
-            // no thread to be had: this prompt fetches on the request's own thread, afterwards
+            break;  // no more threads to be had: those running (and this one) take the rest
         }
     }
+    work();
+    for (std::thread & t : helpers) {
+        t.join();
+    }
     std::exception_ptr failed;
-    for (size_t i = 0; i < in.size(); i++) {
-        if (!in[i].hint) {
-            continue;
-        }
-        try {
-            out[i] = running[i].valid() ? running[i].get()
-                                        : fetch_prefix(*in[i].prompt, in[i].lora, in[i].cache_prompt, in[i].hint, stop);
-        } catch (...) {
-            if (!failed) {
-                failed = std::current_exception();  // kv_load_failed: rethrown once every fetch ended
-            }
+    for (const std::exception_ptr & e : errors) {
+        if (e && !failed) {
+            failed = e;
         }
     }
     if (failed) {

@@ -36,6 +36,8 @@ inline constexpr size_t       MAX_BLOCK_TOKENS     = 65536;
 inline constexpr const char * METRIC_PREFIX        = "llamacpp_kv_hints";
 inline constexpr size_t       MAX_HINT_HASHES      = 65536;
 inline constexpr uint32_t     WAIT_SLICE_MS        = 20;
+// Hinted prompts of one request that fetch at once (the request's own thread and helpers).
+inline constexpr size_t       MAX_FETCH_THREADS    = 8;
 // A source whose fetch failed is skipped (outcome `backoff`) for BACKOFF_FIRST_S, twice as long
 // after each further failure in a row, at most BACKOFF_MAX_S; its first success ends that.
 inline constexpr double       BACKOFF_FIRST_S      = 1.0;

@@ -22,7 +22,10 @@ reference. Checks:
   5. E, whose small store is full, gets a hint naming a source S that lacks the blocks: the fetch
      evicts nothing (its destination is only claimed until the source's offer says what comes;
      before, it evicted up to a quarter of the store, and before that every unpinned block),
-     and E then answers the prompt as the cold server.
+     and E then answers the prompt as the cold server;
+  6. stale hints never make a healthy source skipped: F (--kv-fetch faster, its prefill timed)
+     gets five hints naming blocks S lacks (five `source_miss`, none skipped as `backoff`), then
+     a valid one, which fetches S's blocks and answers as the cold server.
 Exit status 0 when every check passed.
 """
 import os
@@ -121,6 +124,30 @@ def body(a, start):
               "%d evicted, %s of %d held" % (evicted, m2.get("llamacpp_kv_store_blocks"), cap))
         check(answer(complete(E, q)) == answer(complete(C, q, {"cache_prompt": False})),
               "5. E then answers the prompt as the cold server")
+
+        # 6. stale hints (routine: a router's index lags the source's evictions) say nothing of the
+        #    source's health: the valid hint after five of them fetches
+        F = start("F", ["--kv-hints-trusted", "--kv-trusted-endpoint", ep_s])  # --kv-fetch faster
+        for i in range(2):
+            complete(F, text(150, 3000 + i))  # F times its prefill
+        good = text(150, 3100)
+        complete(S, good)
+        hashes_good = S.json("POST", "/v1/kv/lookup", {"prompt": good})[1]["block_hashes"]
+        m0 = metrics(F)
+        for i in range(5):
+            stale = text(150, 3200 + i)
+            h = F.json("POST", "/v1/kv/lookup", {"prompt": stale})[1]["block_hashes"]
+            complete(F, stale, {"kv_hints": envelope(ep_s, h, "stale-f-%d" % i)})
+        m1 = metrics(F)
+        check(fetch_outcomes(m0, m1) == {'llamacpp_kv_fetch_total{outcome="source_miss"}': 5},
+              "6. five stale hints to a healthy source: five source_miss, none skipped (backoff)",
+              str(fetch_outcomes(m0, m1)))
+        r = complete(F, good, {"kv_hints": envelope(ep_s, hashes_good, "valid-f")})
+        m2 = metrics(F)
+        check(fetch_outcomes(m1, m2) == {'llamacpp_kv_fetch_total{outcome="fetched"}': 1}
+              and answer(r) == answer(complete(C, good, {"cache_prompt": False})),
+              "6. the valid hint after them fetches S's blocks and answers as the cold server",
+              str(fetch_outcomes(m1, m2)))
     finally:
         frozen.close()
 

@@ -19,7 +19,11 @@ runs on the default pool. Checks:
   2. every answer equals the cold server's;
   3. nothing stays pinned on B (after 4);
   4. one batched /completion of three hinted prompts: the three fetches run at once (the relay
-     holds the source's answers until all three connected), each answer equals the cold one.
+     holds the source's answers until all three connected), each answer equals the cold one;
+  5. one batched /completion of 40 hinted prompts: while the fetches wait behind the gate,
+     exactly 8 prompts wait for their KV (llamacpp_kv_fetch_waiting) and B's thread count grows
+     by at most those 8 plus two (before: a thread per hinted prompt), and every prompt is
+     answered.
 Exit status 0 when every check passed.
 """
 import os
@@ -32,6 +36,13 @@ from smoke_test import check, run_test  # noqa: E402
 from two_instance_test import BT, answer, complete, completion_body, envelope, fetch_outcomes, fetches, metrics, text, wait_for  # noqa: E402
 
 N = 8
+M = 40  # hinted prompts of one batched request (5.)
+MAX_FETCH_THREADS = 8  # kvrelay_llama_state.hpp: hinted prompts of one request that fetch at once
+
+
+def threads_of(srv):
+    # the server process's threads now
+    return len(os.listdir("/proc/%d/task" % srv.proc.pid))
 
 
 # The source's first frame on a new connection: its authentication challenge (a 12-byte frame
@@ -181,6 +192,40 @@ def body(a, start):
         check(len(got) == 3 and all(answer(g) == answer(w) for g, w in zip(got, wants)),
               "4. each of the batch's answers equals the cold server's")
         check(wait_for(lambda: metrics(B).get("llamacpp_kv_store_pinned_blocks", -1) == 0), "3. nothing stays pinned on B")
+
+        # 5. one batched request of M hinted prompts: at most MAX_FETCH_THREADS of them fetch at
+        # once (helpers of the request's thread), not a thread each. The relay holds the source's
+        # answers, so the fetches in flight stay blocked while B's threads are counted
+        relay.gate.clear()
+        Ms = [text(30, 1900 + k) for k in range(M)]
+        hint_sets = [B.json("POST", "/v1/kv/lookup", {"prompt": p})[1]["block_hashes"] for p in Ms]
+        base = threads_of(B)
+        many = {}
+
+        def batched_many():
+            many["r"] = B.json("POST", "/completion", dict(
+                completion_body(Ms), n_predict=2,
+                kv_hints=[envelope(ep, h, "many-%d" % k) for k, h in enumerate(hint_sets)]))
+
+        t = threading.Thread(target=batched_many, daemon=True)
+        t.start()
+        # as many fetches as may run at once wait behind the gate (llamacpp_kv_fetch_waiting counts
+        # the prompts waiting for their KV)
+        waiting = lambda: metrics(B).get("llamacpp_kv_fetch_waiting", 0)  # noqa: E731
+        full = wait_for(lambda: waiting() >= MAX_FETCH_THREADS)
+        peak = max(threads_of(B) for _ in range(20))
+        peak_waiting = max(waiting() for _ in range(20))
+        relay.gate.set()
+        t.join(600)
+        st, rs = many.get("r", (None, None))
+        check(full and peak_waiting == MAX_FETCH_THREADS and peak - base <= MAX_FETCH_THREADS + 2,
+              "5. %d hinted prompts in one request: %d fetch at once, B grew by %d threads"
+              % (M, MAX_FETCH_THREADS, peak - base),
+              "%s prompts waiting for their KV, %d threads before, %d at the peak" % (peak_waiting, base, peak))
+        check(st == 200 and isinstance(rs, list) and len(rs) == M, "5. every prompt of the batch is answered",
+              "status %s, %s answers" % (st, len(rs) if isinstance(rs, list) else rs))
+        check(wait_for(lambda: metrics(B).get("llamacpp_kv_store_pinned_blocks", -1) == 0),
+              "5. nothing stays pinned on B")
     finally:
         relay.close()
 
