@@ -103,7 +103,7 @@ fn memory_that_went_bad_after_its_checksum_was_recorded_is_caught() {
 fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", stall.local_addr().unwrap());
-    let b = unkeyed_with(|_| {}); // the source is a socket that stalls
+    let b = instance(); // keyed: the stall comes at the authentication, which a cancel ends too
     let req = |deadline_ms| FetchRequest {
         endpoint: ep.clone(),
         names: NAMES.to_vec(),
@@ -239,7 +239,7 @@ fn dropping_the_agent_completes_every_fetch_and_joins_its_threads() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ep = format!("tcp://{}", stall.local_addr().unwrap());
     let limits = Limits { fetch_threads: 1, ..fetch_limits() };
-    let b = unkeyed_with(|c| c.limits = limits); // the source is a socket that stalls
+    let b = instance_with(|c| c.limits = limits); // keyed: stalled at the authentication
     let done = Arc::new(Mutex::new(Vec::new()));
     let mut fetches = Vec::new();
     for _ in 0..3 {

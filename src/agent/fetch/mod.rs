@@ -341,8 +341,9 @@ fn pull(
     Ok(())
 }
 
-/// A new connection to `addr`, authenticated when a key is set.
-fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut Vec<u8>) -> Result<TcpStream, Failure> {
+/// A new connection to `addr` (not yet authenticated: [`authenticate`], once the connection is
+/// published for cancels).
+fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant) -> Result<TcpStream, Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
     let mut s = TcpStream::connect_timeout(
         &addr,
@@ -356,9 +357,16 @@ fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut 
     })?;
     let _ = s.set_nodelay(true);
     super::set_buffers(&s, inner.limits.socket_buffer_bytes);
+    Ok(s)
+}
+
+/// The key's challenge-response on a new connection `s` (nothing without a key). Runs after the
+/// connection was published, so that a cancel (or the fetch's end) shuts it down here too: a
+/// source that accepts and never answers holds a cancelled fetch no longer than any other read.
+fn authenticate(inner: &Inner, s: &mut TcpStream, deadline: Instant, buf: &mut Vec<u8>) -> Result<(), Failure> {
     let by = || inner.io_deadline().min(deadline);
     if let Some(key) = &inner.key {
-        let c: &mut dyn Conn = &mut s;
+        let c: &mut dyn Conn = s;
         let client = auth::nonce().map_err(|e| (FailReason::AuthFailed, format!("no random nonce: {e}")))?;
         wire::write_frame(c, wire::AUTH_HELLO, &client, by()).map_err(|e| io_fail(&e, "authentication"))?;
         let kind = read_reply(c, buf, wire::MAX_CONTROL, "authentication", by())?;
@@ -374,7 +382,7 @@ fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant, buf: &mut 
             return Err((FailReason::AuthFailed, "the source does not prove it holds the key".into()));
         }
     }
-    Ok(s)
+    Ok(())
 }
 
 /// How one exchange on a connection ended.
@@ -420,7 +428,7 @@ impl Stream<'_> {
             let reused = kept.is_some();
             let mut s = match kept.take() {
                 Some(s) => s,
-                None => open(inner, addr, self.deadline, &mut scratch.buf)?,
+                None => open(inner, addr, self.deadline)?,
             };
             let Some(id) = inner.register(&s) else { return Err(shutting_down()) };
             let reg = Registered(inner, Some(id));
@@ -430,6 +438,9 @@ impl Stream<'_> {
             let published = Published(self.state, id);
             // a cancel (or a sibling's stop) that came before the socket was published
             (self.stopped)()?;
+            if !reused {
+                authenticate(inner, &mut s, self.deadline, &mut scratch.buf)?;
+            }
             match self.exchange(&mut s, reused, inner.backend_at(level), mover, scratch, land) {
                 Exchange::Stale => continue,
                 // this backend cannot reach the source and nothing moved: once more with the
