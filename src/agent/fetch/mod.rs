@@ -345,7 +345,7 @@ fn pull(
 /// published for cancels).
 fn open(inner: &Inner, addr: std::net::SocketAddr, deadline: Instant) -> Result<TcpStream, Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
-    let mut s = TcpStream::connect_timeout(
+    let s = TcpStream::connect_timeout(
         &addr,
         inner.limits.connect_timeout.min(left).max(std::time::Duration::from_millis(1)),
     )
