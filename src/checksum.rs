@@ -14,8 +14,12 @@
 //!   is linear in each bit and let two flips of the same bit in different words cancel;
 //! - a change of length (the length is mixed in last).
 //!
-//! What it does not do: it is not a MAC. A peer that can write the bytes can write a matching
-//! checksum; authentication (the agent's pre-shared key) and the allowlist keep such peers out.
+//! What it does not do: it is not a MAC. Its per-word keys are public and `fmix64` is
+//! invertible, so anyone who can write a block's bytes can change them and keep the checksum
+//! (two words suffice). It is the check against accidental corruption only, and the only
+//! check where no key exists (an agent with the per-user key turned off and no deployment
+//! key). Where both ends hold a key, the keyed tag ([`crate::block_mac`]) proves the bytes of
+//! host-memory blocks on top of it; device pools are checked by this checksum alone for now.
 //!
 //! The terms are independent, so a block can be summed in place in any order and in parallel
 //! (a GPU kernel sums each word where it lies and adds the terms up; the agent's

@@ -30,6 +30,7 @@ mod labels;
 
 #[cfg(feature = "agent")]
 pub mod agent;
+pub mod block_mac;
 pub mod checksum;
 pub mod copy;
 #[cfg(feature = "events")]

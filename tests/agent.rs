@@ -99,6 +99,43 @@ fn memory_that_went_bad_after_its_checksum_was_recorded_is_caught() {
     assert_eq!(b.agent.stats().fetch_failed_corrupt, 1);
 }
 
+/// A write into the source's pool that keeps the public checksum (anyone can compute one) is
+/// refused by the keyed tag: both agents hold the (per-user) key, the source tags its host
+/// pool's blocks when they are recorded, and the destination checks each block's bytes against
+/// its tag before writing it. Without keys the same write goes through: the checksum alone
+/// cannot tell.
+#[test]
+fn a_write_that_keeps_the_public_checksum_is_refused_by_the_keyed_tag() {
+    for keyed in [true, false] {
+        let make = if keyed { instance } else { || unkeyed_with(|_| {}) };
+        let a = make();
+        a.hold(&NAMES, 0);
+        let bb = a.pool.block_bytes();
+        assert_eq!(a.agent.recorded_tag(0).is_some(), keyed, "a keyed agent with a host pool tags its blocks");
+        let forged = a.pool.forge_keeping_checksum(2);
+        assert_ne!(forged, content(NAMES[2], bb));
+        assert_eq!(kv_checksum(&forged), kv_checksum(&content(NAMES[2], bb)), "the forgery keeps the checksum");
+        let b = make();
+        let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1, 2, 3]);
+        if keyed {
+            assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
+            assert!(r.detail.contains("keyed tag"), "{}", r.detail);
+            assert_eq!(b.agent.recorded_checksum(2), None, "the forged block was not recorded");
+            assert_eq!(b.agent.stats().fetch_failed_corrupt, 1);
+            // what landed carries its source's tags on
+            for id in 0..2 {
+                assert_eq!(b.agent.recorded_tag(id), a.agent.recorded_tag(id), "block {id}");
+                assert!(b.agent.recorded_tag(id).is_some());
+            }
+        } else {
+            assert_eq!((r.failure, r.blocks), (None, 4), "{}", r.detail);
+            assert_eq!(b.pool.read(2), forged, "without a key the checksum alone let the forgery in");
+            assert_eq!(b.agent.recorded_tag(0), None);
+        }
+        eventually("every pin released", || a.cache.pinned() == 0);
+    }
+}
+
 #[test]
 fn a_stalled_source_times_out_and_a_cancel_stops_a_fetch() {
     let stall = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -361,12 +398,12 @@ fn a_stream_that_ends_inside_a_block_is_truncated() {
         assert_eq!(kind, wire::HELLO);
         let mut hello = vec![0u8; len];
         wire::Conn::read_by(&mut s, &mut hello, end).unwrap();
-        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(2, bb as u64), end).unwrap();
+        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(2, 0, bb as u64), end).unwrap();
         let block = content(NAMES[0], bb);
         let mut head = wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb).to_vec();
         head.extend_from_slice(&NAMES[0].to_le_bytes());
         head.extend_from_slice(&kv_checksum(&block).to_le_bytes());
-        head.extend_from_slice(&[0; wire::DIGEST_BYTES]);
+        head.extend_from_slice(&[0; 8 + wire::DIGEST_BYTES]); // no tag (an untagged offer), no digest
         s.write_all(&head).unwrap();
         s.write_all(&block[..bb / 2]).unwrap();
         // and the stream ends
@@ -394,10 +431,10 @@ fn a_dripping_then_stalling_source_ends_by_the_fetch_deadline() {
         let end = Instant::now() + Duration::from_secs(10);
         let (_, len) = wire::read_header(&mut s, 1 << 20, end).unwrap();
         wire::Conn::read_by(&mut s, &mut vec![0u8; len], end).unwrap();
-        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(1, bb as u64), end).unwrap();
+        wire::write_frame(&mut s, wire::OFFER, &wire::encode_offer(1, 0, bb as u64), end).unwrap();
         let mut head = wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb).to_vec();
         head.extend_from_slice(&NAMES[0].to_le_bytes());
-        head.extend_from_slice(&[0; 8 + wire::DIGEST_BYTES]);
+        head.extend_from_slice(&[0; 16 + wire::DIGEST_BYTES]);
         s.write_all(&head).unwrap();
         // then the block: one byte every 20 ms for 2.5 s (the fetch's deadline is 3 s), then nothing
         let drip_end = Instant::now() + Duration::from_millis(2500);

@@ -57,6 +57,30 @@ fn nixl_grants_go_only_to_keyed_peers_and_only_with_blocks() {
     eventually("every pin released", || keyed.cache.pinned() == 0);
 }
 
+/// NIXL between host pools of keyed agents: the offer carries each block's keyed tag, and a
+/// write into the source's pool that keeps the public checksum is refused where the READ
+/// landed (the tag of the bytes in the destination's pool differs), before it is recorded.
+#[test]
+fn nixl_refuses_a_forged_block_by_its_keyed_tag() {
+    let Some(t) = nixl("nixl_refuses_a_forged_block_by_its_keyed_tag") else { return };
+    let a = instance_with(|c| c.transport = t.clone());
+    a.hold(&NAMES, 0);
+    let forged = a.pool.forge_keeping_checksum(1);
+    assert_eq!(
+        kvrelay::checksum::kv_checksum(&forged),
+        a.agent.recorded_checksum(1).unwrap(),
+        "the checksum still holds"
+    );
+    let b = instance_with(|c| c.transport = t.clone());
+    let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![4, 5, 6]);
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 1), "{}", r.detail);
+    assert!(r.detail.contains("keyed tag"), "{}", r.detail);
+    assert_eq!(b.agent.recorded_checksum(5), None, "the forged block was not recorded");
+    assert_eq!(b.agent.recorded_tag(4), a.agent.recorded_tag(0), "the first block landed with its tag");
+    assert_eq!(b.agent.stats().transport_fallbacks, 0, "read over NIXL");
+    eventually("every pin released", || a.cache.pinned() == 0);
+}
+
 /// NIXL between host pools: the destination READs the blocks in place, verifies them against
 /// the checksums the source recorded and the source unpins them at DONE; a TCP destination is
 /// still served by a NIXL source; a NIXL destination falls back to TCP for a TCP-only source

@@ -62,14 +62,14 @@ fn dest() -> &'static Dest {
 fn well_formed(count: usize, asked: usize, bytes: &[u8], bb: usize) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&wire::header(wire::OFFER, 16));
-    out.extend_from_slice(&wire::encode_offer(count as u32, bb as u64));
+    out.extend_from_slice(&wire::encode_offer(count as u32, 0, bb as u64));
     for i in 0..count.min(asked) {
         let block: Vec<u8> =
             (0..bb).map(|k| bytes.get((i * bb + k) % bytes.len().max(1)).copied().unwrap_or(0)).collect();
         out.extend_from_slice(&wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb));
         out.extend_from_slice(&NAMES[i].to_le_bytes());
         out.extend_from_slice(&kv_checksum(&block).to_le_bytes());
-        out.extend_from_slice(&[0; wire::DIGEST_BYTES]);
+        out.extend_from_slice(&[0; 8 + wire::DIGEST_BYTES]); // no tag, no digest
         out.extend_from_slice(&block);
     }
     out

@@ -90,7 +90,7 @@ use handle::{FetchState, Job};
 use inner::{set_buffers, Inner};
 pub use stats::AgentStats;
 use stats::Stats;
-use sums::{sum_host, SumTable};
+use sums::{sum_host, tag_host, SumTable};
 #[doc(hidden)]
 pub use transport::cuda_ipc::check_offer_plans;
 pub use wire::{Conn, Refusal};
@@ -230,7 +230,7 @@ impl Agent {
             .filter(|&b| (b + wire::BLOCK_HEAD) as u64 <= u64::from(u32::MAX))
             .ok_or_else(|| {
                 AgentError::Config(format!(
-                    "blocks of {} bytes: the agent moves blocks of at most 4 GiB - 48 bytes",
+                    "blocks of {} bytes: the agent moves blocks of at most 4 GiB - 56 bytes",
                     layout.stage_block_bytes()
                 ))
             })?;
@@ -256,8 +256,14 @@ impl Agent {
         let warm = backends.iter().map(|b| b.movers_at_start(&config.limits)).max().unwrap_or(1);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
+        // the block key of a keyed agent: its tags prove a block's bytes to peers that hold the
+        // deployment key; a host pool's blocks are tagged when they are recorded
+        let mac = key
+            .as_ref()
+            .map(|k| crate::block_mac::BlockMac::new(&k.derive(crate::block_mac::BLOCK_KEY_LABEL), block_bytes));
+        let host_pool = config.device.is_none();
         let inner = Arc::new(Inner {
-            sums: SumTable::new(layout.num_blocks() as usize),
+            sums: SumTable::new(layout.num_blocks() as usize, mac, host_pool),
             fingerprint: config.fingerprint,
             allow: config.allow,
             limits: config.limits,
@@ -318,6 +324,8 @@ impl Agent {
     /// the agent reads each block where it lies (no copy) and keeps its checksum, which then
     /// travels with the block. O(bytes); host batches over 8 MiB are summed on several threads;
     /// device pools by a kernel on the agent's own stream. One allocation of `8 * ids.len()`.
+    /// A keyed agent with a host pool also records each block's keyed tag
+    /// ([`crate::block_mac`]): a second pass over the bytes, of about the checksum's cost.
     pub fn record_checksums(&self, ids: &[u32]) -> Result<(), AgentError> {
         let n = self.inner.layout.num_blocks();
         if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
@@ -340,6 +348,12 @@ impl Agent {
         sum_host(&inner.layout, inner.block_bytes, ids, &mut sums);
         for (&id, &s) in ids.iter().zip(&sums) {
             inner.sums.set(id, s);
+        }
+        if let (true, Some(mac)) = (inner.sums.records_tags(), inner.sums.mac()) {
+            tag_host(&inner.layout, mac, inner.block_bytes, ids, &mut sums);
+            for (&id, &t) in ids.iter().zip(&sums) {
+                inner.sums.set_tag(id, t);
+            }
         }
         Ok(())
     }
@@ -374,6 +388,12 @@ impl Agent {
     /// The checksum recorded for block `id`, if any.
     pub fn recorded_checksum(&self, id: u32) -> Option<u64> {
         (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.get(id)).flatten()
+    }
+
+    /// The keyed tag recorded for block `id` ([`crate::block_mac`]), if this agent tags its
+    /// blocks (it holds a key and its pool is host memory) and recorded one.
+    pub fn recorded_tag(&self, id: u32) -> Option<u64> {
+        (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.tag(id)).flatten()
     }
 
     /// Submit a fetch. Never blocks: the checks below run here, everything else on a fetch

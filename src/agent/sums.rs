@@ -1,6 +1,7 @@
 //! The checksums the agent keeps: one recorded value per block of the pool ([`SumTable`]), with
-//! the block's content digest when the runtime recorded one, and the sums of host-pool blocks
-//! taken where they lie (device pools are summed by a kernel, through a mover).
+//! the block's content digest when the runtime recorded one and, in a keyed agent with a host
+//! pool, its keyed tag ([`crate::block_mac`]); the sums and tags of host-pool blocks are taken
+//! where they lie (device pools are summed by a kernel, through a mover, and not tagged yet).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
@@ -10,31 +11,77 @@ pub(super) const DIGEST: usize = crate::names::BLOCK_DIGEST_BYTES;
 /// A block's content digest; all zeros: none recorded (no SHA-256 output is, in practice).
 pub(super) type Digest = [u8; DIGEST];
 
+use crate::block_mac::{BlockMac, NhSums};
 use crate::copy::KvLayout;
 
-/// The recorded checksum of every block of the pool (and whether one was recorded), and its
-/// recorded content digest (zeros: none).
+/// The recorded checksum of every block of the pool (and whether one was recorded), its
+/// recorded content digest (zeros: none) and its keyed tag (when this agent tags its blocks).
 pub(super) struct SumTable {
     sums: Vec<AtomicU64>,
     valid: Vec<AtomicU64>,
     digests: RwLock<Vec<Digest>>,
+    /// The block key's state, in an agent that holds a key: it checks the tags of what arrives
+    /// in host memory (a TCP slot, a host pool), whatever its own pool.
+    mac: Option<BlockMac>,
+    /// This agent records a tag for every block it records a checksum of (a keyed agent with a
+    /// host pool): `tags` and `tagged` are kept.
+    records_tags: bool,
+    tags: Vec<AtomicU64>,
+    tagged: Vec<AtomicU64>,
+}
+
+/// Whether bit `id` of `bits` is set (read with acquire: the value it guards was stored
+/// before it).
+fn bit(bits: &[AtomicU64], id: u32) -> bool {
+    bits[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0
 }
 
 impl SumTable {
-    pub(super) fn new(blocks: usize) -> SumTable {
+    /// A table of `blocks` blocks; `mac`: the block key of a keyed agent; `records_tags`: the
+    /// pool is host memory, whose blocks this agent tags (only with a key).
+    pub(super) fn new(blocks: usize, mac: Option<BlockMac>, records_tags: bool) -> SumTable {
+        let records_tags = records_tags && mac.is_some();
+        let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         SumTable {
-            sums: (0..blocks).map(|_| AtomicU64::new(0)).collect(),
-            valid: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            sums: words(blocks),
+            valid: words(blocks.div_ceil(64)),
             digests: RwLock::new(vec![[0; DIGEST]; blocks]),
+            mac,
+            records_tags,
+            tags: words(if records_tags { blocks } else { 0 }),
+            tagged: words(if records_tags { blocks.div_ceil(64) } else { 0 }),
         }
     }
+    /// Record block `id`'s checksum; the tag it had (if any) is forgotten (a new content is
+    /// tagged by [`SumTable::set_tag`] after this).
     pub(super) fn set(&self, id: u32, sum: u64) {
+        if self.records_tags {
+            self.tagged[id as usize / 64].fetch_and(!(1 << (id % 64)), Ordering::AcqRel);
+        }
         self.sums[id as usize].store(sum, Ordering::Relaxed);
         self.valid[id as usize / 64].fetch_or(1 << (id % 64), Ordering::Release);
     }
     pub(super) fn get(&self, id: u32) -> Option<u64> {
-        let v = self.valid[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0;
-        v.then(|| self.sums[id as usize].load(Ordering::Relaxed))
+        bit(&self.valid, id).then(|| self.sums[id as usize].load(Ordering::Relaxed))
+    }
+    /// The block key, in a keyed agent.
+    pub(super) fn mac(&self) -> Option<&BlockMac> {
+        self.mac.as_ref()
+    }
+    /// This agent tags its blocks (a keyed agent with a host pool).
+    pub(super) fn records_tags(&self) -> bool {
+        self.records_tags
+    }
+    /// Record block `id`'s tag (after its checksum); nothing where this agent keeps no tags.
+    pub(super) fn set_tag(&self, id: u32, tag: u64) {
+        if self.records_tags {
+            self.tags[id as usize].store(tag, Ordering::Relaxed);
+            self.tagged[id as usize / 64].fetch_or(1 << (id % 64), Ordering::Release);
+        }
+    }
+    /// Block `id`'s recorded tag, if this agent keeps tags and recorded one.
+    pub(super) fn tag(&self, id: u32) -> Option<u64> {
+        (self.records_tags && bit(&self.tagged, id)).then(|| self.tags[id as usize].load(Ordering::Relaxed))
     }
     /// Record block `id`'s content digest (zeros: forget it).
     pub(super) fn set_digest(&self, id: u32, d: &Digest) {
@@ -56,12 +103,24 @@ impl SumTable {
 /// The checksums of host-pool blocks `ids` (each below `num_blocks`) into `out`, summed where
 /// they lie; batches over 8 MiB on up to 8 threads.
 pub(super) fn sum_host(layout: &KvLayout, block_bytes: usize, ids: &[u32], out: &mut [u64]) {
+    each_host(block_bytes, ids, out, |id| block_checksum(layout, id));
+}
+
+/// The keyed tags of host-pool blocks `ids` (each below `num_blocks`) into `out`, taken where
+/// they lie; batches over 8 MiB on up to 8 threads.
+pub(super) fn tag_host(layout: &KvLayout, mac: &BlockMac, block_bytes: usize, ids: &[u32], out: &mut [u64]) {
+    each_host(block_bytes, ids, out, |id| block_tag(layout, mac, id));
+}
+
+/// `out[i] = f(ids[i])`, batches over 8 MiB on up to 8 threads.
+fn each_host(block_bytes: usize, ids: &[u32], out: &mut [u64], f: impl Fn(u32) -> u64 + Sync) {
     let sum_all = |ids: &[u32], out: &mut [u64]| {
         for (&id, o) in ids.iter().zip(out) {
-            *o = block_checksum(layout, id);
+            *o = f(id);
         }
     };
     let total = ids.len() * block_bytes;
+    let sum_all = &sum_all;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     if total < (8 << 20) || threads == 1 {
         sum_all(ids, out);
@@ -88,4 +147,18 @@ fn block_checksum(layout: &KvLayout, id: u32) -> u64 {
         sum = sum.wrapping_add(crate::checksum::kv_checksum_terms(bytes, layout.stage_offset(s) / 8));
     }
     crate::checksum::kv_checksum_finish(sum, layout.stage_block_bytes())
+}
+
+/// The keyed tag of block `id` of `layout`, taken where the bytes lie (each segment's words
+/// keyed by their position in the block-major staged block).
+fn block_tag(layout: &KvLayout, mac: &BlockMac, id: u32) -> u64 {
+    let mut s = NhSums::default();
+    for (st, seg) in layout.segments().iter().enumerate() {
+        let addr = seg.base + u64::from(id) * seg.block_stride;
+        // SAFETY: as in `block_checksum`: one block of one segment of valid host memory, not
+        // written while it is tagged.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, seg.bytes_per_block as usize) };
+        s = s + mac.terms(bytes, layout.stage_offset(st) / 8);
+    }
+    mac.finish(s, layout.stage_block_bytes())
 }

@@ -1,6 +1,6 @@
-//! The agent's TCP framing and messages (version 3 of the KV frame format).
+//! The agent's TCP framing and messages (version 4 of the KV frame format).
 //!
-//! Every frame is a 12-byte header — magic `KVRA`, version 3, kind, two zero bytes, payload
+//! Every frame is a 12-byte header — magic `KVRA`, version 4, kind, two zero bytes, payload
 //! length (u32 LE) — then the payload. All integers are little-endian. Kinds:
 //! - `AUTH_HELLO` (1, destination -> source): a 32-byte nonce; the first frame when a key is set;
 //! - `AUTH_CHALLENGE` (2, source -> destination): the source's 32-byte nonce and its 32-byte
@@ -9,9 +9,11 @@
 //!   heads, head size, dtype bytes, 4 zero bytes as u32s, then the naming-scheme id as u64), a
 //!   name count (u32) and the names (u64 each); the first frame without a key;
 //! - `OFFER` (5, source -> destination): `count` (u32, the leading names the source holds and
-//!   pinned), 4 zero bytes, `block_bytes` (u64);
+//!   pinned), flags (u32: bit 0 [`TAGGED`], the blocks carry keyed tags; other bits zero),
+//!   `block_bytes` (u64);
 //! - `BLOCK` (6, source -> destination): name (u64), the checksum recorded when the block
-//!   became reusable (u64), the block's recorded content digest (32 bytes, zeros when none was
+//!   became reusable (u64), its keyed tag ([`crate::block_mac`], u64; zero when the offer is
+//!   not [`TAGGED`]), the block's recorded content digest (32 bytes, zeros when none was
 //!   recorded: `kvrelay_block_digests`), then exactly `block_bytes` bytes; one per offered
 //!   block, in order;
 //! - `REFUSE` (7, either way): a reason code (u8, [`Refusal`]) and up to 255 bytes of UTF-8 text;
@@ -25,11 +27,11 @@
 //!   process id and exported allocations), answered by `DONE` after the copy and its check.
 //!
 //! Limits on every read: a control frame at most [`MAX_CONTROL`] bytes, a hello at most
-//! `12 + 36 + 8 * max_names`, a block frame exactly `48 + block_bytes`; every read and write has
+//! `12 + 36 + 8 * max_names`, a block frame exactly `56 + block_bytes`; every read and write has
 //! a deadline.
 //!
-//! Version 3 added the content digests (a version-2 peer's frames are refused as another
-//! format: both ends of a fetch run the same version).
+//! Version 3 added the content digests, version 4 the keyed block tags (a peer of another
+//! version's frames are refused as another format: both ends of a fetch run the same version).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -40,7 +42,7 @@ use super::Fingerprint;
 /// The frame magic.
 pub const MAGIC: &[u8; 4] = b"KVRA";
 /// The frame format's version.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Frame kind: the destination's nonce (first frame when a key is set).
 pub const AUTH_HELLO: u8 = 1;
 /// Frame kind: the source's nonce and proof.
@@ -72,8 +74,11 @@ pub const MAX_CONTROL: usize = 512;
 pub const FINGERPRINT_BYTES: usize = 32;
 /// Bytes of a content digest on the wire.
 pub const DIGEST_BYTES: usize = crate::names::BLOCK_DIGEST_BYTES;
-/// Bytes of a `BLOCK` frame's payload before the block: name, checksum, digest.
-pub const BLOCK_HEAD: usize = 16 + DIGEST_BYTES;
+/// Bytes of a `BLOCK` frame's payload before the block: name, checksum, keyed tag, digest.
+pub const BLOCK_HEAD: usize = 24 + DIGEST_BYTES;
+/// Offer flag: every offered block carries its keyed tag ([`crate::block_mac`]), which a
+/// destination that holds the key checks where the bytes arrived in host memory.
+pub const TAGGED: u32 = 1;
 
 crate::labels::labelled_enum! {
     /// Why a source refused (the wire code and the statistics' label).
@@ -393,19 +398,21 @@ pub fn decode_hello(p: &[u8], names: &mut Vec<u64>) -> Option<Fingerprint> {
 }
 
 /// An offer's payload.
-pub fn encode_offer(count: u32, block_bytes: u64) -> [u8; 16] {
+pub fn encode_offer(count: u32, flags: u32, block_bytes: u64) -> [u8; 16] {
     let mut p = [0u8; 16];
     p[..4].copy_from_slice(&count.to_le_bytes());
+    p[4..8].copy_from_slice(&flags.to_le_bytes());
     p[8..].copy_from_slice(&block_bytes.to_le_bytes());
     p
 }
 
-/// Decode an offer: `(count, block_bytes)`.
-pub fn decode_offer(p: &[u8]) -> Option<(u32, u64)> {
-    if p.len() != 16 || u32_at(p, 4) != 0 {
+/// Decode an offer: `(count, flags, block_bytes)`; `None` also for a flag this version does
+/// not know.
+pub fn decode_offer(p: &[u8]) -> Option<(u32, u32, u64)> {
+    if p.len() != 16 || u32_at(p, 4) & !TAGGED != 0 {
         return None;
     }
-    Some((u32_at(p, 0), u64_at(p, 8)))
+    Some((u32_at(p, 0), u32_at(p, 4), u64_at(p, 8)))
 }
 
 /// An offer of blocks in place (`NIXL_OFFER`, the NIXL transport's answer to `NIXL_HELLO`):
@@ -429,6 +436,9 @@ pub struct InPlaceOffer {
     /// Offered blocks: id in the source's pool, recorded checksum, recorded content digest
     /// (zeros: none recorded).
     pub blocks: Vec<OfferedBlock>,
+    /// The offered blocks' keyed tags ([`crate::block_mac`]), one per block in `blocks`' order;
+    /// empty: the offer is not tagged (flag [`TAGGED`] clear).
+    pub tags: Vec<u64>,
 }
 
 /// One block of an in-place offer: its id in the source's pool, its recorded checksum and its
@@ -444,13 +454,14 @@ const OFFER_BLOCK: usize = 12 + DIGEST_BYTES;
 pub const MAX_METADATA: usize = 1 << 20;
 
 /// Encode an offer: count u32, segment count u32, block bytes u64, device i32 (-1: host), the
-/// source's block count u32, agent-name length u32, metadata length u32, 4 zero bytes; then per
-/// segment base, stride, bytes (u64 each); the name; the metadata; per block id u32, checksum
-/// u64 and digest (32 bytes).
+/// source's block count u32, agent-name length u32, metadata length u32, flags u32 (bit 0
+/// [`TAGGED`]); then per segment base, stride, bytes (u64 each); the name; the metadata; per
+/// block id u32, checksum u64 and digest (32 bytes); when tagged, per block its tag (u64).
 pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
     let mut p = Vec::with_capacity(
-        OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + OFFER_BLOCK * o.blocks.len(),
+        OFFER_HEAD + 24 * o.segments.len() + o.agent.len() + o.metadata.len() + (OFFER_BLOCK + 8) * o.blocks.len(),
     );
+    debug_assert!(o.tags.is_empty() || o.tags.len() == o.blocks.len());
     p.extend_from_slice(&(o.blocks.len() as u32).to_le_bytes());
     p.extend_from_slice(&(o.segments.len() as u32).to_le_bytes());
     p.extend_from_slice(&o.block_bytes.to_le_bytes());
@@ -458,7 +469,7 @@ pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
     p.extend_from_slice(&o.num_blocks.to_le_bytes());
     p.extend_from_slice(&(o.agent.len() as u32).to_le_bytes());
     p.extend_from_slice(&(o.metadata.len() as u32).to_le_bytes());
-    p.extend_from_slice(&[0u8; 4]);
+    p.extend_from_slice(&(if o.tags.is_empty() { 0 } else { TAGGED }).to_le_bytes());
     for &(b, s, n) in &o.segments {
         for v in [b, s, n] {
             p.extend_from_slice(&v.to_le_bytes());
@@ -471,14 +482,18 @@ pub fn encode_in_place_offer(o: &InPlaceOffer) -> Vec<u8> {
         p.extend_from_slice(&sum.to_le_bytes());
         p.extend_from_slice(digest);
     }
+    for t in &o.tags {
+        p.extend_from_slice(&t.to_le_bytes());
+    }
     p
 }
 
 /// Decode an offer; `None` when it does not decode exactly.
 pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
-    if p.len() < OFFER_HEAD || p[32..36] != [0; 4] {
+    if p.len() < OFFER_HEAD || u32_at(p, 32) & !TAGGED != 0 {
         return None;
     }
+    let tagged = u32_at(p, 32) & TAGGED != 0;
     let count = u32_at(p, 0) as usize;
     let nseg = u32_at(p, 4) as usize;
     let device = i32::from_le_bytes(p[16..20].try_into().ok()?);
@@ -486,7 +501,8 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
     if nseg == 0 || nseg > 1 << 16 || name_len > 255 || md_len > MAX_METADATA || device < -1 {
         return None;
     }
-    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(OFFER_BLOCK)?;
+    let per_block = OFFER_BLOCK + if tagged { 8 } else { 0 };
+    let need = OFFER_HEAD + 24 * nseg + name_len + md_len + count.checked_mul(per_block)?;
     if p.len() != need {
         return None;
     }
@@ -506,6 +522,8 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
             (u32_at(p, b), u64_at(p, b + 4), p[b + 12..b + OFFER_BLOCK].try_into().expect("32 bytes"))
         })
         .collect();
+    at += OFFER_BLOCK * count;
+    let tags = if tagged { (0..count).map(|i| u64_at(p, at + 8 * i)).collect() } else { Vec::new() };
     Some(InPlaceOffer {
         agent,
         metadata,
@@ -514,12 +532,13 @@ pub fn decode_in_place_offer(p: &[u8]) -> Option<InPlaceOffer> {
         num_blocks: u32_at(p, 20),
         segments,
         blocks,
+        tags,
     })
 }
 
 /// The largest in-place offer a destination reads for `asked` names over `nseg` segments.
 pub fn max_in_place_offer(asked: usize, nseg: usize) -> usize {
-    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + OFFER_BLOCK * asked
+    OFFER_HEAD + 24 * nseg + 255 + MAX_METADATA + (OFFER_BLOCK + 8) * asked
 }
 
 impl InPlaceOffer {
@@ -569,7 +588,9 @@ mod tests {
         let mut bad = p.clone();
         bad[20] = 1;
         assert_eq!(decode_hello(&bad, &mut names), None);
-        assert_eq!(decode_offer(&encode_offer(5, 65536)), Some((5, 65536)));
+        assert_eq!(decode_offer(&encode_offer(5, 0, 65536)), Some((5, 0, 65536)));
+        assert_eq!(decode_offer(&encode_offer(5, TAGGED, 65536)), Some((5, TAGGED, 65536)));
+        assert_eq!(decode_offer(&encode_offer(5, 2, 65536)), None, "an unknown flag");
         assert_eq!(decode_offer(&[0; 15]), None);
         assert_eq!(decode_refusal(&[2, b'x']), (Some(Refusal::Busy), "x".into()));
         assert_eq!(decode_refusal(&[200]).0, None);
@@ -585,9 +606,15 @@ mod tests {
             num_blocks: 9,
             segments: vec![(0x1000, 4096, 2048), (0x9000, 4096, 2048)],
             blocks: vec![(3, 77, [5; DIGEST_BYTES]), (8, 99, [0; DIGEST_BYTES])],
+            tags: Vec::new(),
         };
         let p = encode_in_place_offer(&o);
         assert_eq!(decode_in_place_offer(&p), Some(o));
+        let tagged = InPlaceOffer { tags: vec![11, 12], ..decode_in_place_offer(&p).unwrap() };
+        let t = encode_in_place_offer(&tagged);
+        assert_eq!(t.len(), p.len() + 16);
+        assert_eq!(decode_in_place_offer(&t), Some(tagged));
+        assert_eq!(decode_in_place_offer(&t[..t.len() - 8]), None, "a tag short");
         assert_eq!(decode_in_place_offer(&p[..p.len() - 1]), None);
         let mut bad = p.clone();
         bad[33] = 1;

@@ -61,6 +61,44 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Rewrite the first two words of block `id` so that its public checksum stays the same
+    /// (what anyone who can write the pool can do: the checksum's per-word keys are public and
+    /// `fmix64` is invertible); returns the block's new bytes.
+    pub fn forge_keeping_checksum(&self, id: u32) -> Vec<u8> {
+        let mut b = self.read(id);
+        forge_keeping_checksum(&mut b, 0x0123_4567_89ab_cdef);
+        self.write(id, &b);
+        b
+    }
+}
+
+/// Rewrite word 0 of `b` to `new` and word 1 so that `kv_checksum(b)` stays the same.
+pub fn forge_keeping_checksum(b: &mut [u8], new: u64) {
+    use kvrelay::checksum::fmix64;
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    fn inv(c: u64) -> u64 {
+        let mut i = c;
+        for _ in 0..6 {
+            i = i.wrapping_mul(2u64.wrapping_sub(c.wrapping_mul(i)));
+        }
+        i
+    }
+    fn unfmix64(mut x: u64) -> u64 {
+        x ^= x >> 33;
+        x = x.wrapping_mul(inv(0xc4ce_b9fe_1a85_ec53));
+        x ^= x >> 33;
+        x = x.wrapping_mul(inv(0xff51_afd7_ed55_8ccd));
+        x ^= x >> 33;
+        x
+    }
+    let w = |b: &[u8], i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+    let (w0, w1) = (w(b, 0), w(b, 1));
+    let t1 = fmix64(w1 ^ K.wrapping_mul(2)).wrapping_add(fmix64(w0 ^ K)).wrapping_sub(fmix64(new ^ K));
+    b[..8].copy_from_slice(&new.to_le_bytes());
+    b[8..16].copy_from_slice(&(unfmix64(t1) ^ K.wrapping_mul(2)).to_le_bytes());
+}
+
 pub fn content(name: u64, len: usize) -> Vec<u8> {
     let mut x = name ^ 0x9e37_79b9_7f4a_7c15;
     (0..len)

@@ -278,6 +278,26 @@ impl<'a> Landing<'a> {
         }
     }
 
+    /// The keyed check: block `i`'s bytes, tagged here to `got`, against the tag `want` its
+    /// source sent (a tagged offer). A mismatch is a block whose bytes changed after the source
+    /// tagged it (in its memory or on the way), even where the checksum still matched.
+    pub(super) fn check_tag(i: usize, got: u64, want: u64) -> Result<(), Failure> {
+        if got == want {
+            Ok(())
+        } else {
+            Err((
+                FailReason::Corrupt,
+                format!("block {i}: keyed tag mismatch (its bytes are not the ones its source tagged)"),
+            ))
+        }
+    }
+
+    /// Block `i` (landed just now) has tag `tag` (checked, or taken here): record it after its
+    /// checksum (nothing where this agent keeps no tags).
+    pub(super) fn tagged(&mut self, i: usize, tag: u64) {
+        self.sums.set_tag(self.dst[i], tag);
+    }
+
     /// Block `i` (the next in order) is in `dst[i]` and verified with checksum `sum`: record the
     /// checksum and the digest it was checked against (both travel on with the block; no digest
     /// when none was asked for) and count it.
@@ -317,6 +337,8 @@ pub(super) fn serve_in_place(
             .iter()
             .map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums"), cx.sums.digest(id)))
             .collect(),
+        // tagged when every offered block has its tag (see `tcp::serve`)
+        tags: ids.iter().map(|&id| cx.sums.tag(id)).collect::<Option<Vec<u64>>>().unwrap_or_default(),
     };
     let end = Instant::now() + tcp::transfer_deadline((ids.len() * cx.block_bytes) as u64);
     if wire::write_frame(c, kind, &wire::encode_in_place_offer(&offer), cx.io_deadline()).is_err() {
@@ -376,6 +398,10 @@ pub(super) fn read_in_place_offer(
         _ => return Err((FailReason::Corrupt, "expected an in-place offer of this transport".into())),
     };
     let mut offer = offer;
+    if !offer.tags.is_empty() && cx.sums.mac().is_none() {
+        // an agent without a key talks only to sources without one, which do not tag
+        return Err((FailReason::Corrupt, "a tagged offer to an agent that holds no key".into()));
+    }
     offer.check(cx.layout, asked).map_err(|(mismatch, text)| {
         (if mismatch { FailReason::FingerprintMismatch } else { FailReason::Corrupt }, text.to_string())
     })?;
@@ -391,6 +417,7 @@ pub(super) fn read_in_place_offer(
             return Err(e);
         }
         offer.blocks.truncate(i);
+        offer.tags.truncate(i);
         land.cut = Some(e);
     }
     Ok(offer)

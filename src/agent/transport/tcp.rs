@@ -1,8 +1,13 @@
 //! The embedded transport: block bytes travel in frames on the agent's own TCP connection.
 //! The source gathers the pinned blocks into a mover's slots and sends each with its name,
-//! recorded checksum and recorded content digest; the destination checks the digest against the
-//! one it asked for, reads the block into a slot, verifies it there and only then scatters it
-//! into its destination block, pipelined over the mover's two slots at both ends.
+//! recorded checksum, recorded keyed tag (a keyed source with a host pool: the offer says
+//! [`wire::TAGGED`]) and recorded content digest; the destination checks the digest against the
+//! one it asked for, reads the block into a slot, verifies it there (the checksum, and the tag
+//! when the offer is tagged: a keyed destination refuses a block whose bytes are not the ones
+//! the source tagged, whatever its checksum says) and only then scatters it into its
+//! destination block, pipelined over the mover's two slots at both ends. A destination that
+//! tags its own blocks records the tag it checked, or computes one from the slot when the
+//! source sent none.
 
 use std::sync::mpsc;
 use std::time::Instant;
@@ -24,6 +29,8 @@ pub(in crate::agent) struct Tcp;
 /// dropped, which waits) when the check returns, so its writes are always quiet.
 struct Frames {
     count: usize,
+    /// The offer is tagged ([`wire::TAGGED`]).
+    tagged: bool,
     /// Fewer blocks are read than the source sends ([`Transfer::limit`]): the connection ends
     /// inside the stream, never reused.
     cut: bool,
@@ -55,7 +62,7 @@ impl Transfer for Frames {
         };
         let deadline = job.deadline;
         let by = || cx.io_deadline().min(deadline);
-        let r = receive(cx, c, job.dst, job.asked, self.count, mover, job.stopped, &by, land);
+        let r = receive(cx, c, job.dst, job.asked, self.count, self.tagged, mover, job.stopped, &by, land);
         // every scatter into the destination blocks has finished before the completion is
         // delivered; a mover whose stream cannot be waited for is dropped, never reused
         if let Err(e) = mover.finish() {
@@ -112,10 +119,15 @@ impl Backend for Tcp {
         let kind = read_reply(c, &mut job.scratch.buf, wire::MAX_CONTROL, "the offer", by)?;
         land.offered = true;
         let bb = cx.block_bytes;
-        let (count, offered_bb) = match (kind, wire::decode_offer(&job.scratch.buf)) {
+        let (count, flags, offered_bb) = match (kind, wire::decode_offer(&job.scratch.buf)) {
             (wire::OFFER, Some(o)) => o,
             _ => return Err((FailReason::Corrupt, "expected an offer".into())),
         };
+        let tagged = flags & wire::TAGGED != 0;
+        if tagged && cx.sums.mac().is_none() {
+            // an agent without a key talks only to sources without one, which do not tag
+            return Err((FailReason::Corrupt, "a tagged offer to an agent that holds no key".into()));
+        }
         let count = count as usize;
         if count > job.asked.len() || offered_bb != bb as u64 {
             return Err((FailReason::Corrupt, "the offer does not match the request".into()));
@@ -129,7 +141,7 @@ impl Backend for Tcp {
             // runtime leaves alone until the fetch completes.
             *job.mover = Some(unsafe { cx.movers.take(cx.layout) }.map_err(|e| (FailReason::Corrupt, e))?);
         }
-        Ok(Box::new(Frames { count, cut: false }))
+        Ok(Box::new(Frames { count, tagged, cut: false }))
     }
 
     fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
@@ -148,6 +160,7 @@ fn receive(
     dst: &[u32],
     asked: &[u64],
     count: usize,
+    tagged: bool,
     mover: &mut Mover,
     stopped: &(dyn Fn() -> Result<(), Failure> + Sync),
     by: &dyn Fn() -> Instant,
@@ -156,16 +169,32 @@ fn receive(
     let bb = cx.block_bytes;
     let want_digests = land.want;
     let slots = [SlotPtr(mover.slot_ptr(0)), SlotPtr(mover.slot_ptr(1))];
-    let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64)>(2);
+    let (verify_tx, verify_rx) = mpsc::sync_channel::<(usize, usize, u64, u64)>(2);
+    let mac = cx.sums.mac();
+    let records_tags = cx.sums.records_tags();
     let (free_tx, free_rx) = mpsc::sync_channel::<usize>(2);
     free_tx.send(0).expect("room for two");
     free_tx.send(1).expect("room for two");
     std::thread::scope(|sc| {
         let verifier = sc.spawn(move || {
-            for (k, i, sum) in verify_rx {
-                Landing::check(i, kv_checksum(mover.slot(k)), sum)?;
+            for (k, i, sum, tag) in verify_rx {
+                let bytes = mover.slot(k);
+                Landing::check(i, kv_checksum(bytes), sum)?;
+                // the tag this agent records for the block: the one checked, or its own
+                let mut own = None;
+                if let Some(mac) = mac {
+                    if tagged {
+                        Landing::check_tag(i, mac.tag(bytes), tag)?;
+                        own = Some(tag);
+                    } else if records_tags {
+                        own = Some(mac.tag(bytes));
+                    }
+                }
                 mover.scatter(k, dst[i]).map_err(|e| (FailReason::Corrupt, format!("block {i}: writing it: {e}")))?;
                 land.landed(i, sum);
+                if let Some(t) = own {
+                    land.tagged(i, t);
+                }
                 if free_tx.send(k).is_err() {
                     break;
                 }
@@ -199,8 +228,8 @@ fn receive(
                     return Err((FailReason::Corrupt, format!("block {i}: another name than asked")));
                 }
                 // another content under the asked name: never written into the pool
-                Landing::check_digest(want_digests, i, head[16..].try_into().expect("32 bytes"))?;
-                if verify_tx.send((k, i, wire::u64_at(&head, 8))).is_err() {
+                Landing::check_digest(want_digests, i, head[24..].try_into().expect("32 bytes"))?;
+                if verify_tx.send((k, i, wire::u64_at(&head, 8), wire::u64_at(&head, 16))).is_err() {
                     return Ok(());
                 }
             }
@@ -220,12 +249,19 @@ pub(in crate::agent) fn transfer_deadline(bytes: u64) -> std::time::Duration {
 }
 
 /// Serve the pinned blocks `ids` (names `names`) in frames: the offer, then each block with its
-/// name, recorded checksum and recorded digest, gathered by a helper thread into one slot while this thread
-/// sends the other. Whether it ended cleanly.
+/// name, recorded checksum, recorded tag (when this agent tags its blocks: the offer says
+/// [`wire::TAGGED`]) and recorded digest, gathered by a helper thread into one slot while this
+/// thread sends the other. Whether it ended cleanly.
 pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
     let bb = cx.block_bytes;
     let offered = ids.len();
-    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, bb as u64), cx.io_deadline()).is_err() {
+    // tagged only when every offered block has its tag (a block recorded before a tag could be
+    // taken is offered untagged with the rest: its destination checks the checksum alone)
+    let tagged = !ids.is_empty() && ids.iter().all(|&id| cx.sums.tag(id).is_some());
+    let flags = if tagged { wire::TAGGED } else { 0 };
+    if wire::write_frame(c, wire::OFFER, &wire::encode_offer(offered as u32, flags, bb as u64), cx.io_deadline())
+        .is_err()
+    {
         Stats::add(&cx.stats.serve_aborted, 1);
         return false;
     }
@@ -276,7 +312,9 @@ pub(in crate::agent) fn serve(cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names:
                 head[..12].copy_from_slice(&wire::header(wire::BLOCK, wire::BLOCK_HEAD + bb));
                 head[12..20].copy_from_slice(&names[i].to_le_bytes());
                 head[20..28].copy_from_slice(&sum.to_le_bytes());
-                head[28..].copy_from_slice(&cx.sums.digest(id));
+                let tag = if tagged { cx.sums.tag(id).unwrap_or(0) } else { 0 };
+                head[28..36].copy_from_slice(&tag.to_le_bytes());
+                head[36..].copy_from_slice(&cx.sums.digest(id));
                 if c.write_by(&head, by(cx)).is_err() || c.write_by(&staged[j * bb..(j + 1) * bb], by(cx)).is_err() {
                     ok = false;
                     break 'send;

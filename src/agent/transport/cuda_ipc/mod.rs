@@ -746,7 +746,7 @@ mod tests {
         let (limits, stats, sums, movers) = (
             Limits::default(),
             Stats::default(),
-            crate::agent::sums::SumTable::new(8),
+            crate::agent::sums::SumTable::new(8, None, false),
             crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host),
         );
         let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };

@@ -209,6 +209,7 @@ mod tests {
             num_blocks: 8,
             segments: vec![(0x80000, 512, 256), (0x80100, 512, 256)],
             blocks: vec![(6, 1, [0; 32]), (7, 2, [0; 32])],
+            tags: Vec::new(),
         };
         let good = wire::encode_in_place_offer(&offer(8 * 512));
         check_offer_plans(&l, &good, 2, &[0, 1]);
@@ -250,6 +251,7 @@ mod tests {
             num_blocks: 8,
             segments: vec![(base, 512, 256), (base + 0x100, 512, 256)],
             blocks: vec![(6, 1, [0; 32]), (7, 2, [0; 32])],
+            tags: Vec::new(),
         };
         let inside = SAME_PROCESS_EXPORTS[1].0 + 4096;
         let e = decode_exports(&at(inside).metadata).unwrap();

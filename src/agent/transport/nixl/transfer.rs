@@ -59,6 +59,8 @@ pub(super) struct Reads<'a> {
     /// The checksum mover of a device pool (taken when posted, given back at release).
     mover: Option<Mover>,
     sums: Vec<u64>,
+    /// The keyed tags of the same blocks (a keyed agent's host pool; empty otherwise).
+    tags: Vec<u64>,
     /// What the slow-READ check times: from building the first request to the last one seen
     /// finished, less taking the checksum mover; and how many descriptors the READs had.
     began: Instant,
@@ -78,6 +80,7 @@ impl<'a> Reads<'a> {
             next: 0,
             mover: None,
             sums: Vec::new(),
+            tags: Vec::new(),
             began: now,
             reads_done: now,
             mover_took: Duration::ZERO,
@@ -186,9 +189,25 @@ impl Transfer for Reads<'_> {
             Some(m) => m.device_checksums(ids, &mut self.sums).map_err(|e| (FailReason::Corrupt, e))?,
             None => crate::agent::sums::sum_host(cx.layout, cx.block_bytes, ids, &mut self.sums),
         }
+        // a host pool of a keyed agent: the tags of what landed, taken where it lies (checked
+        // against a tagged offer's, else recorded as this agent's own); a device pool is not
+        // tagged yet (its landed bytes are checked by the checksum kernel alone)
+        self.tags.clear();
+        if let (None, Some(mac)) = (self.mover.as_ref(), cx.sums.mac()) {
+            if cx.sums.records_tags() || !self.offer.tags.is_empty() {
+                self.tags.resize(ids.len(), 0);
+                crate::agent::sums::tag_host(cx.layout, mac, cx.block_bytes, ids, &mut self.tags);
+            }
+        }
         for (j, i) in range.enumerate() {
             Landing::check(i, self.sums[j], self.offer.blocks[i].1)?;
+            if let (Some(&got), Some(&want)) = (self.tags.get(j), self.offer.tags.get(i)) {
+                Landing::check_tag(i, got, want)?;
+            }
             land.landed(i, self.sums[j]);
+            if let Some(&t) = self.tags.get(j) {
+                land.tagged(i, t);
+            }
         }
         self.next += 1;
         Ok(if self.next == self.reqs.len() { Progress::Done { reusable: true } } else { Progress::Pending })
