@@ -306,18 +306,26 @@ fn main() {
     let mut kernel = dev.as_ref().filter(|_| peer).map(|d| {
         let ((from_mem, from), (to_mem, to)) = (pool(src_dev.as_ref().or(Some(d))), pool(Some(d)));
         // SAFETY: the layout lies in `to_mem`, kept beside the engine until the end of main.
-        let e = unsafe { kvrelay::copy::CudaEngine::new(d, to, kvrelay::copy::EngineOptions::default()) }.unwrap();
+        let mut e =
+            unsafe { kvrelay::copy::CudaEngine::new(d, to.clone(), kvrelay::copy::EngineOptions::default()) }.unwrap();
+        // the keyed tags' NH sums, taken by the same kernel when asked (a keyed agent's copies)
+        e.set_block_key(&kvrelay::block_mac::BlockMac::new(&[7; 32], to.stage_block_bytes() as usize)).unwrap();
         let segs: Vec<(u64, u64)> = from.segments().iter().map(|g| (g.base, g.block_stride)).collect();
         (from_mem, to_mem, e, segs, kvrelay::copy::CudaStream::new(d).unwrap())
     });
-    let mut kernel_rates: Vec<f64> = vec![];
+    let (mut kernel_rates, mut tagged_rates): (Vec<f64>, Vec<f64>) = (vec![], vec![]);
     let mut sums = vec![0u64; BLOCKS as usize];
+    let mut nh = vec![kvrelay::block_mac::NhSums::default(); BLOCKS as usize];
     for _ in 0..reps {
         if let Some((_, _, e, segs, st)) = &mut kernel {
             let t = Instant::now();
             // SAFETY: the source blocks lie in a live device pool nothing else writes.
             unsafe { e.copy_and_sum_from(segs, &ids, &ids, &mut sums, st) }.unwrap();
             kernel_rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            // SAFETY: as above.
+            unsafe { e.copy_and_sum_from_tagged(segs, &ids, &ids, &mut sums, Some(&mut nh), st) }.unwrap();
+            tagged_rates.push(bytes as f64 / t.elapsed().as_secs_f64());
         }
         if let Some((a, b, st)) = &d2d {
             let t = Instant::now();
@@ -421,6 +429,14 @@ fn main() {
             100.0 * median(r.clone()),
             100.0 * r.iter().cloned().fold(f64::MAX, f64::min),
             100.0 * r.iter().cloned().fold(0.0, f64::max)
+        );
+        let t: Vec<f64> = tagged_rates.iter().zip(&kernel_rates).map(|(t, k)| t / k).collect();
+        println!(
+            "  copy-sum-tag     median {:.2} GB/s (the same kernel also taking the keyed tags' NH sums, what a keyed agent runs, same repetitions); it / copy-and-sum median {:.1}% (per repetition {:.1}-{:.1}%)",
+            median(tagged_rates.clone()) / 1e9,
+            100.0 * median(t.clone()),
+            100.0 * t.iter().cloned().fold(f64::MAX, f64::min),
+            100.0 * t.iter().cloned().fold(0.0, f64::max)
         );
     }
     if !bare_rates.is_empty() {

@@ -27,9 +27,10 @@
 //!
 //! What it proves, and to whom: a destination that holds the deployment key and gets a block's
 //! tag from the block's source checks that the bytes it received are the ones the source
-//! tagged. Anyone who holds the key can compute tags of bytes of their own choosing: the tag
-//! keeps out writers without the key (a process that got at a mapping, a machine on the path of
-//! a cross-host TCP connection), not peers of the same deployment (those are kept out of the
+//! tagged. Anyone who holds the key can compute tags of bytes of their own choosing, and NH
+//! under a known key can be steered (two words changed so that the sums stay), so the tag keeps
+//! out writers without the key (a process that got at a mapping, a machine on the path of a
+//! cross-host TCP connection), not peers of the same deployment (those must be kept out of the
 //! source's store by what a grant maps).
 //!
 //! The key stream is as long as a block (one 64-bit word per word of a block, and one more):
@@ -91,7 +92,7 @@ fn nh(w: u64, k: u64) -> u64 {
 
 impl BlockMac {
     /// The state of block key `key` for blocks of up to `max_bytes` bytes: a key stream of
-    /// `max_bytes / 8 + 2` words, one SHA-256 per four of them (about 20 ms per 2 MiB on one
+    /// `max_bytes / 8 + 1` words (rounded up), one SHA-256 per four of them (about 20 ms per 2 MiB on one
     /// core; done once per agent).
     pub fn new(key: &[u8; 32], max_bytes: usize) -> BlockMac {
         let words = max_bytes.div_ceil(8) + 1;
@@ -108,6 +109,12 @@ impl BlockMac {
         }
         keys.truncate(words);
         BlockMac { keys, finish: hmac(key, &[b"finish"]), max_bytes }
+    }
+
+    /// The key stream (one word per word of the longest block, and one more): what a GPU
+    /// kernel that tags blocks reads.
+    pub(crate) fn key_stream(&self) -> &[u64] {
+        &self.keys
     }
 
     /// The longest block this state tags.

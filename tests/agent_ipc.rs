@@ -33,7 +33,8 @@ fn ipc_config() -> AgentConfig {
 }
 
 /// The source process of a two-process test: serve NAMES from blocks 4.. of `src` over CUDA
-/// IPC, print the endpoint, and take commands on stdin until EOF (`corrupt ID`, `pinned`).
+/// IPC, print the endpoint, and take commands on stdin until EOF (`corrupt ID`, `forge ID`:
+/// rewrite two words keeping the public checksum, `pinned`).
 fn serve_source(test: &str, mut src: DevPool) {
     let bb = src.layout.stage_block_bytes() as usize;
     let cache = Arc::new(Cache::default());
@@ -64,6 +65,14 @@ fn serve_source(test: &str, mut src: DevPool) {
             b[bb / 2] ^= 0x40;
             src.write(id, &b);
             println!("CORRUPTED {id}");
+        } else if let Some(id) = line.strip_prefix("forge ") {
+            let id: u32 = id.trim().parse().unwrap();
+            let mut b = src.read(id);
+            let sum = kv_checksum(&b);
+            forge_keeping_checksum(&mut b, 0x0123_4567_89ab_cdef);
+            assert_eq!(kv_checksum(&b), sum, "the forgery keeps the checksum");
+            src.write(id, &b);
+            println!("FORGED {id}");
         } else if line == "pinned" {
             println!("PINNED {}", cache.pinned());
         }
@@ -517,6 +526,58 @@ fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
     assert_eq!(dst.read(12), content(NAMES[1], bb), "the blocks before it are exact");
     assert_eq!(dst_agent.recorded_checksum(13), None, "the overwritten block was not taken");
+    drop(dst_agent);
+    writeln!(to, "pinned").unwrap();
+    let _ = expect("PINNED ");
+    drop(to);
+    assert!(child.wait().unwrap().success(), "the source process failed");
+    eprintln!("{test}: ran on CUDA device 0, source in its own process");
+}
+
+/// A write into a source's device pool that keeps the public checksum (anyone who maps the pool
+/// can compute one) is refused by the keyed tag: both agents hold the per-user key, the source's
+/// kernel tagged its blocks when they were recorded, and the destination's copy kernel tags
+/// what landed from the same loads and refuses a block whose tag differs, before recording it.
+#[test]
+fn a_write_that_keeps_the_checksum_is_refused_over_cuda_ipc_by_the_keyed_tag() {
+    let test = "a_write_that_keeps_the_checksum_is_refused_over_cuda_ipc_by_the_keyed_tag";
+    let Some(dev) = cuda_device(test) else { return };
+    if std::env::var_os(SOURCE_ENV).is_some() {
+        serve_source(test, DevPool::new(&dev));
+        return;
+    }
+    let bb = Pool::new().block_bytes();
+    let (mut child, mut to, expect) = spawn_source(test);
+    let ep = expect("ENDPOINT ");
+    writeln!(to, "forge 6").unwrap();
+    assert_eq!(expect("FORGED "), "6");
+    let mut dst = DevPool::new(&dev);
+    let dst_agent = {
+        let mut c = ipc_config();
+        c.limits.tcp_fallback = false;
+        // SAFETY: the pool outlives the agent (dropped first, below).
+        unsafe { Agent::new(c, dst.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
+    };
+    let req = FetchRequest {
+        endpoint: ep,
+        names: NAMES[..4].to_vec(),
+        held: 0,
+        dst: vec![10, 12, 13, 14],
+        deadline: Duration::from_secs(20),
+        digests: Vec::new(),
+    };
+    let r = dst_agent.submit(req, None).unwrap().wait(Duration::from_secs(30)).unwrap();
+    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
+    assert!(r.detail.contains("keyed tag"), "the checksum matched, the tag did not: {}", r.detail);
+    assert_eq!(dst.read(12), content(NAMES[1], bb), "the blocks before it are exact");
+    assert_eq!(dst_agent.recorded_checksum(13), None, "the forged block was not taken");
+    assert!(dst_agent.recorded_tag(10).is_some() && dst_agent.recorded_tag(12).is_some(), "landed blocks keep tags");
+    assert_eq!(dst_agent.stats().transport_fallbacks, 0, "copied over CUDA IPC");
+    // the tag the copy kernel took of a landed block is the one the summing kernel takes of it
+    // in place
+    let landed = dst_agent.recorded_tag(12);
+    dst_agent.record_checksums(&[12]).unwrap();
+    assert_eq!(dst_agent.recorded_tag(12), landed);
     drop(dst_agent);
     writeln!(to, "pinned").unwrap();
     let _ = expect("PINNED ");

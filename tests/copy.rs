@@ -346,12 +346,25 @@ fn gpu_checksums_equal_the_hosts_for_small_and_large_segments() {
             e.checksums(&ids, &mut got, &stream).unwrap();
             assert_eq!(one[0], got[0], "{kind:?} kv={kv}: one block alone");
             let sbb = m.host_layout.stage_block_bytes() as usize;
+            // the keyed tags from the same launch: refused until the engine has the block key
+            let mac = kvrelay::block_mac::BlockMac::new(&[9; 32], sbb);
+            let mut nh = vec![kvrelay::block_mac::NhSums::default(); ids.len()];
+            let r = e.checksums_tagged(&ids[..1], &mut one, Some(&mut nh[..1]), &stream);
+            assert!(matches!(r, Err(CopyError::Unsupported(_))), "no block key: {r:?}");
+            e.set_block_key(&mac).unwrap();
+            let mut tagged_sums = vec![0u64; ids.len()];
+            e.checksums_tagged(&ids, &mut tagged_sums, Some(&mut nh), &stream).unwrap();
+            assert_eq!(tagged_sums, got, "{kind:?} kv={kv}: the sums do not change with tags");
+            let mut one_nh = [kvrelay::block_mac::NhSums::default()];
+            e.checksums_tagged(&ids[..1], &mut one, Some(&mut one_nh), &stream).unwrap();
+            assert_eq!(one_nh[0], nh[0], "{kind:?} kv={kv}: one block alone, tagged");
             let mut one = vec![0u8; sbb];
             for (i, &id) in ids.iter().enumerate() {
                 reference.gather(&[id], &mut one).unwrap();
                 assert_eq!(got[i], kvrelay::checksum::kv_checksum(&one), "{kind:?} kv={kv}: block {id}");
+                assert_eq!(mac.finish(nh[i], sbb as u64), mac.tag(&one), "{kind:?} kv={kv}: block {id}'s tag");
             }
-            println!("ok {kind:?}: {} blocks of {sbb} bytes, kernel sums equal the host's", ids.len());
+            println!("ok {kind:?}: {} blocks of {sbb} bytes, kernel sums and tags equal the host's", ids.len());
         }
     }
 }
@@ -377,7 +390,10 @@ fn gpu_copy_and_sum_from_another_pool_equals_the_hosts() {
             let (mut want, landed) = (vec![0u8; sbb], PinnedBuffer::alloc(&d, sbb).unwrap());
             let done = CudaEvent::new(&d).unwrap();
             let mut segs: Vec<(u64, u64)> = Vec::new();
-            // two sources in turn into the same blocks: the engine's source table follows
+            let mac = kvrelay::block_mac::BlockMac::new(&[5; 32], sbb);
+            e.set_block_key(&mac).unwrap();
+            // two sources in turn into the same blocks: the engine's source table follows (the
+            // second copy also takes the keyed tags of what landed)
             for (k, src) in sources.iter().enumerate() {
                 // SAFETY: host mirror layout inside its pool.
                 let mut src_ref = unsafe { CpuEngine::new(src.host_layout.clone()) };
@@ -385,8 +401,10 @@ fn gpu_copy_and_sum_from_another_pool_equals_the_hosts() {
                 let from: Vec<u32> = rng.perm(blocks);
                 let ids: Vec<u32> = rng.perm(blocks);
                 let mut got = vec![0u64; ids.len()];
+                let mut nh = vec![kvrelay::block_mac::NhSums::default(); if k == 1 { ids.len() } else { 0 }];
+                let tags = (k == 1).then_some(&mut nh[..]);
                 // SAFETY: every source block lies in `src.dev`, unwritten meanwhile.
-                unsafe { e.copy_and_sum_from(&segs, &from, &ids, &mut got, &stream) }.unwrap();
+                unsafe { e.copy_and_sum_from_tagged(&segs, &from, &ids, &mut got, tags, &stream) }.unwrap();
                 for (i, (&s, &t)) in from.iter().zip(&ids).enumerate() {
                     src_ref.gather(&[s], &mut want).unwrap();
                     e.gather(&[t], &landed, &stream, Some(&done)).unwrap();
@@ -400,6 +418,9 @@ fn gpu_copy_and_sum_from_another_pool_equals_the_hosts() {
                         kvrelay::checksum::kv_checksum(&want),
                         "{kind:?} kv={kv} source {k}: block {i}'s sum"
                     );
+                    if let Some(&t) = nh.get(i) {
+                        assert_eq!(mac.finish(t, sbb as u64), mac.tag(&want), "{kind:?} kv={kv}: block {i}'s tag");
+                    }
                 }
             }
             // refused before any launch: a source table of another length, a misaligned

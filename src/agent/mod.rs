@@ -246,7 +246,13 @@ impl Agent {
             None => pool::Memory::Host,
             Some(d) => pool::Memory::Device(crate::copy::CudaDevice::open(d).map_err(AgentError::Cuda)?),
         };
-        let movers = pool::Movers::new(memory);
+        // the block key of a keyed agent: its tags prove a block's bytes to peers that hold the
+        // deployment key; every block the agent records is tagged (a device pool's by the
+        // summing kernel, from the same loads)
+        let mac = key.as_ref().map(|k| {
+            Arc::new(crate::block_mac::BlockMac::new(&k.derive(crate::block_mac::BLOCK_KEY_LABEL), block_bytes))
+        });
+        let movers = pool::Movers::new(memory, mac.clone());
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         let backends = unsafe { transport::open(&config.transport, &layout, config.device, &config.limits) }?;
         let default_speed = backends[0].default_speed(config.device.is_some());
@@ -256,14 +262,8 @@ impl Agent {
         let warm = backends.iter().map(|b| b.movers_at_start(&config.limits)).max().unwrap_or(1);
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
-        // the block key of a keyed agent: its tags prove a block's bytes to peers that hold the
-        // deployment key; a host pool's blocks are tagged when they are recorded
-        let mac = key
-            .as_ref()
-            .map(|k| crate::block_mac::BlockMac::new(&k.derive(crate::block_mac::BLOCK_KEY_LABEL), block_bytes));
-        let host_pool = config.device.is_none();
         let inner = Arc::new(Inner {
-            sums: SumTable::new(layout.num_blocks() as usize, mac, host_pool),
+            sums: SumTable::new(layout.num_blocks() as usize, mac, true),
             fingerprint: config.fingerprint,
             allow: config.allow,
             limits: config.limits,
@@ -324,8 +324,9 @@ impl Agent {
     /// the agent reads each block where it lies (no copy) and keeps its checksum, which then
     /// travels with the block. O(bytes); host batches over 8 MiB are summed on several threads;
     /// device pools by a kernel on the agent's own stream. One allocation of `8 * ids.len()`.
-    /// A keyed agent with a host pool also records each block's keyed tag
-    /// ([`crate::block_mac`]): a second pass over the bytes, of about the checksum's cost.
+    /// A keyed agent also records each block's keyed tag ([`crate::block_mac`]): on a host pool
+    /// a second pass over the bytes, of about the checksum's cost; on a device pool the same
+    /// kernel, from the same loads.
     pub fn record_checksums(&self, ids: &[u32]) -> Result<(), AgentError> {
         let n = self.inner.layout.num_blocks();
         if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
@@ -336,11 +337,18 @@ impl Agent {
             // SAFETY: `Agent::new`'s contract covers the layout's memory.
             let mut m = unsafe { inner.movers.take(&inner.layout) }.map_err(AgentError::Io)?;
             let mut sums = vec![0u64; ids.len()];
-            let r = m.device_checksums(ids, &mut sums);
+            let tagging = inner.sums.records_tags();
+            let mut nh = vec![crate::block_mac::NhSums::default(); if tagging { ids.len() } else { 0 }];
+            let r = m.device_checksums(ids, &mut sums, tagging.then_some(&mut nh[..]));
             inner.movers.put(m);
             r.map_err(AgentError::Io)?;
             for (&id, &s) in ids.iter().zip(&sums) {
                 inner.sums.set(id, s);
+            }
+            if let Some(mac) = inner.sums.mac() {
+                for (&id, &t) in ids.iter().zip(&nh) {
+                    inner.sums.set_tag(id, mac.finish(t, inner.layout.stage_block_bytes()));
+                }
             }
             return Ok(());
         }
@@ -391,7 +399,7 @@ impl Agent {
     }
 
     /// The keyed tag recorded for block `id` ([`crate::block_mac`]), if this agent tags its
-    /// blocks (it holds a key and its pool is host memory) and recorded one.
+    /// blocks (it holds a key) and recorded one.
     pub fn recorded_tag(&self, id: u32) -> Option<u64> {
         (id < self.inner.layout.num_blocks()).then(|| self.inner.sums.tag(id)).flatten()
     }

@@ -12,6 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::block_mac::{BlockMac, NhSums};
 use crate::copy::{
     CopyError, CpuEngine, CudaDevice, CudaEngine, CudaEvent, CudaStream, EngineOptions, KvLayout, PinnedBuffer,
 };
@@ -85,7 +86,9 @@ impl Mover {
     ///
     /// # Safety
     /// As `Agent::new`: the layout's blocks are memory of `mem`, valid for the agent's life.
-    pub(super) unsafe fn new(mem: &Memory, layout: &KvLayout) -> Result<Mover, String> {
+    /// A device mover's kernels take the tags of block key `mac` (when given) from the loads
+    /// that sum the checksums.
+    pub(super) unsafe fn new(mem: &Memory, layout: &KvLayout, mac: Option<&BlockMac>) -> Result<Mover, String> {
         let bb = layout.stage_block_bytes() as usize;
         let slot_blocks = (SLOT_BYTES / bb).max(1);
         let kind = match mem {
@@ -96,7 +99,11 @@ impl Mover {
             },
             Memory::Device(dev) => {
                 // SAFETY: forwarded contract.
-                let engine = unsafe { CudaEngine::new(dev, layout.clone(), EngineOptions::default()) }.map_err(cuda)?;
+                let mut engine =
+                    unsafe { CudaEngine::new(dev, layout.clone(), EngineOptions::default()) }.map_err(cuda)?;
+                if let Some(mac) = mac {
+                    engine.set_block_key(mac).map_err(cuda)?;
+                }
                 Kind::Device {
                     dev: dev.clone(),
                     engine: Box::new(engine),
@@ -171,7 +178,8 @@ impl Mover {
 
     /// Device pools: enqueue the device-to-device copies `runs` (`(dst, src, bytes)`, source
     /// addresses possibly another process's memory mapped here) on this mover's stream, then
-    /// sum blocks `ids` where they landed into `out` (the same stream: after the copies).
+    /// sum blocks `ids` where they landed into `out` (the same stream: after the copies), and
+    /// their tags' NH sums into `tags` when given.
     /// Returns once the stream passed both, also on an error (nothing of it is in flight).
     ///
     /// # Safety
@@ -182,6 +190,7 @@ impl Mover {
         runs: &[(u64, u64, u64)],
         ids: &[u32],
         out: &mut [u64],
+        tags: Option<&mut [NhSums]>,
     ) -> Result<(), String> {
         match &mut self.kind {
             Kind::Host { .. } => Err("device-to-device copies need a device pool".into()),
@@ -195,7 +204,7 @@ impl Mover {
                         break;
                     }
                 }
-                let r = r.and_then(|()| engine.checksums(ids, out, stream).map_err(cuda));
+                let r = r.and_then(|()| engine.checksums_tagged(ids, out, tags, stream).map_err(cuda));
                 // whatever failed, nothing of this call stays in flight
                 stream.synchronize().map_err(cuda)?;
                 r
@@ -204,9 +213,10 @@ impl Mover {
     }
 
     /// Device pools: copy blocks `src_ids` of another pool (its segments at `src_segs`, base
-    /// and stride mapped here) into blocks `ids` and sum them on the way, in one kernel on this
-    /// mover's stream ([`crate::copy::CudaEngine::copy_and_sum_from`]). Returns once the stream
-    /// passed it, also on an error.
+    /// and stride mapped here) into blocks `ids` and sum them on the way (with `tags`, their
+    /// tags' NH sums too), in one kernel on this mover's stream
+    /// ([`crate::copy::CudaEngine::copy_and_sum_from_tagged`]). Returns once the stream passed
+    /// it, also on an error.
     ///
     /// # Safety
     /// As [`crate::copy::CudaEngine::copy_and_sum_from`]: every source range readable and
@@ -217,25 +227,31 @@ impl Mover {
         src_ids: &[u32],
         ids: &[u32],
         out: &mut [u64],
+        tags: Option<&mut [NhSums]>,
     ) -> Result<(), String> {
         match &mut self.kind {
             Kind::Host { .. } => Err("device-to-device copies need a device pool".into()),
             Kind::Device { dev, engine, stream, .. } => {
                 let _ctx = dev.bind().map_err(cuda)?;
                 // SAFETY: forwarded contract.
-                unsafe { engine.copy_and_sum_from(src_segs, src_ids, ids, out, stream) }.map_err(cuda)
+                unsafe { engine.copy_and_sum_from_tagged(src_segs, src_ids, ids, out, tags, stream) }.map_err(cuda)
             }
         }
     }
 
-    /// Checksums of blocks `ids` summed where they lie (device pools: a kernel; host pools are
-    /// summed by the agent without a mover).
-    pub(super) fn device_checksums(&mut self, ids: &[u32], out: &mut [u64]) -> Result<(), String> {
+    /// Checksums of blocks `ids` summed where they lie, and their tags' NH sums into `tags`
+    /// when given (device pools: a kernel; host pools are summed by the agent without a mover).
+    pub(super) fn device_checksums(
+        &mut self,
+        ids: &[u32],
+        out: &mut [u64],
+        tags: Option<&mut [NhSums]>,
+    ) -> Result<(), String> {
         match &mut self.kind {
             Kind::Host { .. } => Err("host pools are summed in place without a mover".into()),
             Kind::Device { dev, engine, stream, .. } => {
                 let _ctx = dev.bind().map_err(cuda)?;
-                engine.checksums(ids, out, stream).map_err(cuda)
+                engine.checksums_tagged(ids, out, tags, stream).map_err(cuda)
             }
         }
     }
@@ -245,12 +261,14 @@ impl Mover {
 /// memory each time.
 pub(super) struct Movers {
     mem: Memory,
+    /// The block key of a keyed agent, which device movers' kernels tag with.
+    mac: Option<Arc<BlockMac>>,
     idle: Mutex<Vec<Mover>>,
 }
 
 impl Movers {
-    pub(super) fn new(mem: Memory) -> Movers {
-        Movers { mem, idle: Mutex::new(Vec::new()) }
+    pub(super) fn new(mem: Memory, mac: Option<Arc<BlockMac>>) -> Movers {
+        Movers { mem, mac, idle: Mutex::new(Vec::new()) }
     }
 
     pub(super) fn memory(&self) -> &Memory {
@@ -266,7 +284,7 @@ impl Movers {
             return Ok(m);
         }
         // SAFETY: forwarded contract.
-        unsafe { Mover::new(&self.mem, layout) }
+        unsafe { Mover::new(&self.mem, layout, self.mac.as_deref()) }
     }
 
     /// Make movers until `n` are idle (at least), so that the first transfers do not make them.
@@ -277,7 +295,7 @@ impl Movers {
         let have = self.idle.lock().unwrap_or_else(|e| e.into_inner()).len();
         for _ in have..n {
             // SAFETY: forwarded contract.
-            let m = unsafe { Mover::new(&self.mem, layout) }?;
+            let m = unsafe { Mover::new(&self.mem, layout, self.mac.as_deref()) }?;
             self.put(m);
         }
         Ok(())

@@ -1,10 +1,10 @@
 //! The checksums the agent keeps: one recorded value per block of the pool ([`SumTable`]), with
-//! the block's content digest when the runtime recorded one and, in a keyed agent with a host
-//! pool, its keyed tag ([`crate::block_mac`]); the sums and tags of host-pool blocks are taken
-//! where they lie (device pools are summed by a kernel, through a mover, and not tagged yet).
+//! the block's content digest when the runtime recorded one and, in a keyed agent, its keyed
+//! tag ([`crate::block_mac`]); the sums and tags of host-pool blocks are taken where they lie
+//! (device pools are summed and tagged by a kernel, through a mover).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 /// Bytes of a block's content digest (`kvrelay_block_digests`, [`crate::names::BLOCK_DIGEST_BYTES`]).
 pub(super) const DIGEST: usize = crate::names::BLOCK_DIGEST_BYTES;
@@ -22,9 +22,9 @@ pub(super) struct SumTable {
     digests: RwLock<Vec<Digest>>,
     /// The block key's state, in an agent that holds a key: it checks the tags of what arrives
     /// in host memory (a TCP slot, a host pool), whatever its own pool.
-    mac: Option<BlockMac>,
-    /// This agent records a tag for every block it records a checksum of (a keyed agent with a
-    /// host pool): `tags` and `tagged` are kept.
+    mac: Option<Arc<BlockMac>>,
+    /// This agent records a tag for every block it records a checksum of (a keyed agent):
+    /// `tags` and `tagged` are kept.
     records_tags: bool,
     tags: Vec<AtomicU64>,
     tagged: Vec<AtomicU64>,
@@ -37,9 +37,9 @@ fn bit(bits: &[AtomicU64], id: u32) -> bool {
 }
 
 impl SumTable {
-    /// A table of `blocks` blocks; `mac`: the block key of a keyed agent; `records_tags`: the
-    /// pool is host memory, whose blocks this agent tags (only with a key).
-    pub(super) fn new(blocks: usize, mac: Option<BlockMac>, records_tags: bool) -> SumTable {
+    /// A table of `blocks` blocks; `mac`: the block key of a keyed agent; `records_tags`: this
+    /// agent tags its blocks (only with a key).
+    pub(super) fn new(blocks: usize, mac: Option<Arc<BlockMac>>, records_tags: bool) -> SumTable {
         let records_tags = records_tags && mac.is_some();
         let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         SumTable {
@@ -66,9 +66,9 @@ impl SumTable {
     }
     /// The block key, in a keyed agent.
     pub(super) fn mac(&self) -> Option<&BlockMac> {
-        self.mac.as_ref()
+        self.mac.as_deref()
     }
-    /// This agent tags its blocks (a keyed agent with a host pool).
+    /// This agent tags its blocks (a keyed agent).
     pub(super) fn records_tags(&self) -> bool {
         self.records_tags
     }

@@ -219,6 +219,8 @@ pub(super) struct Scratch {
     pub(super) runs: Vec<(u64, u64, u64)>,
     /// Per-block sums of what landed.
     pub(super) sums: Vec<u64>,
+    /// Per-block NH sums of what landed (a keyed agent's device pool: its tags, unfinished).
+    pub(super) nh: Vec<crate::block_mac::NhSums>,
     /// Source block ids.
     pub(super) ids: Vec<u32>,
 }

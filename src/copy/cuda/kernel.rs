@@ -7,6 +7,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use super::*;
+use crate::block_mac::NhSums;
 use crate::copy::CopyError;
 
 /// Block ids carried by one kernel launch.
@@ -58,18 +59,28 @@ __device__ __forceinline__ unsigned long long kvrelay_fmix64(unsigned long long 
   return x;
 }
 struct SumParams {
-  unsigned long long segs, sums;
+  unsigned long long segs, sums, keys, nh;
   unsigned int n_seg, n_ids, n_pieces, piece_words;
   unsigned int ids[960];
 };
+// One NH term of kvrelay::block_mac: (lo(w) + lo(k)) * (hi(w) + hi(k)), 32-bit adds, a 32 by
+// 32 bit product.
+__device__ __forceinline__ unsigned long long kvrelay_nh(const unsigned long long w, const unsigned long long k) {
+  const unsigned lo = (unsigned)w + (unsigned)k, hi = (unsigned)(w >> 32) + (unsigned)(k >> 32);
+  return (unsigned long long)lo * (unsigned long long)hi;
+}
 // The terms of kvrelay::checksum summed where the bytes lie: one warp per piece (of
 // piece_words words, a multiple of 256 the host sizes so that the launch fills every SM) of a
 // (block, segment) chunk, so that one block or a few large ones still spread over every SM;
 // each word is keyed by its position in the block-major staged block; sums[i] collects block
 // i's terms (the host zeroes it first and applies the final mix). Each lane has four loads in
-// flight per step.
-extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p) {
+// flight per step. With TAGS (keys: the block key's stream, word j of the staged block keyed
+// by keys[j] and keys[j + 1]), the two NH sums of kvrelay::block_mac too, into nh[2i] and
+// nh[2i + 1], from the same loads (the key stream is read by every block: it stays in L2).
+template <bool TAGS>
+__device__ __forceinline__ void kvrelay_sum_body(const SumParams& p) {
   const Seg* segs = (const Seg*)p.segs;
+  const unsigned long long* K = (const unsigned long long*)p.keys;
   const unsigned lane = threadIdx.x & 31u;
   const unsigned long long wpc = blockDim.x >> 5;
   const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
@@ -88,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p)
     if (lo >= n) continue;
     const unsigned long long hi = lo + piece < n ? lo + piece : n;
     const unsigned long long* w = (const unsigned long long*)(g.base + (unsigned long long)p.ids[i] * g.stride);
-    unsigned long long acc = 0;
+    unsigned long long acc = 0, t1 = 0, t2 = 0;
     unsigned long long k = lo + lane;
     for (; k + 96 < hi; k += 128) {
       const unsigned long long a = w[k], b = w[k + 32], c2 = w[k + 64], d = w[k + 96];
@@ -96,16 +107,42 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p)
       acc += kvrelay_fmix64(b ^ ((first + k + 33ULL) * 0x9E3779B97F4A7C15ULL));
       acc += kvrelay_fmix64(c2 ^ ((first + k + 65ULL) * 0x9E3779B97F4A7C15ULL));
       acc += kvrelay_fmix64(d ^ ((first + k + 97ULL) * 0x9E3779B97F4A7C15ULL));
+      if (TAGS) {
+        const unsigned long long j = first + k;
+        t1 += kvrelay_nh(a, K[j]) + kvrelay_nh(b, K[j + 32]) + kvrelay_nh(c2, K[j + 64]) + kvrelay_nh(d, K[j + 96]);
+        t2 += kvrelay_nh(a, K[j + 1]) + kvrelay_nh(b, K[j + 33]) + kvrelay_nh(c2, K[j + 65]) + kvrelay_nh(d, K[j + 97]);
+      }
     }
-    for (; k < hi; k += 32)
-      acc += kvrelay_fmix64(w[k] ^ ((first + k + 1ULL) * 0x9E3779B97F4A7C15ULL));
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
+    for (; k < hi; k += 32) {
+      const unsigned long long a = w[k];
+      acc += kvrelay_fmix64(a ^ ((first + k + 1ULL) * 0x9E3779B97F4A7C15ULL));
+      if (TAGS) {
+        t1 += kvrelay_nh(a, K[first + k]);
+        t2 += kvrelay_nh(a, K[first + k + 1]);
+      }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      acc += __shfl_down_sync(0xffffffffu, acc, off);
+      if (TAGS) {
+        t1 += __shfl_down_sync(0xffffffffu, t1, off);
+        t2 += __shfl_down_sync(0xffffffffu, t2, off);
+      }
+    }
+    if (lane == 0) {
+      atomicAdd(((unsigned long long*)p.sums) + i, acc);
+      if (TAGS) {
+        atomicAdd(((unsigned long long*)p.nh) + 2 * i, t1);
+        atomicAdd(((unsigned long long*)p.nh) + 2 * i + 1, t2);
+      }
+    }
   }
+}
+extern "C" __global__ void __launch_bounds__(512) kvrelay_sum(const SumParams p) {
+  if (p.keys) kvrelay_sum_body<true>(p); else kvrelay_sum_body<false>(p);
 }
 struct SrcSeg { unsigned long long base, stride; };
 struct CopySumParams {
-  unsigned long long segs, src_segs, sums;
+  unsigned long long segs, src_segs, sums, keys, nh;
   unsigned int n_seg, n_ids, n_pieces, piece_words;
   unsigned int ids[480];
   unsigned int src_ids[480];
@@ -115,14 +152,25 @@ __device__ __forceinline__ unsigned long long kvrelay_terms(const uint4 v, const
   const unsigned long long w1 = (unsigned long long)v.z | ((unsigned long long)v.w << 32);
   return kvrelay_fmix64(w0 ^ (pos * 0x9E3779B97F4A7C15ULL)) + kvrelay_fmix64(w1 ^ ((pos + 1ULL) * 0x9E3779B97F4A7C15ULL));
 }
+// The NH terms of the two words of v, the first being word j of the staged block.
+__device__ __forceinline__ void kvrelay_nh_terms(const uint4 v, const unsigned long long* K, const unsigned long long j,
+    unsigned long long& t1, unsigned long long& t2) {
+  const unsigned long long w0 = (unsigned long long)v.x | ((unsigned long long)v.y << 32);
+  const unsigned long long w1 = (unsigned long long)v.z | ((unsigned long long)v.w << 32);
+  const unsigned long long k0 = K[j], k1 = K[j + 1], k2 = K[j + 2];
+  t1 += kvrelay_nh(w0, k0) + kvrelay_nh(w1, k1);
+  t2 += kvrelay_nh(w0, k1) + kvrelay_nh(w1, k2);
+}
 // Copy blocks of another pool (src_segs: its segments' bases, mapped here, and strides) into
 // this pool's blocks and sum them on the way, with kvrelay_sum's pieces and keys: the words
 // summed are the registers written, so sums[i] is block ids[i]'s sum as it landed, for the
 // HBM traffic of a copy alone (one read, one write per byte). 16-byte words, four in flight
-// per lane.
-extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySumParams p) {
+// per lane. With TAGS, the NH sums of what landed too, as in kvrelay_sum.
+template <bool TAGS>
+__device__ __forceinline__ void kvrelay_copy_sum_body(const CopySumParams& p) {
   const Seg* segs = (const Seg*)p.segs;
   const SrcSeg* src_segs = (const SrcSeg*)p.src_segs;
+  const unsigned long long* K = (const unsigned long long*)p.keys;
   const unsigned lane = threadIdx.x & 31u;
   const unsigned long long wpc = blockDim.x >> 5;
   const unsigned long long warp = (unsigned long long)blockIdx.x * wpc + (threadIdx.x >> 5);
@@ -143,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySum
     const unsigned long long hi = lo + piece < n ? lo + piece : n;
     const uint4* src = (const uint4*)(sg.base + (unsigned long long)p.src_ids[i] * sg.stride);
     uint4* dst = (uint4*)(g.base + (unsigned long long)p.ids[i] * g.stride);
-    unsigned long long acc = 0;
+    unsigned long long acc = 0, t1 = 0, t2 = 0;
     unsigned long long k = lo + lane;
     for (; k + 96 < hi; k += 128) {
       const uint4 a = src[k], b = src[k + 32], c2 = src[k + 64], d = src[k + 96];
@@ -152,15 +200,37 @@ extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySum
       acc += kvrelay_terms(b, first + 2ULL * (k + 32) + 1ULL);
       acc += kvrelay_terms(c2, first + 2ULL * (k + 64) + 1ULL);
       acc += kvrelay_terms(d, first + 2ULL * (k + 96) + 1ULL);
+      if (TAGS) {
+        kvrelay_nh_terms(a, K, first + 2ULL * k, t1, t2);
+        kvrelay_nh_terms(b, K, first + 2ULL * (k + 32), t1, t2);
+        kvrelay_nh_terms(c2, K, first + 2ULL * (k + 64), t1, t2);
+        kvrelay_nh_terms(d, K, first + 2ULL * (k + 96), t1, t2);
+      }
     }
     for (; k < hi; k += 32) {
       const uint4 a = src[k];
       dst[k] = a;
       acc += kvrelay_terms(a, first + 2ULL * k + 1ULL);
+      if (TAGS) kvrelay_nh_terms(a, K, first + 2ULL * k, t1, t2);
     }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) atomicAdd(((unsigned long long*)p.sums) + i, acc);
+    for (int off = 16; off > 0; off >>= 1) {
+      acc += __shfl_down_sync(0xffffffffu, acc, off);
+      if (TAGS) {
+        t1 += __shfl_down_sync(0xffffffffu, t1, off);
+        t2 += __shfl_down_sync(0xffffffffu, t2, off);
+      }
+    }
+    if (lane == 0) {
+      atomicAdd(((unsigned long long*)p.sums) + i, acc);
+      if (TAGS) {
+        atomicAdd(((unsigned long long*)p.nh) + 2 * i, t1);
+        atomicAdd(((unsigned long long*)p.nh) + 2 * i + 1, t2);
+      }
+    }
   }
+}
+extern "C" __global__ void __launch_bounds__(512) kvrelay_copy_sum(const CopySumParams p) {
+  if (p.keys) kvrelay_copy_sum_body<true>(p); else kvrelay_copy_sum_body<false>(p);
 }
 extern "C" __global__ void __launch_bounds__(512) kvrelay_copy(const Params p) {
   copy_chunks((const Seg*)p.segs, p.ids, p.staging, p.stage_block_bytes, p.n_seg, p.n_ids, p.to_staging);
@@ -218,6 +288,10 @@ pub(super) const RING_SLOTS: usize = 32;
 pub(super) struct SumParams {
     pub(super) segs: u64,
     pub(super) sums: u64,
+    /// The block key's stream on the device (0: no tags).
+    pub(super) keys: u64,
+    /// Where the NH sums go (two per block), when `keys` is set.
+    pub(super) nh: u64,
     pub(super) n_seg: u32,
     pub(super) n_ids: u32,
     /// Pieces of `piece_words` words in the largest segment (each a warp's work).
@@ -235,6 +309,9 @@ pub(super) struct CopySumParams {
     pub(super) segs: u64,
     pub(super) src_segs: u64,
     pub(super) sums: u64,
+    /// As in [`SumParams`].
+    pub(super) keys: u64,
+    pub(super) nh: u64,
     pub(super) n_seg: u32,
     pub(super) n_ids: u32,
     pub(super) n_pieces: u32,
@@ -412,6 +489,7 @@ impl CudaEngine {
 /// (device, zeroed before each launch, and the pinned host copy they come back to), both
 /// kernels' parameter blocks, and the source segment table of a copy from another pool.
 pub(super) struct SumState {
+    /// `IDS_PER_LAUNCH` sums, then two NH sums per block (the keyed tags').
     dev: DeviceBuffer,
     host: PinnedBuffer,
     params: Box<SumParams>,
@@ -429,17 +507,20 @@ impl CudaEngine {
             return Err(CopyError::Unsupported("checksums need the copy kernel (methods Kernel, Staged)"));
         }
         if self.sums.is_none() {
-            let dev = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?;
+            let dev = DeviceBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 24)?;
+            let nh = dev.ptr() + IDS_PER_LAUNCH as u64 * 8;
             let n_seg = self.params.n_seg;
             let src_bytes = (n_seg as usize * 16).max(16);
             let src_dev = DeviceBuffer::alloc(&self.dev, src_bytes)?;
             let (segs, sums) = (self.params.segs, dev.ptr());
             self.sums = Some(Box::new(SumState {
-                host: PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 8)?,
+                host: PinnedBuffer::alloc(&self.dev, IDS_PER_LAUNCH * 24)?,
                 src_host: PinnedBuffer::alloc(&self.dev, src_bytes)?,
                 params: Box::new(SumParams {
                     segs,
                     sums,
+                    keys: 0,
+                    nh,
                     n_seg,
                     n_ids: 0,
                     n_pieces: 0,
@@ -450,6 +531,8 @@ impl CudaEngine {
                     segs,
                     src_segs: src_dev.ptr(),
                     sums,
+                    keys: 0,
+                    nh,
                     n_seg,
                     n_ids: 0,
                     n_pieces: 0,
@@ -485,8 +568,9 @@ impl CudaEngine {
         (piece as u32, n_pieces.try_into().unwrap_or(u32::MAX), ctas as u32)
     }
 
-    /// Zero `n` sums, launch `func` with the parameter block `params`, bring the sums back,
-    /// wait for `stream`, and finish them into `out`.
+    /// Zero `n` sums (and, with `tags`, their NH sums), launch `func` with the parameter block
+    /// `params`, bring the sums back, wait for `stream`, and finish them into `out` (the NH
+    /// sums into `tags`, unfinished: the block key's finish is the caller's).
     ///
     /// # Safety
     /// `func` takes one parameter block at `params` whose sums pointer is `st.dev` and which
@@ -501,8 +585,10 @@ impl CudaEngine {
         stream: &CudaStream,
         sbb: u64,
         out: &mut [u64],
+        tags: Option<&mut [NhSums]>,
     ) -> Result<(), CopyError> {
         let n = out.len();
+        let nh_at = IDS_PER_LAUNCH * 8;
         let mut args = [params];
         // SAFETY: the sums buffer holds IDS_PER_LAUNCH u64s (zeroed here first); the kernel and
         // its parameter block are the caller's per the contract; the host copy lands in pinned
@@ -510,6 +596,9 @@ impl CudaEngine {
         // is this library's.
         unsafe {
             check(sys::cuMemsetD8Async(st.dev.ptr(), 0, n * 8, stream.raw()), "cuMemsetD8Async")?;
+            if tags.is_some() {
+                check(sys::cuMemsetD8Async(st.dev.ptr() + nh_at as u64, 0, n * 16, stream.raw()), "cuMemsetD8Async")?;
+            }
             check(
                 sys::cuLaunchKernel(
                     func,
@@ -535,11 +624,28 @@ impl CudaEngine {
                 ),
                 "cuMemcpyDtoHAsync",
             )?;
+            if tags.is_some() {
+                check(
+                    sys::cuMemcpyDtoHAsync_v2(
+                        st.host.as_mut_slice()[nh_at..].as_mut_ptr().cast(),
+                        st.dev.ptr() + nh_at as u64,
+                        n * 16,
+                        stream.raw(),
+                    ),
+                    "cuMemcpyDtoHAsync",
+                )?;
+            }
         }
         stream.synchronize()?;
+        let h = st.host.as_slice();
+        let word = |at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
         for (k, o) in out.iter_mut().enumerate() {
-            let b = &st.host.as_slice()[k * 8..k * 8 + 8];
-            *o = crate::checksum::kv_checksum_finish(u64::from_le_bytes(b.try_into().expect("8 bytes")), sbb);
+            *o = crate::checksum::kv_checksum_finish(word(k * 8), sbb);
+        }
+        if let Some(t) = tags {
+            for (k, o) in t.iter_mut().enumerate() {
+                *o = NhSums(word(nh_at + 16 * k), word(nh_at + 16 * k + 8));
+            }
         }
         Ok(())
     }
@@ -551,23 +657,63 @@ impl CudaEngine {
     /// copy per [`IDS_PER_LAUNCH`] blocks; no allocation after the first call. Needs the kernel
     /// (methods `Kernel` and `Staged`; [`CopyError::Unsupported`] otherwise).
     pub fn checksums(&mut self, ids: &[u32], out: &mut [u64], stream: &CudaStream) -> Result<(), CopyError> {
+        self.checksums_tagged(ids, out, None, stream)
+    }
+
+    /// Give the summing kernels block key `mac`'s stream (one upload of about a block's bytes
+    /// into device memory of this engine's own): from then on the calls that ask for tags
+    /// ([`CudaEngine::checksums_tagged`], [`CudaEngine::copy_and_sum_from_tagged`]) take the
+    /// NH sums of [`crate::block_mac`] from the loads that sum the checksums. `mac` must cover
+    /// this layout's blocks ([`CopyError::InvalidOptions`] otherwise).
+    pub fn set_block_key(&mut self, mac: &crate::block_mac::BlockMac) -> Result<(), CopyError> {
+        let keys = mac.key_stream();
+        if (keys.len() as u64) < self.layout.stage_block_bytes().div_ceil(8) + 1 {
+            return Err(CopyError::InvalidOptions);
+        }
+        let bytes: Vec<u8> = keys.iter().flat_map(|k| k.to_le_bytes()).collect();
+        let buf = DeviceBuffer::alloc(&self.dev, bytes.len())?;
+        buf.write(0, &bytes)?;
+        self.tag_keys = Some(buf);
+        Ok(())
+    }
+
+    /// [`CudaEngine::checksums`], and with `tags` (its block key set: [`CudaEngine::set_block_key`],
+    /// else [`CopyError::Unsupported`]) each block's NH sums, which the block key's
+    /// [`crate::block_mac::BlockMac::finish`] turns into its tag: `tags[i]` for `ids[i]`. The
+    /// tags cost no extra pass over the blocks (the same loads; the key stream stays in L2).
+    pub fn checksums_tagged(
+        &mut self,
+        ids: &[u32],
+        out: &mut [u64],
+        mut tags: Option<&mut [NhSums]>,
+        stream: &CudaStream,
+    ) -> Result<(), CopyError> {
         assert_eq!(ids.len(), out.len(), "CudaEngine::checksums: one output per id");
+        assert!(tags.as_ref().is_none_or(|t| t.len() == ids.len()), "CudaEngine::checksums_tagged: one tag per id");
+        let keys = match (&tags, &self.tag_keys) {
+            (None, _) => 0,
+            (Some(_), Some(k)) => k.ptr(),
+            (Some(_), None) => return Err(CopyError::Unsupported("tags need the block key (set_block_key)")),
+        };
         // repeated ids are fine (reads only); the staging check is moot: no staging
         self.checker.check(&self.layout, ids, u64::MAX, false)?;
         let _ctx = self.dev.bind()?;
         let (sbb, threads) = (self.layout.stage_block_bytes(), self.opts.threads);
         let func = self.sum_func;
         self.sum_state()?;
-        for (part, o) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)) {
+        for (k, (part, o)) in ids.chunks(IDS_PER_LAUNCH).zip(out.chunks_mut(IDS_PER_LAUNCH)).enumerate() {
             let (piece_words, n_pieces, ctas) = self.sum_grid(part.len());
             let st = self.sums.as_mut().expect("made above");
             (st.params.piece_words, st.params.n_pieces) = (piece_words, n_pieces);
             st.params.n_ids = part.len() as u32;
+            st.params.keys = keys;
             st.params.ids[..part.len()].copy_from_slice(part);
             let params = (&mut *st.params as *mut SumParams).cast::<c_void>();
+            let t = tags.as_deref_mut().map(|t| &mut t[k * IDS_PER_LAUNCH..k * IDS_PER_LAUNCH + part.len()]);
             // SAFETY: `kvrelay_sum` takes one `SumParams` (same layout as the CUDA struct) and
-            // reads only blocks of the layout (ids checked); `part` fits the sums buffer.
-            unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o)? };
+            // reads only blocks of the layout (ids checked) and, with keys, the key stream
+            // (at least a block's words plus one: `set_block_key`); `part` fits the sums buffer.
+            unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o, t)? };
         }
         Ok(())
     }
@@ -596,6 +742,30 @@ impl CudaEngine {
         out: &mut [u64],
         stream: &CudaStream,
     ) -> Result<(), CopyError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.copy_and_sum_from_tagged(src_segs, src_ids, ids, out, None, stream) }
+    }
+
+    /// [`CudaEngine::copy_and_sum_from`], and with `tags` the NH sums of each block as it
+    /// landed, as [`CudaEngine::checksums_tagged`] gives them.
+    ///
+    /// # Safety
+    /// As [`CudaEngine::copy_and_sum_from`].
+    pub unsafe fn copy_and_sum_from_tagged(
+        &mut self,
+        src_segs: &[(u64, u64)],
+        src_ids: &[u32],
+        ids: &[u32],
+        out: &mut [u64],
+        mut tags: Option<&mut [NhSums]>,
+        stream: &CudaStream,
+    ) -> Result<(), CopyError> {
+        assert!(tags.as_ref().is_none_or(|t| t.len() == ids.len()), "CudaEngine::copy_and_sum_from: one tag per id");
+        let keys = match (&tags, &self.tag_keys) {
+            (None, _) => 0,
+            (Some(_), Some(k)) => k.ptr(),
+            (Some(_), None) => return Err(CopyError::Unsupported("tags need the block key (set_block_key)")),
+        };
         assert!(
             ids.len() == out.len() && ids.len() == src_ids.len(),
             "CudaEngine::copy_and_sum_from: one source id and one output per id"
@@ -631,20 +801,23 @@ impl CudaEngine {
             }
             st.src_uploaded.extend_from_slice(src_segs);
         }
-        for ((part, from), o) in
-            ids.chunks(COPY_SUM_IDS).zip(src_ids.chunks(COPY_SUM_IDS)).zip(out.chunks_mut(COPY_SUM_IDS))
+        for (k, ((part, from), o)) in
+            ids.chunks(COPY_SUM_IDS).zip(src_ids.chunks(COPY_SUM_IDS)).zip(out.chunks_mut(COPY_SUM_IDS)).enumerate()
         {
             let (piece_words, n_pieces, ctas) = self.sum_grid(part.len());
             let st = self.sums.as_mut().expect("made above");
             (st.copy.piece_words, st.copy.n_pieces) = (piece_words, n_pieces);
             st.copy.n_ids = part.len() as u32;
+            st.copy.keys = keys;
             st.copy.ids[..part.len()].copy_from_slice(part);
             st.copy.src_ids[..part.len()].copy_from_slice(from);
             let params = (&mut *st.copy as *mut CopySumParams).cast::<c_void>();
+            let t = tags.as_deref_mut().map(|t| &mut t[k * COPY_SUM_IDS..k * COPY_SUM_IDS + part.len()]);
             // SAFETY: `kvrelay_copy_sum` takes one `CopySumParams` (same layout as the CUDA
             // struct); it writes only blocks `ids` of the layout (checked, distinct) and reads
-            // the source ranges the caller's contract covers; `part` fits the sums buffer.
-            let r = unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o) };
+            // the source ranges the caller's contract covers and, with keys, the key stream (a
+            // block's words plus one: `set_block_key`); `part` fits the sums buffer.
+            let r = unsafe { Self::launch_summing(st, func, params, ctas, threads, stream, sbb, o, t) };
             if let Err(e) = r {
                 let _ = stream.synchronize();
                 st.src_uploaded.clear(); // whether the table arrived is unknown

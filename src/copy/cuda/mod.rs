@@ -222,6 +222,9 @@ pub struct CudaEngine {
     /// threads per CTA): their grids are one wave of that many per SM.
     sum_ctas_per_sm: u32,
     sums: Option<Box<kernel::SumState>>,
+    /// The block key's stream on the device ([`CudaEngine::set_block_key`]): the summing
+    /// kernels take the keyed tags' NH sums from the same loads when a call asks for them.
+    tag_keys: Option<DeviceBuffer>,
 }
 
 /// The internal stream and events of the staged method.
@@ -308,6 +311,7 @@ impl CudaEngine {
             copy_sum_func: std::ptr::null_mut(),
             sum_ctas_per_sm: 1,
             sums: None,
+            tag_keys: None,
             layout,
         };
         match opts.method {

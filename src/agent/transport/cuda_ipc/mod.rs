@@ -68,7 +68,11 @@
 //!   allocations of its own (`cuMemAlloc` of exactly the pool, or virtual-memory allocations
 //!   that it fills). A write into a source's pool by a hostile peer is not prevented, but it is
 //!   found: every destination sums what landed against the checksum the source recorded when
-//!   the block became reusable, and imports nothing that differs. Within this process, an offer reads only the
+//!   the block became reusable, and (keyed agents: always, since a grant needs the key) tags it
+//!   from the same loads against the keyed tag the source recorded then ([`crate::block_mac`]),
+//!   and imports nothing that differs. A peer without the key cannot match a tag; a keyed peer
+//!   can (NH under a known key can be steered): what it writes is kept out only by what a grant
+//!   maps. Within this process, an offer reads only the
 //!   source agent's pool extents (see [`registry`]). The sizes a source reports are checked against the
 //!   driver's: an allocation must map here (`cuMemGetAddressRange`) at least as large as
 //!   offered, and a virtual-memory allocation maps only at its real size (`cuMemMap` refuses
@@ -560,18 +564,24 @@ impl Transfer for Copies {
         let ids = &job.dst[..count];
         scratch.sums.clear();
         scratch.sums.resize(count, 0);
+        // a keyed agent tags what landed from the same loads (checked against a tagged offer's
+        // in `check`, and recorded)
+        let tagging = cx.sums.mac().is_some() && (cx.sums.records_tags() || !offer.tags.is_empty());
+        scratch.nh.clear();
+        scratch.nh.resize(if tagging { count } else { 0 }, crate::block_mac::NhSums::default());
+        let nh = tagging.then_some(&mut scratch.nh[..]);
         let copied = if fused {
             scratch.ids.clear();
             scratch.ids.extend(offer.blocks.iter().map(|b| b.0));
             // SAFETY: the destinations are this fetch's blocks; every offered block's segment
             // lies inside an allocation the source exported (`plan_segments`), mapped and held
             // here (`_held`), and pinned at the source until our DONE.
-            unsafe { mover.copy_sum_from(&scratch.segs, &scratch.ids, ids, &mut scratch.sums) }
+            unsafe { mover.copy_sum_from(&scratch.segs, &scratch.ids, ids, &mut scratch.sums, nh) }
         } else {
             // SAFETY: every run's destination is one of this fetch's blocks; every source range
             // lies inside an allocation the source exported (`plan_copies`), mapped and held
             // here, pinned until our DONE.
-            unsafe { mover.copy_in_and_sum(&scratch.runs, ids, &mut scratch.sums) }
+            unsafe { mover.copy_in_and_sum(&scratch.runs, ids, &mut scratch.sums, nh) }
         };
         if let Err(e) = copied {
             *job.mover = None; // a mover whose stream failed is not reused (its drop waits)
@@ -582,14 +592,25 @@ impl Transfer for Copies {
 
     fn check(
         &mut self,
-        _cx: &Cx<'_>,
+        cx: &Cx<'_>,
         _c: &mut dyn Conn,
         job: &mut Pull<'_>,
         land: &mut Landing<'_>,
     ) -> Result<Progress, Failure> {
+        let sbb = cx.layout.stage_block_bytes();
         for (i, &sum) in job.scratch.sums.iter().enumerate().take(self.offer.blocks.len()) {
             Landing::check(i, sum, self.offer.blocks[i].1)?;
+            let tag = match (cx.sums.mac(), job.scratch.nh.get(i)) {
+                (Some(mac), Some(&nh)) => Some(mac.finish(nh, sbb)),
+                _ => None,
+            };
+            if let (Some(got), Some(&want)) = (tag, self.offer.tags.get(i)) {
+                Landing::check_tag(i, got, want)?;
+            }
             land.landed(i, sum);
+            if let Some(t) = tag {
+                land.tagged(i, t);
+            }
         }
         Ok(Progress::Done { reusable: true })
     }
@@ -747,7 +768,7 @@ mod tests {
             Limits::default(),
             Stats::default(),
             crate::agent::sums::SumTable::new(8, None, false),
-            crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host),
+            crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host, None),
         );
         let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };
         let claim = |base: u64, size: u64| vec![(base, size)];

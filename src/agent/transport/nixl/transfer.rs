@@ -14,6 +14,7 @@ use crate::agent::pool::Mover;
 use crate::agent::transport::{send_done, Cx, Failure, Landing, Progress, Pull, Transfer, Writes};
 use crate::agent::wire::{self, Conn};
 use crate::agent::FailReason;
+use crate::block_mac::NhSums;
 
 fn nixl_err(what: &str, e: nixl_sys::NixlError) -> Failure {
     (FailReason::Truncated, format!("NIXL {what}: {e:?}"))
@@ -59,8 +60,10 @@ pub(super) struct Reads<'a> {
     /// The checksum mover of a device pool (taken when posted, given back at release).
     mover: Option<Mover>,
     sums: Vec<u64>,
-    /// The keyed tags of the same blocks (a keyed agent's host pool; empty otherwise).
+    /// The keyed tags of the same blocks (a keyed agent; empty otherwise).
     tags: Vec<u64>,
+    /// Their NH sums, as a device pool's kernel gives them.
+    nh: Vec<NhSums>,
     /// What the slow-READ check times: from building the first request to the last one seen
     /// finished, less taking the checksum mover; and how many descriptors the READs had.
     began: Instant,
@@ -81,6 +84,7 @@ impl<'a> Reads<'a> {
             mover: None,
             sums: Vec::new(),
             tags: Vec::new(),
+            nh: Vec::new(),
             began: now,
             reads_done: now,
             mover_took: Duration::ZERO,
@@ -185,18 +189,26 @@ impl Transfer for Reads<'_> {
         let ids = &job.dst[range.clone()];
         self.sums.clear();
         self.sums.resize(ids.len(), 0);
-        match self.mover.as_mut() {
-            Some(m) => m.device_checksums(ids, &mut self.sums).map_err(|e| (FailReason::Corrupt, e))?,
-            None => crate::agent::sums::sum_host(cx.layout, cx.block_bytes, ids, &mut self.sums),
-        }
-        // a host pool of a keyed agent: the tags of what landed, taken where it lies (checked
-        // against a tagged offer's, else recorded as this agent's own); a device pool is not
-        // tagged yet (its landed bytes are checked by the checksum kernel alone)
+        // a keyed agent: the tags of what landed, taken where it lies (a device pool's by the
+        // checksum kernel from the same loads), checked against a tagged offer's and recorded
         self.tags.clear();
-        if let (None, Some(mac)) = (self.mover.as_ref(), cx.sums.mac()) {
-            if cx.sums.records_tags() || !self.offer.tags.is_empty() {
-                self.tags.resize(ids.len(), 0);
-                crate::agent::sums::tag_host(cx.layout, mac, cx.block_bytes, ids, &mut self.tags);
+        let mac = cx.sums.mac().filter(|_| cx.sums.records_tags() || !self.offer.tags.is_empty());
+        match self.mover.as_mut() {
+            Some(m) => {
+                self.nh.clear();
+                self.nh.resize(if mac.is_some() { ids.len() } else { 0 }, NhSums::default());
+                let nh = mac.is_some().then_some(&mut self.nh[..]);
+                m.device_checksums(ids, &mut self.sums, nh).map_err(|e| (FailReason::Corrupt, e))?;
+                if let Some(mac) = mac {
+                    self.tags.extend(self.nh.iter().map(|&t| mac.finish(t, cx.layout.stage_block_bytes())));
+                }
+            }
+            None => {
+                crate::agent::sums::sum_host(cx.layout, cx.block_bytes, ids, &mut self.sums);
+                if let Some(mac) = mac {
+                    self.tags.resize(ids.len(), 0);
+                    crate::agent::sums::tag_host(cx.layout, mac, cx.block_bytes, ids, &mut self.tags);
+                }
             }
         }
         for (j, i) in range.enumerate() {
