@@ -65,7 +65,7 @@
 #define KVRELAY_VERSION_MINOR 4
 
 // Patch version.
-#define KVRELAY_VERSION_PATCH 1
+#define KVRELAY_VERSION_PATCH 2
 
 // Size of `kvrelay_outcome.detail`, NUL included.
 #define KVRELAY_DETAIL_CAPACITY 128
@@ -1270,6 +1270,23 @@ kvrelay_status kvrelay_agent_endpoint(const struct kvrelay_agent *agent,
 kvrelay_status kvrelay_agent_record_checksums(const struct kvrelay_agent *agent,
                                               const uint32_t *ids,
                                               size_t n);
+
+// Check blocks `ids` where they lie against what the agent recorded for them (the checksum,
+// and in a keyed agent the keyed tag) and write into `*verified` how many leading blocks
+// match (a block with nothing recorded does not). What a runtime calls before it lets blocks
+// into a slot from a pool another process could have written: one whose agent grants its
+// memory to peers (CUDA IPC, NIXL), whose writes through the grant a tag keeps out unless the
+// writer holds the key. Cost: O(bytes); a device pool's blocks are checked by one kernel
+// (waited for on the agent's own stream), a host pool's on the CPU.
+// `KVRELAY_ERR_INVALID_ARGUMENT` for an id past the pool. Since 0.4.2.
+//
+// # Safety
+// `agent` NULL or live; `ids` readable for `n` ids; `verified` NULL or writable; the blocks
+// must not be written meanwhile.
+kvrelay_status kvrelay_agent_verify_blocks(const struct kvrelay_agent *agent,
+                                           const uint32_t *ids,
+                                           size_t n,
+                                           size_t *verified);
 
 // Record the content digests of blocks `ids` (`n` ids; `digests` holds `n` digests of
 // `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `ids[i]`, from `kvrelay_block_digests`

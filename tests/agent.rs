@@ -112,9 +112,15 @@ fn a_write_that_keeps_the_public_checksum_is_refused_by_the_keyed_tag() {
         a.hold(&NAMES, 0);
         let bb = a.pool.block_bytes();
         assert_eq!(a.agent.recorded_tag(0).is_some(), keyed, "a keyed agent with a host pool tags its blocks");
+        let ids: Vec<u32> = (0..NAMES.len() as u32).collect();
+        assert_eq!(a.agent.verify_blocks(&ids).unwrap(), ids.len(), "every block holds what was recorded");
         let forged = a.pool.forge_keeping_checksum(2);
         assert_ne!(forged, content(NAMES[2], bb));
         assert_eq!(kv_checksum(&forged), kv_checksum(&content(NAMES[2], bb)), "the forgery keeps the checksum");
+        // where a slot would take blocks from this pool: the tag finds the forgery in place
+        assert_eq!(a.agent.verify_blocks(&ids).unwrap(), if keyed { 2 } else { ids.len() });
+        assert!(a.agent.verify_blocks(&[BLOCKS]).is_err(), "an id past the pool");
+        assert_eq!(a.agent.verify_blocks(&[15]).unwrap(), 0, "nothing recorded for it");
         let b = make();
         let r = b.fetch(&a.endpoint(), &NAMES, 0, vec![0, 1, 2, 3]);
         if keyed {

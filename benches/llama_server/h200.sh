@@ -13,7 +13,8 @@
 #   bash benches/llama_server/h200.sh --two-instance   # two_instance_test.py, flash attention off and on
 #   bash benches/llama_server/h200.sh --device         # device_store_test.py (CUDA IPC, TCP), flash attention off and on
 #   FA=on SIZES=1024,4096 bash benches/llama_server/h200.sh --device-bench   # ttft.py: device store over CUDA IPC,
-#                                                      # over TCP, and the host store (VARIANTS="cuda-ipc tcp host")
+#                                                      # over TCP, and the host store (VARIANTS="cuda-ipc tcp host";
+#                                                      # cuda-ipc-nocheck: CUDA IPC without --kv-import-check)
 #   bash benches/llama_server/h200.sh --range          # range_api_test (-ngl 99), range_kv_test (fa off, on)
 #   FA=on SIZES=1024,4096,16384 bash benches/llama_server/h200.sh 32   # ttft.py with -fa on, those sizes
 #   MODEL_ARGS="--layers 32 --embd 4096 --heads 32 --heads-kv 8 --ff 14336" MODEL_NAME=random-8b ...  # the 8B shape
@@ -87,6 +88,7 @@ if [ "${1:-}" = "--device-bench" ]; then
   for v in ${VARIANTS:-cuda-ipc tcp host}; do
     case "$v" in
       host) args="--kv-store host" ;;
+      cuda-ipc-nocheck) args="--kv-transport cuda-ipc --kv-import-check off" ;;
       *) args="--kv-transport $v" ;;
     esac
     f="$out/ttft-${MODEL_NAME:-random-1b}-fa${FA:-on}-$v.log"

@@ -174,6 +174,14 @@ class Agent {
   void record_checksums(const std::vector<uint32_t> &ids) const {
     check(kvrelay_agent_record_checksums(h_.get(), ids.data(), ids.size()));
   }
+  /// How many leading blocks of `ids[0..n]` still hold what was recorded for them (checksum,
+  /// and keyed tag in a keyed agent): check before a slot takes blocks from a pool whose agent
+  /// grants its memory to peers (kvrelay_agent_verify_blocks). Since 0.4.2.
+  std::size_t verify_blocks(const uint32_t *ids, std::size_t n) const {
+    std::size_t k = 0;
+    check(kvrelay_agent_verify_blocks(h_.get(), ids, n, &k));
+    return k;
+  }
   /// Blocks' content digests, `digests[i]` for `ids[i]`, recorded after their checksums
   /// (kvrelay_agent_record_digests): each block is served with its digest.
   void record_digests(const std::vector<uint32_t> &ids, const std::vector<BlockDigest> &digests) const {

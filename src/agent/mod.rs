@@ -366,6 +366,50 @@ impl Agent {
         Ok(())
     }
 
+    /// Check blocks `ids` where they lie against what this agent recorded for them (their
+    /// checksum, and their keyed tag where the agent tags: a keyed agent), before a runtime
+    /// lets them into a slot from a pool that another process could have written (one whose
+    /// agent grants its memory: CUDA IPC, NIXL). Returns how many leading blocks match; a block
+    /// with nothing recorded does not. O(bytes): on a host pool one or two passes on the CPU
+    /// (several threads over 8 MiB), on a device pool one kernel from the same loads, waited
+    /// for on the agent's own stream. One allocation of `8 * ids.len()` (and on a device pool
+    /// `16 * ids.len()` more).
+    pub fn verify_blocks(&self, ids: &[u32]) -> Result<usize, AgentError> {
+        let inner = &*self.inner;
+        let n = inner.layout.num_blocks();
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id >= n) {
+            return Err(AgentError::Argument(format!("block id {id} (position {i}) is past the pool's {n} blocks")));
+        }
+        let tagging = inner.sums.records_tags();
+        let mut sums = vec![0u64; ids.len()];
+        let mut tags = vec![0u64; if tagging { ids.len() } else { 0 }];
+        if let pool::Memory::Device(_) = inner.movers.memory() {
+            // SAFETY: `Agent::new`'s contract covers the layout's memory.
+            let mut m = unsafe { inner.movers.take(&inner.layout) }.map_err(AgentError::Io)?;
+            let mut nh = vec![crate::block_mac::NhSums::default(); tags.len()];
+            let r = m.device_checksums(ids, &mut sums, tagging.then_some(&mut nh[..]));
+            inner.movers.put(m);
+            r.map_err(AgentError::Io)?;
+            if let Some(mac) = inner.sums.mac() {
+                for (t, &s) in tags.iter_mut().zip(&nh) {
+                    *t = mac.finish(s, inner.layout.stage_block_bytes());
+                }
+            }
+        } else {
+            sum_host(&inner.layout, inner.block_bytes, ids, &mut sums);
+            if let (true, Some(mac)) = (tagging, inner.sums.mac()) {
+                tag_host(&inner.layout, mac, inner.block_bytes, ids, &mut tags);
+            }
+        }
+        Ok(ids
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &id)| {
+                inner.sums.get(id) == Some(sums[i]) && (!tagging || inner.sums.tag(id) == Some(tags[i]))
+            })
+            .count())
+    }
+
     /// Record the content digests of blocks `ids` (`digests[i]` for `ids[i]`: what
     /// [`crate::names::Naming::digests_into`] gives for the tokens whose KV the block holds),
     /// after their checksums. A block is served with its recorded digest (zeros when none was

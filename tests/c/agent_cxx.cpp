@@ -92,6 +92,14 @@ int main() {
     CHECK(dst.at(1, 5 + i)[7] == 0x21 + i);
   }
   CHECK(f.detail().empty());
+  // what landed holds what was recorded for it (checksum and keyed tag); a byte changed in
+  // place is found where a slot would take the block
+  const uint32_t landed[] = {5, 6};
+  CHECK(dest.verify_blocks(landed, 2) == 2);
+  dst.at(1, 6)[3] ^= 0x40;
+  CHECK(dest.verify_blocks(landed, 2) == 1);
+  dst.at(1, 6)[3] ^= 0x40;
+  CHECK(dest.verify_blocks(landed, 2) == 2);
   // the connection of a transfer that ended cleanly carries the next one (no new handshake)
   auto again = dest.fetch(source.endpoint(), names, digests, 0, {7}, 10000).wait(20000);
   CHECK(again && again->failure == KVRELAY_FETCH_OK && again->blocks == 1);

@@ -49,6 +49,10 @@ void print_usage() {
     printf("--kv-transport NAME                     how blocks move between servers: tcp, cuda-ipc, nixl, cuda-ipc,nixl\n"
            "                                        (default: cuda-ipc for a device store, then TCP; tcp for a host store)\n"
            "                                        (env: LLAMA_ARG_KV_TRANSPORT)\n");
+    printf("--kv-import-check on|off                with a transport that grants the store's memory to keyed peers (cuda-ipc,\n"
+           "                                        nixl), check each block's checksum and keyed tag where it lies before a\n"
+           "                                        slot takes it (default: on; one kernel over the blocks on a device store)\n"
+           "                                        (env: LLAMA_ARG_KV_IMPORT_CHECK)\n");
     printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");
     printf("--kv-load-failure-policy recompute|fail when a hinted fetch fails: prefill as a cold request (default), or answer\n"
@@ -151,6 +155,11 @@ bool consume_args(int & argc, char ** argv) {
             return false;
         }
     }
+    if (const char * env = std::getenv("LLAMA_ARG_KV_IMPORT_CHECK"); env != nullptr && *env != '\0') {
+        if (!parse_either(env, "LLAMA_ARG_KV_IMPORT_CHECK", "off", "on", s.import_check)) {
+            return false;
+        }
+    }
     if (const char * env = std::getenv("LLAMA_ARG_KV_STORE"); env != nullptr && *env != '\0') {
         if (!parse_either(env, "LLAMA_ARG_KV_STORE", "device", "host", s.store_host)) {
             return false;
@@ -196,7 +205,8 @@ bool consume_args(int & argc, char ** argv) {
         static const char * const valued[] = { "--kv-listen", "--kv-trusted-endpoint", "--kv-allow-peer",
                                                "--kv-pool-mib", "--kv-fetch", "--kv-events",
                                                "--kv-load-failure-policy", "--kv-key-file", "--kv-model-id",
-                                               "--kv-events-key-file", "--kv-store", "--kv-transport" };
+                                               "--kv-events-key-file", "--kv-store", "--kv-transport",
+                                               "--kv-import-check" };
         bool                      is_valued = false;
         for (const char * v : valued) {
             is_valued = is_valued || arg == v;
@@ -239,6 +249,10 @@ bool consume_args(int & argc, char ** argv) {
                 }
             } else if (arg == "--kv-transport") {
                 s.transport = value;
+            } else if (arg == "--kv-import-check") {
+                if (!parse_either(value, "--kv-import-check", "off", "on", s.import_check)) {
+                    return false;
+                }
             } else if (arg == "--kv-load-failure-policy") {
                 if (!parse_either(value, "--kv-load-failure-policy", "recompute", "fail", s.fail_on_load)) {
                     return false;

@@ -50,6 +50,10 @@ std::string prometheus() noexcept {
             { "imported_tokens_total", kv.counts.imported_tokens.load() },
             { "recomputed_tokens_total", kv.counts.recomputed_tokens.load() },
             { "import_refused_total", kv.counts.import_refused.load() },
+            // imports cut where a store block no longer held what was recorded for it (its
+            // checksum, its keyed tag): checked where the block lies before a slot takes it,
+            // whenever the agent grants the store's memory to peers (--kv-transport other than tcp)
+            { "import_tampered_total", kv.counts.import_tampered.load() },
             // bytes moved between llama.cpp's KV cache and the store, counted where they move
             // (llama_kv_range_get / llama_kv_range_set): exactly the new blocks, the missing blocks
             { "export_bytes_total", kv.counts.export_bytes.load() },

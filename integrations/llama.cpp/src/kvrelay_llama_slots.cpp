@@ -189,6 +189,21 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             const size_t   bb   = kv.store->block_bytes();
             size_t         done = b0;
             int32_t        st   = LLAMA_KV_RANGE_OK;
+            if (kv.import_check) {
+                // the agent grants the store's memory to keyed peers (CUDA IPC, NIXL), who can
+                // write into it: a slot takes only blocks that still hold what was recorded for
+                // them (checksum and keyed tag, checked where they lie: one kernel on a device
+                // store), and the prompt is prefilled from the first that does not
+                const size_t want = n_new / bt - b0;
+                const size_t ok   = kv.agent->verify_blocks(pins->ids.data() + b0, want);
+                if (ok < want) {
+                    kv.counts.import_tampered++;
+                    SRV_WRN("kvrelay: store block %u (block %zu of slot %d's prompt) no longer holds what was recorded "
+                            "for it; it prefills from token %zu\n",
+                            unsigned(pins->ids[b0 + ok]), b0 + ok, seq_id, (b0 + ok) * bt);
+                    n_new = (b0 + ok) * bt;
+                }
+            }
             for_runs(pins->ids.data() + b0, n_new / bt - b0, [&](size_t i0, size_t i1) {
                 if (st != LLAMA_KV_RANGE_OK) {
                     return;

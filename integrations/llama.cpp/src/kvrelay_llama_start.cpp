@@ -367,6 +367,8 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
         cfg.allow_peer(p);
     }
     kv->transport = !s.transport.empty() ? s.transport : kv->device >= 0 ? std::string("cuda-ipc") : std::string("tcp");
+    // over TCP alone no other process can write the store: nothing to check at import
+    kv->import_check = s.import_check && kv->transport != "tcp";
     if (kv->device >= 0) {
         cfg.device(kv->device);
     }

@@ -65,6 +65,7 @@ struct settings {
     size_t                   n_ctx_slot = 0;  // a slot's context (0: unknown); longer prompts are refused
     bool                     store_host = false;  // --kv-store host: the store in host memory even with the KV on a GPU
     std::string              transport;  // --kv-transport ("" : cuda-ipc for a device store, tcp otherwise)
+    bool                     import_check = true;  // --kv-import-check: blocks checked where they lie before a slot takes them
 
     bool kv_on() const { return !listen.empty() || !trusted_endpoints.empty(); }
 };
@@ -90,6 +91,7 @@ struct kv_counters {
     std::atomic<uint64_t>           imported_tokens{ 0 };
     std::atomic<uint64_t>           recomputed_tokens{ 0 };
     std::atomic<uint64_t>           import_refused{ 0 };
+    std::atomic<uint64_t>           import_tampered{ 0 };  // imports cut at a block that no longer held what was recorded
     std::atomic<uint64_t>           export_bytes{ 0 };  // KV cache -> store (llama_kv_range_get)
     std::atomic<uint64_t>           import_bytes{ 0 };  // store -> KV cache (llama_kv_range_set)
     std::atomic<uint64_t>           device_copy_ns{ 0 };  // a device store: time of those moves, copies complete
@@ -256,6 +258,7 @@ struct kv_runtime {
     std::map<std::string, std::shared_ptr<flight>> flights;  // by source and first block fetched
     std::string                            store_memory;     // what the store's pool is ("host", "pinned host", "device (CUDA0)")
     std::string                            transport;        // how the agent moves blocks ("tcp", "cuda-ipc", ...)
+    bool                                   import_check = false;  // a slot takes only blocks verified in the store
     int32_t                                device = -1;      // the CUDA device of a device store, -1: host store
     // a device store: the copies between llama.cpp's KV tensors and the store's blocks (libllama's
     // llama_kv_range_*_with); counts.device_copy_ns is the time they take

@@ -17,7 +17,7 @@ KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` a
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 4  # Minor version.
-KVRELAY_VERSION_PATCH = 1  # Patch version.
+KVRELAY_VERSION_PATCH = 2  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the
@@ -678,6 +678,7 @@ PROTOTYPES: dict[str, tuple[Any, list[tuple[str, Any]]]] = {
     "kvrelay_agent_free": (None, [("agent", c_void_p)]),
     "kvrelay_agent_endpoint": (c_int32, [("agent", c_void_p), ("buf", c_void_p), ("cap", c_size_t), ("len_out", POINTER(c_size_t))]),
     "kvrelay_agent_record_checksums": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t)]),
+    "kvrelay_agent_verify_blocks": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("n", c_size_t), ("verified", POINTER(c_size_t))]),
     "kvrelay_agent_record_digests": (c_int32, [("agent", c_void_p), ("ids", POINTER(c_uint32)), ("digests", c_void_p), ("n", c_size_t)]),
     "kvrelay_agent_estimate": (c_int32, [("agent", c_void_p), ("endpoint", c_void_p), ("len", c_size_t), ("blocks", c_size_t), ("seconds_out", POINTER(c_double))]),
     "kvrelay_agent_record_import": (c_int32, [("agent", c_void_p), ("blocks", c_size_t), ("seconds", c_double)]),

@@ -151,6 +151,35 @@ pub unsafe extern "C" fn kvrelay_agent_record_checksums(
     })
 }
 
+/// Check blocks `ids` where they lie against what the agent recorded for them (the checksum,
+/// and in a keyed agent the keyed tag) and write into `*verified` how many leading blocks
+/// match (a block with nothing recorded does not). What a runtime calls before it lets blocks
+/// into a slot from a pool another process could have written: one whose agent grants its
+/// memory to peers (CUDA IPC, NIXL), whose writes through the grant a tag keeps out unless the
+/// writer holds the key. Cost: O(bytes); a device pool's blocks are checked by one kernel
+/// (waited for on the agent's own stream), a host pool's on the CPU.
+/// `KVRELAY_ERR_INVALID_ARGUMENT` for an id past the pool. Since 0.4.2.
+///
+/// # Safety
+/// `agent` NULL or live; `ids` readable for `n` ids; `verified` NULL or writable; the blocks
+/// must not be written meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn kvrelay_agent_verify_blocks(
+    agent: *const kvrelay_agent,
+    ids: *const u32,
+    n: usize,
+    verified: *mut usize,
+) -> kvrelay_status {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let (a, ids, out) = unsafe { (input(agent)?, array(ids, n)?, out_ptr(verified)?) };
+        let k = a.inner.verify_blocks(ids).map_err(agent_err)?;
+        // SAFETY: `out` checked non-NULL; writable per the contract.
+        unsafe { put(out, k) };
+        Ok(())
+    })
+}
+
 /// Record the content digests of blocks `ids` (`n` ids; `digests` holds `n` digests of
 /// `KVRELAY_BLOCK_DIGEST_BYTES` bytes, `digests[i]` for `ids[i]`, from `kvrelay_block_digests`
 /// over the tokens whose KV the block holds), after their checksums: each block is served with
