@@ -94,8 +94,8 @@ if [ "${1:-}" = "--device-bench" ]; then
     f="$out/ttft-${MODEL_NAME:-random-1b}-fa${FA:-on}-$v.log"
     echo "# benches/llama_server/ttft.py, $(nvidia-smi --query-gpu=name --format=csv,noheader) (CUDA, -ngl 99), $(date -u +%Y-%m-%dT%H:%MZ), ${MODEL_NAME:-random-1b}, -fa ${FA:-on}, store/transport: $v ($args)" >"$f"
     python3 benches/llama_server/ttft.py --server "$w/build/bin/llama-server" --model "$model" --threads 4 \
-      --sizes "${SIZES:-1024,4096}" --rounds "${ROUNDS:-4}" --flash-attn "${FA:-on}" \
-      --server-args "-ngl 99 --kv-pool-mib ${POOL_MIB:-4096} $args" >>"$f" 2>&1 || echo "ttft.py failed ($v)" >>"$f"
+      --sizes "${SIZES:-1024,4096}" --rounds "${ROUNDS:-4}" --flash-attn "${FA:-on}" --ubatch "${UBATCH:-32}" \
+      --server-args "-ngl 99 --kv-pool-mib ${POOL_MIB:-4096} $args ${EXTRA_ARGS:-}" >>"$f" 2>&1 || echo "ttft.py failed ($v)" >>"$f"
     grep -E "^\| [0-9]|failed|Error" "$f" | sed "s/^/$v: /"
   done
   exit 0
