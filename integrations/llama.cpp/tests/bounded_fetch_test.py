@@ -13,7 +13,8 @@ reference. Checks:
   0. every fetch outcome's series is in /metrics at zero before any request;
   1. B measured its prefill (two unhinted prompts), so a fetch has a bound;
   2. 20 hinted prompts in a row naming the frozen source: none waits for the transfer deadline
-     (no `timeout`), the first is cancelled as `late`, the rest are skipped (`backoff`, or
+     or past its own bound (an attempt whose bound grew past the agent's 5 s I/O timeout may end
+     as `timeout` within it), the first is cancelled as `late`, the rest are skipped (`backoff`, or
      `not_worth_it` once the agent's estimate took in the waits that brought no block),
      every one is counted once, and a retry happens only after a skip period (a few `late` at
      most);
@@ -29,6 +30,7 @@ reference. Checks:
 Exit status 0 when every check passed.
 """
 import os
+import re
 import sys
 import time
 
@@ -84,10 +86,20 @@ def body(a, start):
             if span > elapsed:
                 break
             attempts, k = attempts + 1, k + 1
-        check(by.get("timeout", 0) == 0 and 1 <= late <= attempts and skipped == N - late
-              and by.get("backoff", 0) >= 1 and set(by) <= {"late", "backoff", "not_worth_it"},
-              "2. the frozen source: cancelled as late, then skipped (backoff) but for a retry per skip period; "
-              "never waited for the transfer deadline", "%s in %.1f s (at most %d attempts)" % (by, elapsed, attempts))
+        # an attempt whose bound grew past the agent's I/O timeout (5 s: the bound follows the
+        # estimate, which takes in each wait that brought no block) ends as `timeout` when the
+        # frozen source's handshake read times out first: a failed attempt like `late`, as long
+        # as it waited no longer than its bound and far less than the transfer deadline (10 s)
+        tried = late + by.get("timeout", 0)
+        waits = [(float(w), float(at_most)) for w, at_most in re.findall(
+            r"fetch (?:late|timeout): .*?, ([0-9.]+) s \(estimate [0-9.]+ s, local prefill [0-9.]+ s, waited at most ([0-9.]+) s\)",
+            open(B.log_path).read())]
+        overlong = [w for w in waits if w[0] > w[1] + 0.5 or w[0] >= 10.0]
+        check(1 <= late and tried <= attempts and skipped == N - tried and len(waits) == tried and not overlong
+              and by.get("backoff", 0) >= 1 and set(by) <= {"late", "timeout", "backoff", "not_worth_it"},
+              "2. the frozen source: cancelled as late (or its handshake timed out within the bound), then skipped "
+              "(backoff) but for a retry per skip period; never waited for the transfer deadline",
+              "%s in %.1f s (at most %d attempts); waits past their bound: %s" % (by, elapsed, attempts, overlong))
         policy = lambda reason: after.get('llamacpp_kv_policy_discarded_total{reason="%s"}' % reason, 0) - \
             before.get('llamacpp_kv_policy_discarded_total{reason="%s"}' % reason, 0)  # noqa: E731
         check(policy("provider_declined") == skipped and policy("fetch_failed") == 0,
