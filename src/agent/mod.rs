@@ -263,7 +263,7 @@ impl Agent {
         // SAFETY: forwarded contract (the layout's memory is what `config.device` says).
         unsafe { movers.warm(warm, &layout) }.map_err(AgentError::Io)?;
         let inner = Arc::new(Inner {
-            sums: SumTable::new(layout.num_blocks() as usize, mac, true),
+            sums: SumTable::new(layout.num_blocks() as usize, mac),
             fingerprint: config.fingerprint,
             allow: config.allow,
             limits: config.limits,

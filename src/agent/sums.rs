@@ -21,11 +21,9 @@ pub(super) struct SumTable {
     valid: Vec<AtomicU64>,
     digests: RwLock<Vec<Digest>>,
     /// The block key's state, in an agent that holds a key: it checks the tags of what arrives
-    /// in host memory (a TCP slot, a host pool), whatever its own pool.
+    /// where they land. With a key the agent also records a tag for every block it records a
+    /// checksum of: `tags` and `tagged` are kept (empty without one).
     mac: Option<Arc<BlockMac>>,
-    /// This agent records a tag for every block it records a checksum of (a keyed agent):
-    /// `tags` and `tagged` are kept.
-    records_tags: bool,
     tags: Vec<AtomicU64>,
     tagged: Vec<AtomicU64>,
 }
@@ -37,17 +35,15 @@ fn bit(bits: &[AtomicU64], id: u32) -> bool {
 }
 
 impl SumTable {
-    /// A table of `blocks` blocks; `mac`: the block key of a keyed agent; `records_tags`: this
-    /// agent tags its blocks (only with a key).
-    pub(super) fn new(blocks: usize, mac: Option<Arc<BlockMac>>, records_tags: bool) -> SumTable {
-        let records_tags = records_tags && mac.is_some();
+    /// A table of `blocks` blocks; `mac`: the block key of a keyed agent, which tags its blocks.
+    pub(super) fn new(blocks: usize, mac: Option<Arc<BlockMac>>) -> SumTable {
+        let records_tags = mac.is_some();
         let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         SumTable {
             sums: words(blocks),
             valid: words(blocks.div_ceil(64)),
             digests: RwLock::new(vec![[0; DIGEST]; blocks]),
             mac,
-            records_tags,
             tags: words(if records_tags { blocks } else { 0 }),
             tagged: words(if records_tags { blocks.div_ceil(64) } else { 0 }),
         }
@@ -55,7 +51,7 @@ impl SumTable {
     /// Record block `id`'s checksum; the tag it had (if any) is forgotten (a new content is
     /// tagged by [`SumTable::set_tag`] after this).
     pub(super) fn set(&self, id: u32, sum: u64) {
-        if self.records_tags {
+        if self.records_tags() {
             self.tagged[id as usize / 64].fetch_and(!(1 << (id % 64)), Ordering::AcqRel);
         }
         self.sums[id as usize].store(sum, Ordering::Relaxed);
@@ -70,18 +66,18 @@ impl SumTable {
     }
     /// This agent tags its blocks (a keyed agent).
     pub(super) fn records_tags(&self) -> bool {
-        self.records_tags
+        self.mac.is_some()
     }
     /// Record block `id`'s tag (after its checksum); nothing where this agent keeps no tags.
     pub(super) fn set_tag(&self, id: u32, tag: u64) {
-        if self.records_tags {
+        if self.records_tags() {
             self.tags[id as usize].store(tag, Ordering::Relaxed);
             self.tagged[id as usize / 64].fetch_or(1 << (id % 64), Ordering::Release);
         }
     }
     /// Block `id`'s recorded tag, if this agent keeps tags and recorded one.
     pub(super) fn tag(&self, id: u32) -> Option<u64> {
-        (self.records_tags && bit(&self.tagged, id)).then(|| self.tags[id as usize].load(Ordering::Relaxed))
+        (self.records_tags() && bit(&self.tagged, id)).then(|| self.tags[id as usize].load(Ordering::Relaxed))
     }
     /// Record block `id`'s content digest (zeros: forget it).
     pub(super) fn set_digest(&self, id: u32, d: &Digest) {

@@ -566,7 +566,7 @@ impl Transfer for Copies {
         scratch.sums.resize(count, 0);
         // a keyed agent tags what landed from the same loads (checked against a tagged offer's
         // in `check`, and recorded)
-        let tagging = cx.sums.mac().is_some() && (cx.sums.records_tags() || !offer.tags.is_empty());
+        let tagging = cx.sums.records_tags();
         scratch.nh.clear();
         scratch.nh.resize(if tagging { count } else { 0 }, crate::block_mac::NhSums::default());
         let nh = tagging.then_some(&mut scratch.nh[..]);
@@ -767,7 +767,7 @@ mod tests {
         let (limits, stats, sums, movers) = (
             Limits::default(),
             Stats::default(),
-            crate::agent::sums::SumTable::new(8, None, false),
+            crate::agent::sums::SumTable::new(8, None),
             crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host, None),
         );
         let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };

@@ -192,7 +192,7 @@ impl Transfer for Reads<'_> {
         // a keyed agent: the tags of what landed, taken where it lies (a device pool's by the
         // checksum kernel from the same loads), checked against a tagged offer's and recorded
         self.tags.clear();
-        let mac = cx.sums.mac().filter(|_| cx.sums.records_tags() || !self.offer.tags.is_empty());
+        let mac = cx.sums.mac();
         match self.mover.as_mut() {
             Some(m) => {
                 self.nh.clear();
