@@ -281,12 +281,12 @@ fn cuda_ipc_copies_between_two_processes_verified() {
     // the source process exits while its pool is mapped here: the mappings are let go (the
     // idle fetch workers look every 50 ms), nothing is left mapped, and a fetch from the gone
     // source fails cleanly
-    let mapped = dst_agent.stats().ipc_mapped_now;
+    let (mapped, unmapped) = (dst_agent.stats().ipc_mapped_now, dst_agent.stats().ipc_unmapped);
     assert!(mapped >= 1);
     drop(to);
     assert!(child.wait().unwrap().success(), "the source process failed");
     eventually("the gone source's mappings to be let go", || dst_agent.stats().ipc_mapped_now == 0);
-    assert_eq!(dst_agent.stats().ipc_unmapped, mapped, "each mapping let go once");
+    assert_eq!(dst_agent.stats().ipc_unmapped - unmapped, mapped, "each mapping let go once");
     let r = dst_agent.submit(req(&ep, 0, vec![3]), None).unwrap().wait(Duration::from_secs(30)).unwrap();
     assert_eq!((r.failure, r.blocks), (Some(FailReason::Connect), 0), "{}", r.detail);
     assert!(dst_agent.prometheus().contains("kvrelay_kv_agent_ipc_mapped 0"), "the gauge is exported");
@@ -294,13 +294,14 @@ fn cuda_ipc_copies_between_two_processes_verified() {
 }
 
 /// A source pool of the virtual memory API (`cuMemCreate`, three allocations side by side, one
-/// layer straddling two), as a runtime's allocator may hand out (the H200): its allocations go
-/// to the destination as POSIX descriptors over the source's Unix socket, the destination maps
-/// them side by side once and copies as from any pool, byte-exact and verified; the second
-/// fetch reuses the mapping; when the source exits the mapping is let go. The destination's
-/// own pool is of the same kind (exported at start, in this process). Memory of that API
-/// created without the POSIX handle type is refused when the agent starts, saying why. Skips
-/// without a CUDA driver.
+/// layer straddling two), as a runtime's allocator may hand out (an H100 or H200): the source
+/// copies the asked blocks out of it into its export area, whose allocation goes to the
+/// destination as a POSIX descriptor over the source's Unix socket; the destination maps it
+/// once and copies as from any pool, byte-exact and verified; the second fetch (on the same
+/// kept-alive connection, so the same area) reuses the mapping; when the source exits the
+/// mapping is let go. The destination's own pool is of the same kind. Memory of that API
+/// created without the POSIX handle type is served too (nothing of the pool is exported).
+/// Skips without a CUDA driver.
 #[test]
 fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
     let test = "cuda_ipc_serves_a_pool_of_the_virtual_memory_api";
@@ -317,12 +318,9 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
                                                   // SAFETY: the pool outlives the agent (dropped first).
         unsafe { Agent::new(c, pool.layout.clone(), Box::new(Holder(cache.clone()))) }
     };
-    // no POSIX handle type: refused at start with the reason
+    // no POSIX handle type: served all the same (a grant maps an export area, never the pool)
     let plain = DevPool::new_vmm(&dev, false);
-    let Err(e) = agent_over(&plain, &Arc::new(Cache::default())) else {
-        panic!("started over memory it cannot export")
-    };
-    assert!(e.to_string().contains("POSIX"), "{e}");
+    agent_over(&plain, &Arc::new(Cache::default())).expect("a pool that cannot be exported is served from areas");
     drop(plain);
     let (mut child, to, expect) = spawn_source(test);
     let ep = expect("ENDPOINT ");
@@ -357,14 +355,6 @@ fn cuda_ipc_serves_a_pool_of_the_virtual_memory_api() {
     eprintln!("{test}: ran on CUDA device 0, source in its own process");
 }
 
-/// What a peer gets from a source's CUDA IPC grant (the H200): it maps the source's pool
-/// allocation as any allowed destination does and reaches exactly the pool (the mapping's
-/// extent is the pool's allocation, no more than the driver's rounding past it; the source
-/// exported it only because that allocation holds the pool and nothing else). A write through
-/// the mapping is not prevented (neither driver path lets an exporter make a peer's mapping
-/// read-only) but found: the next honest fetch sums what landed against the checksum the
-/// source recorded, counts only the blocks before the overwritten one and fails `corrupt`.
-/// Skips without a CUDA driver. (Written without a GPU at hand; first run pending.)
 /// No handle without proof, on a GPU: a source with a deployment key in another process gives a
 /// process without the key nothing (a hello by hand is refused before any name is looked at; an
 /// agent with another key is refused); with the key, a hello naming nothing the source holds,
@@ -461,55 +451,71 @@ fn cuda_ipc_grants_go_only_to_keyed_peers_and_only_with_blocks() {
     eprintln!("{test}: ran on CUDA device 0");
 }
 
+/// What a peer gets from a source's CUDA IPC grant (an H100 or H200): a keyed peer that asks for
+/// one block and maps its grant as a hostile peer would (readable and writable) reaches an
+/// export area of the source's own: the mapping's extent, as the driver has it, is the area
+/// the offer states, the asked block lies in its slot 0, and every other byte is zero (no other
+/// block, nothing the source's memory held before). What the peer writes there (not
+/// preventable) reaches nobody: an honest destination then fetches the same block, and the ones
+/// around it, byte exact, nothing `corrupt`. Skips without a CUDA driver.
 #[test]
-fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
-    let test = "a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found";
+fn a_peer_mapping_a_grant_reaches_the_asked_blocks_only_and_its_writes_reach_nobody() {
+    use kvrelay::agent::wire;
+    let test = "a_peer_mapping_a_grant_reaches_the_asked_blocks_only_and_its_writes_reach_nobody";
     let Some(dev) = cuda_device(test) else { return };
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    const KEY: &str = "the deployment's key, which a keyed peer holds too";
     if std::env::var_os(SOURCE_ENV).is_some() {
-        let src = DevPool::new(&dev);
-        // the grant of the pool's first layer: the handle its agent's offers carry
-        let e = dev.ipc_export(src.layout.segments()[0].base).unwrap();
-        println!("EXPORT {}", hex(&e.handle));
-        serve_source(test, src);
+        serve_source(test, DevPool::new(&dev));
         return;
     }
     let bb = Pool::new().block_bytes();
-    let (mut child, mut to, expect) = spawn_source(test);
-    let handle: [u8; 64] = {
-        let h = expect("EXPORT ");
-        let v: Vec<u8> = (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect();
-        v.try_into().expect("a 64-byte handle")
-    };
+    let (mut child, mut to, expect) = spawn_source_with(test, &[(SOURCE_KEY_ENV, KEY)]);
     let ep = expect("ENDPOINT ");
-    // what one layer's allocation holds: K and V of every block, the pool and nothing else
-    let layer = 2 * u64::from(BLOCKS) * KV_BLOCK;
-    // SAFETY: a handle of a live allocation of the source process (it runs until `to` drops).
-    let mapped = unsafe { dev.ipc_open(&handle) }.unwrap();
-    let (base, size) = dev.address_range(mapped).unwrap();
-    assert_eq!(base, mapped, "the grant maps from its first byte");
-    assert!(
-        size >= layer && size <= layer.div_ceil(2 << 20) * (2 << 20),
-        "a grant of {size} bytes for a {layer}-byte pool"
-    );
-    let past = dev.address_range(mapped + size).ok().map(|(b, _)| b);
-    assert_ne!(past, Some(mapped), "the byte past the grant is not part of it");
-    eprintln!("{test}: the grant maps {size} bytes for a pool of {layer}");
-    // the peer writes into block 6's K of the first layer (NAMES[2] at the source)
-    let at = mapped + 6 * KV_BLOCK + 7;
+    let key = kvrelay::agent::Psk::new(KEY.as_bytes()).unwrap();
+    // a keyed peer asks for one block and keeps its connection (and so the grant) open
+    let (o, mut conn) = offer_by_hand_open(&ep, Some(&key), wire::IPC_HELLO, &NAMES[1..2]).unwrap();
+    assert_eq!(o.blocks.len(), 1);
+    assert_eq!(o.blocks[0].0, 0, "the block is offered in the area's slot 0");
+    let g = kvrelay::agent::map_grant(&dev, &o.metadata).unwrap();
+    let (base, size) = dev.address_range(g.base).unwrap();
+    assert_eq!((base, size), (g.base, g.size), "the driver's extent of the mapping is the grant");
+    let stated: u64 = o.segments.iter().map(|s| s.1 * u64::from(o.num_blocks)).sum();
+    assert!(size >= stated && size <= stated.next_multiple_of(2 << 20), "{size} bytes for an area of {stated}");
+    assert!(o.num_blocks < BLOCKS, "an area of {} blocks, not the pool's {BLOCKS}", o.num_blocks);
+    eprintln!("{test}: the grant maps {size} bytes: an area of {} blocks", o.num_blocks);
+    let mut all = vec![0u8; size as usize];
     {
         let _ctx = dev.bind().unwrap();
-        let byte = [0x5au8];
-        // SAFETY: one byte from a live local to an address inside the mapping (checked above).
-        let r = unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(at, byte.as_ptr().cast(), 1) };
+        // SAFETY: the whole mapping (its extent checked above) into a host buffer of its size.
+        let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(all.as_mut_ptr().cast(), g.base, all.len()) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    }
+    // slot 0 of every segment holds the asked block's piece: taken out, nothing else is left
+    let mut block = Vec::new();
+    for &(seg, _, len) in &o.segments {
+        let at = (seg - g.source_base) as usize;
+        block.extend_from_slice(&all[at..at + len as usize]);
+        all[at..at + len as usize].fill(0);
+    }
+    assert_eq!(block, content(NAMES[1], bb), "the asked block");
+    assert!(all.iter().all(|&b| b == 0), "nothing but the asked block is reachable");
+    // the peer writes over the block it was granted
+    {
+        let _ctx = dev.bind().unwrap();
+        let junk = [0x5au8; 64];
+        let at = g.base + (o.segments[0].0 - g.source_base) + 7;
+        // SAFETY: 64 bytes from a live local into the mapping (inside slot 0 of segment 0).
+        let r = unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(at, junk.as_ptr().cast(), junk.len()) };
         assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "a peer's write lands (not preventable)");
     }
-    // SAFETY: mapped above, no copy of this process reads it any more.
-    unsafe { dev.ipc_close(mapped) }.unwrap();
-    // an honest destination fetching from that source finds it
+    drop(g);
+    wire::write_frame(&mut conn, wire::DONE, &1u64.to_le_bytes(), Instant::now() + Duration::from_secs(20)).unwrap();
+    drop(conn);
+    // an honest destination fetching from that source gets every block exact
     let mut dst = DevPool::new(&dev);
     let dst_agent = {
         let mut c = ipc_config();
+        c.key = Some(key.clone());
         c.limits.tcp_fallback = false;
         // SAFETY: the pool outlives the agent (dropped first, below).
         unsafe { Agent::new(c, dst.layout.clone(), Box::new(Holder(Arc::new(Cache::default())))) }.unwrap()
@@ -523,12 +529,21 @@ fn a_peer_mapping_a_grant_reaches_the_pool_only_and_its_writes_are_found() {
         digests: Vec::new(),
     };
     let r = dst_agent.submit(req, None).unwrap().wait(Duration::from_secs(30)).unwrap();
-    assert_eq!((r.failure, r.blocks), (Some(FailReason::Corrupt), 2), "{}", r.detail);
-    assert_eq!(dst.read(12), content(NAMES[1], bb), "the blocks before it are exact");
-    assert_eq!(dst_agent.recorded_checksum(13), None, "the overwritten block was not taken");
+    assert_eq!((r.failure, r.blocks), (None, 4), "{}", r.detail);
+    for (i, id) in [10u32, 12, 13, 14].into_iter().enumerate() {
+        assert_eq!(dst.read(id), content(NAMES[i], bb), "block {id}");
+    }
+    assert_eq!(dst_agent.stats().transport_fallbacks, 0, "copied over CUDA IPC");
     drop(dst_agent);
-    writeln!(to, "pinned").unwrap();
-    let _ = expect("PINNED ");
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        writeln!(to, "pinned").unwrap();
+        if expect("PINNED ") == "0" {
+            break;
+        }
+        assert!(Instant::now() < end, "the source still holds pins");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(to);
     assert!(child.wait().unwrap().success(), "the source process failed");
     eprintln!("{test}: ran on CUDA device 0, source in its own process");

@@ -102,7 +102,7 @@ def test_bad_arguments_are_python_errors():
     with pytest.raises(kvrelay.KvrelayError) as e:
         kvrelay.Admission(max_bytes=0)
     assert e.value.status != 0 and str(e.value)
-    assert kvrelay.version() == "0.4.2"
+    assert kvrelay.version() == "0.4.3"
     assert isinstance(kvrelay.kv_checksum(b"x" * 64), int)
 
 

@@ -79,6 +79,16 @@ def test_two_processes_serve_and_fetch_byte_exact(source):
         assert f2.future.result(timeout=30).blocks == 1
         assert got.wait(30) and seen[0].ok
         assert bytes(dst.buf[:BLOCK]) == want[:BLOCK]
+        # landed blocks hold what was recorded for them; one changed in place after landing is
+        # found (the blocks before it still count), one with nothing recorded fails
+        landed = list(range(4, 4 + N - 2))
+        assert agent.verify_blocks(landed) == N - 2
+        dst.buf[7 * BLOCK + 100] ^= 0x01
+        assert agent.verify_blocks(landed) == 3
+        dst.buf[7 * BLOCK + 100] ^= 0x01
+        assert agent.verify_blocks([4, 15]) == 1, "block 15 never landed: nothing recorded"
+        with pytest.raises(kvrelay.KvrelayError):
+            agent.verify_blocks([16])  # past the pool
         # a name the source lacks: the source offers nothing
         miss = agent.fetch(endpoint, [5, 6], [0, 1], digests=DIGESTS[:2]).result(timeout=30)
         assert (miss.failure, miss.blocks) == ("source_miss", 0) and miss.detail

@@ -84,13 +84,10 @@ pub struct Limits {
     /// all, for up to this much busy CPU time per step. It does not help the first fetch after
     /// a pause. Microseconds through the C ABI.
     pub poll: Duration,
-    /// The CUDA IPC transport's grant: false (the default) starts an agent only when every
-    /// allocation its pool lies in holds the pool and nothing else (no byte before it or
-    /// between its segments, and after it no more than the driver's rounding of an allocation
-    /// of the pool's size, under 2 MiB), since a peer that maps a grant can reach every byte of
-    /// the allocation; true exports such allocations whole (a pool inside a caching
-    /// allocator's segment, shared with other tensors, which every allowed peer can then read
-    /// and write).
+    /// Kept for the C ABI; ignored since 0.4.3. It decided whether the CUDA IPC transport
+    /// exported a pool's allocations whole when they held more than the pool: a grant now maps
+    /// an export area holding the asked blocks only, never the pool's allocations, so a pool
+    /// may lie in any device memory.
     pub export_whole_allocations: bool,
     /// Fetches by name alone: false (the default) refuses a fetch submitted without a content
     /// digest per name ([`FetchRequest::digests`](super::FetchRequest::digests),

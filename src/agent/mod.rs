@@ -93,6 +93,8 @@ use stats::Stats;
 use sums::{sum_host, tag_host, SumTable};
 #[doc(hidden)]
 pub use transport::cuda_ipc::check_offer_plans;
+#[doc(hidden)]
+pub use transport::cuda_ipc::{map_grant, GrantMapping};
 pub use wire::{Conn, Refusal};
 
 use crate::copy::KvLayout;

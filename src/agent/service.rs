@@ -18,6 +18,8 @@ pub(super) struct Scratch {
     ids: Vec<u32>,
     /// The hello's kind: `HELLO` (blocks in frames), or the agent's own backend's.
     kind: u8,
+    /// What the backend keeps for this connection between transfers (its export area).
+    lease: super::transport::Lease,
 }
 
 pub(super) fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
@@ -470,7 +472,7 @@ fn transfer(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch) -> bool {
         super::transport::tcp::serve(&inner.cx(), c, ids, &scratch.names)
     } else {
         match inner.serving(scratch.kind) {
-            Some(b) => b.serve(&inner.cx(), c, ids, &scratch.names),
+            Some(b) => b.serve(&inner.cx(), c, ids, &scratch.names, &mut scratch.lease),
             None => false, // checked at the hello
         }
     }

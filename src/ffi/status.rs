@@ -59,7 +59,7 @@ pub const KVRELAY_VERSION_MAJOR: u32 = 0;
 /// Minor version.
 pub const KVRELAY_VERSION_MINOR: u32 = 4;
 /// Patch version.
-pub const KVRELAY_VERSION_PATCH: u32 = 2;
+pub const KVRELAY_VERSION_PATCH: u32 = 3;
 
 const VERSION: &[u8] = concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes();
 

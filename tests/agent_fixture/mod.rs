@@ -476,6 +476,24 @@ pub fn offer_by_hand(
     hello: u8,
     names: &[u64],
 ) -> Result<kvrelay::agent::wire::InPlaceOffer, String> {
+    let (offer, mut s) = offer_by_hand_open(endpoint, key, hello, names)?;
+    let _ = kvrelay::agent::wire::write_frame(
+        &mut s,
+        kvrelay::agent::wire::DONE,
+        &0u64.to_le_bytes(),
+        Instant::now() + Duration::from_secs(20),
+    );
+    Ok(offer)
+}
+
+/// [`offer_by_hand`], with the connection left open (the source holds the offer's pins, and
+/// its grant, until `DONE` or its deadline).
+pub fn offer_by_hand_open(
+    endpoint: &str,
+    key: Option<&kvrelay::agent::Psk>,
+    hello: u8,
+    names: &[u64],
+) -> Result<(kvrelay::agent::wire::InPlaceOffer, std::net::TcpStream), String> {
     use kvrelay::agent::{auth, wire};
     let mut s = std::net::TcpStream::connect(endpoint.strip_prefix("tcp://").unwrap()).map_err(|e| e.to_string())?;
     let end = Instant::now() + Duration::from_secs(20);
@@ -503,6 +521,6 @@ pub fn offer_by_hand(
         let (r, text) = wire::decode_refusal(&buf);
         return Err(format!("refused {}: {text}", r.map_or("?", |r| r.as_str())));
     }
-    let _ = wire::write_frame(&mut s, wire::DONE, &0u64.to_le_bytes(), end);
-    wire::decode_in_place_offer(&buf).ok_or_else(|| format!("a frame of kind {kind} that is no offer"))
+    let offer = wire::decode_in_place_offer(&buf).ok_or_else(|| format!("a frame of kind {kind} that is no offer"))?;
+    Ok((offer, s))
 }

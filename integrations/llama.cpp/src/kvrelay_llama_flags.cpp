@@ -49,9 +49,10 @@ void print_usage() {
     printf("--kv-transport NAME                     how blocks move between servers: tcp, cuda-ipc, nixl, cuda-ipc,nixl\n"
            "                                        (default: cuda-ipc for a device store, then TCP; tcp for a host store)\n"
            "                                        (env: LLAMA_ARG_KV_TRANSPORT)\n");
-    printf("--kv-import-check on|off                with a transport that grants the store's memory to keyed peers (cuda-ipc,\n"
-           "                                        nixl), check each block's checksum and keyed tag where it lies before a\n"
-           "                                        slot takes it (default: on; one kernel over the blocks on a device store)\n"
+    printf("--kv-import-check on|off                with a transport that registers the store itself with keyed peers (nixl),\n"
+           "                                        check each block's checksum and keyed tag where it lies before a slot\n"
+           "                                        takes it (default: on; one kernel over the blocks on a device store;\n"
+           "                                        tcp and cuda-ipc never let another process write the store: no check)\n"
            "                                        (env: LLAMA_ARG_KV_IMPORT_CHECK)\n");
     printf("--kv-fetch faster|always                fetch a hinted prefix only when the estimate beats this server's measured\n"
            "                                        prefill (default), or always (env: LLAMA_ARG_KV_FETCH)\n");

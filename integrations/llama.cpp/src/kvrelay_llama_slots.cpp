@@ -190,8 +190,8 @@ int import_prefix(llama_context * ctx, int seq_id, const server_tokens & prompt,
             size_t         done = b0;
             int32_t        st   = LLAMA_KV_RANGE_OK;
             if (kv.import_check) {
-                // the agent grants the store's memory to keyed peers (CUDA IPC, NIXL), who can
-                // write into it: a slot takes only blocks that still hold what was recorded for
+                // the agent registers the store's memory with keyed peers (NIXL), who can write
+                // into it: a slot takes only blocks that still hold what was recorded for
                 // them (checksum and keyed tag, checked where they lie: one kernel on a device
                 // store), and the prompt is prefilled from the first that does not
                 const size_t want = n_new / bt - b0;

@@ -367,8 +367,11 @@ void start_kv(const common_params & params, llama_context * ctx, const kv_schema
         cfg.allow_peer(p);
     }
     kv->transport = !s.transport.empty() ? s.transport : kv->device >= 0 ? std::string("cuda-ipc") : std::string("tcp");
-    // over TCP alone no other process can write the store: nothing to check at import
-    kv->import_check = s.import_check && kv->transport != "tcp";
+    // over TCP and CUDA IPC no other process can write the store (a CUDA IPC grant maps an
+    // export area the source copies the asked blocks into, never the store): only a NIXL
+    // registration of the store lets a keyed peer write into it, so only then is a block
+    // checked where it lies before a slot takes it
+    kv->import_check = s.import_check && kv->transport.find("nixl") != std::string::npos;
     if (kv->device >= 0) {
         cfg.device(kv->device);
     }

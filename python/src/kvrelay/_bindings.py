@@ -17,7 +17,7 @@ KVRELAY_PROVIDER_DECLINED = 1073741824  # Set in a provider's positive `fetch` a
 KVRELAY_DISCARD_SLOTS = 16  # Slots of `kvrelay_policy_counters.discarded`: indexed by `kvrelay_discard` value (slot 0, `KVRELAY_DISCARD_NONE`, stays 0).
 KVRELAY_VERSION_MAJOR = 0  # Major version of the library the header belongs to (checked against the crate version).
 KVRELAY_VERSION_MINOR = 4  # Minor version.
-KVRELAY_VERSION_PATCH = 2  # Patch version.
+KVRELAY_VERSION_PATCH = 3  # Patch version.
 KVRELAY_DETAIL_CAPACITY = 128  # Size of `kvrelay_outcome.detail`, NUL included.
 
 # --- enums: each C enum as a str enum whose values are the labels of its constants (the

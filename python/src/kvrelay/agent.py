@@ -510,6 +510,17 @@ class Agent(_Handle):
         with self._use() as p:
             _check("kvrelay_agent_record_checksums", lib.kvrelay_agent_record_checksums(p, i, len(i)))
 
+    def verify_blocks(self, ids: Sequence[int]) -> int:
+        """Check blocks ``ids`` where they lie against what was recorded for them (the checksum,
+        and with a key the keyed tag), in order: how many leading blocks still hold it (a block
+        with nothing recorded fails). Call it before a runtime takes blocks from a pool another
+        process could write into (a NIXL registration); O(bytes)."""
+        i = _u32s("ids", ids)
+        verified = ctypes.c_size_t(0)
+        with self._use() as p:
+            _check("kvrelay_agent_verify_blocks", lib.kvrelay_agent_verify_blocks(p, i, len(i), ctypes.byref(verified)))
+        return int(verified.value)
+
     def record_digests(self, ids: Sequence[int], digests: Sequence[bytes]) -> None:
         """The content digests of blocks ``ids`` (``digests[i]`` for ``ids[i]``, from
         :meth:`Naming.digests` over the tokens whose KV the block holds), after their checksums:

@@ -66,7 +66,14 @@ impl Backend for Slow {
         land.offered = true;
         Ok(Box::new(SlowTransfer { count: job.dst.len(), end: self.end, over: self.over.clone(), checks: 0 }))
     }
-    fn serve(&self, _cx: &Cx<'_>, _c: &mut dyn Conn, _ids: &[u32], _names: &[u64]) -> bool {
+    fn serve(
+        &self,
+        _cx: &Cx<'_>,
+        _c: &mut dyn Conn,
+        _ids: &[u32],
+        _names: &[u64],
+        _lease: &mut crate::agent::transport::Lease,
+    ) -> bool {
         false
     }
 }

@@ -312,10 +312,27 @@ impl<'a> Landing<'a> {
     }
 }
 
+/// What a serving connection keeps between its transfers for the agent's backend (a CUDA IPC
+/// export area); given up when the connection ends.
+#[derive(Default)]
+pub(in crate::agent) struct Lease {
+    pub(super) area: Option<cuda_ipc::Area>,
+}
+
+/// Where an in-place offer's blocks lie when not in the pool: a CUDA IPC export area's
+/// segments (`(base, stride, bytes per block)`) and blocks; the offer then names slots
+/// `0..ids.len()` of it.
+pub(super) struct InPlaceView<'a> {
+    pub(super) segments: &'a [(u64, u64, u64)],
+    pub(super) num_blocks: u32,
+}
+
 /// Serving side of an in-place transport (NIXL, CUDA IPC): offer the pinned blocks `ids` where
-/// they lie, in a frame of `kind` naming `agent` with `metadata` (how the reader reaches the
-/// pool), then wait for the reader's `DONE` (or the transfer deadline), which ends the pins.
-/// Counts what the reader took; whether the transfer ended cleanly.
+/// they lie (the pool, or the slots of `view` they were copied into), in a frame of `kind`
+/// naming `agent` with `metadata` (how the reader reaches that memory), then wait for the
+/// reader's `DONE` (or the transfer deadline), which ends the pins. Counts what the reader
+/// took; whether the transfer ended cleanly.
+#[allow(clippy::too_many_arguments)] // the blocks, the frame, and where the blocks lie
 pub(super) fn serve_in_place(
     cx: &Cx<'_>,
     c: &mut dyn Conn,
@@ -324,8 +341,16 @@ pub(super) fn serve_in_place(
     agent: &str,
     metadata: &[u8],
     device: Option<i32>,
+    view: Option<InPlaceView<'_>>,
 ) -> bool {
     let layout = &cx.layout;
+    let (segments, num_blocks) = match &view {
+        Some(v) => (v.segments.to_vec(), v.num_blocks),
+        None => (
+            layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
+            layout.num_blocks(),
+        ),
+    };
     let offer = wire::InPlaceOffer {
         agent: agent.into(),
         // an offer of no block carries no grant: a hello naming nothing held (or nothing at
@@ -333,11 +358,15 @@ pub(super) fn serve_in_place(
         metadata: if ids.is_empty() { Vec::new() } else { metadata.to_vec() },
         block_bytes: cx.block_bytes as u64,
         device,
-        num_blocks: layout.num_blocks(),
-        segments: layout.segments().iter().map(|s| (s.base, s.block_stride, s.bytes_per_block)).collect(),
+        num_blocks,
+        segments,
         blocks: ids
             .iter()
-            .map(|&id| (id, cx.sums.get(id).expect("offered blocks have recorded checksums"), cx.sums.digest(id)))
+            .enumerate()
+            .map(|(slot, &id)| {
+                let at = if view.is_some() { slot as u32 } else { id };
+                (at, cx.sums.get(id).expect("offered blocks have recorded checksums"), cx.sums.digest(id))
+            })
             .collect(),
         // tagged when every offered block has its tag (see `tcp::serve`)
         tags: ids.iter().map(|&id| cx.sums.tag(id)).collect::<Option<Vec<u64>>>().unwrap_or_default(),
@@ -462,7 +491,7 @@ pub(super) trait Backend: Send + Sync {
     /// Serving side: serve the pinned blocks `ids` (names `names`) to a hello of kind
     /// [`Backend::hello`]. Whether the transfer ended cleanly (the connection can carry the
     /// peer's next request).
-    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool;
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64], lease: &mut Lease) -> bool;
 
     /// Whether the backend has something to look at again (the mappings of peers that may
     /// have gone): an idle fetch worker then calls
@@ -532,8 +561,7 @@ unsafe fn open_one(
         }
         Transport::CudaIpc => {
             // SAFETY: forwarded contract.
-            let t = unsafe { cuda_ipc::CudaIpc::new(layout, device, limits.export_whole_allocations) }
-                .map_err(AgentError::Config)?;
+            let t = unsafe { cuda_ipc::CudaIpc::new(layout, device) }.map_err(AgentError::Config)?;
             Ok(Box::new(t))
         }
         #[cfg(not(feature = "nixl"))]

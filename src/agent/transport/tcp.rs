@@ -144,7 +144,7 @@ impl Backend for Tcp {
         Ok(Box::new(Frames { count, tagged, cut: false }))
     }
 
-    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64], _lease: &mut super::Lease) -> bool {
         serve(cx, c, ids, names)
     }
 }

@@ -1,26 +1,29 @@
-//! How the CUDA IPC transport hands the POSIX file descriptors of a pool of the virtual memory
-//! API (`cuMemCreate`) to a destination on the same host: descriptors travel only over a Unix
-//! socket (`SCM_RIGHTS`), not over the agent's TCP connection.
+//! How the CUDA IPC transport hands the POSIX file descriptors of its export areas (allocations
+//! of the virtual memory API, `cuMemCreate`) to a destination on the same host: descriptors
+//! travel only over a Unix socket (`SCM_RIGHTS`), not over the agent's TCP connection.
 //!
-//! - **The source** exports its pool's allocations once when the agent starts and listens on
-//!   a Unix socket in the abstract namespace (`kvrelay-cuda-ipc-<pid>-<random>`: nothing in the
-//!   file system, gone with the process). Its offers, sent only on authenticated, allowlisted
-//!   connections, name the socket and carry a random 32-byte token drawn at start.
-//! - **A destination** that has not mapped those allocations yet connects, reads a fresh
-//!   nonce the source draws for that connection, answers with a keyed proof of the token
-//!   (HMAC-SHA-256 of the nonce under the token), and reads every descriptor, in batches of at
-//!   most [`BATCH`] per message. The token itself never crosses the socket, and an answer is
-//!   good for its own connection only: a recorded exchange is no key.
+//! - **The source** listens on a Unix socket in the abstract namespace
+//!   (`kvrelay-cuda-ipc-<pid>-<random>`: nothing in the file system, gone with the process) and
+//!   keeps a grant per export area ([`FdServer::add`]): its descriptors under a random 32-byte
+//!   token drawn for it. Its offers, sent only on authenticated, allowlisted connections, name
+//!   the socket and carry the area's token.
+//! - **A destination** that has not mapped the area yet connects, reads a fresh nonce the
+//!   source draws for that connection, answers with a keyed proof of the token (HMAC-SHA-256 of
+//!   the nonce under the token), and reads every descriptor, in batches of at most [`BATCH`]
+//!   per message. The token itself never crosses the socket, and an answer is good for its own
+//!   connection only: a recorded exchange is no key.
 //! - **Who.** Any local process of the network namespace can connect; one of another user
-//!   (`SO_PEERCRED`) is closed at once, having received nothing. The destination checks the
+//!   (`SO_PEERCRED`) is closed at once, having received nothing. A grant goes to the first
+//!   process that proves its token and to no other (its `SO_PEERCRED` pid): a token that leaks
+//!   to another process of the user gets that process nothing. The destination checks the
 //!   other way too: the process listening on the socket must be the one the offer names (its
 //!   `SO_PEERCRED` pid), since any process may listen under any abstract name; so a mapping's
 //!   quota is charged to the real source process. A source whose pid this process cannot see
 //!   (another PID namespace) is refused here, and the fetch falls back to TCP.
-//! - **Bounds.** One that does not prove the token within [`DEADLINE`] is closed having
+//! - **Bounds.** One that does not prove a token within [`DEADLINE`] is closed having
 //!   received nothing; at most [`MAX_HANDLERS`] connections are served at once, each for at
 //!   most [`DEADLINE`] per read and per write. When all are taken, the oldest connection that
-//!   has not proven the token yet is closed to make room (silent connections cannot keep a
+//!   has not proven a token yet is closed to make room (silent connections cannot keep a
 //!   destination out); a new connection is closed at once only when every handler is sending
 //!   descriptors. A peer that fails here fetches over TCP (the transport's fallback).
 
@@ -114,10 +117,23 @@ impl Unproven {
     }
 }
 
-/// The source's listener: hands `fds` to whoever sends the token. Stops when dropped.
+/// Descriptors handed out under one token ([`FdServer::add`]).
+struct Grant {
+    token: [u8; TOKEN],
+    fds: Arc<Vec<OwnedFd>>,
+    /// Bound to the first process that proves the token (`SO_PEERCRED` pid): an export area's
+    /// memory goes to one peer process only. `None` while nobody took it.
+    holder: Option<i32>,
+}
+
+/// The grants a server hands out, by token.
+type Grants = Arc<Mutex<Vec<Grant>>>;
+
+/// The source's listener: hands each grant's descriptors ([`FdServer::add`]) to the first process
+/// that proves its token, and to no other. Stops when dropped.
 pub(crate) struct FdServer {
     name: Vec<u8>,
-    token: [u8; TOKEN],
+    grants: Grants,
     stop: Arc<AtomicBool>,
     /// The listener's descriptor (owned by the thread): shut down to wake its accept.
     listener_fd: std::os::fd::RawFd,
@@ -125,9 +141,9 @@ pub(crate) struct FdServer {
 }
 
 impl FdServer {
-    /// Listen on a new abstract socket and serve `fds` from a thread of its own.
-    pub(crate) fn start(fds: Vec<OwnedFd>) -> Result<FdServer, String> {
-        let token = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random token: {e}"))?;
+    /// Listen on a new abstract socket, with no grant yet ([`FdServer::add`] makes them), and
+    /// serve it from a thread of its own.
+    pub(crate) fn start() -> Result<FdServer, String> {
         let salt = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random name: {e}"))?;
         let hex: String = salt[..8].iter().map(|b| format!("{b:02x}")).collect();
         let name = format!("{PREFIX}{}-{hex}", std::process::id()).into_bytes();
@@ -136,23 +152,41 @@ impl FdServer {
             UnixListener::bind_addr(&addr).map_err(|e| format!("CUDA IPC: listening for descriptor requests: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
         let listener_fd = listener.as_raw_fd();
-        let (fds, stop2) = (Arc::new(fds), stop.clone());
+        let grants: Grants = Arc::new(Mutex::new(Vec::new()));
+        let (served, stop2) = (grants.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name("kvrelay-ipc-fds".into())
             .stack_size(256 << 10)
-            .spawn(move || accept_loop(&listener, &fds, &token, &stop2))
+            .spawn(move || accept_loop(&listener, &served, &stop2))
             .map_err(|e| format!("CUDA IPC: starting the descriptor thread: {e}"))?;
-        Ok(FdServer { name, token, stop, listener_fd, thread: Some(thread) })
+        Ok(FdServer { name, grants, stop, listener_fd, thread: Some(thread) })
+    }
+
+    /// Hand `fds` out under a new token (returned), to the first process that proves it and to
+    /// no other (its `SO_PEERCRED` pid; that process may take them again), until
+    /// [`FdServer::remove`]. The descriptors are closed here when the grant is removed.
+    pub(crate) fn add(&self, fds: Vec<OwnedFd>) -> Result<[u8; TOKEN], String> {
+        let token = crate::agent::auth::nonce().map_err(|e| format!("CUDA IPC: no random token: {e}"))?;
+        let mut g = self.grants.lock().unwrap_or_else(|e| e.into_inner());
+        g.push(Grant { token, fds: Arc::new(fds), holder: None });
+        Ok(token)
+    }
+
+    /// Stop handing out the grant of `token` (a connection sending it now may still finish).
+    pub(crate) fn remove(&self, token: &[u8; TOKEN]) {
+        self.grants.lock().unwrap_or_else(|e| e.into_inner()).retain(|g| &g.token != token);
+    }
+
+    /// The process a grant of [`FdServer::add`] went to, once one took it.
+    #[cfg(test)]
+    pub(crate) fn holder(&self, token: &[u8; TOKEN]) -> Option<i32> {
+        let g = self.grants.lock().unwrap_or_else(|e| e.into_inner());
+        g.iter().find(|g| &g.token == token).and_then(|g| g.holder)
     }
 
     /// The socket's abstract name.
     pub(crate) fn name(&self) -> &[u8] {
         &self.name
-    }
-
-    /// The token offers carry.
-    pub(crate) fn token(&self) -> &[u8; TOKEN] {
-        &self.token
     }
 }
 
@@ -169,7 +203,7 @@ impl Drop for FdServer {
     }
 }
 
-fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TOKEN], stop: &AtomicBool) {
+fn accept_loop(listener: &UnixListener, grants: &Grants, stop: &AtomicBool) {
     let active = Arc::new(AtomicUsize::new(0));
     let unproven = Arc::new(Mutex::new(Unproven::default()));
     // SAFETY: geteuid cannot fail.
@@ -203,12 +237,11 @@ fn accept_loop(listener: &UnixListener, fds: &Arc<Vec<OwnedFd>>, token: &[u8; TO
             u.conns.push_back((id, watch, handed.clone()));
             id
         };
-        let (fds, token, active2, unproven2, handed2) =
-            (fds.clone(), *token, active.clone(), unproven.clone(), handed.clone());
+        let (grants, active2, unproven2, handed2) = (grants.clone(), active.clone(), unproven.clone(), handed.clone());
         let spawned =
             std::thread::Builder::new().name("kvrelay-ipc-fd".into()).stack_size(128 << 10).spawn(move || {
                 let proven = || unproven2.lock().unwrap_or_else(|e| e.into_inner()).conns.retain(|(i, ..)| *i != id);
-                let _ = serve_one(s, &fds, &token, proven);
+                let _ = serve_one(s, &grants, proven);
                 unproven2.lock().unwrap_or_else(|e| e.into_inner()).conns.retain(|(i, ..)| *i != id);
                 if !handed2.load(Ordering::Acquire) {
                     active2.fetch_sub(1, Ordering::AcqRel);
@@ -232,10 +265,11 @@ fn left(end: Instant) -> io::Result<Duration> {
     Ok(l.max(Duration::from_millis(1)))
 }
 
-/// One connection: a fresh nonce out, the proof of the token back within [`DEADLINE`] of the
-/// accept (however it trickles in), then (`proven` called first) the descriptors, each batch's
-/// write within [`DEADLINE`].
-fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN], proven: impl FnOnce()) -> io::Result<()> {
+/// One connection: a fresh nonce out, the proof of a grant's token back within [`DEADLINE`] of
+/// the accept (however it trickles in), then (`proven` called first) that grant's descriptors,
+/// each batch's write within [`DEADLINE`]. A grant bound to another process is refused as a
+/// wrong proof is: closed, nothing sent.
+fn serve_one(mut s: UnixStream, grants: &Mutex<Vec<Grant>>, proven: impl FnOnce()) -> io::Result<()> {
     let end = Instant::now() + DEADLINE;
     let nonce = crate::agent::auth::nonce()?;
     s.set_write_timeout(Some(left(end)?))?;
@@ -251,9 +285,19 @@ fn serve_one(mut s: UnixStream, fds: &[OwnedFd], token: &[u8; TOKEN], proven: im
             Err(e) => return Err(e),
         }
     }
-    if mac(token, &nonce).verify_slice(&got).is_err() {
-        return Err(io::ErrorKind::PermissionDenied.into());
-    }
+    let pid = peer_cred(&s)?.pid;
+    let fds = {
+        let mut g = grants.lock().unwrap_or_else(|e| e.into_inner());
+        // a few grants at most (one per live export area): each proof checked in constant time
+        let grant = g.iter_mut().find(|g| mac(&g.token, &nonce).verify_slice(&got).is_ok());
+        match grant {
+            Some(g) if pid > 0 && g.holder.is_none_or(|h| h == pid) => {
+                g.holder = Some(pid);
+                g.fds.clone()
+            }
+            _ => return Err(io::ErrorKind::PermissionDenied.into()),
+        }
+    };
     proven();
     for batch in fds.chunks(BATCH) {
         s.set_write_timeout(Some(DEADLINE))?;
@@ -512,10 +556,11 @@ mod tests {
     #[test]
     fn descriptors_go_to_the_token_holder_only() {
         let n = BATCH + 7;
-        let server = FdServer::start(pipes(n)).unwrap();
+        let server = FdServer::start().unwrap();
+        let token = server.add(pipes(n)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut received = Vec::new();
-        receive(server.name(), std::process::id(), server.token(), n, deadline, &|| false, |fd| {
+        receive(server.name(), std::process::id(), &token, n, deadline, &|| false, |fd| {
             received.push(fd);
             Ok(())
         })
@@ -528,7 +573,7 @@ mod tests {
             assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "received close-on-exec");
         }
         // a wrong token: nothing, and the error says the source closed
-        let mut wrong = *server.token();
+        let mut wrong = token;
         wrong[0] ^= 1;
         let mut none = 0;
         let e = receive(server.name(), std::process::id(), &wrong, n, deadline, &|| false, |_| {
@@ -541,7 +586,7 @@ mod tests {
         // an offer claiming another process for this socket (any process may listen under any
         // abstract name): refused by the kernel's credentials, with nothing taken
         let mut taken = 0;
-        let e = receive(server.name(), std::process::id() + 1, server.token(), n, deadline, &|| false, |_| {
+        let e = receive(server.name(), std::process::id() + 1, &token, n, deadline, &|| false, |_| {
             taken += 1;
             Ok(())
         })
@@ -549,8 +594,7 @@ mod tests {
         assert_eq!(taken, 0, "{e}");
         assert!(e.to_string().contains("belongs to process"), "{e}");
         // asking for fewer than the source sends: an excess, refused
-        let e =
-            receive(server.name(), std::process::id(), server.token(), 3, deadline, &|| false, |_| Ok(())).unwrap_err();
+        let e = receive(server.name(), std::process::id(), &token, 3, deadline, &|| false, |_| Ok(())).unwrap_err();
         assert!(e.to_string().contains("batch"), "{e}");
         // the name is the server's own, and nothing else passes for one
         let pid = std::process::id();
@@ -623,11 +667,12 @@ mod tests {
     /// the oldest of them makes room.
     #[test]
     fn silent_connections_make_room_for_a_destination() {
-        let server = FdServer::start(pipes(3)).unwrap();
+        let server = FdServer::start().unwrap();
+        let token = server.add(pipes(3)).unwrap();
         let silent: Vec<UnixStream> = (0..3 * MAX_HANDLERS).map(|_| connect(server.name())).collect();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut n = 0;
-        receive(server.name(), std::process::id(), server.token(), 3, deadline, &|| false, |_| {
+        receive(server.name(), std::process::id(), &token, 3, deadline, &|| false, |_| {
             n += 1;
             Ok(())
         })
@@ -639,13 +684,14 @@ mod tests {
     /// The token never crosses the socket, and an answer is good for its own connection only.
     #[test]
     fn a_recorded_answer_is_no_key() {
-        let server = FdServer::start(pipes(2)).unwrap();
+        let server = FdServer::start().unwrap();
+        let token = server.add(pipes(2)).unwrap();
         let mut a = connect(server.name());
         a.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let mut nonce = [0u8; TOKEN];
         a.read_exact(&mut nonce).unwrap();
-        let answer = proof(server.token(), &nonce);
-        assert_ne!(&answer, server.token());
+        let answer = proof(&token, &nonce);
+        assert_ne!(&answer, &token);
         a.write_all(&answer).unwrap();
         let mut one = [0u8; 1];
         assert_eq!(a.read(&mut one).unwrap(), 1, "the first batch came");
@@ -663,9 +709,58 @@ mod tests {
         let mut c = connect(server.name());
         c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         c.read_exact(&mut other).unwrap();
-        c.write_all(server.token()).unwrap();
+        c.write_all(&token).unwrap();
         let _ = c.read_to_end(&mut rest);
         assert!(rest.is_empty(), "nothing for the bare token");
+    }
+
+    /// A grant made with `add` goes to the first process that proves its token, and then to no
+    /// other: another process with the token (run here as this test binary again) gets
+    /// nothing. A grant nobody took goes to that other process; a removed grant to nobody.
+    #[test]
+    fn a_grant_goes_to_one_process_only() {
+        const CHILD: &str = "KVRELAY_TEST_FD_CHILD";
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let unhex = |h: &str| {
+            (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect::<Vec<u8>>()
+        };
+        let deadline = || Instant::now() + Duration::from_secs(30);
+        if let Ok(arg) = std::env::var(CHILD) {
+            // the other process: name, token and the server's pid
+            let parts: Vec<&str> = arg.split(':').collect();
+            let (name, token, pid) = (unhex(parts[0]), unhex(parts[1]), parts[2].parse::<u32>().unwrap());
+            let token: [u8; TOKEN] = token.try_into().unwrap();
+            let r = receive(&name, pid, &token, 1, deadline(), &|| false, |_| Ok(()));
+            println!("CHILD {}", if r.is_ok() { "took" } else { "refused" });
+            return;
+        }
+        let server = FdServer::start().unwrap();
+        let me = std::process::id();
+        let other = |token: &[u8; TOKEN]| {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "agent::transport::vmm_fds::tests::a_grant_goes_to_one_process_only", "--nocapture"])
+                .env(CHILD, format!("{}:{}:{me}", hex(server.name()), hex(token)))
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(out.status.success(), "{text}");
+            text.contains("CHILD took")
+        };
+        let token = server.add(pipes(1)).unwrap();
+        assert_eq!(server.holder(&token), None);
+        for _ in 0..2 {
+            receive(server.name(), me, &token, 1, deadline(), &|| false, |_| Ok(())).unwrap();
+            assert_eq!(server.holder(&token), Some(me as i32), "bound to this process, which may take it again");
+        }
+        assert!(!other(&token), "another process with the token gets nothing");
+        let second = server.add(pipes(1)).unwrap();
+        assert!(other(&second), "a grant nobody took goes to the first that proves its token");
+        assert!(server.holder(&second).is_some_and(|p| p != me as i32));
+        let e = receive(server.name(), me, &second, 1, deadline(), &|| false, |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        server.remove(&token);
+        let e = receive(server.name(), me, &token, 1, deadline(), &|| false, |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("closed"), "a removed grant: {e}");
     }
 
     #[test]

@@ -91,9 +91,35 @@ impl DeviceCopier {
         let (dst_len, src_len) = (extent(dst_pitch)?, extent(src_pitch)?);
         self.check_inside(dst, dst_len)?;
         self.check_inside(src, src_len)?;
-        let _ctx = self.dev.bind()?;
         // SAFETY: both extents were checked to lie inside live device allocations of this
-        // device's context; the stream is the copier's own.
+        // device's context.
+        unsafe { self.copy_2d_trusted(dst, dst_pitch, src, src_pitch, width, height) }
+    }
+
+    /// [`DeviceCopier::copy_2d`] without the allocation lookups: for copies whose ends this
+    /// library knows (a pool whose memory its agent was given, possibly spanning several
+    /// allocations side by side, which the checked path refuses).
+    ///
+    /// # Safety
+    /// Both strided extents (`pitch * (height - 1) + width` bytes from `dst` and from `src`) are
+    /// device memory readable (`src`) and writable (`dst`) in this device's context, and stay
+    /// so until [`DeviceCopier::finish`] returns; `width` is at most both pitches when `height`
+    /// is more than 1.
+    pub(crate) unsafe fn copy_2d_trusted(
+        &mut self,
+        dst: u64,
+        dst_pitch: usize,
+        src: u64,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<(), CopyError> {
+        if width == 0 || height == 0 {
+            return Ok(());
+        }
+        let _ctx = self.dev.bind()?;
+        // SAFETY: the caller's contract (both extents live device memory of this context); the
+        // stream is the copier's own.
         unsafe {
             if height == 1 {
                 check(sys::cuMemcpyDtoDAsync_v2(dst, src, width, self.stream.raw()), "cuMemcpyDtoDAsync")?;
@@ -121,6 +147,24 @@ impl DeviceCopier {
         }
         self.enqueued += 1;
         self.bytes += (width as u64) * (height as u64);
+        Ok(())
+    }
+
+    /// Enqueue setting `len` bytes from `ptr` to zero, on the copier's stream (ordered with its
+    /// copies), without the allocation lookups (as [`DeviceCopier::copy_2d_trusted`]).
+    ///
+    /// # Safety
+    /// The `len` bytes from `ptr` are device memory writable in this device's context, and stay
+    /// so until [`DeviceCopier::finish`] returns.
+    pub(crate) unsafe fn zero_trusted(&mut self, ptr: u64, len: usize) -> Result<(), CopyError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let _ctx = self.dev.bind()?;
+        // SAFETY: the caller's contract (live device memory of this context); the stream is the
+        // copier's own.
+        check(unsafe { sys::cuMemsetD8Async(ptr, 0, len, self.stream.raw()) }, "cuMemsetD8Async")?;
+        self.enqueued += 1;
         Ok(())
     }
 

@@ -90,13 +90,10 @@ pub enum kvrelay_agent_limit {
     /// virtualised host, several per fetch); polling takes them off back-to-back fetches for
     /// up to this much CPU time per step. Since 0.3.0.
     KVRELAY_LIMIT_POLL_US = 16,
-    /// The CUDA IPC transport's grant (0, the default): an agent starts only when every
-    /// allocation its pool lies in holds the pool and nothing else (no byte before it or
-    /// between its segments; after it no more than the driver's rounding, under 2 MiB), since
-    /// a peer that maps the grant reaches every byte of those allocations; otherwise
-    /// `kvrelay_agent_new` fails with the reason. 1 exports such allocations whole (a pool in
-    /// a caching allocator's segment: every allowed peer can then read and write the tensors
-    /// beside it). Since 0.4.0.
+    /// Accepted (0 or 1) and ignored since 0.4.3. Until then it decided whether the CUDA IPC
+    /// transport exported a pool's allocations whole when they held more than the pool; a
+    /// grant now maps an export area holding the asked blocks only, never the pool, so a pool
+    /// may lie in any device memory. Since 0.4.0.
     KVRELAY_LIMIT_EXPORT_WHOLE_ALLOCATIONS = 17,
     /// `kvrelay_agent_submit` (a fetch by name alone, no content digests): 0 (the default)
     /// refuses it with `KVRELAY_ERR_INVALID_ARGUMENT`, since a 64-bit name can be collided and
@@ -172,11 +169,11 @@ pub unsafe extern "C" fn kvrelay_agent_config_set_listen(
 
 /// How block bytes move: `tcp` (the default), `nixl` (NIXL over UCX, straight between the
 /// two pools; the service then serves NIXL and TCP readers alike and fetches read over NIXL)
-/// or `cuda-ipc` (two agents of one host with device pools: the destination maps the source's
-/// pool through CUDA IPC and copies device to device; `kvrelay_agent_new` fails for a host
-/// pool or memory it cannot export: it takes `cudaMalloc` memory and `cuMemCreate` memory
-/// created with the POSIX file-descriptor handle type, not `cudaMallocAsync`; a mapped pool is readable and writable by the peer's
-/// process, so only allowlisted, authenticated peers of one trust domain should share it),
+/// or `cuda-ipc` (two agents of one host with device pools: the source copies the asked blocks
+/// into an export area of its own, which the destination maps and copies out of, device to
+/// device; the pool itself is never exported, whatever memory it lies in; a peer's mapping
+/// reaches the blocks it asked for and nothing else; `kvrelay_agent_new` fails for a host pool
+/// or a device that cannot share memory of the virtual memory API by POSIX descriptor),
 /// or both in order of preference, `cuda-ipc,nixl` (or `nixl,cuda-ipc`): each source is
 /// fetched from with the first that reaches it (CUDA IPC for a source on this host, NIXL for
 /// the others), then TCP as `KVRELAY_LIMIT_TCP_FALLBACK` allows; the service serves both.

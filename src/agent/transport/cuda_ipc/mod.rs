@@ -1,37 +1,40 @@
 //! The agent's same-host GPU transport ([`crate::agent::Transport::CudaIpc`]): when both agents
-//! run on one host and their pools are device memory, the destination copies the source's
-//! pinned blocks straight out of the source's pool into its own, device to device, and the
-//! checksum kernel verifies them where they landed. Control (the handshake, authentication,
-//! the offer, the end) stays on the agent's TCP connection.
+//! run on one host and their pools are device memory, the source copies the asked blocks into
+//! an export area of its own and the destination copies them out of it into its pool, device
+//! to device, and the checksum kernel verifies them where they landed. Control (the handshake,
+//! authentication, the offer, the end) stays on the agent's TCP connection.
 //!
-//! - **Start.** The agent exports each allocation its pool's segments lie in once: memory from
-//!   `cuMemAlloc`/`cudaMalloc` (what caching allocators hand out) with `cuIpcGetMemHandle`;
-//!   memory of the virtual memory API (`cuMemCreate`, as expandable or VMM-based allocators
-//!   hand out), allocation by allocation over each segment's range, as POSIX file descriptors
-//!   (`cuMemExportToShareableHandle`; the allocations must be created with the handle type
-//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), which a Unix socket of the agent's own hands
-//!   to destinations ([`super::vmm_fds`]). Memory of a stream-ordered pool
-//!   (`cudaMallocAsync`), or of that API without the POSIX handle type, cannot be exported:
-//!   [`crate::agent::Agent::new`] then fails with that reason. A host pool is refused: this
-//!   transport moves device memory only.
-//! - **A fetch.** The destination sends `IPC_HELLO`. The source pins the leading run it holds,
-//!   as over TCP, and answers `IPC_OFFER`: an in-place offer (its segment table and, per
-//!   offered block, its id and the checksum recorded when it became reusable) whose metadata
-//!   is the source's host id (the kernel's boot id), process id and exported allocations. The
-//!   destination checks the offer against its own layout, refuses a source on another host,
-//!   maps each of the source's allocations once (`cuIpcOpenMemHandle`; for a virtual-memory
-//!   range, its descriptors taken over the source's Unix socket with the offer's token and
-//!   mapped side by side into one reserved range, so that the range reads as the source's
-//!   does; kept until the agent stops, or until the source process no longer runs; within one
-//!   process the addresses are used as they are, but only where they lie inside ranges an
-//!   agent of this process exported and still lives: a pid and a boot id are what any
-//!   neighbour can claim), checks that every offered block lies inside an exported allocation,
-//!   then one kernel on a mover's stream copies the blocks and sums each word as it writes it
+//! - **Start.** Nothing of the pool is exported: it may lie in any device memory (`cuMemAlloc`,
+//!   a caching allocator's segment shared with other tensors, the virtual memory API with or
+//!   without shareable handles, `cudaMallocAsync`). The agent only checks that the device can
+//!   make memory another process maps (the virtual memory API with POSIX descriptors) and
+//!   listens on a Unix socket of its own for the areas' descriptors ([`super::vmm_fds`]). A host
+//!   pool is refused: this transport moves device memory only.
+//! - **Serving ([`area`]).** The source pins the leading run it holds, as over TCP, copies those
+//!   blocks into its connection's export area (slot 0 onward; one device copy per segment and
+//!   run of blocks, waited for), and answers `IPC_OFFER`: an in-place offer of the area (its
+//!   segment table, and per offered block its slot, the checksum recorded when it became
+//!   reusable and its tag) whose metadata is the source's host id (the kernel's boot id),
+//!   process id, the area's range and the socket and token its descriptor is taken with. The
+//!   area is the connection's until it ends (a larger one replaces it when a transfer needs
+//!   more blocks), its descriptor goes to the first process that proves the token and no
+//!   other, and it never holds anything but blocks that connection asked for: a peer mapping
+//!   its grant reaches those and zeros, and what it writes there reaches nobody.
+//! - **A fetch.** The destination sends `IPC_HELLO`, checks the offer against its own layout,
+//!   refuses a source on another host, maps the offered range once (the descriptor taken over
+//!   the source's Unix socket with the offer's token, mapped read-only; kept until the source
+//!   gives more than [`AREAS_KEPT`] newer areas, the agent stops, or the source process no
+//!   longer runs; within one process the area's addresses are used as they are, but only where
+//!   they lie inside an area an agent of this process serves from now: a pid and a boot id are
+//!   what any neighbour can claim), checks that every offered block lies inside it, then one
+//!   kernel on a mover's stream copies the blocks and sums each word as it writes it
 //!   (`CudaEngine::copy_and_sum_from`: the checksum of what landed, for the memory traffic of a
-//!   copy alone); where a segment's blocks span several allocations it enqueues one
+//!   copy alone); where that kernel cannot read the offer's layout it enqueues one
 //!   device-to-device copy per run contiguous at both ends and the checksum kernel after. It
-//!   counts each block whose sum matches. `DONE` tells the source how many blocks were taken;
-//!   its pins hold until then (or its transfer deadline).
+//!   counts each block whose sum (and, keyed, tag) matches. `DONE` tells the source how many
+//!   blocks were taken; its pins hold until then (or its transfer deadline). Sources of older
+//!   versions that offer their pool (CUDA IPC handles of `cuMemAlloc` allocations, or
+//!   virtual-memory ranges) are mapped the same way.
 //! - **Mappings.** Each is reference-counted: a fetch holds the ones it copies through until
 //!   its stream synchronized. The table keeps at most 1,024, at most 128 (and 1 TiB of address
 //!   space) per source process, or one offer's count when more (`table`): beyond a bound the least recently used mapping no
@@ -41,48 +44,35 @@
 //!   before its allocations are opened, not after. While any watched mapping is kept, idle
 //!   fetch workers look every 50 ms whether its source process still runs (`/proc/<pid>`,
 //!   outside the table's lock) and let go of those of a process that ended (`ipc_unmapped`
-//!   counts both kinds of letting go). A source in another PID namespace (not in this
+//!   counts every kind of letting go). A source in another PID namespace (not in this
 //!   process's `/proc` when it was mapped) cannot be looked at: its mappings stay until the
 //!   bounds or the agent's stop let them go. Every driver call happens outside the table's
 //!   lock.
 //! - **What a peer can do.** Only a peer that passed the agent's allowlist and proved it holds
-//!   the agent's key receives handles, and only on the source's connection to it, in an offer
+//!   the agent's key receives a grant, and only on the source's connection to it, in an offer
 //!   of at least one block it asked for by name: an offer of no block carries no exports, and
 //!   an agent without a key (no deployment key given and the per-user key turned off) refuses
 //!   every CUDA IPC hello (`grants_refused_unkeyed`). With no setting at all the key is the
 //!   per-user key ([`crate::agent::auth`]): a process of another user of the host gets no
-//!   handle. A mapped pool is
-//!   readable and writable by that peer's process, as a NIXL registration is: run agents that
-//!   share a host under one trust domain. Neither driver path lets the exporter make a peer's
-//!   mapping read-only: `cuIpcOpenMemHandle` maps the whole `cuMemAlloc` allocation with read
-//!   and write access (its only flag is lazy peer access), and an allocation of the virtual
-//!   memory API, once its descriptor is shared, is mapped with whatever access the importer
-//!   sets (`cuMemSetAccess` is the importer's call; this agent maps read-only, a hostile peer
-//!   need not). What the exporter does decide is the extent: a peer can reach every byte of the
-//!   allocations the pool lies in, so the agent starts only when those allocations hold the
-//!   pool and nothing else (`registry::outside_pool`: no byte before the pool or between its
-//!   segments, and after it no more than the driver's rounding of an allocation of the pool's
-//!   size, under 2 MiB); a pool that shares an allocation with other tensors (a caching
-//!   allocator's segment) is refused at start with the reason, unless the limit
-//!   `export_whole_allocations` says to export such allocations whole. Give the pool
-//!   allocations of its own (`cuMemAlloc` of exactly the pool, or virtual-memory allocations
-//!   that it fills). A write into a source's pool by a hostile peer is not prevented, but it is
-//!   found: every destination sums what landed against the checksum the source recorded when
-//!   the block became reusable, and (keyed agents: always, since a grant needs the key) tags it
-//!   from the same loads against the keyed tag the source recorded then ([`crate::block_mac`]),
-//!   and imports nothing that differs. A peer without the key cannot match a tag; a keyed peer
-//!   can (NH under a known key can be steered): what it writes is kept out only by what a grant
-//!   maps. Within this process, an offer reads only the
-//!   source agent's pool extents (see [`registry`]). The sizes a source reports are checked against the
+//!   descriptor (the socket closes on another uid, `SO_PEERCRED`). A mapped area is readable
+//!   and writable by that peer's process (the importer sets its own access: this agent maps
+//!   read-only, a hostile peer need not), and holds only blocks its connection asked for:
+//!   the pool, the source's slots and other peers' areas are out of its reach, and a write
+//!   there changes only what that peer itself reads. Blocks are still checked where they land
+//!   (checksum, and the keyed tag: [`crate::block_mac`]) against what the source recorded: a
+//!   source whose memory went bad is found. The sizes a source reports are checked against the
 //!   driver's: an allocation must map here (`cuMemGetAddressRange`) at least as large as
 //!   offered, and a virtual-memory allocation maps only at its real size (`cuMemMap` refuses
-//!   more), so no copy plan reads past what is mapped. The descriptor socket hands descriptors only to a
-//!   connection that presents the token of an offer. Across two GPUs of a host the same copies go over
-//!   peer access (NVLink where present); multi-node NVLink fabric handles
-//!   (`CU_MEM_HANDLE_TYPE_FABRIC`, memory from `cuMemCreate` with that handle type, exported
-//!   with `cuMemExportToShareableHandle` and imported by the peer's IMEX channel) are a later
-//!   step.
+//!   more), so no copy plan reads past what is mapped. Across two GPUs of a host the same
+//!   copies go over peer access (NVLink where present); multi-node NVLink fabric handles
+//!   (`CU_MEM_HANDLE_TYPE_FABRIC`, exported with `cuMemExportToShareableHandle` and imported by
+//!   the peer's IMEX channel) are a later step.
+//! - **Cost.** Per transfer, the source's copy of the asked blocks into its area (device to
+//!   device, before the offer goes out); per connection, the area's allocation and zeroing at
+//!   the source and its mapping at the destination. Memory: the areas of an agent hold at most
+//!   the pool's size (at least 64 MiB) together; a transfer that finds no room is refused `busy`.
 
+mod area;
 mod offer;
 mod plan;
 mod registry;
@@ -92,21 +82,35 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{read_in_place_offer, send_done, vmm_fds, Backend, Cx, Failure, Landing, Progress, Pull, Transfer, Writes};
+use super::{
+    read_in_place_offer, send_done, vmm_fds, Backend, Cx, Failure, InPlaceView, Landing, Lease, Progress, Pull,
+    Transfer, Writes,
+};
 use crate::agent::estimate::{SourceSpeed, CUDA_IPC_DEFAULT};
-use crate::agent::wire::{self, Conn};
+use crate::agent::wire::{self, Conn, Refusal};
 use crate::agent::{FailReason, Limits, Stats};
-use crate::copy::{CudaDevice, IpcExport, KvLayout, VmmChunk, VmmHandle};
-use offer::{decode_exports, encode_exports, host_id, Exports, VmmOffer, MAX_VMM_CHUNKS, MAX_VMM_RANGES};
+use crate::copy::{CudaDevice, KvLayout, VmmHandle};
+pub(in crate::agent) use area::Area;
+use area::Areas;
+use offer::{decode_exports, host_id, Exports};
 pub use plan::check_offer_plans;
 use plan::{plan_copies, plan_segments};
-use registry::{outside_pool, own_source, pool_extents, Exported, OwnRefusal, Reading, EXPORTED};
+use registry::{own_source, OwnRefusal, Reading, EXPORTED};
 
 /// The name an IPC offer carries where a NIXL offer names its agent.
 const AGENT: &str = "cuda-ipc";
 /// A source allocation: the source's host id, process id and the allocation's IPC handle (for
 /// a virtual-memory range: [`vmm_key`]).
 type MappedKey = table::Key;
+
+/// The export areas of one source a destination keeps mapped (one per connection to it; the
+/// least recently used go first, once no fetch holds them).
+const AREAS_KEPT: usize = 4;
+
+/// The token in a [`vmm_key`] (`None` for a CUDA IPC handle's key).
+fn vmm_token(k: &[u8; 64]) -> Option<[u8; 32]> {
+    (k[..8] == *b"\0kvrvmm\0").then(|| k[24..24 + vmm_fds::TOKEN].try_into().expect("32 bytes"))
+}
 
 /// The key of a source's virtual-memory range: a marker no CUDA IPC handle starts with
 /// (theirs begin with the allocation's nonzero tag), its base, its size, and the source's
@@ -165,123 +169,54 @@ impl Drop for Reserved<'_> {
     }
 }
 
-/// This instance's exported pool, and the source allocations it mapped.
+/// This instance's export areas, and the source allocations (areas, pools of older sources) it
+/// mapped.
 pub(in crate::agent) struct CudaIpc {
     dev: Arc<CudaDevice>,
     device: i32,
     host: [u8; 16],
     pid: u32,
-    /// The offer metadata this source sends (its host, process and exports), encoded once.
-    metadata: Vec<u8>,
     /// Source allocations mapped here, by source: bounded per source and in all ([`table`]).
     mapped: Mutex<table::Table<Mapping>>,
     /// Entries of `mapped` whose source process can be looked at (`Mapping::watched`), read
     /// without the lock by the fetch workers' idle loop: only those can be let go by a sweep.
     watched_now: AtomicUsize,
-    /// Where destinations get the descriptors of this pool's virtual-memory allocations (when
-    /// it has any); stops with the agent.
-    _fds: Option<vmm_fds::FdServer>,
-    /// This agent, registered as this process's exports while it lives.
-    exported: Exported,
+    /// What this agent's grants map: an export area per serving connection ([`area`]), their
+    /// descriptor socket, and this agent's entry in the process's registry.
+    areas: Arc<Areas>,
 }
 
 impl CudaIpc {
-    /// Export the allocations `layout`'s segments lie in.
+    /// Serve from export areas on `device` for a pool laid out as `layout` (nothing of the
+    /// pool is exported: it may share its allocation with anything). Fails when the device
+    /// cannot make memory another process can map (the virtual memory API with POSIX
+    /// descriptors), saying so.
     ///
     /// # Safety
     /// As [`crate::agent::Agent::new`]: the layout's blocks are memory of `device`, valid for
     /// the agent's life.
-    pub(in crate::agent) unsafe fn new(layout: &KvLayout, device: Option<i32>, whole: bool) -> Result<CudaIpc, String> {
+    pub(in crate::agent) unsafe fn new(layout: &KvLayout, device: Option<i32>) -> Result<CudaIpc, String> {
         let device = device.ok_or("the CUDA IPC transport moves device memory: the pool must be on a CUDA device")?;
         let dev = CudaDevice::open(device).map_err(|e| format!("CUDA IPC: device {device}: {e}"))?;
         let host = host_id()?;
-        let mut allocs: Vec<IpcExport> = Vec::new();
-        // allocations of the virtual memory API under every segment (merged into ranges below)
-        let mut chunks: Vec<VmmChunk> = Vec::new();
-        let last = u64::from(layout.num_blocks().saturating_sub(1));
-        for (s, g) in layout.segments().iter().enumerate() {
-            let end = g.base + last * g.block_stride + g.bytes_per_block;
-            if allocs.iter().any(|a| a.base <= g.base && end <= a.base + a.size) {
-                continue;
-            }
-            let ipc = match dev.ipc_export(g.base) {
-                Ok(e) => {
-                    if end > e.base + e.size {
-                        return Err(format!("CUDA IPC: segment {s} runs past the allocation it starts in"));
-                    }
-                    allocs.push(e);
-                    continue;
-                }
-                Err(e) => e,
-            };
-            // memory of the virtual memory API: its allocations as POSIX descriptors
-            let under = dev.vmm_export(g.base, end).map_err(|vmm| {
-                format!(
-                    "CUDA IPC: segment {s}'s memory cannot be exported (as cuMemAlloc memory: {ipc}; as memory of \
-                     the virtual memory API: {vmm}): memory from cuMemAlloc/cudaMalloc can, and from cuMemCreate with \
-                     the handle type CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; memory from cudaMallocAsync cannot; use \
-                     the TCP or NIXL transport"
-                )
-            })?;
-            chunks.extend(under);
-        }
-        // each allocation once (segments may share one), in address order; allocations that
-        // touch form one range, mapped side by side at the destination as here
-        chunks.sort_by_key(|c| c.base);
-        chunks.dedup_by_key(|c| c.base);
-        let (mut ranges, mut fds): (Vec<(u64, Vec<u64>)>, Vec<std::os::fd::OwnedFd>) = (Vec::new(), Vec::new());
-        let mut end = 0u64; // where the last range ends
-        for c in chunks {
-            match ranges.last_mut() {
-                Some((_, sizes)) if end == c.base => sizes.push(c.size),
-                _ => ranges.push((c.base, vec![c.size])),
-            }
-            end = c.base + c.size;
-            fds.push(c.fd);
-        }
-        if ranges.len() > MAX_VMM_RANGES || fds.len() > MAX_VMM_CHUNKS {
-            return Err(format!(
-                "CUDA IPC: the pool spans more than {MAX_VMM_RANGES} ranges or {MAX_VMM_CHUNKS} allocations of the \
-                 virtual memory API"
-            ));
-        }
-        let pid = std::process::id();
-        let (vmm, server) = if ranges.is_empty() {
-            (None, None)
-        } else {
-            let server = vmm_fds::FdServer::start(fds)?;
-            let offer = VmmOffer { socket: server.name().to_vec(), token: *server.token(), ranges };
-            (Some(offer), Some(server))
-        };
-        let exports = Exports { host, pid, allocs, vmm };
-        let pool = pool_extents(layout);
-        if !whole {
-            // a peer that maps a grant reaches every byte of it: the pool, and nothing else
-            for r in exports.ranges() {
-                let outside = outside_pool(r, &pool);
-                if outside > 0 {
-                    return Err(format!(
-                        "CUDA IPC: the allocation at {:#x} ({} bytes) that the pool lies in holds {outside} bytes that \
-                         are not the pool, and every allowed peer could read and write them: give the pool memory of \
-                         its own (cuMemAlloc of exactly the pool, or allocations of the virtual memory API that it \
-                         fills), or set the limit export_whole_allocations",
-                        r.0, r.1
-                    ));
-                }
-            }
-        }
-        let exported = Exported::register(device, exports.ranges(), pool);
-        let metadata = encode_exports(&exports);
+        // what every area needs, tried once: an allocation another process can map
+        let probe = crate::copy::VmmBuffer::alloc(&dev, 1, 1, true)
+            .and_then(|b| dev.vmm_export(b.ptr(), b.ptr() + b.len() as u64).map(|_| ()));
+        probe.map_err(|e| {
+            format!(
+                "CUDA IPC: device {device} cannot make memory another process maps (the virtual memory API with POSIX \
+                 descriptors: {e}); use the TCP or NIXL transport"
+            )
+        })?;
+        let areas = Arc::new(Areas::new(dev.clone(), device, layout, host)?);
         Ok(CudaIpc {
             dev,
             device,
             host,
-            pid,
-            metadata,
+            pid: std::process::id(),
             mapped: Mutex::new(table::Table::default()),
             watched_now: AtomicUsize::new(0),
-            _fds: server,
-            exported,
+            areas,
         })
     }
 
@@ -452,9 +387,13 @@ impl CudaIpc {
         let (at, new): (Vec<usize>, Vec<table::New<Mapping>>) = new.into_iter().unzip();
         let (kept, evicted) = {
             let mut m = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
-            let r = m.admit(new, &mut gone);
+            let (r, mut evicted) = m.admit(new, &mut gone);
+            if e.vmm.is_some() {
+                // the export areas this source gave up (other connections' earlier areas)
+                evicted += m.retire_tokens(&e.host, e.pid, AREAS_KEPT, vmm_token, &mut gone);
+            }
             self.count(cx, &m);
-            r
+            (r, evicted)
         };
         Stats::add(&cx.stats.ipc_unmapped, evicted as u64);
         drop(gone);
@@ -723,11 +662,36 @@ impl Backend for CudaIpc {
         }
     }
 
-    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64]) -> bool {
-        // a reader of this process may take exactly these blocks under these names, until the
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], names: &[u64], lease: &mut Lease) -> bool {
+        if ids.is_empty() {
+            // an offer of no block: no area, no grant
+            return super::serve_in_place(cx, c, ids, wire::IPC_OFFER, AGENT, &[], Some(self.device), None);
+        }
+        let area = match self.areas.lease(&mut lease.area, ids.len()) {
+            Ok(a) => a,
+            Err(why) => {
+                cx.stats.refused(Refusal::Busy);
+                wire::refuse(c, Refusal::Busy, &why, cx.io_deadline());
+                return false;
+            }
+        };
+        if let Err(e) = area.fill(ids) {
+            lease.area = None; // a device error: the next transfer starts from a new area
+            cx.stats.refused(Refusal::Internal);
+            wire::refuse(
+                c,
+                Refusal::Internal,
+                &format!("CUDA IPC: copying into the export area: {e}"),
+                cx.io_deadline(),
+            );
+            return false;
+        }
+        // a reader of this process may take exactly these slots under these names, until the
         // serve ends
-        let _serving = self.exported.serving(ids, &names[..ids.len().min(names.len())]);
-        super::serve_in_place(cx, c, ids, wire::IPC_OFFER, AGENT, &self.metadata, Some(self.device))
+        let names = &names[..ids.len().min(names.len())];
+        let _serving = self.areas.exported.serving(area.base(), names);
+        let view = InPlaceView { segments: &area.segs, num_blocks: area.cap };
+        super::serve_in_place(cx, c, ids, wire::IPC_OFFER, AGENT, &area.metadata, Some(self.device), Some(view))
     }
 
     /// While memory of other processes that can be looked at is mapped here: the fetch
@@ -742,14 +706,60 @@ impl Backend for CudaIpc {
     }
 }
 
+/// A grant mapped as a peer maps it ([`map_grant`]); unmapped when dropped.
+#[doc(hidden)]
+pub struct GrantMapping {
+    dev: Arc<CudaDevice>,
+    /// Where it is mapped here.
+    pub base: u64,
+    /// Its bytes.
+    pub size: u64,
+    /// Where the source has it (what the offer's segment table counts from).
+    pub source_base: u64,
+}
+
+impl Drop for GrantMapping {
+    fn drop(&mut self) {
+        // SAFETY: the range `map_grant` mapped, unmapped once; the test that held it is done.
+        let _ = unsafe { self.dev.vmm_unmap(self.base, self.size) };
+    }
+}
+
+/// What any peer can do with a CUDA IPC offer's metadata, for tests of what a grant reaches:
+/// take the descriptors of its virtual-memory range (proving the token) and map them readable
+/// and writable, as a hostile peer would (this agent's own fetches map read-only).
+#[doc(hidden)]
+pub fn map_grant(dev: &Arc<CudaDevice>, metadata: &[u8]) -> Result<GrantMapping, String> {
+    let e = decode_exports(metadata).ok_or("the offer's exports do not decode")?;
+    if !e.allocs.is_empty() {
+        return Err(format!("the offer grants {} CUDA IPC handles", e.allocs.len()));
+    }
+    let v = e.vmm.ok_or("the offer grants no virtual-memory range")?;
+    let [(source_base, sizes)] = &v.ranges[..] else {
+        return Err(format!("the offer grants {} ranges", v.ranges.len()));
+    };
+    let mut handles = Vec::new();
+    let by = Instant::now() + std::time::Duration::from_secs(30);
+    vmm_fds::receive(&v.socket, e.pid, &v.token, v.chunks(), by, &|| false, |fd| {
+        // SAFETY: a descriptor the source process sent as its export (the driver refuses others).
+        handles.push(unsafe { dev.vmm_import(std::os::fd::AsFd::as_fd(&fd)) }.map_err(|e| e.to_string())?);
+        Ok(())
+    })
+    .map_err(|e| e.to_string())?;
+    // SAFETY: handles imported just above, mapped at the sizes offered (the driver refuses more).
+    let base = unsafe { dev.vmm_map(&handles, sizes, true) }.map_err(|e| e.to_string())?;
+    Ok(GrantMapping { dev: dev.clone(), base, size: sizes.iter().sum(), source_base: *source_base })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// On a GPU: an offer that claims this process (its pid and boot id, which any neighbour
-    /// can read) but names memory no agent of it exported is refused before any copy; one that
-    /// names this agent's own pool maps to the addresses themselves. Skips without a CUDA
-    /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
+    /// can read) but names memory that is not a live export area of an agent of it (the
+    /// runtime's tensors, the pool itself, past the area) is refused before any copy; one that
+    /// names the area its agent serves from maps to the area's own addresses. Skips without a
+    /// CUDA driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
     #[test]
     fn a_neighbour_posing_as_this_process_gets_no_copy_of_other_memory() {
         let Some(dev) = crate::copy::test_device() else { return };
@@ -763,53 +773,78 @@ mod tests {
         )
         .unwrap();
         // SAFETY: the pool is device memory of device 0 that outlives the transport.
-        let ipc = unsafe { CudaIpc::new(&layout, Some(0), false) }.unwrap();
-        let (limits, stats, sums, movers) = (
-            Limits::default(),
-            Stats::default(),
-            crate::agent::sums::SumTable::new(8, None),
-            crate::agent::pool::Movers::new(crate::agent::pool::Memory::Host, None),
-        );
-        let cx = Cx { layout: &layout, block_bytes: 512, movers: &movers, limits: &limits, stats: &stats, sums: &sums };
+        let ipc = unsafe { CudaIpc::new(&layout, Some(0)) }.unwrap();
+        let mut held = None;
+        let area = ipc.areas.lease(&mut held, 1).unwrap();
+        area.fill(&[1]).unwrap();
+        let (base, len) = (area.base(), area.segs[0].1 * u64::from(area.cap));
         let claim = |base: u64, size: u64| vec![(base, size)];
         let registry = || EXPORTED.lock().unwrap().clone();
-        let blocks: Vec<wire::OfferedBlock> = vec![(1, 0, [0; 32])];
-        let serving = ipc.exported.serving(&[1], &[42]);
-        for (base, size) in [(tensors.ptr(), 4096), (pool.ptr(), 8 * 512 + 1), (0xdead_beef_0000, 4096)] {
-            let e = own_source(&registry(), 0, &claim(base, size), &blocks, &[42]).map(|_| ()).unwrap_err();
-            assert_eq!(e, OwnRefusal::NotExported, "{base:#x}");
+        let blocks: Vec<wire::OfferedBlock> = vec![(0, 0, [0; 32])];
+        let serving = ipc.areas.exported.serving(base, &[42]);
+        for (b, size) in [(tensors.ptr(), 4096), (pool.ptr(), 8 * 512), (base, 64 << 20), (0xdead_beef_0000, 4096)] {
+            let e = own_source(&registry(), 0, &claim(b, size), &blocks, &[42]).map(|_| ()).unwrap_err();
+            assert_eq!(e, OwnRefusal::NotExported, "{b:#x}");
         }
-        let (extents, reading) = own_source(&registry(), 0, &claim(pool.ptr(), 8 * 512), &blocks, &[42]).unwrap();
-        assert_eq!(extents, vec![(pool.ptr(), 8 * 512)], "this process's own pool, read at its own addresses");
+        let (extents, reading) = own_source(&registry(), 0, &claim(base, len), &blocks, &[42]).unwrap();
+        assert_eq!(extents.len(), 1);
+        assert_eq!(extents[0].0, base, "the area, read at its own addresses");
+        assert!(extents[0].1 >= len && extents[0].1 <= len.next_multiple_of(2 << 20));
         drop(reading);
         drop(serving);
-        // another process's offer would be mapped, never taken as this process's addresses
-        let _ = (&cx, &limits, &stats, &sums, &movers);
+        drop(held);
+        let gone = own_source(&registry(), 0, &claim(base, len), &blocks, &[42]).map(|_| ()).unwrap_err();
+        assert_eq!(gone, OwnRefusal::NotExported, "an area given up is named by no offer");
         drop(ipc);
     }
 
     /// On a GPU: a pool that shares its allocation with other memory (here the first MiB of
-    /// 8 MiB) is not exported, since a peer's mapping would reach the rest, unless the caller
-    /// asks for whole allocations; a pool that is its own allocation is. Skips without a CUDA
-    /// driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
+    /// 8 MiB) is served, since a grant maps an export area, never the pool: the area holds the
+    /// asked blocks in order from slot 0, zeros after them, and nothing of the rest of the
+    /// allocation; a larger transfer gets a larger area, within the budget. Skips without a
+    /// CUDA driver, saying why (fails when `KVRELAY_REQUIRE_GPU` is set).
     #[test]
-    fn a_pool_sharing_its_allocation_is_not_exported_unless_asked() {
+    fn a_grant_maps_an_area_holding_the_asked_blocks_only() {
         let Some(dev) = crate::copy::test_device() else { return };
         const M: usize = 1 << 20;
+        const B: usize = 64 << 10;
         let big = crate::copy::DeviceBuffer::alloc(&dev, 8 * M).unwrap();
-        let layout = |base: u64, blocks: u32, bytes: u64| {
-            let g = crate::copy::Segment { base, block_stride: bytes, bytes_per_block: bytes };
-            KvLayout::new(blocks, vec![g], &[]).unwrap()
+        let pattern: Vec<u8> = (0..8 * M).map(|i| (i / B) as u8 ^ (i as u8).wrapping_mul(31)).collect();
+        big.write(0, &pattern).unwrap();
+        // the first MiB of the allocation: 16 blocks, each in two segments of 32 KiB
+        let seg = |s: usize| crate::copy::Segment {
+            base: big.ptr() + (s * M / 2) as u64,
+            block_stride: (B / 2) as u64,
+            bytes_per_block: (B / 2) as u64,
         };
-        // the first MiB of the allocation, then all of it
-        let (shared, all) = (layout(big.ptr(), 16, 64 << 10), layout(big.ptr(), 128, 64 << 10));
-        let open = |l: &KvLayout, whole: bool| {
-            // SAFETY: the pool is device memory of device 0 that outlives the transport.
-            unsafe { CudaIpc::new(l, Some(0), whole) }.map(|_| ())
-        };
-        let e = open(&shared, false).unwrap_err();
-        assert!(e.contains("export_whole_allocations") && e.contains(&format!("{:#x}", big.ptr())), "{e}");
-        open(&shared, true).unwrap();
-        open(&all, false).unwrap();
+        let layout = KvLayout::new(16, vec![seg(0), seg(1)], &[]).unwrap();
+        // SAFETY: the pool is device memory of device 0 that outlives the transport.
+        let ipc = unsafe { CudaIpc::new(&layout, Some(0)) }.unwrap();
+        let mut held = None;
+        let ids = [3u32, 1, 2];
+        let area = ipc.areas.lease(&mut held, ids.len()).unwrap();
+        assert_eq!(area.cap, area::MIN_BLOCKS);
+        area.fill(&ids).unwrap();
+        let mut got = vec![0u8; (area.segs[1].0 - area.base()) as usize * 2];
+        area.mem_read(&mut got);
+        let seg_bytes = got.len() / 2;
+        for s in 0..2 {
+            for (slot, &id) in ids.iter().enumerate() {
+                let at = s * seg_bytes + slot * B / 2;
+                let src = s * M / 2 + id as usize * B / 2;
+                assert_eq!(&got[at..at + B / 2], &pattern[src..src + B / 2], "segment {s}, slot {slot}");
+            }
+            let rest = &got[s * seg_bytes + ids.len() * B / 2..(s + 1) * seg_bytes];
+            assert!(rest.iter().all(|&b| b == 0), "segment {s}: nothing past the asked blocks");
+        }
+        let first = area.base();
+        // a transfer of 12 blocks needs more than 8: a new area of 16 (the old one given up)
+        let area = ipc.areas.lease(&mut held, 12).unwrap();
+        assert_eq!(area.cap, 16);
+        assert_ne!(area.base(), first);
+        // the budget: the pool's size or 64 MiB, whichever is more
+        assert_eq!(ipc.areas.budget(), 64 << 20);
+        drop(held);
+        drop(ipc);
     }
 }

@@ -220,6 +220,53 @@ impl<V> Table<V> {
     }
 
     /// The source processes of watched mappings (to look at in `/proc`, outside the lock).
+    /// Keep the mappings of at most `keep` tokens of source `(host, pid)`'s virtual-memory
+    /// ranges (`token_of` reads a key's token; `None` for other mappings): the most recently
+    /// used tokens stay, the mappings of older ones that no fetch holds go into `gone`. A
+    /// source serves each connection from an export area of its own under a token of its own,
+    /// and gives an area up with the connection: the memory of areas it gave up lives until
+    /// this side lets go too. How many went.
+    pub(super) fn retire_tokens(
+        &mut self,
+        host: &[u8; 16],
+        pid: u32,
+        keep: usize,
+        token_of: impl Fn(&[u8; 64]) -> Option<[u8; 32]>,
+        gone: &mut Vec<Arc<V>>,
+    ) -> usize {
+        // the source's tokens, by when each was last used
+        let mut tokens: Vec<([u8; 32], u64)> = Vec::new();
+        for (k, e) in self.map.iter().filter(|(k, _)| k.0 == *host && k.1 == pid) {
+            let Some(t) = token_of(&k.2) else { continue };
+            match tokens.iter_mut().find(|(x, _)| *x == t) {
+                Some((_, used)) => *used = (*used).max(e.used),
+                None => tokens.push((t, e.used)),
+            }
+        }
+        if tokens.len() <= keep {
+            return 0;
+        }
+        tokens.sort_unstable_by_key(|&(_, used)| std::cmp::Reverse(used));
+        let old: Vec<[u8; 32]> = tokens[keep..].iter().map(|&(t, _)| t).collect();
+        let victims: Vec<Key> = self
+            .map
+            .iter()
+            .filter(|(k, e)| {
+                k.0 == *host
+                    && k.1 == pid
+                    && Arc::strong_count(&e.v) == 1
+                    && token_of(&k.2).is_some_and(|t| old.contains(&t))
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &victims {
+            if let Some(e) = self.map.remove(k) {
+                gone.push(e.v);
+            }
+        }
+        victims.len()
+    }
+
     pub(super) fn watched_pids(&self) -> Vec<u32> {
         let mut p: Vec<u32> = self.map.iter().filter(|(_, e)| e.watched).map(|(k, _)| k.1).collect();
         p.sort_unstable();
@@ -285,6 +332,46 @@ mod tests {
         assert!(r.is_ok());
         assert_eq!((evicted, gone.len()), (1, before + 1), "the older of source 3 went");
         assert!(!t.contains(&key(3, 1)) && t.contains(&key(3, 2)));
+    }
+
+    #[test]
+    fn a_source_keeps_the_mappings_of_its_newest_tokens_only() {
+        let mut t = Table::default();
+        let mut gone = Vec::new();
+        // keys whose byte 1 is the token's first byte; byte 0 tells ranges apart
+        let keyed = |pid: u32, n: u8, token: u8| New {
+            key: ([7; 16], pid, {
+                let mut h = [0u8; 64];
+                (h[0], h[1]) = (n, token);
+                h
+            }),
+            v: Arc::new(u32::from(n)),
+            bytes: 1 << 20,
+            watched: true,
+        };
+        let token_of = |k: &[u8; 64]| (k[1] != 0).then(|| [k[1]; 32]);
+        // source 1: two ranges under token 1, then one under each of tokens 2, 3 and 4, used in
+        // that order; a mapping of no token; source 2 under token 1
+        let held = t.admit(vec![keyed(1, 1, 1), keyed(1, 2, 1)], &mut gone).0.unwrap();
+        drop(held);
+        for (n, token) in [(3, 2), (4, 3), (5, 4), (6, 0)] {
+            drop(t.admit(vec![keyed(1, n, token)], &mut gone).0.unwrap());
+        }
+        drop(t.admit(vec![keyed(2, 1, 1)], &mut gone).0.unwrap());
+        // token 2 is in use by a fetch: it stays whatever its age
+        let busy = t.get(&keyed(1, 3, 2).key).unwrap();
+        let _ = t.get(&keyed(1, 5, 4).key);
+        let _ = t.get(&keyed(1, 4, 3).key);
+        assert_eq!(t.retire_tokens(&[7; 16], 1, 2, token_of, &mut gone), 2, "token 1's two ranges");
+        assert!(!t.contains(&keyed(1, 1, 1).key) && !t.contains(&keyed(1, 2, 1).key));
+        for n in [(3, 2), (4, 3), (5, 4), (6, 0)] {
+            assert!(t.contains(&keyed(1, n.0, n.1).key), "{n:?} stays");
+        }
+        assert!(t.contains(&keyed(2, 1, 1).key), "another source's token 1 stays");
+        drop(busy);
+        assert_eq!(t.retire_tokens(&[7; 16], 1, 2, token_of, &mut gone), 1, "token 2, no longer held");
+        assert_eq!(t.retire_tokens(&[7; 16], 1, 2, token_of, &mut gone), 0);
+        assert_eq!(gone.len(), 3);
     }
 
     #[test]

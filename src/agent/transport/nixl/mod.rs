@@ -442,8 +442,8 @@ impl Backend for Nixl {
         }
     }
 
-    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], _names: &[u64]) -> bool {
-        super::serve_in_place(cx, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device)
+    fn serve(&self, cx: &Cx<'_>, c: &mut dyn Conn, ids: &[u32], _names: &[u64], _lease: &mut super::Lease) -> bool {
+        super::serve_in_place(cx, c, ids, wire::NIXL_OFFER, &self.name, &self.metadata, self.device, None)
     }
 }
 

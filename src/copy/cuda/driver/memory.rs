@@ -131,6 +131,17 @@ fn write_device(dev: &CudaDevice, ptr: u64, len: usize, at: usize, src: &[u8]) -
     check(unsafe { sys::cuMemcpyHtoD_v2(ptr + at as u64, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
 }
 
+/// Copy from offset `at` of the `len` bytes of device memory at `ptr` into `dst` (synchronous).
+fn read_device(dev: &CudaDevice, ptr: u64, len: usize, at: usize, dst: &mut [u8]) -> Result<(), CopyError> {
+    if at.checked_add(dst.len()).is_none_or(|e| e > len) {
+        return Err(CopyError::OutOfBounds);
+    }
+    let _ctx = dev.bind()?;
+    // SAFETY: the range is inside the caller's device memory (checked against `len`); `dst` is
+    // writable.
+    check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), ptr + at as u64, dst.len()) }, "cuMemcpyDtoH")
+}
+
 impl DeviceBuffer {
     /// Allocate `len` bytes with `cuMemAlloc`.
     pub fn alloc(dev: &Arc<CudaDevice>, len: usize) -> Result<DeviceBuffer, CopyError> {
@@ -158,12 +169,7 @@ impl DeviceBuffer {
     }
     /// Copy from offset `at` into `dst` (synchronous).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<(), CopyError> {
-        if at.checked_add(dst.len()).is_none_or(|e| e > self.len) {
-            return Err(CopyError::OutOfBounds);
-        }
-        let _ctx = self.dev.bind()?;
-        // SAFETY: the range is inside the allocation (checked); `dst` is writable.
-        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + at as u64, dst.len()) }, "cuMemcpyDtoH")
+        read_device(&self.dev, self.ptr, self.len, at, dst)
     }
 }
 
@@ -250,6 +256,10 @@ impl VmmBuffer {
     /// Copy `src` to offset `at` (synchronous).
     pub fn write(&self, at: usize, src: &[u8]) -> Result<(), CopyError> {
         write_device(&self.dev, self.ptr, self.len, at, src)
+    }
+    /// Copy from offset `at` into `dst` (synchronous).
+    pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<(), CopyError> {
+        read_device(&self.dev, self.ptr, self.len, at, dst)
     }
 }
 
