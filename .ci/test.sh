@@ -14,6 +14,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 export CARGO_TERM_COLOR=never
+# a clean build each run: incremental compilation only costs here, and line tables (file and line
+# in backtraces) are all the debug information a failing test needs; both cut the test builds'
+# compile and link time
+export CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 
 echo "== the repository is self-contained (nothing reads outside it)"
 if grep -rnI --exclude-dir=target --exclude-dir=.git -e '\.\./shared' . ; then
@@ -53,21 +58,24 @@ echo "== fuzz smoke (each target a few seconds; long runs: README \"Fuzzing\")"
 bash .ci/fuzz-smoke.sh
 
 echo "== the official openai Python client against kvrelay-server (reference engine, then the real model)"
-cargo build --locked --release --features server,nixl,llama --bin kvrelay-server
+# the test build's server (the Rust tests above built it with these features; llama.cpp in it is
+# optimized in test builds too): no second, release build of the server and llama.cpp
+server="$root/target/debug/kvrelay-server"
+test -x "$server" || { echo "the Rust tests did not build $server" >&2; exit 1; }
 oa="$root/target/ci-tools/openai"
 if ! PYTHONPATH="$oa" python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --target "$oa" openai
 fi
-PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server
-PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py target/release/kvrelay-server --engine llama --model-file "$KVRELAY_MODEL_FILE"
+PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py "$server"
+PYTHONPATH="$oa" timeout 300 python3 tests/openai_client.py "$server" --engine llama --model-file "$KVRELAY_MODEL_FILE"
 
 echo "== behind Dynamo's KV router (ai-dynamo-runtime 1.6.1, in-process; reference engine, then the real model)"
 source .ci/ensure-dynamo.sh
-PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py target/release/kvrelay-server
-PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py target/release/kvrelay-server --engine llama --model-file "$KVRELAY_MODEL_FILE"
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py "$server"
+PYTHONPATH="$KVRELAY_DYNAMO_PYTHONPATH" timeout 300 python3 tests/dynamo_router.py "$server" --engine llama --model-file "$KVRELAY_MODEL_FILE"
 
-echo "== benches compile"
-cargo build --locked --release --benches --features server,nixl,llama
+# the benches are type-checked by clippy --all-targets above (with every feature); building them
+# in release would build the server and llama.cpp a second time for no further check
 
 b=$root/target/ci-build
 rm -rf "$b"

@@ -506,7 +506,17 @@ fn a_peer_mapping_a_grant_reaches_the_asked_blocks_only_and_its_writes_reach_nob
         let at = g.base + (o.segments[0].0 - g.source_base) + 7;
         // SAFETY: 64 bytes from a live local into the mapping (inside slot 0 of segment 0).
         let r = unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(at, junk.as_ptr().cast(), junk.len()) };
-        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "a peer's write lands (not preventable)");
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        // read back (a copy from pageable memory may still be on its way when the call returns:
+        // the read waits for it, before the mapping goes)
+        let mut back = [0u8; 64];
+        // SAFETY: 64 bytes of the mapping into a live local.
+        let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), at, back.len()) };
+        assert_eq!(
+            (r, back),
+            (cudarc::driver::sys::CUresult::CUDA_SUCCESS, junk),
+            "a peer's write lands (not preventable)"
+        );
     }
     drop(g);
     wire::write_frame(&mut conn, wire::DONE, &1u64.to_le_bytes(), Instant::now() + Duration::from_secs(20)).unwrap();

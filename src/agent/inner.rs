@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::handle::{FetchState, Job};
 use super::stats::Stats;
@@ -48,8 +48,9 @@ pub(super) struct Inner {
     /// Writes that were not proven over when their fetch ended, with the destination blocks
     /// they may write (withheld from the runtime until every one of them is over).
     pub(super) withheld: Mutex<Vec<Withheld>>,
-    /// Kept-alive fetch connections per source address, with when each went idle.
-    pub(super) idle: Mutex<HashMap<SocketAddr, Vec<(TcpStream, Instant)>>>,
+    /// Kept-alive fetch connections per source address, with when each went idle and how long
+    /// it may be taken again.
+    pub(super) idle: Mutex<HashMap<SocketAddr, Vec<IdleConn>>>,
     /// How a fetch's bytes move (TCP frames, NIXL READs in place, CUDA IPC copies): the
     /// transport seam, in order of preference (one but for `Transport::Prefer`; never empty).
     pub(super) backends: Vec<Box<dyn transport::Backend>>,
@@ -100,6 +101,14 @@ pub(super) fn set_buffers(s: &TcpStream, bytes: u32) {
 
 /// Most kept-alive fetch connections per source address.
 pub(super) const MAX_IDLE_PER_SOURCE: usize = 16;
+/// A kept-alive fetch connection: since when it is idle, and for how long it may be taken again.
+pub(super) type IdleConn = (TcpStream, Instant, Duration);
+/// How long a source keeps a connection waiting for its next hello while it holds an export
+/// area for it (CUDA IPC), when its idle timeout is shorter: a destination that fetches again
+/// within half of it maps nothing new, and the source makes no new area. Sparse fetches (a
+/// prompt every few seconds, the cold prefills between them) otherwise each pay for a new
+/// area: an allocation, its export and its mapping at both ends.
+pub(super) const AREA_KEEP: Duration = Duration::from_secs(60);
 
 impl Inner {
     /// The agent's first preference (its only backend but for `Transport::Prefer`).
@@ -302,29 +311,33 @@ impl Inner {
         n
     }
 
-    /// A kept-alive connection to `addr` young enough to use (within half the idle timeout).
+    /// A kept-alive connection to `addr` young enough to use (within half of how long its
+    /// source keeps it: the idle timeout, or [`AREA_KEEP`] for one whose source holds an export
+    /// area for it).
     pub(super) fn take_idle(&self, addr: SocketAddr) -> Option<TcpStream> {
-        let fresh = self.limits.idle_timeout / 2;
         let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let v = m.get_mut(&addr)?;
-        v.retain(|(_, since)| since.elapsed() < fresh);
-        let s = v.pop().map(|(s, _)| s);
+        v.retain(|(_, since, fresh)| since.elapsed() < *fresh);
+        let s = v.pop().map(|(s, ..)| s);
         if v.is_empty() {
             m.remove(&addr);
         }
         s
     }
 
-    /// Keep a connection whose last transfer ended cleanly for the next fetch from `addr`.
-    pub(super) fn put_idle(&self, addr: SocketAddr, s: TcpStream) {
+    /// Keep a connection whose last transfer ended cleanly for the next fetch from `addr`
+    /// (`area`: that transfer read an export area the source keeps for the connection, and so
+    /// keeps the connection for [`AREA_KEEP`]).
+    pub(super) fn put_idle(&self, addr: SocketAddr, s: TcpStream, area: bool) {
         if self.limits.idle_timeout.is_zero() || self.stop.load(Ordering::Acquire) {
             return;
         }
+        let fresh = if area { AREA_KEEP.max(self.limits.idle_timeout) } else { self.limits.idle_timeout } / 2;
         let mut m = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let v = m.entry(addr).or_default();
-        v.retain(|(_, since)| since.elapsed() < self.limits.idle_timeout);
+        v.retain(|(_, since, fresh)| since.elapsed() < *fresh);
         if v.len() < MAX_IDLE_PER_SOURCE {
-            v.push((s, Instant::now()));
+            v.push((s, Instant::now(), fresh));
         }
     }
 

@@ -411,7 +411,14 @@ pub(super) fn serve(inner: &Inner, c: &mut dyn Conn, scratch: &mut Scratch, peer
         held.counted = false;
         // a peer fetching back to back sends its next hello within microseconds
         c.poll_readable(inner.limits.poll);
-        match read_hello(inner, c, scratch, Instant::now() + inner.limits.idle_timeout) {
+        // a connection whose export area this agent keeps waits longer: its peer's next fetch
+        // then maps nothing new (see `AREA_KEEP`)
+        let idle = if scratch.lease.area.is_some() {
+            inner.limits.idle_timeout.max(super::inner::AREA_KEEP)
+        } else {
+            inner.limits.idle_timeout
+        };
+        match read_hello(inner, c, scratch, Instant::now() + idle) {
             Ok(()) => {}
             Err(Hs::Refuse(r, text)) => {
                 inner.stats.refused(r);

@@ -441,7 +441,8 @@ impl Stream<'_> {
             if !reused {
                 authenticate(inner, &mut s, self.deadline, &mut scratch.buf)?;
             }
-            match self.exchange(&mut s, reused, inner.backend_at(level), mover, scratch, land) {
+            let backend = inner.backend_at(level);
+            match self.exchange(&mut s, reused, backend, mover, scratch, land) {
                 Exchange::Stale => continue,
                 // this backend cannot reach the source and nothing moved: once more with the
                 // next preference (TCP after the last, `Limits::tcp_fallback`), on a new
@@ -465,7 +466,9 @@ impl Stream<'_> {
                     // from here the pool alone owns the connection; one that a cancel may have
                     // shut down in the meantime is closed instead
                     if (self.stopped)().is_ok() {
-                        inner.put_idle(addr, s);
+                        // a CUDA IPC source keeps its export area, and so this connection, longer
+                        let area = backend.hello() == wire::IPC_HELLO && land.offered;
+                        inner.put_idle(addr, s, area);
                     }
                     return Ok(());
                 }
