@@ -8,7 +8,9 @@
 //!   kept for its next ones (the destination keeps the mapping too: one descriptor exchange per
 //!   connection, not per fetch), replaced by a larger one when a transfer needs more blocks
 //!   (sizes go by powers of two of blocks, at least [`MIN_BLOCKS`], at most the pool's), and
-//!   given up when the connection ends. A later transfer on the connection overwrites the slots
+//!   given up when the connection ends. Such a connection waits 60 s for its next hello (the
+//!   agent's idle timeout when longer), and its fetcher reuses it within 30 s, so a peer that
+//!   fetches every few seconds keeps one area and one mapping. A later transfer on the connection overwrites the slots
 //!   of the earlier one; the peer could read those blocks already.
 //! - **Memory of its own.** Each area is one allocation of the virtual memory API
 //!   (`cuMemCreate`, POSIX descriptor handle type), zeroed when made wherever its first
