@@ -82,6 +82,8 @@ pub(super) struct Areas {
     dev: Arc<CudaDevice>,
     /// The pool's segments.
     pool: Vec<Seg>,
+    /// Their bytes per block (what an area's segments hold).
+    bpb: Vec<u64>,
     num_blocks: u32,
     budget: u64,
     /// Bytes the live areas hold.
@@ -105,6 +107,7 @@ impl Areas {
         Ok(Areas {
             dev,
             pool,
+            bpb,
             num_blocks: layout.num_blocks(),
             budget: pool_bytes.max(MIN_BUDGET),
             live: Mutex::new(0),
@@ -135,10 +138,9 @@ impl Areas {
 
     /// A new area for `n` blocks (see the module docs).
     fn make(self: &Arc<Self>, n: usize) -> Result<Area, String> {
-        let bpb: Vec<u64> = self.pool.iter().map(|s| s.2).collect();
         let want = area_blocks(n, self.num_blocks);
         // the power of two when the budget has room for it, else exactly the transfer
-        let size = |cap: u32| area_segments(&bpb, cap, 0).map(|(_, b)| b);
+        let size = |cap: u32| area_segments(&self.bpb, cap, 0).map(|(_, b)| b);
         let (cap, bytes) = {
             let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
             let fits = |b: u64| live.checked_add(b).is_some_and(|t| t <= self.budget);
@@ -169,8 +171,7 @@ impl Areas {
         let len = usize::try_from(bytes).map_err(|_| "CUDA IPC: an export area past the address space".to_string())?;
         let mem = Arc::new(VmmBuffer::alloc(&self.dev, len, 1, true).map_err(|e| err("allocating", e))?);
         let mut copier = DeviceCopier::new(&self.dev).map_err(|e| err("a stream for", e))?;
-        let bpb: Vec<u64> = self.pool.iter().map(|s| s.2).collect();
-        let (segs, _) = area_segments(&bpb, cap, mem.ptr()).expect("sized above");
+        let (segs, _) = area_segments(&self.bpb, cap, mem.ptr()).expect("sized above");
         // memory the driver hands back may hold what this process freed (an earlier area's
         // blocks, another peer's): every byte the first fill does not write is zeroed, the
         // driver's rounding past the last segment included
